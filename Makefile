@@ -1,0 +1,39 @@
+# pdserve: two commands do all the set-up.
+#   make serve   create .venv if missing, install, start a local multi-node Ray cluster on
+#                loopback and serve the default model, prefill and decode disaggregated
+#   make test    create .venv if missing, install, run the tests
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.pdserve-installed
+CONFIG ?=
+PYTEST_ARGS ?=
+
+.PHONY: install serve test lint bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# Without a GPU take the CPU torch wheel first, so the project's torch range is already
+# satisfied and pip never pulls multi-GB CUDA wheels.
+$(STAMP): pyproject.toml | $(PY)
+	@if ! command -v nvidia-smi >/dev/null 2>&1; then \
+		$(PY) -m pip install -q torch==2.13.0 triton==3.5.1; \
+	fi
+	$(PY) -m pip install -q -e '.[dev]'
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/pdserve run $(CONFIG)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info
