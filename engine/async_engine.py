@@ -1,0 +1,304 @@
+"""Asyncio front of LLMEngine for servers (Ray Serve replicas).
+
+The LLMEngine is driven by one dedicated thread, so a step (tens of milliseconds of model
+compute) never blocks the event loop. Every call that touches the engine is a command run
+on that thread between steps, so the engine is never used from two threads at once. Outputs
+go back to each request's ``asyncio.Queue`` through ``loop.call_soon_threadsafe``.
+
+A consumer that stops iterating (client disconnect, task cancellation) aborts its request,
+which frees its KV blocks. If a step raises, every stream gets the error and later calls
+raise ``EngineDeadError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput, TokenLogprob
+from engine.sampling_params import SamplingParams
+from engine.stats import EngineStats
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# How long the engine thread sleeps waiting for a command when there is nothing to step,
+# and how often it retries while only KV sends are in flight or the queue is blocked.
+_IDLE_WAIT_S = 0.5
+_POLL_S = 0.002
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped after an error (or was shut down)."""
+
+
+@dataclass(eq=False)
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
+
+    def put(self, item: RequestOutput | BaseException) -> bool:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            return True
+        except RuntimeError:  # the consumer's event loop is closed
+            return False
+
+
+class AsyncLLMEngine:
+    """Owns an LLMEngine and the thread that steps it."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}  # touched only on the engine thread
+        self._stats = engine.stats()
+        self._error: BaseException | None = None
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, **kwargs: Any) -> AsyncLLMEngine:
+        return cls(LLMEngine.from_pretrained(model_dir, **kwargs))
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def model_config(self) -> Any:
+        return self.engine.model_config
+
+    def stats(self) -> EngineStats:
+        """The snapshot taken after the latest step or command (never blocks)."""
+        return self._stats
+
+    def check_health(self) -> None:
+        if self._error is not None:
+            raise EngineDeadError(f"engine loop stopped: {self._error!r}") from self._error
+        if self._stopped.is_set():
+            raise EngineDeadError("engine was shut down")
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        prefill_only: bool = False,
+        arrival_time: float | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs until it finishes.
+
+        Bad input raises ValueError before anything is yielded. Leaving the loop early or
+        cancelling the consuming task aborts the request.
+        """
+        stream = self._new_stream()
+
+        def add() -> None:
+            self.engine.add_request(
+                request_id, prompt, params, prefill_only=prefill_only, arrival_time=arrival_time
+            )
+            self._streams[request_id] = stream
+
+        try:
+            await self._call(add)
+        except asyncio.CancelledError:
+            self._abort_soon(request_id, stream)
+            raise
+        async for output in self._consume(request_id, stream):
+            yield output
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request (its stream ends with finish_reason "abort"); frees its blocks."""
+        await self._call(lambda: self._abort(request_id, None))
+
+    async def reserve_remote_prefill(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        arrival_time: float | None = None,
+    ) -> list[int] | None:
+        """Decode role: reserve blocks (None if no room). Read its outputs with stream()."""
+        stream = self._new_stream()
+
+        def reserve() -> list[int] | None:
+            blocks = self.engine.reserve_remote_prefill(
+                request_id, prompt_token_ids, params, arrival_time=arrival_time
+            )
+            if blocks is not None:
+                self._streams[request_id] = stream
+            return blocks
+
+        return await self._call(reserve)
+
+    async def complete_remote_prefill(
+        self, request_id: str, first_token_id: int, first_logprobs: TokenLogprob | None = None
+    ) -> None:
+        await self._call(
+            lambda: self.engine.complete_remote_prefill(request_id, first_token_id, first_logprobs)
+        )
+
+    async def fail_remote_prefill(self, request_id: str) -> None:
+        await self._call(lambda: self.engine.fail_remote_prefill(request_id))
+
+    async def stream(
+        self, request_id: str, *, abort_on_exit: bool = True
+    ) -> AsyncIterator[RequestOutput]:
+        """Outputs of a request reserved with reserve_remote_prefill (one consumer).
+
+        With ``abort_on_exit=False`` leaving early does not abort: the caller first fences
+        the peer that may still write into the reserved blocks, then calls ``abort()``.
+        """
+        stream = await self._call(lambda: self._streams.get(request_id))
+        if stream is None:
+            raise ValueError(f"request_id {request_id!r} has no open stream")
+        async for output in self._consume(request_id, stream, abort_on_exit=abort_on_exit):
+            yield output
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread; open streams end with EngineDeadError."""
+        self._stopped.set()
+        self._commands.put(lambda: None)  # wake the thread
+        self._thread.join(timeout)
+        self._fail_all(EngineDeadError("engine was shut down"))
+
+    # ------------------------------------------------------------------ event-loop side
+    def _new_stream(self) -> _Stream:
+        self.check_health()
+        return _Stream(asyncio.get_running_loop(), asyncio.Queue())
+
+    async def _consume(
+        self, request_id: str, stream: _Stream, *, abort_on_exit: bool = True
+    ) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished and abort_on_exit:
+                self._abort_soon(request_id, stream)
+
+    async def _call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the engine thread between steps and return its result."""
+        self.check_health()
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def command() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            if self._error is not None or self._stopped.is_set():
+                future.set_exception(EngineDeadError("engine loop is not running"))
+                return
+            try:
+                result = fn()
+            except BaseException as exc:
+                future.set_exception(exc)
+            else:
+                self._stats = self.engine.stats()  # callers may read stats() right after
+                future.set_result(result)
+
+        self._commands.put(command)
+        if self._error is not None or self._stopped.is_set():
+            self._drain_commands()  # the thread may be gone: fail what it will never run
+        return await asyncio.wrap_future(future)
+
+    def _abort_soon(self, request_id: str, stream: _Stream) -> None:
+        """Abort from a finally block without awaiting (thread-safe, fire and forget)."""
+        if self._error is None and not self._stopped.is_set():
+            self._commands.put(lambda: self._abort(request_id, stream))
+
+    # ------------------------------------------------------------------ engine thread
+    def _abort(self, request_id: str, owner: _Stream | None) -> None:
+        stream = self._streams.get(request_id)
+        if owner is not None and stream is not owner:
+            return  # the id now belongs to someone else (or never became ours)
+        output = self.engine.abort(request_id)
+        if output is not None:
+            self._publish([output])
+        elif stream is not None and owner is not None:
+            del self._streams[request_id]
+
+    def _run(self) -> None:
+        blocked = False  # the last step could schedule nothing: don't spin on it
+        try:
+            while not self._stopped.is_set():
+                if self.engine.scheduler.has_work() and not blocked:
+                    self._run_commands(wait=0.0)
+                elif self.engine.has_pending_work():
+                    self._run_commands(wait=_POLL_S)
+                else:
+                    self._run_commands(wait=_IDLE_WAIT_S)
+                if self._stopped.is_set():
+                    break
+                if self.engine.has_pending_work():
+                    outputs = self.engine.step()
+                    blocked = not outputs and self.engine.last_step_num_tokens == 0
+                    self._stats = self.engine.stats()  # before consumers see the outputs
+                    self._publish(outputs)
+        except BaseException as exc:  # a broken engine must not hang its clients
+            logger.exception("engine loop died")
+            self._error = exc
+            self._fail_all(EngineDeadError(f"engine loop stopped: {exc!r}"))
+
+    def _run_commands(self, wait: float) -> None:
+        """Run queued commands, waiting up to ``wait`` seconds for the first one."""
+        try:
+            command = self._commands.get(timeout=wait) if wait else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            command()  # _call commands catch their own errors; aborts must not fail
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+        self._stats = self.engine.stats()
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            if output.finished:
+                del self._streams[output.request_id]
+            if not stream.put(output) and not output.finished:
+                del self._streams[output.request_id]
+                self.engine.abort(output.request_id)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for stream in list(self._streams.values()):
+            stream.put(error)
+        self._streams.clear()
+        self._drain_commands()
+
+    def _drain_commands(self) -> None:
+        """Once the loop is dead: queued commands fail their callers with EngineDeadError."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                command()
+            except Exception:
+                logger.exception("command failed after the engine loop stopped")

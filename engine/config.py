@@ -1,0 +1,67 @@
+"""Engine configuration (pydantic, strict): what model, where, and how big the KV pool is.
+
+Loadable from YAML (``EngineConfig.from_yaml``). Unknown keys are rejected, never dropped.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class EngineConfig(BaseModel):
+    """Everything an ``LLMEngine`` needs to start."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(description="Path of a local Hugging Face model directory.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto",
+        description="Weight/activation dtype; 'auto' = float32 on CPU, the checkpoint's on GPU.",
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        default="auto", description="'auto' picks cuda when available, else cpu."
+    )
+    block_size: int = Field(default=16, ge=1, le=1024, description="Tokens per KV block.")
+    num_kv_blocks: int | None = Field(
+        default=None,
+        ge=1,
+        description="KV blocks in the pool; None = sized by the model runner's profiler.",
+    )
+    max_num_batched_tokens: int = Field(
+        default=2048, ge=1, description="Token budget of one step (prefill chunks + decodes)."
+    )
+    max_num_seqs: int = Field(default=64, ge=1, description="Most requests running at once.")
+    max_model_len: int | None = Field(
+        default=None,
+        ge=1,
+        description=(
+            "Longest prompt + output in tokens; None = the model's context, capped at what "
+            "the KV pool holds."
+        ),
+    )
+    enable_prefix_caching: bool = Field(
+        default=True, description="Reuse full KV blocks of identical prompt prefixes."
+    )
+    seed: int = Field(default=0, description="Seed for unseeded sampling and test weights.")
+
+    @model_validator(mode="after")
+    def _check_cross_fields(self) -> EngineConfig:
+        if self.num_kv_blocks is not None and self.max_model_len is not None:
+            need = -(-self.max_model_len // self.block_size)
+            if self.num_kv_blocks < need:
+                raise ValueError(
+                    f"num_kv_blocks ({self.num_kv_blocks}) cannot hold one request of "
+                    f"max_model_len ({self.max_model_len}) tokens: need {need} blocks"
+                )
+        return self
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> EngineConfig:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping of EngineConfig fields")
+        return cls.model_validate(data)

@@ -1,0 +1,352 @@
+"""The synchronous engine: validate requests, then schedule -> execute -> update, one step
+at a time.
+
+``LLMEngine`` is not thread-safe: one thread drives it (``AsyncLLMEngine`` owns such a
+thread). It knows nothing of Ray; the model runner, the KV allocator and the KV connector
+are injected so other packages (kvtransfer, deployments, tests) can compose it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from engine.config import EngineConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.kv_connector import KVConnector
+from engine.outputs import RequestOutput, TokenLogprob
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import SampledTokenLike, Scheduler
+from engine.scheduler_output import SchedulerOutput
+from engine.stats import EngineStats, ThroughputMeter
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunnerLike(Protocol):
+    """What the engine needs of engine.model_runner.ModelRunner."""
+
+    model_config: Any
+    tokenizer: Any
+
+    def profile_num_blocks(self) -> int: ...
+
+    def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor: ...
+
+    def execute(self, out: SchedulerOutput) -> dict[str, SampledTokenLike]: ...
+
+
+class LLMEngine:
+    """One model, one KV pool, one scheduler."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        kv_cache_allocator: Any = None,
+        kv_connector: KVConnector | None = None,
+        model_runner: ModelRunnerLike | None = None,
+    ) -> None:
+        self.config = config
+        if model_runner is None:
+            from engine.model_runner import ModelRunner  # torch and the model load here
+
+            model_runner = ModelRunner(
+                config, kv_cache_allocator=kv_cache_allocator, kv_connector=kv_connector
+            )
+        self.runner = model_runner
+        self.kv_connector = kv_connector
+        self.model_config = model_runner.model_config
+        self.tokenizer = model_runner.tokenizer
+        self.block_size = config.block_size
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        self.vocab_size: int = self.model_config.vocab_size
+
+        num_blocks = config.num_kv_blocks or model_runner.profile_num_blocks()
+        self.max_model_len = self._resolve_max_model_len(num_blocks)
+        self.kv_cache = model_runner.allocate_kv_cache(num_blocks)
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.kv_cache_manager,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            has_kv_connector=kv_connector is not None,
+        )
+        self._prefill_meter = ThroughputMeter()
+        self._decode_meter = ThroughputMeter()
+        self._ids = itertools.count()
+        # Tokens the latest step computed (0: the queue is blocked, e.g. waiting for blocks
+        # held by remote reservations or in-flight KV sends).
+        self.last_step_num_tokens = 0
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_dir: str | Path,
+        *,
+        kv_cache_allocator: Any = None,
+        kv_connector: KVConnector | None = None,
+        **config_overrides: Any,
+    ) -> LLMEngine:
+        config = EngineConfig(model=str(model_dir), **config_overrides)
+        return cls(config, kv_cache_allocator=kv_cache_allocator, kv_connector=kv_connector)
+
+    def _resolve_max_model_len(self, num_blocks: int) -> int:
+        model_max = int(
+            getattr(self.model_config, "max_context", self.model_config.max_position_embeddings)
+        )
+        pool_max = num_blocks * self.block_size
+        wanted = self.config.max_model_len
+        if wanted is not None:
+            if wanted > model_max:
+                raise ValueError(
+                    f"max_model_len ({wanted}) exceeds the model's context ({model_max})"
+                )
+            if wanted > pool_max:
+                raise ValueError(
+                    f"max_model_len ({wanted}) does not fit in the KV pool "
+                    f"({num_blocks} blocks x {self.block_size} tokens)"
+                )
+            return wanted
+        if pool_max < model_max:
+            logger.warning(
+                "max_model_len capped at %d tokens: the KV pool has %d blocks of %d",
+                pool_max,
+                num_blocks,
+                self.block_size,
+            )
+        return min(model_max, pool_max)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        prefill_only: bool = False,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request. Raises ValueError naming the bad field; nothing is queued then."""
+        self.scheduler.add_request(
+            self._make_request(request_id, prompt, params, prefill_only, arrival_time)
+        )
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Abort a request and free its blocks; returns its final output (None if unknown
+        or already finished)."""
+        return self.scheduler.abort(request_id)
+
+    def reserve_remote_prefill(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        arrival_time: float | None = None,
+    ) -> list[int] | None:
+        """Decode role: reserve blocks for the prompt whose KV another engine computes.
+
+        Returns the destination block ids in prompt order, or None when the pool has no
+        room now (nothing is held then).
+        """
+        request = self._make_request(request_id, prompt_token_ids, params, False, arrival_time)
+        return self.scheduler.reserve_remote_prefill(request)
+
+    def complete_remote_prefill(
+        self,
+        request_id: str,
+        first_token_id: int,
+        first_logprobs: TokenLogprob | None = None,
+    ) -> None:
+        """The prompt's KV is in the reserved blocks; the first token is streamed by the
+        next step() and decoding continues here."""
+        if not isinstance(first_token_id, int) or not 0 <= first_token_id < self.vocab_size:
+            raise ValueError(
+                f"first_token_id must be in [0, {self.vocab_size}), got {first_token_id!r}"
+            )
+        self.scheduler.complete_remote_prefill(request_id, first_token_id, first_logprobs)
+
+    def fail_remote_prefill(self, request_id: str) -> None:
+        """The remote prefill failed: compute the prompt locally into the reserved blocks."""
+        self.scheduler.fail_remote_prefill(request_id)
+
+    def _make_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None,
+        prefill_only: bool,
+        arrival_time: float | None,
+    ) -> Request:
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if params is None:
+            params = SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        prompt_ids = self._prompt_token_ids(prompt)
+        if len(prompt_ids) > self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens, more than max_model_len "
+                f"({self.max_model_len})"
+            )
+        from engine.detokenizer import IncrementalDetokenizer
+
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            params=params,
+            arrival_time=time.time() if arrival_time is None else arrival_time,
+            eos_token_ids=self.eos_token_ids,
+            prefill_only=prefill_only,
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer, prompt_ids, params.skip_special_tokens
+            ),
+        )
+
+    def _prompt_token_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            ids = list(self.tokenizer.encode(prompt))
+        elif isinstance(prompt, Sequence):
+            ids = list(prompt)
+            for t in ids:
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                    raise ValueError(
+                        f"prompt token ids must be integers in [0, {self.vocab_size}), got {t!r}"
+                    )
+        else:
+            raise ValueError(
+                f"prompt must be a string or a list of token ids, got {type(prompt).__name__}"
+            )
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        return ids
+
+    # ------------------------------------------------------------------ stepping
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; returns an output for every request that got a token (or
+        finished) in it."""
+        connector = self.kv_connector
+        if connector is not None:
+            self.scheduler.finish_sends(connector.poll_finished())
+        out = self.scheduler.schedule()
+        self.last_step_num_tokens = out.num_batched_tokens
+        sampled: dict[str, SampledTokenLike] = {}
+        sends_done: list[str] = []
+        if out.chunks:
+            start = time.perf_counter()
+            # The runner calls connector.begin_step(out.kv_sends) and layer_computed();
+            # the engine collects finished sends after the forward pass.
+            try:
+                sampled = self.runner.execute(out)
+            finally:
+                if connector is not None:
+                    sends_done = connector.end_step()
+            self._measure(out, time.perf_counter() - start)
+        outputs = self.scheduler.update_from_output(sampled)
+        # After the update, so a send of a request that finished in this step is known.
+        self.scheduler.finish_sends(sends_done)
+        return outputs
+
+    def _measure(self, out: SchedulerOutput, seconds: float) -> None:
+        prefill = sum(c.num_tokens for c in out.chunks if c.num_tokens > 1)
+        decode = out.num_batched_tokens - prefill
+        # A mixed step is attributed to prefill: prompt tokens dominate its cost.
+        if prefill:
+            self._prefill_meter.update(prefill, seconds)
+        elif decode:
+            self._decode_meter.update(decode, seconds)
+
+    def has_unfinished_requests(self) -> bool:
+        """Any request not finished: queued, running, or waiting for remote KV."""
+        return self.scheduler.has_unfinished_requests()
+
+    def has_pending_work(self) -> bool:
+        """Whether step() should be called: tokens to compute, outputs to emit, or KV sends
+        whose completion must be polled."""
+        return self.scheduler.has_work() or bool(self.scheduler.sending)
+
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        max_steps: int = 1_000_000,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion (for tests and benchmarks); final outputs in order."""
+        if isinstance(params, SamplingParams) or params is None:
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"params: {len(params)} given for {len(prompts)} prompts")
+        ids = [f"generate-{next(self._ids)}" for _ in prompts]
+        # Validate every prompt before queueing any, so a bad one leaves nothing behind.
+        requests = [
+            self._make_request(rid, prompt, p, False, None)
+            for rid, prompt, p in zip(ids, prompts, params, strict=True)
+        ]
+        for request in requests:
+            self.scheduler.add_request(request)
+        final: dict[str, RequestOutput] = {}
+        try:
+            for _ in range(max_steps):
+                if len(final) == len(ids):
+                    return [final[rid] for rid in ids]
+                outputs = self.step()
+                for output in outputs:
+                    if output.finished:
+                        final[output.request_id] = output
+                if not outputs and not self.last_step_num_tokens and not self.scheduler.sending:
+                    raise RuntimeError("generate: no request can be scheduled (KV pool held)")
+            if len(final) == len(ids):
+                return [final[rid] for rid in ids]
+            raise RuntimeError(f"generate: not finished after {max_steps} steps")
+        finally:
+            for rid in ids:
+                if rid not in final:
+                    self.abort(rid)
+
+    # ------------------------------------------------------------------ state
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        kv = self.kv_cache_manager
+        return EngineStats(
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            num_waiting_remote_kv=len(s.remote),
+            num_sending_kv=len(s.sending),
+            num_free_blocks=kv.num_free_blocks,
+            num_total_blocks=kv.num_total_blocks,
+            block_size=self.block_size,
+            queued_prefill_tokens=s.queued_prefill_tokens,
+            prefill_tokens_per_s=self._prefill_meter.rate,
+            decode_tokens_per_s=self._decode_meter.rate,
+            kv_usage=kv.usage,
+            num_preemptions=s.num_preemptions,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_prompt_tokens=s.num_prompt_tokens_computed,
+            num_generation_tokens=s.num_generated_tokens,
+        )
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if queues, request states or block ref counts disagree."""
+        self.scheduler.check_integrity()
+
+    def reset_prefix_cache(self) -> None:
+        self.kv_cache_manager.reset_prefix_cache()
