@@ -1,0 +1,150 @@
+"""The application builder: ``AppConfig`` -> a Serve application ingress -> decode -> prefill.
+
+Usable three ways:
+- Python: ``serve.run(build_app(AppConfig(...)))``;
+- Serve config YAML (``serve run`` / ``serve deploy`` / KubeRay ``serveConfigV2``):
+  ``import_path: deployments.app:build_app`` with ``args:`` holding ``AppConfig`` fields;
+- tests: ``build_application(config, engine_factory=...)`` injects a different engine.
+
+Each pool gets its node-pool ``label_selector``, CPUs/GPUs, its request router
+(``request_router_config``) and, when its replica count may vary, pdserve's custom
+autoscaling policy. Nothing here starts Ray or reads environment variables.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
+
+from deployments.autoscaling import POLICY_PATHS
+from deployments.config import AppConfig, PoolConfig, PoolRole
+from deployments.engine_factory import EngineFactory
+
+PREFILL_DEPLOYMENT = "PrefillServer"
+DECODE_DEPLOYMENT = "DecodeServer"
+INGRESS_DEPLOYMENT = "OpenAIIngress"
+
+
+def build_app(config: AppConfig | dict[str, Any] | None) -> Application:
+    """Serve application builder (exactly one parameter, as Serve requires)."""
+    return build_application(config)
+
+
+def build_application(
+    config: AppConfig | dict[str, Any] | None,
+    *,
+    engine_factory: EngineFactory | None = None,
+    with_ingress: bool = True,
+) -> Application:
+    """Build the app; ``with_ingress=False`` returns the decode deployment as the root
+    (tests and benchmarks that talk to ``DecodeServer.generate`` directly)."""
+    cfg = config if isinstance(config, AppConfig) else AppConfig.from_dict(config)
+    model_dir = cfg.model.resolve_path()
+    cfg_data = cfg.model_dump(mode="json")  # replicas get plain data; they re-validate it
+
+    from deployments.decode_server import DecodeServer
+    from deployments.prefill_server import PrefillServer
+
+    prefill = None
+    if cfg.policy.mode != "always_local":
+        prefill = (
+            serve.deployment(PrefillServer)
+            .options(name=PREFILL_DEPLOYMENT, **deployment_options(cfg, "prefill"))
+            .bind(cfg_data, model_dir, engine_factory)
+        )
+    decode = (
+        serve.deployment(DecodeServer)
+        .options(name=DECODE_DEPLOYMENT, **deployment_options(cfg, "decode"))
+        .bind(cfg_data, model_dir, prefill, engine_factory)
+    )
+    if not with_ingress:
+        return decode
+
+    from deployments.ingress import OpenAIIngress
+
+    ready = [DECODE_DEPLOYMENT] + ([PREFILL_DEPLOYMENT] if prefill is not None else [])
+    return OpenAIIngress.options(
+        name=INGRESS_DEPLOYMENT,
+        num_replicas=cfg.ingress_replicas,
+        ray_actor_options={"num_cpus": cfg.ingress_num_cpus},
+    ).bind(
+        decode,
+        model_dir,
+        model_name=cfg.model.served_name(model_dir),
+        max_model_len=cfg.decode.engine.max_model_len,
+        ready_deployments=ready,
+    )
+
+
+def deployment_options(cfg: AppConfig, role: PoolRole) -> dict[str, Any]:
+    """``Deployment.options`` for one pool: placement, resources, routing, scaling."""
+    pool = cfg.pool(role)
+    options: dict[str, Any] = {
+        "ray_actor_options": actor_options(pool, role),
+        "max_ongoing_requests": pool.max_ongoing_requests,
+        "health_check_period_s": 2.0,
+        "health_check_timeout_s": 30.0,
+        "graceful_shutdown_timeout_s": 5.0,
+    }
+    if cfg.router.enabled:
+        options["request_router_config"] = router_config(cfg, role)
+    if pool.min_replicas == pool.max_replicas:
+        options["num_replicas"] = pool.min_replicas
+    else:
+        options["autoscaling_config"] = autoscaling_config(cfg, role)
+    return options
+
+
+def actor_options(pool: PoolConfig, role: PoolRole) -> dict[str, Any]:
+    options: dict[str, Any] = {"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus}
+    selector = pool.label_selector(role)
+    if selector:
+        options["label_selector"] = selector
+    return options
+
+
+def router_config(cfg: AppConfig, role: PoolRole) -> RequestRouterConfig:
+    from deployments.routers import DecodeRequestRouter, PrefillRequestRouter
+
+    r = cfg.router
+    if role == "prefill":
+        cls: type = PrefillRequestRouter
+        kwargs: dict[str, Any] = {
+            "default_prefill_tokens_per_s": r.default_prefill_tokens_per_s,
+            "transfer_bytes_per_s": r.transfer_bytes_per_s,
+            "kv_bytes_per_token": r.kv_bytes_per_token,
+        }
+    else:
+        cls = DecodeRequestRouter
+        kwargs = {"kv_weight": r.decode_kv_weight, "batch_weight": r.decode_batch_weight}
+    return RequestRouterConfig(
+        request_router_class=cls,
+        request_router_kwargs=kwargs,
+        request_routing_stats_period_s=r.stats_period_s,
+        request_routing_stats_timeout_s=r.stats_timeout_s,
+    )
+
+
+def autoscaling_config(cfg: AppConfig, role: PoolRole) -> dict[str, Any]:
+    pool = cfg.pool(role)
+    config: dict[str, Any] = {
+        "min_replicas": pool.min_replicas,
+        "max_replicas": pool.max_replicas,
+        "initial_replicas": pool.start_replicas,
+        "target_ongoing_requests": pool.target_ongoing_requests,
+        "upscale_delay_s": pool.upscale_delay_s,
+        "downscale_delay_s": pool.downscale_delay_s,
+    }
+    if cfg.autoscaling:
+        if role == "prefill":
+            kwargs: dict[str, Any] = {
+                "ttft_ms": cfg.slo.ttft_ms,
+                "default_tokens_per_s": cfg.router.default_prefill_tokens_per_s,
+            }
+        else:
+            kwargs = {"tpot_ms": cfg.slo.tpot_ms}
+        config["policy"] = {"policy_function": POLICY_PATHS[role], "policy_kwargs": kwargs}
+    return config

@@ -1,0 +1,343 @@
+"""The one typed configuration of a pdserve application (pydantic, strict, loadable from YAML).
+
+``AppConfig`` describes the model, the two replica pools (prefill and decode), the SLOs,
+the KV transport, the request routers, the disaggregation policy, observability and the
+HTTP/gRPC front door. Unknown keys are rejected with the offending path in the message,
+never dropped. This module imports neither Ray nor torch: the CLI and the Helm tests load
+and validate configs without starting anything.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+PoolRole = Literal["prefill", "decode"]
+POOL_LABEL_KEY = "pdserve.io/pool"
+ACCELERATOR_LABEL_KEY = "ray.io/accelerator-type"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSettings(_Strict):
+    """Which weights to serve and how they are named to clients."""
+
+    path: str | None = Field(
+        default=None,
+        description=(
+            "Local Hugging Face model directory (config.json, safetensors, tokenizer). "
+            "None = the deterministic 'small' test model, generated on first use."
+        ),
+    )
+    test_model: Literal["tiny", "small"] = Field(
+        default="small",
+        description="Which generated test model to use when path is None.",
+    )
+    name: str | None = Field(
+        default=None,
+        description="Model id shown to clients (/v1/models); None = the directory's name.",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto", description="Weight/activation dtype passed to the engine."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        default="auto", description="Engine device; 'auto' = cuda when the replica has a GPU."
+    )
+    seed: int = Field(default=0, description="Engine seed for unseeded sampling.")
+
+    def resolve_path(self) -> str:
+        """The model directory; generates the test model on first use (idempotent, safe to
+        call from every replica: each node resolves the same deterministic model)."""
+        if self.path is not None:
+            if not Path(self.path).is_dir():
+                raise ValueError(f"model.path: {self.path!r} is not a directory")
+            return self.path
+        from engine.testmodel import ensure_test_model  # torch: only when needed
+
+        return str(ensure_test_model(self.test_model))
+
+    def served_name(self, resolved_path: str) -> str:
+        """The model id clients use: ``name`` or the last part of the model directory."""
+        return self.name or Path(resolved_path).name
+
+
+class EngineLimits(_Strict):
+    """Per-replica engine sizing (maps onto ``engine.config.EngineConfig``)."""
+
+    num_kv_blocks: int | None = Field(
+        default=None, ge=1, description="KV blocks per replica; None = profiled by the engine."
+    )
+    block_size: int = Field(default=16, ge=1, le=1024, description="Tokens per KV block.")
+    max_num_batched_tokens: int = Field(
+        default=2048, ge=1, description="Token budget of one engine step (batch token budget)."
+    )
+    max_num_seqs: int = Field(default=64, ge=1, description="Most sequences running at once.")
+    max_model_len: int | None = Field(
+        default=None, ge=1, description="Longest prompt + output; None = model's max positions."
+    )
+    enable_prefix_caching: bool = Field(
+        default=True, description="Reuse KV blocks of identical prompt prefixes."
+    )
+
+
+class PoolConfig(_Strict):
+    """One replica pool (prefill or decode): size, placement, resources, engine limits."""
+
+    min_replicas: int = Field(default=1, ge=0, description="Autoscaling lower bound.")
+    max_replicas: int = Field(default=1, ge=1, description="Autoscaling upper bound.")
+    initial_replicas: int | None = Field(
+        default=None, ge=0, description="Replicas at deploy time; None = min_replicas."
+    )
+    node_labels: dict[str, str] | None = Field(
+        default=None,
+        description=(
+            "Ray label selector for this pool's replicas; None = "
+            "{'pdserve.io/pool': <role>}. Use {} to place anywhere."
+        ),
+    )
+    accelerator_type: str | None = Field(
+        default=None,
+        description="GPU type (e.g. 'H100'); adds 'ray.io/accelerator-type' to the selector.",
+    )
+    num_cpus: float = Field(
+        default=1.0, gt=0, description="CPUs per replica; also the replica's torch threads."
+    )
+    num_gpus: float = Field(default=0.0, ge=0, description="GPUs per replica.")
+    max_ongoing_requests: int = Field(
+        default=64, ge=1, description="Serve's per-replica cap on in-flight requests."
+    )
+    target_ongoing_requests: float = Field(
+        default=8.0, gt=0, description="Fallback autoscaling target when no custom stats yet."
+    )
+    upscale_delay_s: float = Field(default=10.0, ge=0, description="Autoscaler upscale delay.")
+    downscale_delay_s: float = Field(default=60.0, ge=0, description="Autoscaler downscale delay.")
+    engine: EngineLimits = Field(
+        default_factory=EngineLimits, description="Engine limits of each replica."
+    )
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> PoolConfig:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"min_replicas ({self.min_replicas}) must not exceed "
+                f"max_replicas ({self.max_replicas})"
+            )
+        if self.initial_replicas is not None and not (
+            self.min_replicas <= self.initial_replicas <= self.max_replicas
+        ):
+            raise ValueError(
+                f"initial_replicas ({self.initial_replicas}) must lie in "
+                f"[min_replicas, max_replicas] = [{self.min_replicas}, {self.max_replicas}]"
+            )
+        if self.accelerator_type is not None and self.num_gpus <= 0:
+            raise ValueError("accelerator_type is set but num_gpus is 0: give the pool GPUs")
+        if self.node_labels:
+            for key in self.node_labels:
+                if key.startswith("ray.io/") and key != ACCELERATOR_LABEL_KEY:
+                    raise ValueError(f"node_labels: the 'ray.io/' prefix is reserved ({key!r})")
+        return self
+
+    @property
+    def start_replicas(self) -> int:
+        return self.min_replicas if self.initial_replicas is None else self.initial_replicas
+
+    def label_selector(self, role: PoolRole) -> dict[str, str]:
+        """The Ray ``label_selector`` for this pool's replicas."""
+        selector = {POOL_LABEL_KEY: role} if self.node_labels is None else dict(self.node_labels)
+        if self.accelerator_type is not None:
+            selector[ACCELERATOR_LABEL_KEY] = self.accelerator_type
+        return selector
+
+
+class SLOConfig(_Strict):
+    """Latency objectives the routers, the policy and the autoscaler aim for."""
+
+    ttft_ms: float = Field(default=2000.0, gt=0, description="Time-to-first-token target (ms).")
+    tpot_ms: float = Field(default=200.0, gt=0, description="Time-per-output-token target (ms).")
+
+
+class TransportConfig(_Strict):
+    """How KV blocks move from prefill to decode replicas (maps onto KVTransferConfig)."""
+
+    kind: Literal["auto", "shm", "torch_dist", "cuda_ipc"] = Field(
+        default="auto",
+        description=(
+            "'auto' = chosen from where the two replicas are: shared memory (CPU) or CUDA IPC "
+            "on one node, torch.distributed (gloo/NCCL) across nodes."
+        ),
+    )
+    timeout_s: float = Field(
+        default=10.0, gt=0, description="Deadline of one transfer; past it decode recomputes."
+    )
+    connect_timeout_s: float = Field(
+        default=10.0, gt=0, description="Bound on connecting to a peer (incl. group setup)."
+    )
+    host: str | None = Field(
+        default=None,
+        description="Address the KV listener binds to; None = the replica's Ray node address.",
+    )
+
+
+class RouterConfig(_Strict):
+    """Parameters of the TTFT-aware prefill router and the KV-aware decode router."""
+
+    enabled: bool = Field(
+        default=True, description="Use pdserve's request routers; False = Serve's default."
+    )
+    default_prefill_tokens_per_s: float = Field(
+        default=2000.0,
+        gt=0,
+        description="Prefill rate assumed for a replica that has not measured one yet.",
+    )
+    transfer_bytes_per_s: float = Field(
+        default=1.0e9, gt=0, description="KV transfer bandwidth used in the TTFT estimate."
+    )
+    kv_bytes_per_token: int = Field(
+        default=0,
+        ge=0,
+        description="KV bytes per prompt token for the transfer estimate; 0 = from replica stats.",
+    )
+    decode_kv_weight: float = Field(
+        default=1.0, ge=0, description="Decode router: weight of KV usage in the load score."
+    )
+    decode_batch_weight: float = Field(
+        default=1.0, ge=0, description="Decode router: weight of batch fullness in the score."
+    )
+    stats_period_s: float = Field(
+        default=0.5, gt=0, description="How often replicas publish routing stats."
+    )
+    stats_timeout_s: float = Field(
+        default=2.0, gt=0, description="How long the router waits for a replica's stats."
+    )
+
+
+class PolicyConfig(_Strict):
+    """Disaggregation policy: prefill locally on the decode replica, or remotely."""
+
+    mode: Literal["auto", "always_remote", "always_local"] = Field(
+        default="auto", description="'auto' = predict which is faster per request."
+    )
+    local_prefill_max_tokens: int = Field(
+        default=64,
+        ge=0,
+        description="Prompts with at most this many uncached tokens prefill locally.",
+    )
+    on_slo_miss: Literal["queue", "shed"] = Field(
+        default="queue",
+        description="When no placement can meet the TTFT SLO: queue anyway, or shed (429).",
+    )
+    shed_ttft_factor: float = Field(
+        default=4.0,
+        ge=1,
+        description="Shed only when the best predicted TTFT exceeds this multiple of the SLO.",
+    )
+    retry_after_s: float = Field(
+        default=1.0, gt=0, description="Retry-After sent with a shed request."
+    )
+
+
+class ObservabilityConfig(_Strict):
+    """Tracing and metrics."""
+
+    tracing_exporter: Literal["otlp", "console", "none"] = Field(
+        default="none", description="OpenTelemetry span exporter."
+    )
+    otlp_endpoint: str | None = Field(
+        default=None,
+        description="OTLP/HTTP traces endpoint; None = the OTEL_EXPORTER_OTLP_* defaults.",
+    )
+    service_name: str = Field(default="pdserve", description="OpenTelemetry service.name.")
+    metrics_enabled: bool = Field(
+        default=True, description="Export pdserve:* metrics through Ray's metrics agent."
+    )
+
+
+class HTTPOptions(_Strict):
+    """Serve's HTTP proxy."""
+
+    host: str = Field(default="127.0.0.1", description="Address the HTTP proxy binds to.")
+    port: int = Field(default=8000, ge=0, le=65535, description="HTTP port; 0 = OS-chosen.")
+    route_prefix: str = Field(default="/", description="Route prefix of the application.")
+
+
+class GRPCOptions(_Strict):
+    """Serve's gRPC proxy."""
+
+    enabled: bool = Field(default=False, description="Serve the pdserve gRPC API too.")
+    port: int = Field(default=9000, ge=0, le=65535, description="gRPC port.")
+
+
+class AppConfig(_Strict):
+    """Everything a pdserve application needs: ``deployments.app.build_app(AppConfig)``."""
+
+    name: str = Field(default="pdserve", description="Serve application name.")
+    model: ModelSettings = Field(default_factory=ModelSettings, description="Model to serve.")
+    prefill: PoolConfig = Field(default_factory=PoolConfig, description="Prefill pool.")
+    decode: PoolConfig = Field(default_factory=PoolConfig, description="Decode pool.")
+    ingress_replicas: int = Field(default=1, ge=1, description="Ingress (HTTP/gRPC) replicas.")
+    ingress_num_cpus: float = Field(
+        default=0.0, ge=0, description="CPUs reserved per ingress replica."
+    )
+    slo: SLOConfig = Field(default_factory=SLOConfig, description="Latency objectives.")
+    transport: TransportConfig = Field(default_factory=TransportConfig, description="KV transport.")
+    router: RouterConfig = Field(default_factory=RouterConfig, description="Request routers.")
+    policy: PolicyConfig = Field(default_factory=PolicyConfig, description="Disaggregation policy.")
+    autoscaling: bool = Field(
+        default=True,
+        description="Attach pdserve's custom autoscaling policies (min != max pools scale).",
+    )
+    observability: ObservabilityConfig = Field(
+        default_factory=ObservabilityConfig, description="Tracing and metrics."
+    )
+    http: HTTPOptions = Field(default_factory=HTTPOptions, description="HTTP front door.")
+    grpc: GRPCOptions = Field(default_factory=GRPCOptions, description="gRPC front door.")
+
+    @model_validator(mode="after")
+    def _check_pools(self) -> AppConfig:
+        if self.decode.min_replicas < 1:
+            raise ValueError("decode.min_replicas must be >= 1: the decode pool serves requests")
+        if self.policy.mode != "always_local" and self.prefill.max_replicas < 1:
+            raise ValueError("prefill.max_replicas must be >= 1 unless policy.mode=always_local")
+        return self
+
+    def pool(self, role: PoolRole) -> PoolConfig:
+        return self.prefill if role == "prefill" else self.decode
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> AppConfig:
+        """Validate a mapping; errors name every offending field path."""
+        try:
+            return cls.model_validate(data or {})
+        except ValidationError as err:
+            raise ValueError(format_validation_error(err, "AppConfig")) from None
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> AppConfig:
+        """Load and validate a YAML file of ``AppConfig`` fields."""
+        data = yaml.safe_load(Path(path).read_text())
+        if data is not None and not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping of AppConfig fields")
+        try:
+            return cls.model_validate(data or {})
+        except ValidationError as err:
+            raise ValueError(format_validation_error(err, str(path))) from None
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def format_validation_error(err: ValidationError, source: str) -> str:
+    """One line per problem: ``source: a.b.c: message`` (unknown keys say so plainly)."""
+    lines = []
+    for item in err.errors():
+        where = ".".join(str(p) for p in item["loc"]) or "<root>"
+        if item["type"] == "extra_forbidden":
+            lines.append(f"{source}: {where}: unknown field (not part of the config)")
+        else:
+            lines.append(f"{source}: {where}: {item['msg']}")
+    return "invalid pdserve config\n" + "\n".join(lines)

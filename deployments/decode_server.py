@@ -1,0 +1,364 @@
+"""``DecodeServer``: a decode-pool replica that orchestrates each request (Serve deployment
+class, built by ``app.py``).
+
+For every ``GenerateRequest`` it asks the disaggregation policy where to prefill:
+- local: the engine computes the prompt itself (short prompt, cached prefix, prefill pool
+  saturated, or no prefill pool);
+- remote: reserve KV blocks, ``KVReceiver.expect`` them (-> ``KVTarget``), call the prefill
+  pool (through its TTFT-aware router) with a ``PrefillRequest``, wait for the KV, then
+  ``complete_remote_prefill`` and decode here. If the prefill replica dies or the transfer
+  misses its deadline, ``fail_remote_prefill`` recomputes locally into the same blocks: the
+  client sees a slower first token, never an error (``remote_prefill.RemotePrefill``);
+- shed: only with ``policy.on_slo_miss: shed`` when no placement can meet the TTFT SLO.
+
+Tokens stream back as ``GenerateChunk``s. If the consumer goes away (client disconnect:
+the generator is closed or its task cancelled) the prefill call is cancelled, the receiver
+stops expecting the KV (after fencing the peer) and the engine request is aborted, so no
+block is leaked on either side.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+from ray.serve.handle import DeploymentHandle
+
+from deployments import tracing
+from deployments.config import AppConfig
+from deployments.engine_factory import (
+    EngineFactory,
+    EngineHooks,
+    cached_prefix_tokens,
+    check_engine_integrity,
+    default_engine_factory,
+    engine_config,
+)
+from deployments.load import Ema, decode_autoscaling_stats, replica_stats
+from deployments.messages import (
+    ErrorInfo,
+    GenerateChunk,
+    GenerateRequest,
+)
+from deployments.metrics import ServingMetrics
+from deployments.outputs import chunk_from_output
+from deployments.policy import Decision, DisaggregationPolicy, LocalLoad, RemotePrefillEstimator
+from deployments.remote_prefill import PrefillClient, RemotePrefill, ServePrefillClient
+from deployments.replica import (
+    IntegrityReport,
+    TransferMetricsObserver,
+    replica_name,
+    replica_node_id,
+    set_torch_threads,
+    transfer_host,
+)
+from engine.outputs import RequestOutput
+from kvtransfer.config import KVTransferConfig
+from kvtransfer.connector import engine_layout
+from kvtransfer.receiver import KVReceiver
+
+logger = logging.getLogger("ray.serve")
+
+
+class DecodeCounters(BaseModel):
+    """Totals since the replica started (for tests, benchmarks and ``pdserve status``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    local: int
+    remote: int
+    fallbacks: int
+    shed: int
+    kv_transfers: int
+    kv_bytes_received: int
+    kv_transfer_failures: int
+
+
+class DecodeServer:
+    """Decode-pool replica: ``generate(GenerateRequest)`` streams ``GenerateChunk``s."""
+
+    def __init__(
+        self,
+        config: dict[str, Any] | AppConfig,
+        model_dir: str,
+        prefill: Any = None,
+        engine_factory: EngineFactory | None = None,
+    ) -> None:
+        self.cfg = config if isinstance(config, AppConfig) else AppConfig.from_dict(config)
+        set_torch_threads(self.cfg.decode.num_cpus)
+        tracing.setup_tracing(self.cfg.observability)
+        self.model_name = self.cfg.model.served_name(model_dir)
+        self.metrics = ServingMetrics(
+            model_name=self.model_name,
+            role="decode",
+            replica=replica_name(),
+            enabled=self.cfg.observability.metrics_enabled,
+        )
+        allocator = _shared_allocator(self.cfg)
+        factory = engine_factory or default_engine_factory
+        self.engine = factory(
+            engine_config(self.cfg, "decode", model_dir),
+            EngineHooks("decode", kv_cache_allocator=allocator),
+        )
+        llm = self.engine.engine
+        self.block_size: int = llm.block_size
+        self.max_num_seqs = self.cfg.decode.engine.max_num_seqs
+        layout = engine_layout(llm)
+        self.kv_bytes_per_token = layout.block_bytes() * layout.num_layers // layout.block_size
+        t = self.cfg.transport
+        self.transfer_observer = TransferMetricsObserver(self.metrics)
+        self.receiver = KVReceiver(
+            llm.kv_cache,
+            layout,
+            KVTransferConfig(
+                transport=t.kind, host=transfer_host(t.host), connect_timeout_s=t.connect_timeout_s
+            ),
+            shm_segment=allocator.segment_for(llm.kv_cache) if allocator is not None else None,
+            observer=self.transfer_observer,
+        )
+        self._allocator = allocator
+        # Serve injects a DeploymentHandle to PrefillServer; tests may pass a PrefillClient.
+        self.prefill_client: PrefillClient | None = (
+            ServePrefillClient(prefill) if isinstance(prefill, DeploymentHandle) else prefill
+        )
+        self.policy = DisaggregationPolicy(
+            self.cfg.policy, self.cfg.slo, self.cfg.router.default_prefill_tokens_per_s
+        )
+        self.remote_estimate = RemotePrefillEstimator(self.cfg.router.default_prefill_tokens_per_s)
+        self.remote = (
+            RemotePrefill(
+                engine=self.engine,
+                receiver=self.receiver,
+                client=self.prefill_client,
+                estimate=self.remote_estimate,
+                block_size=self.block_size,
+                timeout_s=self.cfg.transport.timeout_s,
+                model_name=self.model_name,
+                metrics=self.metrics,
+            )
+            if self.prefill_client is not None
+            else None
+        )
+        self._counts = {"local": 0, "remote": 0, "shed": 0}
+        self._open_streams = 0
+        self._itl = Ema()
+
+    # ------------------------------------------------------------------ request path
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        """Stream the request's tokens; the last chunk has ``finish_reason`` or ``error``."""
+        start = time.time()
+        if req.arrival_time is not None:
+            self.metrics.queue_time.observe(max(0.0, start - req.arrival_time))
+        self._open_streams += 1
+        attrs = {
+            tracing.REQUEST_MAX_TOKENS: req.sampling.max_tokens,
+            tracing.REQUEST_TEMPERATURE: req.sampling.temperature,
+            tracing.USAGE_INPUT_TOKENS: len(req.prompt_token_ids),
+        }
+        try:
+            with tracing.span(
+                "decode", self.model_name, carrier=req.trace_carrier, attributes=attrs
+            ) as span:
+                decision = self._decide(req)
+                span.set_attribute("pdserve.prefill.location", decision.location)
+                span.set_attribute("pdserve.prefill.reason", decision.reason)
+                if decision.location == "shed":
+                    yield self._shed(req, decision)
+                    return
+                async for chunk in self._stream(req, decision, start, span):
+                    yield chunk
+        finally:
+            self._open_streams -= 1
+            if self.remote is not None:
+                self.remote.placed.pop(req.request_id, None)
+
+    def _decide(self, req: GenerateRequest) -> Decision:
+        ids = req.prompt_token_ids
+        stats = self.engine.stats()
+        load = LocalLoad(
+            queued_prefill_tokens=stats.queued_prefill_tokens,
+            prefill_tokens_per_s=stats.prefill_tokens_per_s,
+            num_running=stats.num_running,
+            max_num_seqs=self.max_num_seqs,
+        )
+        short = len(ids) <= self.cfg.policy.local_prefill_max_tokens
+        decision = self.policy.decide(
+            num_prompt_tokens=len(ids),
+            num_cached_tokens=0 if short else cached_prefix_tokens(self.engine, ids),
+            load=load,
+            remote=self.remote_estimate if self.remote is not None else None,
+            sheddable=req.slo_class == "interactive",
+        )
+        if decision.location in ("local", "remote"):
+            self.metrics.record_decision(decision.location)
+        return decision
+
+    def _shed(self, req: GenerateRequest, decision: Decision) -> GenerateChunk:
+        self._counts["shed"] += 1
+        self.metrics.requests_shed.inc()
+        retry = self.cfg.policy.retry_after_s
+        best = min(decision.predicted_local_s, decision.predicted_remote_s or math.inf)
+        return GenerateChunk(
+            request_id=req.request_id,
+            num_prompt_tokens=len(req.prompt_token_ids),
+            error=ErrorInfo(
+                code=429,
+                type="rate_limit_error",
+                message=(
+                    f"overloaded: predicted time to first token {best:.1f}s exceeds the "
+                    f"{self.cfg.slo.ttft_ms / 1000:.1f}s objective; retry after {retry:g}s"
+                ),
+                retry_after_s=retry,
+            ),
+        )
+
+    async def _stream(
+        self, req: GenerateRequest, decision: Decision, start: float, span: Any
+    ) -> AsyncIterator[GenerateChunk]:
+        params = req.sampling.to_params()
+        location = decision.location
+        if location == "remote":
+            assert self.remote is not None  # the policy never says remote without a pool
+            outputs = self.remote.outputs(req, params)
+        else:
+            outputs = self.engine.generate(
+                req.request_id, req.prompt_token_ids, params, arrival_time=start
+            )
+        self._counts[location] += 1
+        first_at: float | None = None
+        last_at = start
+        sent_any = False
+        async with contextlib.aclosing(outputs) as stream:
+            try:
+                async for out in stream:
+                    now = time.time()
+                    if out.new_token_ids:
+                        if first_at is None:
+                            first_at = now
+                            self.metrics.time_to_first_token.observe(now - start)
+                        else:
+                            gap = (now - last_at) / len(out.new_token_ids)
+                            self.metrics.inter_token_latency.observe(gap)
+                            self._itl.add(gap)
+                        last_at = now
+                    extra = {} if sent_any else {"prefill_location": self._location(req, location)}
+                    chunk = chunk_from_output(out, self.engine.tokenizer, **extra)
+                    sent_any = True
+                    if out.finished:
+                        self._finish_metrics(out, start, first_at, now, span)
+                    yield chunk
+            except ValueError as err:
+                if sent_any:
+                    raise
+                # The engine rejected the request before any token (e.g. prompt too long).
+                yield GenerateChunk(
+                    request_id=req.request_id,
+                    num_prompt_tokens=len(req.prompt_token_ids),
+                    error=ErrorInfo(code=400, type="invalid_request_error", message=str(err)),
+                )
+
+    def _location(self, req: GenerateRequest, planned: str) -> str:
+        if self.remote is None:
+            return planned
+        return self.remote.placed.get(req.request_id, planned)
+
+    def _finish_metrics(
+        self, out: RequestOutput, start: float, first_at: float | None, now: float, span: Any
+    ) -> None:
+        n_out = out.num_output_tokens
+        self.metrics.e2e_latency.observe(now - start)
+        self.metrics.prompt_tokens.inc(out.num_prompt_tokens)
+        self.metrics.prefix_cache_queries.inc(out.num_prompt_tokens)
+        if out.num_cached_tokens:
+            self.metrics.prefix_cache_hits.inc(out.num_cached_tokens)
+        if n_out:
+            self.metrics.generation_tokens.inc(n_out)
+        if first_at is not None and n_out > 1:
+            self.metrics.time_per_output_token.observe((now - first_at) / (n_out - 1))
+        span.set_attribute(tracing.USAGE_OUTPUT_TOKENS, n_out)
+        span.set_attribute(tracing.RESPONSE_FINISH_REASONS, [out.finish_reason or "unknown"])
+
+    # ------------------------------------------------------------------ remote prefill
+    # ------------------------------------------------------------------ Serve hooks
+    def record_routing_stats(self) -> dict[str, Any]:
+        stats = self.engine.stats()
+        self.metrics.record_load(
+            running=stats.num_running,
+            waiting=stats.num_waiting + stats.num_waiting_remote_kv,
+            kv_usage=stats.kv_usage,
+        )
+        return replica_stats(
+            "decode",
+            stats,
+            max_num_seqs=self.max_num_seqs,
+            kv_bytes_per_token=self.kv_bytes_per_token,
+            prompt_tokens_per_s=0.0,
+        ).model_dump()
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        return decode_autoscaling_stats(self.engine.stats(), self._itl.value)
+
+    def check_health(self) -> None:
+        self.engine.check_health()
+
+    # ------------------------------------------------------------------ test/ops hooks
+    def counters(self) -> DecodeCounters:
+        obs = self.transfer_observer
+        return DecodeCounters(
+            **self._counts,
+            fallbacks=self.remote.fallbacks if self.remote is not None else 0,
+            kv_transfers=obs.transfers,
+            kv_bytes_received=obs.bytes,
+            kv_transfer_failures=obs.failures,
+        )
+
+    async def check_integrity(self) -> IntegrityReport:
+        """Engine queues and block ref counts consistent; reports what is still held."""
+        await check_engine_integrity(self.engine)
+        stats = self.engine.stats()
+        return IntegrityReport(
+            role="decode",
+            node_id=replica_node_id(),
+            num_unfinished=stats.num_running + stats.num_waiting + stats.num_waiting_remote_kv,
+            num_free_blocks=stats.num_free_blocks,
+            num_total_blocks=stats.num_total_blocks,
+            pending_transfers=self.receiver.pending(),
+            num_streams=self._open_streams,
+        )
+
+    def shutdown(self) -> None:
+        """Release the shared KV segment, stop receiving KV, stop the engine (idempotent).
+
+        The segment's name is unlinked first: it is the one thing that outlives the process
+        (Ray kills a worker's child processes, guardian included, when the worker exits),
+        and unlinking is safe while the pool is still mapped here.
+        """
+        if self._allocator is not None:
+            self._allocator.close()
+        self.receiver.close()
+        self.engine.shutdown()
+
+    def __del__(self) -> None:  # Serve calls this when it stops the replica
+        with contextlib.suppress(Exception):
+            self.shutdown()
+
+
+def _shared_allocator(cfg: AppConfig) -> Any:
+    """A shared-memory KV allocator when the pool is on CPU and shm may be offered."""
+    if cfg.transport.kind not in ("auto", "shm"):
+        return None
+    device = cfg.model.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device != "cpu":
+        return None
+    from kvtransfer.shm import SharedKVAllocator
+
+    return SharedKVAllocator()

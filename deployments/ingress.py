@@ -1,0 +1,346 @@
+"""The front door: ``OpenAIIngress``, a Serve deployment serving the OpenAI HTTP API (FastAPI)
+and pdserve's gRPC API (through Serve's gRPC proxy) on top of the decode pool.
+
+It validates and tokenizes requests, sends a ``GenerateRequest`` to the decode deployment
+and streams the ``GenerateChunk``s back. It never runs a model and never reaches the
+prefill pool directly. Routes: POST /v1/completions, POST /v1/chat/completions,
+GET /v1/models, GET /v1/models/{id}, GET /health (liveness), GET /ready (readiness: every
+deployment in ``ready_deployments`` has a running replica). The request header
+``x-pdserve-slo-class: batch`` marks a request that must never be shed for its TTFT.
+gRPC: ``PDServe.Generate`` (server streaming) and ``PDServe.Complete`` (unary) from
+``deployments/grpc/pdserve.proto``, through Serve's gRPC proxy.
+"""
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from deployments.config import ObservabilityConfig
+from deployments.decode_stream import DecodeStream
+from deployments.grpc import pdserve_pb2 as pb2
+from deployments.ingress_telemetry import IngressTelemetry
+from deployments.messages import GenerateChunk, GenerateRequest, SLOClass
+from deployments.metrics import ServingMetrics
+from deployments.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+    parse_json_body,
+    validate_request,
+)
+from deployments.openai_serving import ModelInfo, OpenAIServing
+from deployments.tracing import setup_tracing
+from engine.loader import load_model_config, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+SLO_CLASS_HEADER = "x-pdserve-slo-class"
+READY_CACHE_S = 1.0
+RETRY_AFTER_S = 1.0
+
+app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
+
+
+def error_response(err: OpenAIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status_code, headers=err.headers())
+
+
+@app.exception_handler(OpenAIError)
+async def _openai_error(_: Request, err: OpenAIError) -> JSONResponse:
+    return error_response(err)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
+    # Unknown routes and wrong methods get the OpenAI error body too.
+    kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
+    return error_response(OpenAIError(str(err.detail), status_code=err.status_code, type=kind))
+
+
+def _slo_class(value: str | None) -> SLOClass:
+    if value in (None, "", "interactive"):
+        return "interactive"
+    if value == "batch":
+        return "batch"
+    raise OpenAIError(
+        f"header {SLO_CLASS_HEADER} must be 'interactive' or 'batch', got {value!r}",
+        param=SLO_CLASS_HEADER,
+        code="invalid_value",
+    )
+
+
+def _sse(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(
+        events,
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+_GRPC_CODES = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    404: grpc.StatusCode.NOT_FOUND,
+    408: grpc.StatusCode.DEADLINE_EXCEEDED,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    503: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+class GRPCRequestError(RuntimeError):
+    """Raised out of a gRPC method after the status code was set on the context."""
+
+
+def _abort_grpc(grpc_context: Any, err: OpenAIError) -> None:
+    # Serve keeps a code set on the context when the method then raises.
+    if grpc_context is not None:
+        grpc_context.set_code(_GRPC_CODES.get(err.status_code, grpc.StatusCode.INTERNAL))
+        grpc_context.set_details(err.message)
+    raise GRPCRequestError(err.message)
+
+
+def _grpc_to_openai(
+    proto: pb2.CompletionRequest, grpc_context: Any, *, stream: bool
+) -> CompletionRequest | ChatCompletionRequest:
+    """The proto request as the equivalent validated OpenAI request."""
+    fields: dict[str, Any] = {
+        "model": proto.model or None,
+        "stream": stream,
+        "ignore_eos": proto.ignore_eos,
+        "min_tokens": proto.min_tokens,
+    }
+    if proto.stop:
+        fields["stop"] = list(proto.stop)
+    for name in ("temperature", "top_p", "top_k", "seed"):
+        if proto.HasField(name):
+            fields[name] = getattr(proto, name)
+    try:
+        if bool(proto.prompt) == bool(proto.messages):
+            raise OpenAIError("set exactly one of prompt and messages", param="prompt")
+        if proto.messages:
+            fields["messages"] = [{"role": m.role, "content": m.content} for m in proto.messages]
+            if proto.HasField("max_tokens"):
+                fields["max_completion_tokens"] = proto.max_tokens
+            return validate_request(ChatCompletionRequest, fields)
+        fields["prompt"] = proto.prompt
+        if proto.HasField("max_tokens"):
+            fields["max_tokens"] = proto.max_tokens
+        return validate_request(CompletionRequest, fields)
+    except OpenAIError as err:
+        _abort_grpc(grpc_context, err)
+        raise  # unreachable: _abort_grpc raises
+
+
+def pools_ready(app_status: Any, deployments: list[str]) -> tuple[bool, str]:
+    """Whether every named deployment of the app (``serve.status()``'s application
+    overview, None if the app is missing) has a running replica, and why not."""
+    if app_status is None:
+        return False, "application not found"
+    missing = []
+    for name in deployments:
+        deployment = app_status.deployments.get(name)
+        running = 0 if deployment is None else deployment.replica_states.get("RUNNING", 0)
+        if running < 1:
+            missing.append(name)
+    if missing:
+        return False, "no running replica: " + ", ".join(missing)
+    return True, "all pools have a running replica"
+
+
+def _grpc_usage(stream: DecodeStream) -> pb2.Usage:
+    usage = stream.usage()
+    return pb2.Usage(
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        total_tokens=usage.total_tokens,
+        cached_tokens=usage.prompt_tokens_details.cached_tokens,
+    )
+
+
+# The class comes last: @serve.ingress pickles the app (and so these methods) when the
+# class is defined, capturing only the module globals that exist at that point.
+@serve.deployment(name="OpenAIIngress", max_ongoing_requests=1024)
+@serve.ingress(app)
+class OpenAIIngress:
+    """OpenAI HTTP + pdserve gRPC front door over the decode deployment.
+
+    Args:
+        decode: handle to the decode deployment (``DecodeServer.generate`` streams chunks).
+        model_dir: local model directory; its tokenizer and chat template are used.
+        model_name: id shown to clients; None = the directory's name.
+        max_model_len: longest prompt + output in tokens; None = the model's context length.
+        ready_deployments: deployments of this app that must each have a running replica
+            for GET /ready to answer 200 (the prefill and decode pools); empty = always ready.
+        observability: tracing exporter and metrics switch; None = defaults (no tracing).
+    """
+
+    def __init__(
+        self,
+        decode: DeploymentHandle,
+        model_dir: str,
+        model_name: str | None = None,
+        max_model_len: int | None = None,
+        ready_deployments: list[str] | None = None,
+        observability: ObservabilityConfig | dict[str, Any] | None = None,
+    ) -> None:
+        observability = ObservabilityConfig.model_validate(observability or {})
+        setup_tracing(observability)
+        self._decode = decode
+        info = ModelInfo(
+            name=model_name or Path(model_dir).name,
+            max_model_len=max_model_len or load_model_config(model_dir).max_context,
+            root=model_dir,
+        )
+        metrics = ServingMetrics(
+            model_name=info.name,
+            role="ingress",
+            replica=serve.get_replica_context().replica_tag,
+            enabled=observability.metrics_enabled,
+        )
+        self.serving = OpenAIServing(
+            load_tokenizer(model_dir), info, self._generate, IngressTelemetry(info.name, metrics)
+        )
+        self._ready_deployments = list(ready_deployments or [])
+        self._ready_cache: tuple[float, bool, str] = (0.0, False, "")
+
+    async def _generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateChunk, None]:
+        response = self._decode.options(stream=True).generate.remote(request)
+        finished = False
+        try:
+            async for chunk in response:
+                yield chunk
+                if chunk.finish_reason is not None or chunk.error is not None:
+                    finished = True
+        except (BackPressureError, DeploymentUnavailableError, RayActorError) as err:
+            # The decode pool is full or a replica went away: the client may retry.
+            raise OpenAIError(
+                f"the decode pool is unavailable: {type(err).__name__}",
+                status_code=503,
+                type="service_unavailable",
+                retry_after_s=RETRY_AFTER_S,
+            ) from err
+        finally:
+            if not finished:
+                # The client went away (or we failed): stop the decode replica's work.
+                response.cancel()
+
+    # ------------------------------------------------------------------ HTTP
+    @app.get("/health")
+    async def health(self) -> Response:
+        return Response(status_code=200)
+
+    @app.get("/ready")
+    async def ready(self) -> JSONResponse:
+        ok, detail = await self._check_ready()
+        return JSONResponse({"ready": ok, "detail": detail}, status_code=200 if ok else 503)
+
+    @app.get("/v1/models")
+    async def list_models(self) -> JSONResponse:
+        return JSONResponse(self.serving.models().model_dump())
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(self, model_id: str) -> JSONResponse:
+        return JSONResponse(self.serving.model_card(model_id).model_dump())
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        req = validate_request(CompletionRequest, parse_json_body(await request.body()))
+        slo_class = _slo_class(request.headers.get(SLO_CLASS_HEADER))
+        stream = await self.serving.start(req, slo_class=slo_class)
+        created = int(time.time())
+        if req.stream:
+            return _sse(self.serving.completion_events(req, stream, created))
+        return JSONResponse((await self.serving.completion(req, stream, created)).model_dump())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        req = validate_request(ChatCompletionRequest, parse_json_body(await request.body()))
+        slo_class = _slo_class(request.headers.get(SLO_CLASS_HEADER))
+        stream = await self.serving.start(req, slo_class=slo_class)
+        created = int(time.time())
+        if req.stream:
+            return _sse(self.serving.chat_events(req, stream, created))
+        return JSONResponse((await self.serving.chat(req, stream, created)).model_dump())
+
+    async def _check_ready(self) -> tuple[bool, str]:
+        now = time.monotonic()
+        if now - self._ready_cache[0] < READY_CACHE_S:
+            return self._ready_cache[1], self._ready_cache[2]
+        if not self._ready_deployments:
+            ok, detail = True, "no readiness dependencies"
+        else:
+            ok, detail = await asyncio.to_thread(self._deployments_running)
+        self._ready_cache = (now, ok, detail)
+        return ok, detail
+
+    def _deployments_running(self) -> tuple[bool, str]:
+        app_name = serve.get_replica_context().app_name
+        return pools_ready(serve.status().applications.get(app_name), self._ready_deployments)
+
+    # ------------------------------------------------------------------ gRPC
+    async def Generate(  # noqa: N802 (the method name must equal the RPC name)
+        self, request: pb2.CompletionRequest, grpc_context: Any = None
+    ) -> AsyncIterator[pb2.CompletionChunk]:
+        req = _grpc_to_openai(request, grpc_context, stream=True)
+        stream = await self._grpc_open(req, request, grpc_context)
+        try:
+            async for chunk in stream:
+                out = pb2.CompletionChunk(
+                    id=stream.request.request_id,
+                    text=chunk.text,
+                    token_ids=chunk.token_ids,
+                    finish_reason=chunk.finish_reason or "",
+                )
+                if chunk.finish_reason is not None:
+                    out.usage.CopyFrom(_grpc_usage(stream))
+                yield out
+        except OpenAIError as err:
+            _abort_grpc(grpc_context, err)
+        finally:
+            await stream.close()
+
+    async def Complete(  # noqa: N802 (the method name must equal the RPC name)
+        self, request: pb2.CompletionRequest, grpc_context: Any = None
+    ) -> pb2.CompletionResult:
+        req = _grpc_to_openai(request, grpc_context, stream=False)
+        stream = await self._grpc_open(req, request, grpc_context)
+        text: list[str] = []
+        token_ids: list[int] = []
+        try:
+            async for chunk in stream:
+                text.append(chunk.text)
+                token_ids.extend(chunk.token_ids)
+        except OpenAIError as err:
+            _abort_grpc(grpc_context, err)
+        finally:
+            await stream.close()
+        return pb2.CompletionResult(
+            id=stream.request.request_id,
+            text="".join(text),
+            token_ids=token_ids,
+            finish_reason=stream.finish_reason or "",
+            usage=_grpc_usage(stream),
+        )
+
+    async def _grpc_open(
+        self,
+        req: CompletionRequest | ChatCompletionRequest,
+        proto: pb2.CompletionRequest,
+        grpc_context: Any,
+    ) -> DecodeStream:
+        try:
+            return await self.serving.start(req, request_id=proto.request_id or None)
+        except OpenAIError as err:
+            _abort_grpc(grpc_context, err)
+            raise  # unreachable: _abort_grpc raises

@@ -1,0 +1,101 @@
+"""Per-request telemetry at the ingress: the root trace span and the ingress-side metrics.
+
+``IngressTelemetry.begin`` opens the request's root span (``"{operation} {model}"``, kind
+SERVER) and gives the W3C carrier that travels in ``GenerateRequest.trace_carrier``;
+``RequestTelemetry.finish`` closes it once with the usage and finish reason and records
+TTFT, TPOT, end-to-end latency and token counts as the client saw them (role "ingress").
+The span is started detached (not made current) because a streamed response is finished
+by another asyncio task than the one that began it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from deployments import tracing
+from deployments.metrics import ServingMetrics
+
+if TYPE_CHECKING:
+    from deployments.decode_stream import DecodeStream
+
+
+class RequestTelemetry:
+    """The root span and timings of one request; ``finish`` is idempotent."""
+
+    def __init__(self, metrics: ServingMetrics, span: trace.Span) -> None:
+        self._metrics = metrics
+        self._span = span
+        self._start = time.monotonic()
+        self._done = False
+        self.carrier = tracing.inject(trace.set_span_in_context(span))
+
+    def finish(self, stream: DecodeStream | None, error: BaseException | None) -> None:
+        if self._done:
+            return
+        self._done = True
+        now = time.monotonic()
+        span = self._span
+        if stream is not None:
+            usage = stream.usage()
+            span.set_attribute(tracing.USAGE_INPUT_TOKENS, usage.prompt_tokens)
+            span.set_attribute(tracing.USAGE_OUTPUT_TOKENS, usage.completion_tokens)
+            if stream.finish_reason is not None:
+                span.set_attribute(tracing.RESPONSE_FINISH_REASONS, [stream.finish_reason])
+            self._record_metrics(stream, now, ok=error is None)
+        if error is not None:
+            span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+        span.end()
+
+    def _record_metrics(self, stream: DecodeStream, now: float, *, ok: bool) -> None:
+        m = self._metrics
+        m.prompt_tokens.inc(stream.num_prompt_tokens)
+        if stream.num_output_tokens:
+            m.generation_tokens.inc(stream.num_output_tokens)
+        first = stream.first_token_time
+        if first is not None:
+            m.time_to_first_token.observe(first - self._start)
+            if ok and stream.num_output_tokens > 1:
+                m.time_per_output_token.observe((now - first) / (stream.num_output_tokens - 1))
+        if ok:
+            m.e2e_latency.observe(now - self._start)
+
+
+class IngressTelemetry:
+    """Opens root spans and owns the ingress's metrics."""
+
+    def __init__(
+        self, model_name: str, metrics: ServingMetrics, tracer: trace.Tracer | None = None
+    ) -> None:
+        self.model_name = model_name
+        self.metrics = metrics
+        self._tracer = tracer  # None = the process-wide pdserve tracer (tracing.setup_tracing)
+
+    def begin(
+        self, operation: str, request_id: str, *, max_tokens: int | None, temperature: float | None
+    ) -> RequestTelemetry:
+        attributes: dict[str, str | int | float] = {
+            tracing.OPERATION: operation,
+            tracing.REQUEST_MODEL: self.model_name,
+            "pdserve.request_id": request_id,
+        }
+        if max_tokens is not None:
+            attributes[tracing.REQUEST_MAX_TOKENS] = max_tokens
+        if temperature is not None:
+            attributes[tracing.REQUEST_TEMPERATURE] = temperature
+        tracer = self._tracer or tracing.tracer()
+        span = tracer.start_span(
+            f"{operation} {self.model_name}", kind=SpanKind.SERVER, attributes=attributes
+        )
+        return RequestTelemetry(self.metrics, span)
+
+    @classmethod
+    def disabled(cls, model_name: str) -> IngressTelemetry:
+        """No metrics; spans go to whatever tracer provider is installed (no-op by default)."""
+        return cls(
+            model_name,
+            ServingMetrics(model_name=model_name, role="ingress", replica="", enabled=False),
+        )

@@ -1,0 +1,102 @@
+"""Load signals a replica publishes: routing stats, autoscaling stats, and the meters behind
+them (arrival rate over a sliding window, exponential moving averages).
+
+Pure bookkeeping, no Ray: the servers call these from ``record_routing_stats`` and
+``record_autoscaling_stats``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+
+from deployments import autoscaling
+from deployments.config import PoolRole
+from deployments.messages import ReplicaStats
+from engine.stats import EngineStats
+
+
+class RateMeter:
+    """Events per second over the last ``window_s`` seconds."""
+
+    def __init__(self, window_s: float = 10.0, clock: Callable[[], float] = time.monotonic):
+        if window_s <= 0:
+            raise ValueError(f"window_s must be > 0, got {window_s}")
+        self.window_s = window_s
+        self._clock = clock
+        self._events: deque[tuple[float, float]] = deque()
+        self._total = 0.0
+
+    def add(self, amount: float) -> None:
+        now = self._clock()
+        self._events.append((now, amount))
+        self._total += amount
+        self._trim(now)
+
+    def rate(self) -> float:
+        self._trim(self._clock())
+        return self._total / self.window_s
+
+    def _trim(self, now: float) -> None:
+        while self._events and self._events[0][0] < now - self.window_s:
+            self._total -= self._events.popleft()[1]
+
+
+class Ema:
+    """Exponential moving average; 0.0 until the first sample."""
+
+    def __init__(self, alpha: float = 0.2) -> None:
+        if not 0 < alpha <= 1:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        self.alpha = alpha
+        self.value = 0.0
+        self._seen = False
+
+    def add(self, sample: float) -> None:
+        self.value = (
+            sample if not self._seen else self.alpha * sample + (1 - self.alpha) * self.value
+        )
+        self._seen = True
+
+
+def replica_stats(
+    role: PoolRole,
+    stats: EngineStats,
+    *,
+    max_num_seqs: int,
+    kv_bytes_per_token: int,
+    prompt_tokens_per_s: float,
+) -> ReplicaStats:
+    return ReplicaStats(
+        role=role,
+        num_running=stats.num_running,
+        num_waiting=stats.num_waiting,
+        num_waiting_remote_kv=stats.num_waiting_remote_kv,
+        queued_prefill_tokens=stats.queued_prefill_tokens,
+        prefill_tokens_per_s=stats.prefill_tokens_per_s,
+        decode_tokens_per_s=stats.decode_tokens_per_s,
+        num_free_blocks=stats.num_free_blocks,
+        num_total_blocks=stats.num_total_blocks,
+        kv_usage=stats.kv_usage,
+        max_num_seqs=max_num_seqs,
+        block_size=stats.block_size,
+        kv_bytes_per_token=kv_bytes_per_token,
+        prompt_tokens_per_s=prompt_tokens_per_s,
+    )
+
+
+def prefill_autoscaling_stats(stats: EngineStats, prompt_tokens_per_s: float) -> dict[str, float]:
+    return {
+        autoscaling.PROMPT_TOKENS_PER_S: prompt_tokens_per_s,
+        autoscaling.PREFILL_TOKENS_PER_S: stats.prefill_tokens_per_s,
+        autoscaling.QUEUED_PREFILL_TOKENS: float(stats.queued_prefill_tokens),
+    }
+
+
+def decode_autoscaling_stats(stats: EngineStats, tpot_s: float) -> dict[str, float]:
+    return {
+        autoscaling.KV_USAGE: stats.kv_usage,
+        autoscaling.TPOT_S: tpot_s,
+        autoscaling.NUM_WAITING: float(stats.num_waiting),
+    }

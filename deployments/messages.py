@@ -1,0 +1,175 @@
+"""Typed messages between pdserve's deployments (ingress -> decode -> prefill).
+
+Every message crossing a process boundary is a pydantic model here, never a dict with
+string keys. This module imports neither Ray nor torch (``kvtransfer.types`` is pydantic
+only), so the ingress can import it cheaply.
+
+Contract ingress -> decode: ``DecodeServer.generate(GenerateRequest)`` is a streaming method
+yielding ``GenerateChunk``s; call it with ``handle.options(stream=True).generate.remote(req)``.
+The last chunk carries ``finish_reason`` (or ``error``). A chunk with ``error`` set and no
+tokens before it means the request was rejected (``error.code`` 429/503 with
+``retry_after_s`` when shed, 400 when invalid, 500 otherwise).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from kvtransfer.types import KVTarget, TransferResult
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+SLOClass = Literal["interactive", "batch"]
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SamplingOptions(_Message):
+    """Sampling parameters on the wire; ``to_params()`` gives the engine's ``SamplingParams``.
+
+    Validated on construction with the engine's own rules (ValueError naming the field).
+    """
+
+    max_tokens: int = Field(default=16, description="Most tokens to generate (>= 1).")
+    min_tokens: int = Field(default=0, description="Tokens to generate before EOS may stop.")
+    temperature: float = Field(default=1.0, description="0 = greedy.")
+    top_p: float = Field(default=1.0, description="Nucleus sampling mass in (0, 1].")
+    top_k: int = Field(default=0, description="Top-k cut; 0 = off.")
+    seed: int | None = Field(default=None, description="Per-request sampling seed.")
+    stop: list[str] = Field(default_factory=list, description="Stop strings.")
+    stop_token_ids: list[int] = Field(default_factory=list, description="Stop token ids.")
+    ignore_eos: bool = Field(default=False, description="Keep going past EOS.")
+    logprobs: int | None = Field(
+        default=None, description=f"Top-n logprobs per token (0..{MAX_LOGPROBS}); None = off."
+    )
+    skip_special_tokens: bool = Field(default=True, description="Drop special tokens in text.")
+
+    @model_validator(mode="after")
+    def _validate_with_engine_rules(self) -> SamplingOptions:
+        self.to_params()
+        return self
+
+    def to_params(self) -> SamplingParams:
+        return SamplingParams(**self.model_dump())
+
+    @classmethod
+    def from_params(cls, params: SamplingParams) -> SamplingOptions:
+        return cls(
+            max_tokens=params.max_tokens,
+            min_tokens=params.min_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            seed=params.seed,
+            stop=list(params.stop),
+            stop_token_ids=list(params.stop_token_ids),
+            ignore_eos=params.ignore_eos,
+            logprobs=params.logprobs,
+            skip_special_tokens=params.skip_special_tokens,
+        )
+
+
+class GenerateRequest(_Message):
+    """One generation request, tokenized by the ingress."""
+
+    request_id: str = Field(min_length=1, description="Unique id (also the engine's id).")
+    prompt_token_ids: list[int] = Field(min_length=1, description="Prompt token ids.")
+    sampling: SamplingOptions = Field(default_factory=SamplingOptions, description="How to sample.")
+    slo_class: SLOClass = Field(
+        default="interactive", description="'batch' requests are never shed for TTFT."
+    )
+    trace_carrier: dict[str, str] = Field(
+        default_factory=dict, description="W3C trace context (traceparent/tracestate)."
+    )
+    arrival_time: float | None = Field(
+        default=None, description="Unix time the ingress received the request (for metrics)."
+    )
+
+
+class TopLogprob(_Message):
+    token_id: int
+    token: str
+    logprob: float
+
+
+class TokenLogprob(_Message):
+    """Logprob of one generated token and the top alternatives at its position."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ErrorInfo(_Message):
+    """Why a request failed; ``code`` follows HTTP status semantics."""
+
+    code: int = Field(description="HTTP-like status: 400, 429, 500, 503...")
+    type: str = Field(description="OpenAI error type, e.g. 'server_error', 'overloaded'.")
+    message: str = Field(description="Human-readable cause.")
+    retry_after_s: float | None = Field(default=None, description="Retry-After for 429/503.")
+
+
+class GenerateChunk(_Message):
+    """One streamed delta from the decode server."""
+
+    request_id: str
+    token_ids: list[int] = Field(default_factory=list, description="New token ids (delta).")
+    text: str = Field(default="", description="New text (delta).")
+    logprobs: list[TokenLogprob] | None = Field(
+        default=None, description="Logprobs of the new tokens when requested."
+    )
+    finish_reason: FinishReason | None = Field(default=None, description="Set on the last.")
+    num_prompt_tokens: int = Field(default=0, description="Prompt length in tokens.")
+    num_cached_tokens: int = Field(default=0, description="Prompt tokens served from cache.")
+    num_output_tokens: int = Field(default=0, description="Output tokens generated so far.")
+    prefill_location: Literal["local", "remote", "fallback"] | None = Field(
+        default=None, description="Where the prompt was prefilled (first chunk only)."
+    )
+    error: ErrorInfo | None = Field(default=None, description="Set when the request failed.")
+
+
+class PrefillRequest(_Message):
+    """Decode -> prefill: compute this prompt and push its KV to ``kv_target``."""
+
+    request_id: str = Field(min_length=1, description="Same id as the decode-side request.")
+    prompt_token_ids: list[int] = Field(min_length=1, description="Prompt token ids.")
+    sampling: SamplingOptions = Field(description="Sampling of the first token.")
+    kv_target: KVTarget = Field(description="Where the KV goes (decode replica's blocks).")
+    trace_carrier: dict[str, str] = Field(default_factory=dict, description="W3C context.")
+
+
+class PrefillResponse(_Message):
+    """Prefill -> decode: the first token, once every layer's KV has landed."""
+
+    request_id: str
+    first_token_id: int = Field(description="Token sampled after the prompt.")
+    first_logprobs: TokenLogprob | None = Field(
+        default=None, description="Logprob record of the first token, if asked."
+    )
+    transfer: TransferResult = Field(description="Sender's view of the KV push.")
+    num_cached_tokens: int = Field(default=0, description="Prefix-cache hits on the prefill side.")
+    prefill_seconds: float = Field(default=0.0, description="Prefill replica's wall time.")
+
+
+class ReplicaStats(_Message):
+    """What each replica publishes for routing and autoscaling (record_*_stats)."""
+
+    role: Literal["prefill", "decode"]
+    num_running: int = 0
+    num_waiting: int = 0
+    num_waiting_remote_kv: int = 0
+    queued_prefill_tokens: int = 0
+    prefill_tokens_per_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    kv_usage: float = 0.0
+    max_num_seqs: int = 1
+    block_size: int = 16
+    kv_bytes_per_token: int = 0
+    prompt_tokens_per_s: float = 0.0

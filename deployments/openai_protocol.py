@@ -1,0 +1,470 @@
+"""The OpenAI-compatible HTTP schema: request models, response/chunk models and the error body.
+
+Requests are validated strictly: unknown fields, wrong JSON types and out-of-range values
+raise ``OpenAIError`` (HTTP 400 with ``{"error": {message, type, param, code}}``), never get
+silently dropped or coerced. Fields that OpenAI defines but pdserve does not implement
+(penalties, ``logit_bias``, ``best_of``, tools...) are accepted only at their no-op value.
+This module imports neither Ray nor torch nor the engine: it is pure schema.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+)
+
+MAX_LOGPROBS = 20  # the engine's limit (engine.sampling_params.MAX_LOGPROBS)
+MAX_STOP_STRINGS = 16
+
+
+class OpenAIError(Exception):
+    """A request failure that maps onto an HTTP status and the OpenAI error body."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status_code: int = 400,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+        self.type = type
+        self.param = param
+        self.code = code
+        self.retry_after_s = retry_after_s
+
+    def body(self) -> dict[str, Any]:
+        """``{"error": {"message", "type", "param", "code"}}`` as OpenAI sends it."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def headers(self) -> dict[str, str]:
+        if self.retry_after_s is None:
+            return {}
+        return {"Retry-After": str(max(1, round(self.retry_after_s)))}
+
+
+def invalid_param(param: str, message: str) -> OpenAIError:
+    return OpenAIError(message, param=param, code="invalid_value")
+
+
+def from_validation_error(err: ValidationError) -> OpenAIError:
+    """The first pydantic problem as a 400 naming the offending field path."""
+    first = err.errors()[0]
+    # Union members show up in the location as type tags ("str", "list[int]"); drop them.
+    path = [str(p) for p in first["loc"] if not _is_type_tag(p)]
+    param = ".".join(path) or None
+    if first["type"] == "extra_forbidden":
+        message = f"Unrecognized request argument supplied: {param}"
+    elif first["type"] == "missing":
+        message = f"Missing required parameter: {param}"
+    else:
+        # pydantic prefixes custom errors with "Value error, "; strip it for clients.
+        detail = str(first["msg"]).removeprefix("Value error, ")
+        message = f"Invalid value for '{param}': {detail}"
+    return OpenAIError(message, param=param, code="invalid_value")
+
+
+def _is_type_tag(loc_part: object) -> bool:
+    return isinstance(loc_part, str) and (
+        "[" in loc_part or loc_part in {"str", "int", "float", "bool", "list", "dict", "none"}
+    )
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object, or a 400 saying why it is not one."""
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise OpenAIError(
+            f"We could not parse the JSON body of your request: {err}", code="invalid_json"
+        ) from None
+    if not isinstance(data, dict):
+        raise OpenAIError("The request body must be a JSON object.", code="invalid_json")
+    return data
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+# ----------------------------------------------------------------------------- requests
+
+
+class _Request(BaseModel):
+    # strict: "10" is not an int and 1 is not a bool; ints are still accepted for floats.
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(_Request):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)  # -1 and 0 both mean "off" (vLLM)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    # OpenAI clients may send null for any optional field: null means "the default".
+    n: int | None = Field(default=1, ge=1)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+    skip_special_tokens: bool = True
+    user: str | None = None
+    # OpenAI fields pdserve accepts only at their no-op value (validated below).
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _only_one_choice(cls, n: int | None) -> int | None:
+        if n not in (None, 1):
+            raise ValueError("only n=1 is supported")
+        return n
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [stop] if isinstance(stop, str) else (stop or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
+        if any(not s for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return stop
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _check_stop_ids(cls, ids: list[int] | None) -> list[int] | None:
+        if ids and any(t < 0 for t in ids):
+            raise ValueError("token ids must be >= 0")
+        return ids
+
+    @field_validator("frequency_penalty", "presence_penalty")
+    @classmethod
+    def _no_penalty(cls, value: float | None) -> float | None:
+        if value not in (None, 0, 0.0):
+            raise ValueError("penalties are not supported; send 0 or omit the field")
+        return value
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _no_repetition_penalty(cls, value: float | None) -> float | None:
+        if value not in (None, 1, 1.0):
+            raise ValueError("repetition_penalty is not supported; send 1.0 or omit the field")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value:
+            raise ValueError("logit_bias is not supported")
+        return value
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def check_stream_options(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise invalid_param(
+                "stream_options", "stream_options is only allowed when stream is true"
+            )
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, echo: bool | None) -> bool | None:
+        if echo:
+            raise ValueError("echo is not supported")
+        return echo
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, best_of: int | None) -> int | None:
+        if best_of not in (None, 1):
+            raise ValueError("only best_of=1 is supported")
+        return best_of
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, suffix: str | None) -> str | None:
+        if suffix:
+            raise ValueError("suffix is not supported")
+        return suffix
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(
+        cls, prompt: str | list[int] | list[str] | list[list[int]]
+    ) -> str | list[int] | list[str] | list[list[int]]:
+        if isinstance(prompt, list):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            if isinstance(prompt[0], (str, list)) and len(prompt) != 1:
+                raise ValueError("batched prompts are not supported; send one prompt")
+            if isinstance(prompt[0], list) and not prompt[0]:
+                raise ValueError("prompt must not be empty")
+        elif not prompt:
+            raise ValueError("prompt must not be empty")
+        return prompt
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt, unwrapped from a one-element batch."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and isinstance(prompt[0], (str, list)):
+            return prompt[0]  # type: ignore[return-value]
+        return prompt  # type: ignore[return-value]
+
+
+class TextContentPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ResponseFormat(_Request):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none"] | None = None
+    parallel_tool_calls: bool | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        if tools:
+            raise ValueError("tool calling is not supported")
+        return tools
+
+    def output_limit(self) -> int | None:
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else (self.max_tokens)
+        )
+
+    def num_logprobs(self) -> int | None:
+        """Top-n logprobs to ask the engine for (None = no logprobs)."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise invalid_param("top_logprobs", "top_logprobs requires logprobs to be true")
+        if not self.logprobs:
+            return None
+        return self.top_logprobs or 0
+
+
+def validate_request(model: type[_Request], data: dict[str, Any]) -> Any:
+    """``model.model_validate(data)`` with pydantic errors turned into a 400."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as err:
+        raise from_validation_error(err) from None
+
+
+# ----------------------------------------------------------------------------- responses
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0
+
+
+class UsageInfo(_Response):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> UsageInfo:
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+        )
+
+
+class CompletionLogprobs(_Response):
+    """Legacy completions logprobs: parallel lists, one entry per generated token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(_Response):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(_Response):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(_Response):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(_Response):
+    index: int = 0
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatDelta(_Response):
+    """A streamed message delta; unset fields are left out, as OpenAI sends them."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatChunkChoice(_Response):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(_Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "pdserve"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+def sse_event(payload: BaseModel | dict[str, Any]) -> str:
+    """One server-sent event line pair: ``data: <json>\\n\\n``."""
+    if isinstance(payload, BaseModel):
+        return f"data: {payload.model_dump_json()}\n\n"
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"

@@ -1,0 +1,140 @@
+"""Disaggregation policy: prefill a request on its decode replica, remotely, or shed it.
+
+The decode server asks ``DisaggregationPolicy.decide`` once per request. The rule follows
+NVIDIA Dynamo's disaggregated router, made SLO-aware:
+
+- short prompts (few uncached tokens, e.g. the prefix is already cached) prefill locally:
+  the round trip and the KV transfer would cost more than the compute;
+- long prompts prefill remotely so that they do not stall the running decode batch,
+  unless the prefill pool is saturated (its predicted TTFT misses the SLO while a local
+  prefill would be faster);
+- when neither placement can meet ``shed_ttft_factor`` x the TTFT SLO and the config says
+  ``on_slo_miss: shed``, an interactive request is shed (HTTP 429 with Retry-After).
+
+Remote predictions come from what this decode replica measured on its own remote calls
+(``RemotePrefillEstimator``), so the policy needs no extra RPC. Pure logic: no Ray, no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from deployments.config import PolicyConfig, SLOConfig
+
+Location = Literal["local", "remote", "shed"]
+
+
+@dataclass(frozen=True)
+class LocalLoad:
+    """The decode replica's own load, from its engine stats."""
+
+    queued_prefill_tokens: int
+    prefill_tokens_per_s: float  # measured EMA; 0 = not measured yet
+    num_running: int
+    max_num_seqs: int
+
+
+@dataclass(frozen=True)
+class Decision:
+    location: Location
+    reason: str
+    predicted_local_s: float
+    predicted_remote_s: float | None
+
+
+class RemotePrefillEstimator:
+    """Running estimate of a remote prefill's latency, from this replica's own calls.
+
+    latency(tokens) = overhead_s + (in_flight_tokens + tokens) / prefill_rate, where the
+    overhead (RPC, queueing at the router, transfer tail) and the prefill rate are
+    exponential moving averages of what ``observe`` was told.
+    """
+
+    def __init__(self, default_tokens_per_s: float, alpha: float = 0.3) -> None:
+        if default_tokens_per_s <= 0:
+            raise ValueError(f"default_tokens_per_s must be > 0, got {default_tokens_per_s}")
+        if not 0 < alpha <= 1:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        self._alpha = alpha
+        self.tokens_per_s = default_tokens_per_s
+        self.overhead_s = 0.0
+        self.in_flight_tokens = 0
+        self.num_observed = 0
+
+    def started(self, num_tokens: int) -> None:
+        self.in_flight_tokens += num_tokens
+
+    def finished(self, num_tokens: int) -> None:
+        self.in_flight_tokens = max(0, self.in_flight_tokens - num_tokens)
+
+    def observe(self, num_tokens: int, total_s: float, prefill_s: float) -> None:
+        """Record one completed remote prefill: end-to-end time and the replica's compute."""
+        a = self._alpha
+        if prefill_s > 0 and num_tokens > 0:
+            self.tokens_per_s = (1 - a) * self.tokens_per_s + a * (num_tokens / prefill_s)
+        overhead = max(0.0, total_s - prefill_s)
+        self.overhead_s = (
+            overhead if self.num_observed == 0 else (1 - a) * self.overhead_s + a * overhead
+        )
+        self.num_observed += 1
+
+    def predict_s(self, num_tokens: int) -> float:
+        return self.overhead_s + (self.in_flight_tokens + num_tokens) / self.tokens_per_s
+
+
+class DisaggregationPolicy:
+    """Decides local vs remote prefill (vs shed) for one request."""
+
+    def __init__(self, config: PolicyConfig, slo: SLOConfig, default_tokens_per_s: float) -> None:
+        self.config = config
+        self.slo = slo
+        self.default_tokens_per_s = default_tokens_per_s
+
+    def predict_local_s(self, uncached_tokens: int, load: LocalLoad) -> float:
+        rate = load.prefill_tokens_per_s or self.default_tokens_per_s
+        return (load.queued_prefill_tokens + uncached_tokens) / rate
+
+    def decide(
+        self,
+        *,
+        num_prompt_tokens: int,
+        num_cached_tokens: int,
+        load: LocalLoad,
+        remote: RemotePrefillEstimator | None,
+        sheddable: bool,
+    ) -> Decision:
+        """``remote`` is None when no prefill pool exists (or none is reachable)."""
+        if num_prompt_tokens < 1:
+            raise ValueError(f"num_prompt_tokens must be >= 1, got {num_prompt_tokens}")
+        uncached = max(1, num_prompt_tokens - num_cached_tokens)
+        local_s = self.predict_local_s(uncached, load)
+        remote_s = remote.predict_s(num_prompt_tokens) if remote is not None else None
+        slo_s = self.slo.ttft_ms / 1000.0
+        mode = self.config.mode
+
+        def decision(location: Location, reason: str) -> Decision:
+            return Decision(location, reason, local_s, remote_s)
+
+        if mode == "always_local" or remote_s is None:
+            best_s = local_s
+        elif mode == "always_remote":
+            best_s = remote_s
+        else:
+            best_s = min(local_s, remote_s)
+        if (
+            sheddable
+            and self.config.on_slo_miss == "shed"
+            and best_s > self.config.shed_ttft_factor * slo_s
+        ):
+            return decision("shed", "slo_unreachable")
+
+        if remote_s is None:
+            return decision("local", "no_prefill_pool")
+        if mode != "auto":
+            return decision("local" if mode == "always_local" else "remote", "forced")
+        if uncached <= self.config.local_prefill_max_tokens:
+            return decision("local", "cached_prefix" if num_cached_tokens else "short_prompt")
+        if remote_s > slo_s and local_s < remote_s:
+            return decision("local", "prefill_pool_saturated")
+        return decision("remote", "long_prompt")

@@ -1,0 +1,227 @@
+"""``PrefillServer``: a prefill-pool replica (Serve deployment class, built by ``app.py``).
+
+It runs an engine in the prefill role: each ``PrefillRequest`` is computed with
+``prefill_only=True`` while the engine's KV connector pushes every layer's KV into the decode
+replica's reserved blocks (``kvtransfer``). It answers with the first token once the decode
+side confirmed the whole KV landed; a failed transfer raises, which the decode server turns
+into a local recompute. It never decodes past the first token and never talks to clients.
+
+The class is plain Python: ``app.py`` wraps it with ``serve.deployment``; tests may also
+construct it directly (no Ray needed) with an injected engine factory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+from deployments import tracing
+from deployments.config import AppConfig
+from deployments.engine_factory import (
+    EngineFactory,
+    EngineHooks,
+    check_engine_integrity,
+    default_engine_factory,
+    engine_config,
+)
+from deployments.load import RateMeter, prefill_autoscaling_stats, replica_stats
+from deployments.messages import PrefillRequest, PrefillResponse
+from deployments.metrics import ServingMetrics
+from deployments.outputs import to_wire_logprob
+from deployments.replica import (
+    IntegrityReport,
+    TransferMetricsObserver,
+    replica_actor_name,
+    replica_name,
+    replica_node_id,
+    set_torch_threads,
+    transfer_host,
+)
+from kvtransfer.config import KVTransferConfig
+from kvtransfer.connector import PrefillKVConnector, engine_layout
+from kvtransfer.sender import KVSender
+from kvtransfer.types import KVTransferError
+
+logger = logging.getLogger("ray.serve")
+
+# Extra time, past the KV deadline, to wait for the sender's verdict (it is bounded by
+# the deadline itself; this only absorbs scheduling jitter).
+RESULT_GRACE_S = 2.0
+
+
+class _LateConnector:
+    """KVConnector forwarding to a ``PrefillKVConnector`` bound after the engine exists.
+
+    The sender needs the engine's KV layout (known once the engine allocated its pool) and
+    the engine needs its connector at construction; this breaks the cycle.
+
+    It also holds back the ids ``end_step`` reports until the next ``poll_finished``: a
+    fast (shared-memory) send can complete inside the very step that finishes the prefill,
+    before the scheduler moved the request to its sending set, and the scheduler drops an
+    id it does not know yet (its blocks would leak). One step later it always knows it.
+    """
+
+    def __init__(self) -> None:
+        self.target: PrefillKVConnector | None = None
+        self._held: list[str] = []
+
+    def _bound(self) -> PrefillKVConnector:
+        if self.target is None:
+            raise RuntimeError("KV connector used before the sender was bound")
+        return self.target
+
+    def begin_step(self, sends: list[Any]) -> None:
+        self._bound().begin_step(sends)
+
+    def layer_computed(self, layer_idx: int, kv_cache: Any) -> None:
+        self._bound().layer_computed(layer_idx, kv_cache)
+
+    def end_step(self) -> list[str]:
+        self._held.extend(self._bound().end_step())
+        return []
+
+    def poll_finished(self) -> list[str]:
+        held, self._held = self._held, []
+        return held + self._bound().poll_finished()
+
+
+class PrefillServer:
+    """Prefill-pool replica: ``prefill(PrefillRequest) -> PrefillResponse``."""
+
+    def __init__(
+        self,
+        config: dict[str, Any] | AppConfig,
+        model_dir: str,
+        engine_factory: EngineFactory | None = None,
+    ) -> None:
+        self.cfg = config if isinstance(config, AppConfig) else AppConfig.from_dict(config)
+        set_torch_threads(self.cfg.prefill.num_cpus)
+        tracing.setup_tracing(self.cfg.observability)
+        self.model_name = self.cfg.model.served_name(model_dir)
+        self.metrics = ServingMetrics(
+            model_name=self.model_name,
+            role="prefill",
+            replica=replica_name(),
+            enabled=self.cfg.observability.metrics_enabled,
+        )
+        late = _LateConnector()
+        factory = engine_factory or default_engine_factory
+        self.engine = factory(
+            engine_config(self.cfg, "prefill", model_dir), EngineHooks("prefill", kv_connector=late)
+        )
+        llm = self.engine.engine
+        self.layout = engine_layout(llm)
+        t = self.cfg.transport
+        self.sender = KVSender(
+            self.layout,
+            KVTransferConfig(
+                transport=t.kind,
+                host=transfer_host(t.host),
+                connect_timeout_s=t.connect_timeout_s,
+            ),
+            device=llm.kv_cache.device.type,
+            observer=TransferMetricsObserver(self.metrics),
+        )
+        self.connector = PrefillKVConnector(self.sender)
+        late.target = self.connector
+        self.kv_bytes_per_token = (
+            self.layout.block_bytes() * self.layout.num_layers // max(self.layout.block_size, 1)
+        )
+        self.max_num_seqs = self.cfg.prefill.engine.max_num_seqs
+        self._arrivals = RateMeter()
+
+    async def prefill(self, req: PrefillRequest) -> PrefillResponse:
+        """Compute the prompt, push its KV to ``req.kv_target``, return the first token.
+
+        Raises on any failure (bad request, engine error, transfer failure or timeout): the
+        caller recomputes locally. Cancelling the call aborts the request here.
+        """
+        start = time.perf_counter()
+        rid = req.request_id
+        num_tokens = len(req.prompt_token_ids)
+        self._arrivals.add(num_tokens)
+        self.metrics.prompt_tokens.inc(num_tokens)
+        params = req.sampling.to_params()
+        attrs = {tracing.USAGE_INPUT_TOKENS: num_tokens}
+        with tracing.span("prefill", self.model_name, carrier=req.trace_carrier, attributes=attrs):
+            self.connector.register_target(rid, req.kv_target)
+            last = None
+            try:
+                async for out in self.engine.generate(
+                    rid, req.prompt_token_ids, params, prefill_only=True
+                ):
+                    last = out
+            finally:
+                if last is None or not last.finished:
+                    # Never scheduled (or aborted before its send began): drop the target.
+                    self.connector.unregister_target(rid)
+            if last is None or last.finish_reason == "abort" or not last.token_ids:
+                raise RuntimeError(f"prefill of {rid!r} ended without a first token")
+            # The sender's verdict: every layer landed and the decode side confirmed it.
+            timeout = max(0.0, req.kv_target.deadline - time.time()) + RESULT_GRACE_S
+            result = await asyncio.to_thread(self.connector.take_result, rid, timeout)
+            if result is None:
+                raise TimeoutError(f"KV transfer of {rid!r} did not finish within {timeout:.1f}s")
+            if not result.ok:
+                raise KVTransferError(f"KV transfer of {rid!r} failed: {result.error}")
+        first_logprobs = (
+            to_wire_logprob(last.logprobs[0], self.engine.tokenizer) if last.logprobs else None
+        )
+        return PrefillResponse(
+            request_id=rid,
+            first_token_id=last.token_ids[0],
+            first_logprobs=first_logprobs,
+            transfer=result,
+            num_cached_tokens=last.num_cached_tokens,
+            prefill_seconds=time.perf_counter() - start,
+        )
+
+    # ------------------------------------------------------------------ Serve hooks
+    def record_routing_stats(self) -> dict[str, Any]:
+        stats = self.engine.stats()
+        self.metrics.record_load(
+            running=stats.num_running, waiting=stats.num_waiting, kv_usage=stats.kv_usage
+        )
+        return replica_stats(
+            "prefill",
+            stats,
+            max_num_seqs=self.max_num_seqs,
+            kv_bytes_per_token=self.kv_bytes_per_token,
+            prompt_tokens_per_s=self._arrivals.rate(),
+        ).model_dump()
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        return prefill_autoscaling_stats(self.engine.stats(), self._arrivals.rate())
+
+    def check_health(self) -> None:
+        self.engine.check_health()
+
+    # ------------------------------------------------------------------ test/ops hooks
+    async def check_integrity(self) -> IntegrityReport:
+        """Engine queues and block ref counts consistent; reports what is still held."""
+        await check_engine_integrity(self.engine)
+        stats = self.engine.stats()
+        return IntegrityReport(
+            role="prefill",
+            node_id=replica_node_id(),
+            num_unfinished=stats.num_running + stats.num_waiting + stats.num_sending_kv,
+            num_free_blocks=stats.num_free_blocks,
+            num_total_blocks=stats.num_total_blocks,
+            pending_transfers=self.sender.open_handles(),
+        )
+
+    def actor_name(self) -> str | None:
+        """Ray actor name of this replica (ops and tests: ``ray.get_actor(name, "serve")``)."""
+        return replica_actor_name()
+
+    def shutdown(self) -> None:
+        """Close KV connections and stop the engine (idempotent)."""
+        self.sender.close()
+        self.engine.shutdown()
+
+    def __del__(self) -> None:  # Serve calls this when it stops the replica
+        with contextlib.suppress(Exception):
+            self.shutdown()

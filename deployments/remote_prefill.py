@@ -1,0 +1,184 @@
+"""Remote prefill, decode side: reserve blocks, expect the KV, call the prefill pool, hand
+the KV to the engine, and fall back to a local recompute on any failure.
+
+Used by ``DecodeServer`` for every request its policy sends to the prefill pool. The
+invariant it keeps: when it returns (or is cancelled) no prefill peer is still writing into
+the request's blocks, and the engine request is either decoding, recomputing locally, or
+aborted (its blocks freed), never left waiting for KV that will not come.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from deployments import tracing
+from deployments.messages import GenerateRequest, PrefillRequest, PrefillResponse
+from deployments.metrics import ServingMetrics
+from deployments.outputs import to_engine_logprob
+from deployments.policy import RemotePrefillEstimator
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from kvtransfer.receiver import KVReceiver
+from kvtransfer.types import KVTarget
+
+logger = logging.getLogger("ray.serve")
+
+# Extra time past the KV deadline granted to the prefill call's answer (its own result
+# wait is bounded by the same deadline).
+PREFILL_CALL_GRACE_S = 2.0
+
+
+class PrefillClient(Protocol):
+    """Calls the prefill pool; cancelling the awaiting task cancels the call."""
+
+    async def prefill(self, request: PrefillRequest) -> PrefillResponse: ...
+
+
+class ServePrefillClient:
+    """``PrefillClient`` over a Serve ``DeploymentHandle`` to ``PrefillServer``."""
+
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle
+
+    async def prefill(self, request: PrefillRequest) -> PrefillResponse:
+        response = self._handle.prefill.remote(request)
+        try:
+            return await response
+        except asyncio.CancelledError:
+            response.cancel()
+            raise
+
+
+class RemotePrefill:
+    """Runs remote prefills for one decode replica (its engine, receiver and client)."""
+
+    def __init__(
+        self,
+        *,
+        engine: Any,
+        receiver: KVReceiver,
+        client: PrefillClient,
+        estimate: RemotePrefillEstimator,
+        block_size: int,
+        timeout_s: float,
+        model_name: str,
+        metrics: ServingMetrics,
+    ) -> None:
+        self.engine = engine
+        self.receiver = receiver
+        self.client = client
+        self.estimate = estimate
+        self.block_size = block_size
+        self.timeout_s = timeout_s
+        self.model_name = model_name
+        self.metrics = metrics
+        self.fallbacks = 0
+        # Where a request's prompt really got prefilled when it differs from "remote"
+        # (no room to reserve -> "local"; the remote prefill failed -> "fallback").
+        self.placed: dict[str, str] = {}
+
+    async def outputs(
+        self, req: GenerateRequest, params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """The request's engine outputs, its prompt prefilled remotely (or locally when
+        the pool has no room, or after a failure)."""
+        rid, ids = req.request_id, req.prompt_token_ids
+        blocks = await self.engine.reserve_remote_prefill(rid, ids, params)
+        if blocks is None:
+            # No room for the whole prompt now: the local scheduler queues it instead.
+            self.placed[rid] = "local"
+            async with contextlib.aclosing(self.engine.generate(rid, ids, params)) as local:
+                async for out in local:
+                    yield out
+            return
+        deadline = time.time() + self.timeout_s
+        try:
+            target = self.receiver.expect(
+                rid, blocks[: math.ceil(len(ids) / self.block_size)], deadline
+            )
+        except BaseException:
+            await self.engine.abort(rid)
+            raise
+        handoff = asyncio.create_task(self._handoff(req, target))
+        stream = self.engine.stream(rid)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            # Order matters: stop the prefill call and fence the peer before the engine
+            # may free (and reuse) the blocks the peer writes into.
+            if not handoff.done():
+                handoff.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await handoff
+            await asyncio.to_thread(self.receiver.cancel, rid)
+            await stream.aclose()
+
+    async def _handoff(self, req: GenerateRequest, target: KVTarget) -> None:
+        """Run the remote prefill and hand its KV to the engine, or fall back to local."""
+        rid, n = req.request_id, len(req.prompt_token_ids)
+        began = time.perf_counter()
+        self.estimate.started(n)
+        try:
+            with tracing.span("prefill_remote", self.model_name) as span:
+                try:
+                    response = await asyncio.wait_for(
+                        self.client.prefill(
+                            PrefillRequest(
+                                request_id=rid,
+                                prompt_token_ids=req.prompt_token_ids,
+                                sampling=req.sampling,
+                                kv_target=target,
+                                trace_carrier=tracing.inject(),
+                            )
+                        ),
+                        timeout=max(0.0, target.deadline - time.time()) + PREFILL_CALL_GRACE_S,
+                    )
+                    result = await asyncio.to_thread(self.receiver.wait, rid, target.deadline)
+                    end_ns = time.time_ns()
+                    tracing.record_span(
+                        "kv_transfer",
+                        self.model_name,
+                        start_ns=end_ns - int(result.seconds * 1e9),
+                        end_ns=end_ns,
+                        attributes={
+                            "pdserve.kv_transfer.bytes": result.bytes,
+                            "pdserve.kv_transfer.transport": result.transport,
+                        },
+                    )
+                    await self.engine.complete_remote_prefill(
+                        rid, response.first_token_id, to_engine_logprob(response.first_logprobs)
+                    )
+                    self.estimate.observe(n, time.perf_counter() - began, response.prefill_seconds)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as err:  # noqa: BLE001 - every failure falls back to local
+                    span.set_attribute("pdserve.prefill.fallback", type(err).__name__)
+                    await self._fall_back(rid, n, began, err)
+        finally:
+            self.estimate.finished(n)
+
+    async def _fall_back(self, rid: str, n: int, began: float, err: Exception) -> None:
+        logger.warning(
+            "remote prefill of %s failed (%s: %s); recomputing locally",
+            rid,
+            type(err).__name__,
+            err,
+        )
+        await asyncio.to_thread(self.receiver.cancel, rid)
+        # Count the failed attempt's time so a dead or slow pool stops attracting requests.
+        self.estimate.observe(n, time.perf_counter() - began, 0.0)
+        self.fallbacks += 1
+        self.placed[rid] = "fallback"
+        self.metrics.prefill_fallbacks.inc()
+        try:
+            await self.engine.fail_remote_prefill(rid)
+        except Exception:  # noqa: BLE001 - e.g. the request was aborted meanwhile
+            logger.exception("local recompute of %s could not start; aborting it", rid)
+            await self.engine.abort(rid)  # ends the stream instead of leaving it waiting

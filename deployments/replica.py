@@ -1,0 +1,118 @@
+"""Per-replica helpers shared by the prefill and decode servers: identity, torch threads,
+the KV-transfer metrics observer, and the integrity report both servers return.
+
+Everything here also works outside Ray (tests construct servers directly).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from deployments.metrics import ServingMetrics
+from kvtransfer.types import TransferResult
+
+
+class IntegrityReport(BaseModel):
+    """What a server still holds; after all requests ended every count should be idle."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    role: Literal["prefill", "decode"]
+    node_id: str | None = Field(description="Ray node id of the replica (None outside Ray).")
+    num_unfinished: int = Field(description="Requests the engine still tracks.")
+    num_free_blocks: int = Field(description="KV blocks free or evictable.")
+    num_total_blocks: int
+    pending_transfers: list[str] = Field(description="KV transfers still open.")
+    num_streams: int = Field(default=0, description="Client streams still open (decode).")
+
+    @property
+    def idle(self) -> bool:
+        return (
+            self.num_unfinished == 0
+            and self.num_free_blocks == self.num_total_blocks
+            and not self.pending_transfers
+            and self.num_streams == 0
+        )
+
+
+def set_torch_threads(num_cpus: float) -> int:
+    """Give torch as many intra-op threads as the replica has CPUs (at least one):
+    unpinned replicas on a small machine would otherwise oversubscribe each other."""
+    import torch
+
+    threads = max(1, int(num_cpus))
+    torch.set_num_threads(threads)
+    return threads
+
+
+def _in_ray_worker() -> bool:
+    try:
+        import ray
+
+        return ray.is_initialized()
+    except ImportError:  # pragma: no cover
+        return False
+
+
+def replica_name() -> str:
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_tag
+    except Exception:  # noqa: BLE001 - not inside a Serve replica
+        return f"local-{os.getpid()}"
+
+
+def replica_node_id() -> str | None:
+    if not _in_ray_worker():
+        return None
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
+
+
+def replica_actor_name() -> str | None:
+    """This replica's Ray actor name (namespace "serve"), None outside Ray."""
+    if not _in_ray_worker():
+        return None
+    import ray
+
+    return ray.get_runtime_context().get_actor_name()
+
+
+def transfer_host(configured: str | None) -> str:
+    """Address the KV listener binds to: configured, else this Ray node's address."""
+    if configured:
+        return configured
+    if _in_ray_worker():
+        import ray
+
+        return ray.util.get_node_ip_address()
+    return "127.0.0.1"
+
+
+class TransferMetricsObserver:
+    """kvtransfer observer exporting pdserve:kv_transfer_{seconds,bytes,failures}; also keeps
+    totals for the server's counters. Called from transfer threads, hence the lock."""
+
+    def __init__(self, metrics: ServingMetrics) -> None:
+        self.metrics = metrics
+        self._lock = threading.Lock()
+        self.bytes = 0
+        self.transfers = 0
+        self.failures = 0
+
+    def on_transfer(self, side: str, result: TransferResult) -> None:
+        with self._lock:
+            self.transfers += 1
+            self.bytes += result.bytes
+            self.failures += 0 if result.ok else 1
+        if result.bytes:
+            self.metrics.kv_transfer_bytes.inc(result.bytes)
+        self.metrics.kv_transfer_seconds.observe(result.seconds)
+        if not result.ok:
+            self.metrics.kv_transfer_failures.inc()

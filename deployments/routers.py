@@ -1,0 +1,224 @@
+"""Serve request routers for the two pools: TTFT-aware for prefill, KV-aware for decode.
+
+Replicas publish ``ReplicaStats`` from ``record_routing_stats()``; Serve's controller hands
+them to every router as ``RunningReplica.routing_stats``. Those numbers lag by up to a stats
+period, so each router also counts what it routed itself and has not seen complete, and
+uses the larger of the two (a lower bound on the replica's true queue that stays correct
+when several routers share a pool).
+
+The scoring functions are pure (``predict_prefill_ttft_s``, ``decode_load_score``) and the
+``rank_*`` helpers take any objects with ``replica_id`` and ``routing_stats``, so they are
+unit-tested with fakes; the ``RequestRouter`` subclasses only glue them to Serve.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from pydantic import ValidationError
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from deployments.messages import GenerateRequest, PrefillRequest, ReplicaStats
+
+logger = logging.getLogger("ray.serve")
+
+
+class ReplicaView(Protocol):
+    """What the ranking needs from a replica (``RunningReplica`` satisfies it)."""
+
+    @property
+    def replica_id(self) -> Any: ...
+
+    @property
+    def routing_stats(self) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True)
+class PrefillRouterParams:
+    default_prefill_tokens_per_s: float = 2000.0
+    transfer_bytes_per_s: float = 1.0e9
+    kv_bytes_per_token: int = 0  # 0 = use the replica's reported value
+
+
+@dataclass(frozen=True)
+class DecodeRouterParams:
+    kv_weight: float = 1.0
+    batch_weight: float = 1.0
+
+
+def parse_stats(raw: dict[str, Any] | None) -> ReplicaStats | None:
+    """Routing stats as published by a replica; None when missing or malformed."""
+    if not raw:
+        return None
+    try:
+        return ReplicaStats.model_validate(raw)
+    except ValidationError:
+        logger.warning("ignoring malformed routing stats: %r", raw)
+        return None
+
+
+def predict_prefill_ttft_s(
+    stats: ReplicaStats | None, inflight_tokens: int, prompt_tokens: int, p: PrefillRouterParams
+) -> float:
+    """Queue wait + this prompt's compute + the KV transfer, in seconds."""
+    queued = max(stats.queued_prefill_tokens if stats else 0, inflight_tokens)
+    rate = (stats.prefill_tokens_per_s if stats else 0.0) or p.default_prefill_tokens_per_s
+    bytes_per_token = p.kv_bytes_per_token or (stats.kv_bytes_per_token if stats else 0)
+    transfer_s = prompt_tokens * bytes_per_token / p.transfer_bytes_per_s
+    return (queued + prompt_tokens) / rate + transfer_s
+
+
+def decode_load_score(
+    stats: ReplicaStats | None, inflight: int, blocks_needed: int, p: DecodeRouterParams
+) -> tuple[bool, float]:
+    """(fits, score): lower score is better; ``fits`` is False when the request's blocks
+    do not fit in the replica's free KV blocks right now."""
+    if stats is None:
+        # Unknown replica (just started): it has the whole pool free and an empty batch.
+        return True, p.batch_weight * inflight
+    batch = max(stats.num_running + stats.num_waiting + stats.num_waiting_remote_kv, inflight)
+    total = max(stats.num_total_blocks, 1)
+    used = total - stats.num_free_blocks
+    kv_after = (used + blocks_needed) / total
+    score = p.kv_weight * kv_after + p.batch_weight * batch / max(stats.max_num_seqs, 1)
+    return stats.num_free_blocks >= blocks_needed, score
+
+
+def rank_prefill(
+    replicas: Sequence[ReplicaView],
+    prompt_tokens: int,
+    inflight_tokens: dict[Any, int],
+    p: PrefillRouterParams,
+) -> list[list[Any]]:
+    """Singleton tiers, lowest predicted TTFT first (ties keep the input order)."""
+    scored = [
+        (
+            predict_prefill_ttft_s(
+                parse_stats(r.routing_stats), inflight_tokens.get(r.replica_id, 0), prompt_tokens, p
+            ),
+            i,
+            r,
+        )
+        for i, r in enumerate(replicas)
+    ]
+    scored.sort(key=lambda t: (t[0], t[1]))
+    return [[r] for _, _, r in scored]
+
+
+def rank_decode(
+    replicas: Sequence[ReplicaView],
+    blocks_needed: int,
+    inflight: dict[Any, int],
+    p: DecodeRouterParams,
+) -> list[list[Any]]:
+    """Singleton tiers: replicas where the request fits first, each group by load score."""
+    scored = []
+    for i, r in enumerate(replicas):
+        fits, score = decode_load_score(
+            parse_stats(r.routing_stats), inflight.get(r.replica_id, 0), blocks_needed, p
+        )
+        scored.append((not fits, score, i, r))
+    scored.sort(key=lambda t: t[:3])
+    return [[r] for *_, r in scored]
+
+
+def _request_arg(pending_request: PendingRequest | None) -> Any:
+    if pending_request is None or not pending_request.args:
+        return None
+    return pending_request.args[0]
+
+
+class _TrackingRouter(RequestRouter):
+    """Counts, per replica, the load this router sent that has not completed yet."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._inflight: dict[ReplicaID, int] = {}
+        self._by_request: dict[str, tuple[ReplicaID, int]] = {}
+
+    def _weight(self, pending_request: PendingRequest) -> int:
+        return 1
+
+    def on_request_routed(
+        self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
+    ) -> None:
+        weight = self._weight(pending_request)
+        self._by_request[pending_request.metadata.internal_request_id] = (replica_id, weight)
+        self._inflight[replica_id] = self._inflight.get(replica_id, 0) + weight
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        entry = self._by_request.pop(internal_request_id, None)
+        if entry is None:
+            return
+        rid, weight = entry
+        left = self._inflight.get(rid, 0) - weight
+        if left > 0:
+            self._inflight[rid] = left
+        else:
+            self._inflight.pop(rid, None)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._inflight.pop(replica_id, None)
+
+
+class PrefillRequestRouter(_TrackingRouter):
+    """Routes ``PrefillRequest``s to the replica with the smallest predicted TTFT."""
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        self._params = PrefillRouterParams(**kwargs)
+
+    def _weight(self, pending_request: PendingRequest) -> int:
+        req = _request_arg(pending_request)
+        return len(req.prompt_token_ids) if isinstance(req, PrefillRequest) else 1
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        if pending_request is not None:
+            # Back off between rounds when every replica is full (no tight loop).
+            pending_request.routing_context.should_backoff = True
+        if not candidate_replicas:
+            return []
+        req = _request_arg(pending_request)
+        tokens = len(req.prompt_token_ids) if isinstance(req, PrefillRequest) else 0
+        params = getattr(self, "_params", PrefillRouterParams())
+        return rank_prefill(candidate_replicas, tokens, self._inflight, params)
+
+
+class DecodeRequestRouter(_TrackingRouter):
+    """Routes ``GenerateRequest``s to the replica with KV headroom and the lightest batch."""
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        self._params = DecodeRouterParams(**kwargs)
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        if pending_request is not None:
+            pending_request.routing_context.should_backoff = True
+        if not candidate_replicas:
+            return []
+        req = _request_arg(pending_request)
+        blocks_needed = 0
+        if isinstance(req, GenerateRequest):
+            block_size = _block_size(candidate_replicas)
+            tokens = len(req.prompt_token_ids) + req.sampling.max_tokens
+            blocks_needed = -(-tokens // block_size)
+        params = getattr(self, "_params", DecodeRouterParams())
+        return rank_decode(candidate_replicas, blocks_needed, self._inflight, params)
+
+
+def _block_size(replicas: Sequence[ReplicaView]) -> int:
+    for r in replicas:
+        stats = parse_stats(r.routing_stats)
+        if stats is not None:
+            return stats.block_size
+    return 16

@@ -1,0 +1,106 @@
+"""A real pdserve Serve app for the ingress tests: one local Ray instance on 127.0.0.2,
+Serve's HTTP and gRPC proxies on OS-chosen ports of 127.0.0.1, the tiny test model and the
+real engine (no prefill pool: every request prefills on the decode replica)."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+GRPC_SERVICER = "deployments.grpc.pdserve_pb2_grpc.add_PDServeServicer_to_server"
+APP_NAME = "pdserve"
+MAX_MODEL_LEN = 1024
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class ServeApp:
+    http_url: str
+    grpc_target: str
+    model_dir: str
+    model_name: str
+
+    def decode_handle(self) -> Any:
+        from ray import serve
+
+        from deployments.app import DECODE_DEPLOYMENT
+
+        return serve.get_deployment_handle(DECODE_DEPLOYMENT, APP_NAME)
+
+
+def app_config(model_dir: str) -> dict[str, Any]:
+    return {
+        "name": APP_NAME,
+        "model": {"path": model_dir, "name": "tiny"},
+        "policy": {"mode": "always_local"},
+        "decode": {
+            "node_labels": {},
+            "num_cpus": 1,
+            "engine": {"num_kv_blocks": 160, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 8},
+        },
+        "autoscaling": False,
+    }
+
+
+@contextmanager
+def running_app() -> Iterator[ServeApp]:
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+    from deployments.config import AppConfig
+    from engine.testmodel import ensure_test_model
+
+    model_dir = str(ensure_test_model("tiny"))
+    http_port, grpc_port = free_port(), free_port()
+    # A private instance: address="local" never joins a cluster someone else started on this
+    # machine, and its own temp dir keeps it out of /tmp/ray (where `ray.init()` looks).
+    temp_dir = tempfile.mkdtemp(prefix="pdserve-ingress-")
+    ray.init(
+        address="local",
+        _temp_dir=temp_dir,
+        _node_ip_address="127.0.0.2",
+        num_cpus=2,
+        include_dashboard=False,
+        object_store_memory=256 * 2**20,
+        log_to_driver=False,
+    )
+    try:
+        serve.start(
+            http_options={"host": "127.0.0.1", "port": http_port},
+            grpc_options={"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]},
+        )
+        config = AppConfig.from_dict(app_config(model_dir))
+        serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+        app = ServeApp(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", model_dir, "tiny")
+        wait_ready(app.http_url)
+        yield app
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def wait_ready(url: str, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url}/ready did not answer 200 within {timeout_s}s")

@@ -1,0 +1,106 @@
+"""AppConfig: YAML loading, strictness, cross-field rules, Ray placement derived from it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from deployments.config import AppConfig
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "app.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_yaml_round_trip_keeps_every_value(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        """
+name: demo
+model: {test_model: tiny, dtype: float32}
+prefill:
+  min_replicas: 1
+  max_replicas: 4
+  initial_replicas: 2
+  num_cpus: 2
+  engine: {num_kv_blocks: 128, max_num_batched_tokens: 512}
+decode:
+  node_labels: {pdserve.io/pool: decode, zone: a}
+  accelerator_type: H100
+  num_gpus: 1
+slo: {ttft_ms: 500, tpot_ms: 50}
+transport: {kind: shm, timeout_s: 3}
+policy: {local_prefill_max_tokens: 32, on_slo_miss: shed}
+observability: {tracing_exporter: console}
+""",
+    )
+    cfg = AppConfig.from_yaml(path)
+    assert cfg.prefill.max_replicas == 4 and cfg.prefill.start_replicas == 2
+    assert cfg.prefill.engine.num_kv_blocks == 128
+    assert cfg.slo.ttft_ms == 500 and cfg.transport.kind == "shm"
+    assert cfg.prefill.label_selector("prefill") == {"pdserve.io/pool": "prefill"}
+    assert cfg.decode.label_selector("decode") == {
+        "pdserve.io/pool": "decode",
+        "zone": "a",
+        "ray.io/accelerator-type": "H100",
+    }
+    again = AppConfig.from_yaml(write(tmp_path, cfg.to_yaml()))
+    assert again == cfg
+
+
+def test_empty_yaml_gives_defaults(tmp_path: Path) -> None:
+    cfg = AppConfig.from_yaml(write(tmp_path, ""))
+    assert cfg == AppConfig()
+    assert cfg.model.path is None and cfg.model.test_model == "small"
+
+
+def test_unknown_field_is_rejected_with_its_path(tmp_path: Path) -> None:
+    path = write(tmp_path, "prefill:\n  max_replica: 3\n")
+    with pytest.raises(ValueError) as err:
+        AppConfig.from_yaml(path)
+    message = str(err.value)
+    assert "prefill.max_replica" in message
+    assert "unknown field" in message
+    assert str(path) in message
+
+
+@pytest.mark.parametrize(
+    ("data", "needle"),
+    [
+        ({"prefill": {"min_replicas": 3, "max_replicas": 2}}, "min_replicas (3)"),
+        ({"decode": {"initial_replicas": 5, "max_replicas": 2}}, "initial_replicas (5)"),
+        ({"decode": {"min_replicas": 0}}, "decode.min_replicas"),
+        ({"prefill": {"accelerator_type": "L4"}}, "num_gpus"),
+        ({"prefill": {"node_labels": {"ray.io/node-id": "x"}}}, "reserved"),
+        ({"slo": {"ttft_ms": 0}}, "slo.ttft_ms"),
+        ({"transport": {"kind": "carrier-pigeon"}}, "transport.kind"),
+    ],
+)
+def test_invalid_values_name_the_field(data: dict, needle: str) -> None:
+    with pytest.raises(ValueError, match="invalid pdserve config") as err:
+        AppConfig.from_dict(data)
+    assert needle in str(err.value)
+
+
+def test_every_field_has_a_description() -> None:
+    def walk(model: type) -> list[str]:
+        missing = []
+        for name, field in model.model_fields.items():
+            if not field.description:
+                missing.append(f"{model.__name__}.{name}")
+            ann = field.annotation
+            if isinstance(ann, type) and hasattr(ann, "model_fields"):
+                missing += walk(ann)
+        return missing
+
+    assert walk(AppConfig) == []
+
+
+def test_model_path_must_exist(tmp_path: Path) -> None:
+    cfg = AppConfig.from_dict({"model": {"path": str(tmp_path / "missing")}})
+    with pytest.raises(ValueError, match="model.path"):
+        cfg.model.resolve_path()
+    assert cfg.model.served_name("/models/llama-3-8b") == "llama-3-8b"

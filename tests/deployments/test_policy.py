@@ -1,0 +1,93 @@
+"""Disaggregation policy: which requests prefill locally, remotely, or are shed."""
+
+from __future__ import annotations
+
+import pytest
+
+from deployments.config import PolicyConfig, SLOConfig
+from deployments.policy import DisaggregationPolicy, LocalLoad, RemotePrefillEstimator
+
+IDLE = LocalLoad(
+    queued_prefill_tokens=0, prefill_tokens_per_s=1000.0, num_running=0, max_num_seqs=8
+)
+
+
+def policy(**overrides: object) -> DisaggregationPolicy:
+    cfg = PolicyConfig(**{"local_prefill_max_tokens": 64, **overrides})
+    return DisaggregationPolicy(cfg, SLOConfig(ttft_ms=1000, tpot_ms=100), 1000.0)
+
+
+def fresh_remote() -> RemotePrefillEstimator:
+    return RemotePrefillEstimator(default_tokens_per_s=1000.0)
+
+
+def decide(p: DisaggregationPolicy, prompt: int, cached: int = 0, **kw: object):
+    args = {"load": IDLE, "remote": fresh_remote(), "sheddable": True, **kw}
+    return p.decide(num_prompt_tokens=prompt, num_cached_tokens=cached, **args)
+
+
+def test_short_prompt_is_local_and_long_prompt_is_remote() -> None:
+    p = policy()
+    assert decide(p, 40).location == "local"
+    assert decide(p, 40).reason == "short_prompt"
+    long = decide(p, 400)
+    assert long.location == "remote" and long.reason == "long_prompt"
+
+
+def test_cached_prefix_makes_a_long_prompt_local() -> None:
+    d = decide(policy(), 400, cached=368)
+    assert d.location == "local" and d.reason == "cached_prefix"
+
+
+def test_saturated_prefill_pool_falls_back_to_local() -> None:
+    remote = fresh_remote()
+    remote.started(5000)  # 5 s of queued prompts at 1000 tok/s: misses the 1 s SLO
+    d = decide(policy(), 400, remote=remote)
+    assert d.location == "local" and d.reason == "prefill_pool_saturated"
+    assert d.predicted_remote_s == pytest.approx(5.4)
+    assert d.predicted_local_s == pytest.approx(0.4)
+    remote.finished(5000)
+    assert decide(policy(), 400, remote=remote).location == "remote"
+
+
+def test_busy_decode_replica_does_not_pull_work_local() -> None:
+    # Both miss the SLO but remote is faster: stay remote.
+    busy = LocalLoad(
+        queued_prefill_tokens=9000, prefill_tokens_per_s=1000.0, num_running=8, max_num_seqs=8
+    )
+    remote = fresh_remote()
+    remote.started(2000)
+    assert decide(policy(), 400, load=busy, remote=remote).location == "remote"
+
+
+def test_no_prefill_pool_means_local_and_modes_force_a_side() -> None:
+    assert decide(policy(), 4000, remote=None).reason == "no_prefill_pool"
+    assert decide(policy(mode="always_remote"), 4).location == "remote"
+    assert decide(policy(mode="always_local"), 4000).location == "local"
+
+
+def test_shed_only_when_configured_unreachable_and_interactive() -> None:
+    overloaded = LocalLoad(
+        queued_prefill_tokens=50_000, prefill_tokens_per_s=1000.0, num_running=1, max_num_seqs=8
+    )
+    remote = fresh_remote()
+    remote.started(50_000)
+    assert decide(policy(), 400, load=overloaded, remote=remote).location != "shed"
+    shedding = policy(on_slo_miss="shed", shed_ttft_factor=4.0)
+    assert decide(shedding, 400, load=overloaded, remote=remote).location == "shed"
+    assert decide(shedding, 400, load=overloaded, remote=remote, sheddable=False).location != "shed"
+    assert decide(shedding, 400, load=IDLE, remote=remote).location == "local"
+    # Without a prefill pool only the local prediction counts.
+    assert decide(shedding, 400, load=overloaded, remote=None).location == "shed"
+
+
+def test_estimator_learns_rate_and_overhead_from_observations() -> None:
+    est = RemotePrefillEstimator(default_tokens_per_s=1000.0, alpha=1.0)
+    est.observe(num_tokens=500, total_s=0.75, prefill_s=0.25)
+    assert est.tokens_per_s == pytest.approx(2000.0)
+    assert est.overhead_s == pytest.approx(0.5)
+    assert est.predict_s(1000) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="alpha"):
+        RemotePrefillEstimator(1000.0, alpha=0.0)
+    with pytest.raises(ValueError, match="num_prompt_tokens"):
+        decide(policy(), 0)

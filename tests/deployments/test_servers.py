@@ -1,0 +1,215 @@
+"""Prefill and decode servers in one process (no Ray): the real tiny engine on both sides,
+the real shared-memory KV transfer between them, and the decode server's orchestration:
+local vs remote prefill, fallback when the prefill side fails, cancellation, shedding."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from deployments.config import AppConfig
+from deployments.decode_server import DecodeServer
+from deployments.messages import GenerateChunk, GenerateRequest, SamplingOptions
+from deployments.prefill_server import PrefillServer
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from tests.deployments.serving_fakes import InProcessPrefill
+
+SHORT = [11, 12, 13, 14, 15, 16, 17]  # 7 tokens: local
+
+
+def long_prompt(seed: int, n: int) -> list[int]:
+    """A distinct prompt per test: a prompt seen before would hit the prefix cache and
+    (correctly) be prefilled locally."""
+    return [(i * 7 + seed * 101) % 1800 + 20 for i in range(n)]
+
+
+LONG_A = long_prompt(1, 70)  # 70 tokens: remote
+LONG_B = long_prompt(2, 45)
+
+
+def config(**overrides: Any) -> AppConfig:
+    data: dict[str, Any] = {
+        "model": {"test_model": "tiny", "dtype": "float32", "device": "cpu"},
+        "prefill": {"engine": {"num_kv_blocks": 64, "max_num_seqs": 8}},
+        "decode": {"engine": {"num_kv_blocks": 64, "max_num_seqs": 8}},
+        "slo": {"ttft_ms": 60_000},
+        "transport": {"timeout_s": 3.0},
+        "policy": {"local_prefill_max_tokens": 32},
+        "observability": {"metrics_enabled": False},
+    }
+    for key, value in overrides.items():
+        data[key] = {**data.get(key, {}), **value}
+    return AppConfig.from_dict(data)
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> str:
+    return config().model.resolve_path()
+
+
+@pytest.fixture(scope="module")
+def servers(model_dir: str) -> Iterator[tuple[DecodeServer, PrefillServer, InProcessPrefill]]:
+    cfg = config()
+    prefill = PrefillServer(cfg, model_dir)
+    client = InProcessPrefill(prefill)
+    decode = DecodeServer(cfg, model_dir, prefill=client)
+    yield decode, prefill, client
+    decode.shutdown()
+    prefill.shutdown()
+
+
+@pytest.fixture()
+def pd(servers: tuple[DecodeServer, PrefillServer, InProcessPrefill]) -> Iterator[Any]:
+    decode, prefill, client = servers
+    client.reset()
+    yield servers
+    client.reset()
+    assert_idle(decode, prefill)
+
+
+def assert_idle(decode: DecodeServer, prefill: PrefillServer) -> None:
+    async def reports() -> tuple[Any, Any]:
+        # Aborts and sends finish asynchronously on the engine threads; give them a moment.
+        for _ in range(100):
+            d, p = await decode.check_integrity(), await prefill.check_integrity()
+            if d.idle and p.idle:
+                break
+            await asyncio.sleep(0.05)
+        return d, p
+
+    d, p = asyncio.run(reports())
+    assert d.idle, d
+    assert p.idle, p
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: str) -> Callable[[list[int]], list[int]]:
+    """Greedy outputs of a single plain engine."""
+    engine = LLMEngine.from_pretrained(model_dir, dtype="float32", device="cpu", num_kv_blocks=64)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+    def expected(prompt: list[int]) -> list[int]:
+        return engine.generate([prompt], greedy)[0].token_ids
+
+    return expected
+
+
+def request(rid: str, prompt: list[int], max_tokens: int = 12, **kw: Any) -> GenerateRequest:
+    sampling = SamplingOptions(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling, **kw)
+
+
+async def collect(decode: DecodeServer, req: GenerateRequest) -> list[GenerateChunk]:
+    return [chunk async for chunk in decode.generate(req)]
+
+
+def tokens(chunks: list[GenerateChunk]) -> list[int]:
+    return [t for c in chunks for t in c.token_ids]
+
+
+def test_local_and_remote_prefill_match_a_single_engine(
+    pd: Any, reference: Callable[[list[int]], list[int]]
+) -> None:
+    decode, _, client = pd
+    before = decode.counters()
+
+    async def run() -> list[list[GenerateChunk]]:
+        reqs = [request("s1", SHORT), request("l1", LONG_A), request("l2", LONG_B)]
+        return await asyncio.gather(*(collect(decode, r) for r in reqs))
+
+    short, long_a, long_b = asyncio.run(run())
+    assert tokens(short) == reference(SHORT)
+    assert tokens(long_a) == reference(LONG_A)
+    assert tokens(long_b) == reference(LONG_B)
+    assert [c[0].prefill_location for c in (short, long_a, long_b)] == ["local", "remote", "remote"]
+    assert long_a[-1].finish_reason == "length" and long_a[-1].num_prompt_tokens == 70
+    assert "".join(c.text for c in long_a)  # text deltas stream too
+    after = decode.counters()
+    assert client.calls == 2
+    assert (after.remote - before.remote, after.local - before.local) == (2, 1)
+    # 70 + 45 prompt tokens -> 5 + 3 blocks of KV, every layer, K and V.
+    expected = (5 + 3) * decode.kv_bytes_per_token * decode.block_size
+    assert after.kv_bytes_received - before.kv_bytes_received == expected
+
+
+@pytest.mark.parametrize("failure", ["replica_died", "deadline_missed"])
+def test_failed_remote_prefill_recomputes_locally(
+    pd: Any, reference: Callable[[list[int]], list[int]], failure: str
+) -> None:
+    decode, _, client = pd
+    if failure == "replica_died":
+        client.fail = RuntimeError("ActorDiedError: the prefill replica died")
+    else:
+        client.delay_s = 30.0  # far past the 3 s transfer deadline
+    before = decode.counters()
+    prompt = long_prompt(3 if failure == "replica_died" else 4, 50)
+    chunks = asyncio.run(collect(decode, request(f"f-{failure}", prompt)))
+    assert tokens(chunks) == reference(prompt)
+    assert chunks[0].prefill_location == "fallback"
+    assert all(c.error is None for c in chunks)
+    assert decode.counters().fallbacks == before.fallbacks + 1
+    if failure == "deadline_missed":
+        assert client.cancelled == 1  # the stalled call was cancelled, not left running
+
+
+def test_client_disconnect_mid_stream_frees_blocks_on_both_sides(pd: Any) -> None:
+    decode, _, _ = pd
+
+    async def run() -> list[GenerateChunk]:
+        got = []
+        gen = decode.generate(request("cancel-stream", long_prompt(5, 60), max_tokens=200))
+        async with contextlib.aclosing(gen):
+            async for chunk in gen:
+                got.append(chunk)
+                if len(tokens(got)) >= 3:
+                    break  # the client went away
+        return got
+
+    got = asyncio.run(run())
+    assert got[0].prefill_location == "remote" and got[-1].finish_reason is None
+    # the pd fixture asserts both servers are idle: no blocks, transfers or streams held
+
+
+def test_cancel_while_prefill_is_in_flight(pd: Any) -> None:
+    decode, prefill, client = pd
+    client.delay_s = 0.5
+
+    async def run() -> None:
+        prompt = long_prompt(6, 60)
+        task = asyncio.create_task(collect(decode, request("cancel-prefill", prompt)))
+        await asyncio.sleep(0.2)
+        assert decode.receiver.pending() == ["cancel-prefill"]
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(run())
+    assert client.cancelled == 1
+    assert decode.receiver.pending() == []
+
+
+def test_invalid_request_gets_an_error_chunk(pd: Any) -> None:
+    decode, _, _ = pd
+    too_long = [5] * 5000  # longer than the 64-block pool can ever hold
+    chunks = asyncio.run(collect(decode, request("too-long", too_long)))
+    assert len(chunks) == 1 and chunks[0].error is not None
+    assert chunks[0].error.code == 400 and "max_model_len" in chunks[0].error.message
+
+
+def test_shedding_when_no_placement_meets_the_slo(model_dir: str) -> None:
+    cfg = config(slo={"ttft_ms": 0.01}, policy={"on_slo_miss": "shed", "retry_after_s": 2.0})
+    decode = DecodeServer(cfg, model_dir, prefill=None)
+    try:
+        shed = asyncio.run(collect(decode, request("shed-me", LONG_A)))
+        assert len(shed) == 1 and shed[0].error is not None
+        assert (shed[0].error.code, shed[0].error.retry_after_s) == (429, 2.0)
+        batch = asyncio.run(collect(decode, request("batch", SHORT, slo_class="batch")))
+        assert batch[-1].finish_reason == "length" and batch[0].prefill_location == "local"
+        assert decode.counters().shed == 1
+    finally:
+        decode.shutdown()
