@@ -76,6 +76,7 @@ def build_application(
         model_name=cfg.model.served_name(model_dir),
         max_model_len=cfg.decode.engine.max_model_len,
         ready_deployments=ready,
+        observability=cfg.observability,
     )
 
 

@@ -58,15 +58,10 @@ class _LateConnector:
     The sender needs the engine's KV layout (known once the engine allocated its pool) and
     the engine needs its connector at construction; this breaks the cycle.
 
-    It also holds back the ids ``end_step`` reports until the next ``poll_finished``: a
-    fast (shared-memory) send can complete inside the very step that finishes the prefill,
-    before the scheduler moved the request to its sending set, and the scheduler drops an
-    id it does not know yet (its blocks would leak). One step later it always knows it.
     """
 
     def __init__(self) -> None:
         self.target: PrefillKVConnector | None = None
-        self._held: list[str] = []
 
     def _bound(self) -> PrefillKVConnector:
         if self.target is None:
@@ -80,12 +75,10 @@ class _LateConnector:
         self._bound().layer_computed(layer_idx, kv_cache)
 
     def end_step(self) -> list[str]:
-        self._held.extend(self._bound().end_step())
-        return []
+        return self._bound().end_step()
 
     def poll_finished(self) -> list[str]:
-        held, self._held = self._held, []
-        return held + self._bound().poll_finished()
+        return self._bound().poll_finished()
 
 
 class PrefillServer:
