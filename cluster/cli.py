@@ -1,0 +1,290 @@
+"""pdserve: prefill/decode disaggregated LLM serving on Ray Serve (the `pdserve` command).
+
+  pdserve up                 start a local head + prefill node + decode node on 127.0.0.2
+  pdserve serve [CONFIG]     deploy the app (AppConfig YAML; default: the small test model)
+  pdserve status             nodes, pools, replicas and load
+  pdserve env                `export` lines that point ray/serve CLIs at the cluster
+  pdserve down               stop everything `up` started, by pid; remove its temp dirs
+  pdserve run [CONFIG]       up + serve, wait for Ctrl-C / SIGTERM, then down
+
+What `up` started is recorded in a state directory: --state-dir, else $PDSERVE_STATE_DIR,
+else $XDG_STATE_HOME/pdserve (~/.local/state/pdserve). Both are read here, once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import signal
+import sys
+import threading
+from pathlib import Path
+from types import FrameType
+
+from cluster.state import ClusterState, default_state_dir, load_state, ray_client_env
+
+STATE_DIR_ENV = "PDSERVE_STATE_DIR"
+EXIT_FAILURE, EXIT_USAGE = 1, 2
+
+
+def _say(message: str) -> None:
+    print(f"pdserve: {message}", flush=True)
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pdserve",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--state-dir",
+        type=Path,
+        default=None,
+        help=f"where the cluster's state file lives (default: ${STATE_DIR_ENV} or "
+        f"{default_state_dir()})",
+    )
+    cluster_flags = argparse.ArgumentParser(add_help=False)
+    group = cluster_flags.add_argument_group("cluster")
+    group.add_argument("--head-cpus", type=int, default=None, help="logical CPUs of the head (0)")
+    group.add_argument(
+        "--prefill-cpus", type=int, default=None, help="CPUs of the prefill node (half the cores)"
+    )
+    group.add_argument(
+        "--decode-cpus", type=int, default=None, help="CPUs of the decode node (the other half)"
+    )
+    group.add_argument(
+        "--prefill-gpus", type=int, default=None, help="GPUs of the prefill node (0)"
+    )
+    group.add_argument("--decode-gpus", type=int, default=None, help="GPUs of the decode node (0)")
+    group.add_argument(
+        "--object-store-mib", type=int, default=None, help="object store cap per node (256)"
+    )
+    group.add_argument(
+        "--no-dashboard", action="store_true", help="skip the dashboard (status needs it)"
+    )
+    group.add_argument(
+        "--start-timeout", type=_positive_float, default=90.0, help="seconds per node to start"
+    )
+    serve_flags = argparse.ArgumentParser(add_help=False)
+    serve_flags.add_argument(
+        "config", nargs="?", type=Path, default=None, help="AppConfig YAML (default: built-in)"
+    )
+    serve_flags.add_argument(
+        "--deploy-timeout",
+        type=_positive_float,
+        default=600.0,
+        help="seconds to wait for every replica to run",
+    )
+
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub.add_parser("up", parents=[common, cluster_flags], help="start the local cluster")
+    sub.add_parser("serve", parents=[common, serve_flags], help="deploy the application")
+    status = sub.add_parser("status", parents=[common], help="show nodes, pools, replicas")
+    status.add_argument("--json", action="store_true", help="print the recorded state as JSON")
+    sub.add_parser(
+        "env", parents=[common], help="print `export` lines for ray/serve CLIs and drivers"
+    )
+    sub.add_parser("down", parents=[common], help="stop the local cluster")
+    sub.add_parser(
+        "run", parents=[common, cluster_flags, serve_flags], help="up + serve, wait, down"
+    )
+    return parser
+
+
+def resolve_state_dir(flag: Path | None) -> Path:
+    if flag is not None:
+        return flag
+    env = os.environ.get(STATE_DIR_ENV)
+    return Path(env) if env else default_state_dir()
+
+
+def _cluster_spec(args: argparse.Namespace):  # -> ClusterSpec (import kept lazy)
+    from cluster.topology import ClusterSpec
+
+    return ClusterSpec.for_this_machine(
+        head_cpus=args.head_cpus,
+        prefill_cpus=args.prefill_cpus,
+        decode_cpus=args.decode_cpus,
+        prefill_gpus=args.prefill_gpus,
+        decode_gpus=args.decode_gpus,
+        object_store_mib=args.object_store_mib,
+        dashboard=False if args.no_dashboard else None,
+    )
+
+
+def _load_config(path: Path | None):  # -> AppConfig
+    from deployments.config import AppConfig
+
+    if path is None:
+        return AppConfig()
+    if not path.is_file():
+        raise ValueError(f"config file {path} does not exist")
+    return AppConfig.from_yaml(path)
+
+
+def cmd_up(args: argparse.Namespace, state_dir: Path) -> int:
+    from cluster.local import start_cluster
+
+    state = start_cluster(
+        _cluster_spec(args), state_dir, timeout_s=args.start_timeout, progress=_say
+    )
+    _say(f"head at {state.gcs_address}; dashboard {state.dashboard_url or 'off'}")
+    _say(f"state in {state_dir}; next: `pdserve serve` (or `pdserve down`)")
+    return 0
+
+
+def _join(state_dir: Path) -> ClusterState:
+    """The recorded cluster, with this process's Ray client settings pointed at it."""
+    state = load_state(state_dir)
+    if state is None:
+        raise RuntimeError(f"no cluster recorded in {state_dir}; run `pdserve up` first")
+    os.environ.update(ray_client_env(state))  # before Ray is imported: it reads them once
+    return state
+
+
+def cmd_serve(args: argparse.Namespace, state_dir: Path, config=None) -> int:
+    from cluster.serving import curl_example, deploy
+    from cluster.state import save_state
+
+    state = _join(state_dir)
+    config = config if config is not None else _load_config(args.config)
+    record = deploy(state, config, timeout_s=args.deploy_timeout, progress=_say)
+    save_state(state_dir, state.model_copy(update={"serve": record}))
+    print(f"\npdserve is ready: model {record.model_name!r}", flush=True)
+    print(f"  OpenAI API  {record.http_url}/v1", flush=True)
+    if record.grpc_address:
+        print(f"  gRPC        {record.grpc_address}", flush=True)
+    if state.dashboard_url:
+        print(f"  dashboard   {state.dashboard_url}", flush=True)
+    print(f"  try:\n    {curl_example(record)}\n", flush=True)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace, state_dir: Path) -> int:
+    state = _join(state_dir)
+    if args.json:
+        print(state.model_dump_json(indent=2))
+        return 0
+    from cluster.status import collect_status, format_status
+
+    status = collect_status(state)
+    print(format_status(status), flush=True)
+    healthy = all(n.process_running and n.ray_state == "ALIVE" for n in status.nodes)
+    return 0 if healthy else EXIT_FAILURE
+
+
+def cmd_env(args: argparse.Namespace, state_dir: Path) -> int:
+    state = _join(state_dir)
+    for key, value in ray_client_env(state).items():
+        print(f"export {key}={shlex.quote(value)}")
+    return 0
+
+
+def cmd_down(args: argparse.Namespace, state_dir: Path) -> int:
+    from cluster.local import stop_cluster
+
+    report = stop_cluster(state_dir)
+    if not report.stopped:
+        _say(f"no cluster recorded in {state_dir}; nothing to stop")
+        return 0
+    if report.survivors:
+        _say(f"processes still running after SIGKILL: {report.survivors}")
+        return EXIT_FAILURE
+    _say(f"stopped {', '.join(report.stopped)}; temp dirs removed")
+    return 0
+
+
+class _Stop(Exception):
+    """Raised in the main thread by SIGTERM so `run` unwinds like Ctrl-C."""
+
+
+def _raise_stop(signum: int, _frame: FrameType | None) -> None:
+    raise _Stop(signal.Signals(signum).name)
+
+
+def cmd_run(args: argparse.Namespace, state_dir: Path) -> int:
+    from cluster.local import running_nodes, stop_cluster
+    from cluster.serving import prepare_model_in_background
+
+    config = _load_config(args.config)  # fail on a bad config before starting anything
+    previous = signal.signal(signal.SIGTERM, _raise_stop)
+    try:
+        model_ready = prepare_model_in_background(config)  # overlaps with the nodes' start
+        cmd_up(args, state_dir)
+        model_ready.join()
+        cmd_serve(args, state_dir, config)
+        _disconnect()  # the app outlives the driver; waiting needs no Ray connection
+        signal.signal(signal.SIGTERM, _raise_stop)  # Ray's driver installs handlers of its own
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        _say("serving; Ctrl-C or SIGTERM stops the cluster")
+        idle = threading.Event()
+        while True:  # until a signal; also ends when a node dies under us
+            idle.wait(2.0)
+            state = load_state(state_dir)
+            if state is None or len(running_nodes(state)) < len(state.nodes):
+                _say("a node of the cluster exited; shutting down")
+                return EXIT_FAILURE
+    except (KeyboardInterrupt, _Stop) as why:
+        _say(f"stopping ({'Ctrl-C' if isinstance(why, KeyboardInterrupt) else why})")
+        return 0
+    finally:
+        # A second Ctrl-C or SIGTERM must not cut `down` short and leave processes behind.
+        previous_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        _disconnect()
+        report = stop_cluster(state_dir)
+        if report.stopped:
+            _say(f"stopped {', '.join(report.stopped)}")
+        if report.survivors:
+            _say(f"processes still running after SIGKILL: {report.survivors}")
+        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
+
+
+def _disconnect() -> None:
+    """Leave the cluster before it goes away, so the driver does not log lost connections."""
+    if "ray" in sys.modules:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+
+
+COMMANDS = {
+    "up": cmd_up,
+    "serve": cmd_serve,
+    "status": cmd_status,
+    "env": cmd_env,
+    "down": cmd_down,
+    "run": cmd_run,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    state_dir = resolve_state_dir(args.state_dir)
+    try:
+        return COMMANDS[args.command](args, state_dir)
+    except ValueError as err:  # bad config or flag values
+        print(f"pdserve {args.command}: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except (RuntimeError, TimeoutError, OSError) as err:
+        print(f"pdserve {args.command}: {err}", file=sys.stderr)
+        return EXIT_FAILURE
+    except KeyboardInterrupt:
+        print(f"pdserve {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

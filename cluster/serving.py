@@ -1,0 +1,167 @@
+"""Deploy the pdserve application onto a running local cluster (``pdserve serve``).
+
+Connects a driver to the recorded cluster, starts Serve with one HTTP (and, if configured,
+gRPC) proxy on the head at the cluster's loopback address and OS-chosen ports, deploys
+``deployments.app.build_app(config)`` and reports progress until every replica runs. The
+application outlives this driver (Serve's controller is detached); ``pdserve down`` ends it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import signal
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from cluster.local import Progress
+from cluster.ports import free_port
+from cluster.state import ClusterState, ServeRecord
+from deployments.config import AppConfig
+
+if TYPE_CHECKING:  # Ray is imported only when deploying
+    from ray.serve.schema import ServeStatus
+
+GRPC_SERVICER = "deployments.grpc.pdserve_pb2_grpc.add_PDServeServicer_to_server"
+
+
+def resolve_model(config: AppConfig, progress: Progress) -> AppConfig:
+    """Pin the model directory before deploying (the test model is generated on first use).
+
+    Resolving here, once, shows the user what takes time and hands every replica a path.
+    """
+    if config.model.path is None:
+        progress(f"model: test model {config.model.test_model!r} (generated once, on first use)")
+    path = config.model.resolve_path()
+    progress(f"model: {path}")
+    return config.model_copy(update={"model": config.model.model_copy(update={"path": path})})
+
+
+def prepare_model_in_background(config: AppConfig) -> threading.Thread:
+    """Resolve (and on first use generate) the model while the cluster starts.
+
+    Errors are left for ``resolve_model`` to raise again in the foreground: generation is
+    idempotent and safe to repeat.
+    """
+
+    def prepare() -> None:
+        with contextlib.suppress(Exception):
+            config.model.resolve_path()
+
+    thread = threading.Thread(target=prepare, name="pdserve-model", daemon=True)
+    thread.start()
+    return thread
+
+
+def bind_front_door(
+    config: AppConfig, node_ip: str, running: ServeRecord | None = None
+) -> AppConfig:
+    """HTTP/gRPC on the cluster's address and OS-chosen ports, unless the config set them.
+
+    A Serve instance that already runs keeps its proxies: reuse their ports then.
+    """
+    http_set, grpc_set = config.http.model_fields_set, config.grpc.model_fields_set
+    http_port = config.http.port if config.http.port and "port" in http_set else None
+    if http_port is None:
+        http_port = running.http_port if running is not None else free_port(node_ip)
+    http = config.http.model_copy(
+        update={"host": config.http.host if "host" in http_set else node_ip, "port": http_port}
+    )
+    grpc = config.grpc
+    if grpc.enabled and not (grpc.port and "port" in grpc_set):
+        port = running.grpc_port if running is not None and running.grpc_port else None
+        grpc = grpc.model_copy(update={"port": port or free_port(node_ip)})
+    return config.model_copy(update={"http": http, "grpc": grpc})
+
+
+def _describe(status: ServeStatus, app_name: str) -> str:
+    """One line: the app's status and each deployment's replica states."""
+    app = status.applications.get(app_name)
+    if app is None:
+        return "application: not created yet"
+    parts = []
+    for name, dep in app.deployments.items():
+        states = ", ".join(f"{n} {s.lower()}" for s, n in sorted(dep.replica_states.items()))
+        parts.append(f"{name} [{dep.status.lower()}{': ' + states if states else ''}]")
+    return f"application {app.status.lower()}: " + "; ".join(parts)
+
+
+def deploy(
+    state: ClusterState, config: AppConfig, *, timeout_s: float, progress: Progress
+) -> ServeRecord:
+    """Deploy and wait until the application runs; raise with Serve's message if it fails."""
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+
+    config = bind_front_door(resolve_model(config, progress), state.node_ip, state.serve)
+    progress(f"connecting to the cluster at {state.gcs_address}")
+    if not ray.is_initialized():
+        # ray.init replaces SIGINT/SIGTERM handlers with its own (which end the process at
+        # once); the caller's handlers decide what a signal means here (`run` cleans up).
+        handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+        ray.init(
+            address=state.gcs_address,
+            _node_ip_address=state.node_ip,
+            log_to_driver=False,
+            logging_level="WARNING",
+        )
+        for sig, handler in handlers.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)  # we report progress ourselves
+    grpc_options = None
+    if config.grpc.enabled:
+        grpc_options = {"port": config.grpc.port, "grpc_servicer_functions": [GRPC_SERVICER]}
+    # One proxy, on the head: proxies on every node would all bind the same address here.
+    serve.start(
+        proxy_location="HeadOnly",
+        http_options={"host": config.http.host, "port": config.http.port},
+        grpc_options=grpc_options,
+    )
+    app = build_app(config)
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            serve.run(app, name=config.name, route_prefix=config.http.route_prefix)
+        except BaseException as err:  # reported by the waiting thread below
+            errors.append(err)
+
+    worker = threading.Thread(target=run, name="pdserve-deploy", daemon=True)
+    worker.start()
+    started, last = time.monotonic(), ""
+    while worker.is_alive():
+        if time.monotonic() - started > timeout_s:
+            raise TimeoutError(f"application not running after {timeout_s:.0f} s ({last})")
+        line = _describe(serve.status(), config.name)
+        if line != last:
+            progress(f"[{time.monotonic() - started:5.1f} s] {line}")
+            last = line
+        worker.join(timeout=1.0)
+    if errors:
+        raise RuntimeError(f"deploying {config.name!r} failed: {errors[0]}") from errors[0]
+    line = _describe(serve.status(), config.name)
+    if line != last:
+        progress(f"[{time.monotonic() - started:5.1f} s] {line}")
+    return ServeRecord(
+        app_name=config.name,
+        model_name=config.model.served_name(str(config.model.path)),
+        http_host=config.http.host,
+        http_port=config.http.port,
+        route_prefix=config.http.route_prefix,
+        grpc_port=config.grpc.port if config.grpc.enabled else None,
+    )
+
+
+def curl_example(record: ServeRecord) -> str:
+    """A request a user can paste into a shell."""
+    message = {"role": "user", "content": "Hello!"}
+    body = json.dumps({"model": record.model_name, "messages": [message], "max_tokens": 32})
+    return (
+        f"curl -s {record.http_url}/v1/chat/completions "
+        f"-H 'Content-Type: application/json' -d '{body}'"
+    )

@@ -1,0 +1,135 @@
+"""The shape of a local pdserve cluster: which Ray nodes, their labels and their CPU shares.
+
+A local cluster mirrors the Kubernetes one (``helm/pdserve``): a head node that runs the Serve
+controller, the proxy and the ingress, a node labelled ``pdserve.io/pool=prefill`` and a node
+labelled ``pdserve.io/pool=decode``. Node CPUs are Ray's logical CPUs; the replicas of each
+pool ask for ``num_cpus`` and size torch's threads from it, so the pool nodes split the
+machine's cores between them and the head gets none by default: the controller, the proxy and
+the ingress ask for 0 CPUs (``AppConfig.ingress_num_cpus``) and spend their time waiting on
+sockets, while an engine replica keeps its cores busy. Giving the head a logical CPU on a
+2-core machine would only let something compute-bound land there and contend with the engines.
+
+This module only describes; ``cluster.local`` starts processes.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from deployments.config import POOL_LABEL_KEY
+
+NodeRole = Literal["head", "prefill", "decode"]
+LOOPBACK_NODE_IP = "127.0.0.2"  # Ray rewrites 127.0.0.1 to the host's address; 127.0.0.2 stays.
+MIB = 1024 * 1024
+MIN_OBJECT_STORE_MIB = 80  # Ray refuses object stores below ~75 MiB.
+
+
+class NodeSpec(BaseModel):
+    """One Ray node of the local cluster."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(description="Short node name, also its temp-dir and log-file name.")
+    role: NodeRole = Field(description="head, or the pool whose replicas the node hosts.")
+    num_cpus: int = Field(ge=0, description="Logical CPUs the node offers to Ray.")
+    num_gpus: int = Field(default=0, ge=0, description="GPUs the node offers to Ray.")
+    object_store_mib: int = Field(
+        ge=MIN_OBJECT_STORE_MIB, description="Cap of the node's object store in /dev/shm (MiB)."
+    )
+    labels: dict[str, str] = Field(description="Ray node labels (``ray start --labels``).")
+
+    @property
+    def object_store_bytes(self) -> int:
+        return self.object_store_mib * MIB
+
+
+class ClusterSpec(BaseModel):
+    """Cluster-level settings of ``pdserve up``: what the CLI flags set (wraps no app config)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    node_ip: str = Field(
+        default=LOOPBACK_NODE_IP, description="Loopback address every node and proxy binds to."
+    )
+    head_cpus: int = Field(default=0, ge=0, description="Logical CPUs of the head node.")
+    prefill_cpus: int = Field(ge=1, description="Logical CPUs of the prefill-pool node.")
+    decode_cpus: int = Field(ge=1, description="Logical CPUs of the decode-pool node.")
+    prefill_gpus: int = Field(
+        default=0,
+        ge=0,
+        description=(
+            "GPUs of the prefill-pool node. On a one-GPU machine both pool nodes may offer "
+            "1: Ray then hands the replicas of each node device 0, so the pools share it."
+        ),
+    )
+    decode_gpus: int = Field(default=0, ge=0, description="GPUs of the decode-pool node.")
+    object_store_mib: int = Field(
+        default=256,
+        ge=MIN_OBJECT_STORE_MIB,
+        description=(
+            "Object store cap per node (MiB). Three of them plus the shared-memory KV pools "
+            "must fit in /dev/shm."
+        ),
+    )
+    dashboard: bool = Field(
+        default=True,
+        description="Start the Ray dashboard on the head (the state API and `status` need it).",
+    )
+
+    @model_validator(mode="after")
+    def _check_node_ip(self) -> ClusterSpec:
+        if self.node_ip in ("127.0.0.1", "localhost"):
+            raise ValueError(
+                "node_ip: Ray rewrites 127.0.0.1/localhost to the host's network address; "
+                "use another loopback address such as 127.0.0.2"
+            )
+        return self
+
+    @classmethod
+    def for_this_machine(cls, **overrides: object) -> ClusterSpec:
+        """Split the machine's cores between the two pool nodes (at least one each)."""
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        cores = cores or os.cpu_count() or 2
+        prefill = max(1, cores // 2)
+        defaults: dict[str, object] = {
+            "prefill_cpus": prefill,
+            "decode_cpus": max(1, cores - prefill),
+        }
+        defaults.update({k: v for k, v in overrides.items() if v is not None})
+        return cls.model_validate(defaults)
+
+    def nodes(self) -> list[NodeSpec]:
+        """Head first: the pool nodes join the head's GCS."""
+        store = self.object_store_mib
+        return [
+            NodeSpec(
+                name="head", role="head", num_cpus=self.head_cpus, object_store_mib=store, labels={}
+            ),
+            NodeSpec(
+                name="prefill",
+                role="prefill",
+                num_cpus=self.prefill_cpus,
+                num_gpus=self.prefill_gpus,
+                object_store_mib=store,
+                labels={POOL_LABEL_KEY: "prefill"},
+            ),
+            NodeSpec(
+                name="decode",
+                role="decode",
+                num_cpus=self.decode_cpus,
+                num_gpus=self.decode_gpus,
+                object_store_mib=store,
+                labels={POOL_LABEL_KEY: "decode"},
+            ),
+        ]
+
+
+def format_labels(labels: dict[str, str]) -> str:
+    """``ray start --labels`` syntax: ``k1=v1,k2=v2``."""
+    for key, value in labels.items():
+        if not key or any(c in key + value for c in ",="):
+            raise ValueError(f"labels: {key!r}={value!r} may not be empty or contain ',' or '='")
+    return ",".join(f"{k}={v}" for k, v in labels.items())
