@@ -1,0 +1,216 @@
+"""The kernel dispatch layer: the only kernel API the engine and kvtransfer call.
+
+CUDA tensors go to the Triton kernels (imported lazily, on first CUDA call, so a machine
+without triton runs the CPU path); CPU tensors go to the batched torch paths in
+``kernels/cpu.py`` or the references in ``kernels/reference.py``. Shapes and the KV cache
+layout are those of .plan/INTERFACES.md. This module validates arguments (ValueError naming
+the argument) but never allocates caches or keeps state besides the lazy imports.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from kernels import cpu, reference
+
+__all__ = [
+    "apply_rotary",
+    "build_rope_cache",
+    "gather_blocks",
+    "paged_attention",
+    "paged_decode_attention",
+    "rms_norm",
+    "scatter_blocks",
+    "write_kv",
+]
+
+logger = logging.getLogger(__name__)
+
+_triton_modules: dict[str, ModuleType | None] = {}
+
+
+def _triton(name: str, tensor: torch.Tensor) -> ModuleType | None:
+    """The Triton module ``kernels.<name>`` for a CUDA tensor, else None (use torch)."""
+    if tensor.device.type != "cuda":
+        return None
+    if name not in _triton_modules:
+        try:
+            _triton_modules[name] = importlib.import_module(f"kernels.{name}")
+        except ImportError as exc:  # triton missing or broken: torch still works on CUDA
+            logger.warning("Triton kernels unavailable (%s); using torch on CUDA", exc)
+            _triton_modules[name] = None
+    return _triton_modules[name]
+
+
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if k_cache.dim() != 4:
+        raise ValueError(f"k_cache: expected [N, B, Hkv, D], got shape {tuple(k_cache.shape)}")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache: shape {tuple(v_cache.shape)} != k_cache {tuple(k_cache.shape)}")
+
+
+def _check_heads(q: torch.Tensor, k_cache: torch.Tensor) -> None:
+    if q.dim() != 3:
+        raise ValueError(f"q: expected [T, Hq, D], got shape {tuple(q.shape)}")
+    if q.shape[2] != k_cache.shape[3]:
+        raise ValueError(f"q: head_dim {q.shape[2]} != cache head_dim {k_cache.shape[3]}")
+    if q.shape[1] % k_cache.shape[2]:
+        raise ValueError(f"q: {q.shape[1]} query heads not a multiple of {k_cache.shape[2]}")
+
+
+def write_kv(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [N, B, Hkv, D]
+    v_cache: torch.Tensor,  # [N, B, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64, < 0 = skip
+) -> None:
+    """Write each token's K/V into its cache slot (in place)."""
+    _check_cache(k_cache, v_cache)
+    if key.shape != value.shape or key.shape[1:] != k_cache.shape[2:]:
+        raise ValueError(
+            f"key: shape {tuple(key.shape)} / value {tuple(value.shape)} do not match "
+            f"cache [*, *, {k_cache.shape[2]}, {k_cache.shape[3]}]"
+        )
+    if slot_mapping.shape != (key.shape[0],):
+        raise ValueError(f"slot_mapping: expected shape ({key.shape[0]},)")
+    mod = _triton("triton_kv", key)
+    if mod is not None:
+        mod.write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        reference.write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [N, B, Hkv, D]
+    v_cache: torch.Tensor,  # [N, B, Hkv, D]
+    cu_seqlens_q: torch.Tensor,  # [S+1] int32
+    seq_lens: torch.Tensor,  # [S] int32, context incl. new tokens
+    block_tables: torch.Tensor,  # [S, M] int32
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, D]
+    """Causal attention for a mixed prefill/decode batch over paged KV."""
+    _check_cache(k_cache, v_cache)
+    _check_heads(q, k_cache)
+    num_seqs = seq_lens.shape[0]
+    if cu_seqlens_q.shape != (num_seqs + 1,):
+        raise ValueError(f"cu_seqlens_q: expected shape ({num_seqs + 1},)")
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables: expected [{num_seqs}, M]")
+    mod = _triton("triton_prefill", q)
+    if mod is not None:
+        return mod.paged_attention_triton(
+            q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale
+        )
+    return cpu.paged_attention_cpu(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [S, Hq, D]
+    k_cache: torch.Tensor,  # [N, B, Hkv, D]
+    v_cache: torch.Tensor,  # [N, B, Hkv, D]
+    block_tables: torch.Tensor,  # [S, M] int32
+    seq_lens: torch.Tensor,  # [S] int32
+    scale: float,
+) -> torch.Tensor:  # [S, Hq, D]
+    """One new token per sequence against its whole paged context."""
+    _check_cache(k_cache, v_cache)
+    _check_heads(q, k_cache)
+    if seq_lens.shape != (q.shape[0],):
+        raise ValueError(f"seq_lens: expected shape ({q.shape[0]},)")
+    if block_tables.dim() != 2 or block_tables.shape[0] != q.shape[0]:
+        raise ValueError(f"block_tables: expected [{q.shape[0]}, M]")
+    mod = _triton("triton_decode", q)
+    if mod is not None:
+        return mod.paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    return cpu.paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale)
+
+
+def rms_norm(
+    x: torch.Tensor,  # [T, H]
+    weight: torch.Tensor,  # [H]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [T, H]
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm; with ``residual`` returns ``(norm(x + residual), x + residual)``."""
+    if weight.shape != (x.shape[-1],):
+        raise ValueError(f"weight: expected shape ({x.shape[-1]},), got {tuple(weight.shape)}")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual: shape {tuple(residual.shape)} != x {tuple(x.shape)}")
+    mod = _triton("triton_norm", x)
+    if mod is not None:
+        return mod.rms_norm_triton(x, weight, eps, residual)
+    return reference.rms_norm_ref(x, weight, eps, residual)
+
+
+def build_rope_cache(
+    head_dim: int,
+    max_position: int,
+    base: float,
+    rope_scaling: dict[str, Any] | None,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> torch.Tensor:  # [max_position, head_dim]
+    """cos/sin table (cos first half, sin second); built once, so torch on every device."""
+    return reference.build_rope_cache_ref(head_dim, max_position, base, rope_scaling, dtype, device)
+
+
+def apply_rotary(
+    positions: torch.Tensor,  # [T] int64
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    cos_sin_cache: torch.Tensor,  # [P, D]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style rotary embedding of q and k at ``positions`` (returns new tensors)."""
+    if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"q/k: expected [T, H, D] each, got {tuple(q.shape)}, {tuple(k.shape)}")
+    if positions.shape != (q.shape[0],):
+        raise ValueError(f"positions: expected shape ({q.shape[0]},)")
+    if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != q.shape[2]:
+        raise ValueError(f"cos_sin_cache: expected [P, {q.shape[2]}]")
+    mod = _triton("triton_rotary", q)
+    if mod is not None:
+        return mod.apply_rotary_triton(positions, q, k, cos_sin_cache)
+    return reference.apply_rotary_ref(positions, q, k, cos_sin_cache)
+
+
+def _check_blocks(kv: torch.Tensor, block_ids: torch.Tensor) -> None:
+    if kv.dim() < 4:
+        raise ValueError(f"kv: expected [..., N, B, Hkv, D], got shape {tuple(kv.shape)}")
+    if block_ids.dim() != 1:
+        raise ValueError("block_ids: expected a 1-D tensor")
+
+
+def gather_blocks(
+    kv: torch.Tensor,  # [..., N, B, Hkv, D]
+    block_ids: torch.Tensor,  # [n] int64
+) -> torch.Tensor:  # [..., n, B, Hkv, D] contiguous
+    """Pack the listed blocks into one contiguous buffer (block dim is -4)."""
+    _check_blocks(kv, block_ids)
+    mod = _triton("triton_kv", kv)
+    if mod is not None:
+        return mod.gather_blocks_triton(kv, block_ids)
+    return reference.gather_blocks_ref(kv, block_ids)
+
+
+def scatter_blocks(
+    buf: torch.Tensor,  # [..., n, B, Hkv, D]
+    kv: torch.Tensor,  # [..., N, B, Hkv, D]
+    block_ids: torch.Tensor,  # [n] int64
+) -> None:
+    """Unpack ``buf`` into the listed blocks of ``kv`` (in place)."""
+    _check_blocks(kv, block_ids)
+    expected = (*kv.shape[:-4], block_ids.shape[0], *kv.shape[-3:])
+    if tuple(buf.shape) != expected:
+        raise ValueError(f"buf: expected shape {expected}, got {tuple(buf.shape)}")
+    mod = _triton("triton_kv", kv)
+    if mod is not None:
+        mod.scatter_blocks_triton(buf, kv, block_ids)
+    else:
+        reference.scatter_blocks_ref(buf, kv, block_ids)

@@ -1,0 +1,265 @@
+"""Triton paged decode attention (flash-decoding): one query token per sequence.
+
+Grid ``(S, Hkv, splits)``: each program loads one KV head's keys/values once for the whole
+query-head group sharing it (GQA/MQA) and covers one slice of the context, with an online
+softmax. With several splits a second kernel merges the slices by their log-sum-exp.
+The context bound comes from the block table width, so the host never reads ``seq_lens``
+(no device sync). Offsets into the cache are int64.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["paged_decode_attention_triton"]
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,  # [S, Hq, D]
+    k_cache_ptr,  # [N, B, Hkv, D]
+    v_cache_ptr,  # [N, B, Hkv, D]
+    block_tables_ptr,  # [S, M] int32
+    seq_lens_ptr,  # [S] int32
+    out_ptr,  # SPLITS == 1: [S, Hq, D] in q's dtype; else [S, Hq, SPLITS, D] float32
+    lse_ptr,  # [S, Hq, SPLITS] float32 (log2 domain); unused when SPLITS == 1
+    scale_log2,  # softmax scale * log2(e)
+    partition_size,  # context tokens per split, a multiple of BLOCK_N
+    stride_qs,
+    stride_qh,
+    stride_kn,
+    stride_kb,
+    stride_kh,
+    stride_vn,
+    stride_vb,
+    stride_vh,
+    stride_bts,
+    stride_os,
+    stride_oh,
+    stride_osplit,
+    stride_ls,
+    stride_lh,
+    GROUP: tl.constexpr,  # query heads per KV head
+    GROUP_PAD: tl.constexpr,  # >= 16 so tl.dot has a legal M
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # paged block size
+    BLOCK_N: tl.constexpr,  # context tokens per inner iteration
+    SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    start = split * partition_size
+    end = tl.minimum(start + partition_size, seq_len)
+
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + g
+    d_mask = d < HEAD_DIM
+    q_mask = (g < GROUP)[:, None] & d_mask[None, :]
+    q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + d[None, :], mask=q_mask)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
+    table = block_tables_ptr + seq * stride_bts
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        valid = n < end
+        block = tl.load(table + n // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        offset = (n % BLOCK_SIZE).to(tl.int64)
+        kv_mask = valid[:, None] & d_mask[None, :]
+        k = tl.load(
+            k_cache_ptr
+            + block[:, None] * stride_kn
+            + offset[:, None] * stride_kb
+            + kv_head * stride_kh
+            + d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )  # [BLOCK_N, BLOCK_D]
+        v = tl.load(
+            v_cache_ptr
+            + block[:, None] * stride_vn
+            + offset[:, None] * stride_vb
+            + kv_head * stride_vh
+            + d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        s = tl.where(valid[None, :], s, float("-inf"))  # [GROUP_PAD, BLOCK_N]
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # An empty slice (past the end of a short sequence) leaves l_i == 0: write 0 / -inf.
+    safe_l = tl.where(l_i > 0, l_i, 1.0)
+    out = acc / safe_l[:, None]
+    o_ptrs = out_ptr + seq * stride_os + heads[:, None] * stride_oh + d[None, :]
+    if SPLITS == 1:
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    else:
+        tl.store(o_ptrs + split * stride_osplit, out, mask=q_mask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
+        tl.store(lse_ptr + seq * stride_ls + heads * stride_lh + split, lse, mask=g < GROUP)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    partial_ptr,  # [S, Hq, SPLITS, D] float32
+    lse_ptr,  # [S, Hq, SPLITS] float32
+    out_ptr,  # [S, Hq, D]
+    stride_ps,
+    stride_ph,
+    stride_psplit,
+    stride_ls,
+    stride_lh,
+    stride_os,
+    stride_oh,
+    SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    sp = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, BLOCK_D)
+    sp_mask = sp < SPLITS
+    lse = tl.load(lse_ptr + seq * stride_ls + head * stride_lh + sp, mask=sp_mask, other=-1e30)
+    lse = tl.where(lse == float("-inf"), -1e30, lse)  # empty slices weigh exactly 0
+    weight = tl.exp2(lse - tl.max(lse, 0))
+    weight = tl.where(lse > -1e30, weight, 0.0)
+    total = tl.sum(weight, 0)
+    weight = weight / tl.where(total > 0, total, 1.0)
+    parts = tl.load(
+        partial_ptr + seq * stride_ps + head * stride_ph + sp[:, None] * stride_psplit + d[None, :],
+        mask=sp_mask[:, None] & (d < HEAD_DIM)[None, :],
+        other=0.0,
+    )
+    out = tl.sum(parts * weight[:, None], 0)
+    tl.store(
+        out_ptr + seq * stride_os + head * stride_oh + d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d < HEAD_DIM,
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _choose_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device):
+    """(splits, partition_size): enough programs to fill the GPU, >= 256 tokens per split."""
+    block_n = 64
+    if device.type == "cuda":
+        sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    else:  # interpreter runs: any value gives correct results
+        sms = 4
+    base = num_seqs * num_kv_heads
+    wanted = max(1, triton.cdiv(2 * sms, base))
+    splits = max(1, min(wanted, triton.cdiv(max_context, 256), 64))
+    return splits, block_n
+
+
+def paged_decode_attention_triton(
+    q: torch.Tensor,  # [S, Hq, D]
+    k_cache: torch.Tensor,  # [N, B, Hkv, D]
+    v_cache: torch.Tensor,  # [N, B, Hkv, D]
+    block_tables: torch.Tensor,  # [S, M] int32
+    seq_lens: torch.Tensor,  # [S] int32
+    scale: float,
+    num_splits: int | None = None,
+) -> torch.Tensor:  # [S, Hq, D]
+    """Decode attention; ``num_splits`` overrides the heuristic (tests use it)."""
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("k_cache/v_cache: the head_dim axis must be contiguous")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    # The kernel indexes these densely as int32 (no-ops for the usual inputs).
+    block_tables = block_tables.to(torch.int32).contiguous()
+    seq_lens = seq_lens.to(torch.int32).contiguous()
+    out = torch.empty_like(q)
+    if num_seqs == 0:
+        return out
+    group = num_heads // num_kv_heads
+    max_context = block_tables.shape[1] * block_size
+    splits, block_n = _choose_splits(num_seqs, num_kv_heads, max_context, q.device)
+    if num_splits is not None:
+        splits = num_splits
+    partition = triton.cdiv(triton.cdiv(max_context, splits), block_n) * block_n
+    splits = max(1, triton.cdiv(max_context, partition))
+    block_d = triton.next_power_of_2(head_dim)
+    if splits == 1:
+        partial, lse = out, out  # lse unused
+        p_strides = (out.stride(0), out.stride(1), 0)
+        l_strides = (0, 0)
+    else:
+        partial = torch.empty(
+            num_seqs, num_heads, splits, head_dim, dtype=torch.float32, device=q.device
+        )
+        lse = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
+        p_strides = (partial.stride(0), partial.stride(1), partial.stride(2))
+        l_strides = (lse.stride(0), lse.stride(1))
+    _decode_split_kernel[(num_seqs, num_kv_heads, splits)](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        partial,
+        lse,
+        scale * _LOG2E,
+        partition,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        *p_strides,
+        *l_strides,
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=block_n,
+        SPLITS=splits,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+        num_warps=4,
+    )
+    if splits > 1:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            partial,
+            lse,
+            out,
+            *p_strides,
+            *l_strides,
+            out.stride(0),
+            out.stride(1),
+            SPLITS=splits,
+            SPLITS_PAD=triton.next_power_of_2(splits),
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+        )
+    return out

@@ -1,0 +1,165 @@
+"""Compile the Triton kernels for an sm_90 GPU without one (run as a subprocess).
+
+The interpreter checks what the kernels compute but not that they compile: type rules,
+``tl.dot`` shapes, loop-carried types and shared-memory use are only checked by the real
+compiler. ``triton.compile`` with an explicit target runs the whole pipeline down to a cubin
+(ptxas ships in the triton wheel), no driver needed. Usage:
+``python -m tests.kernels.aot_compile`` (exit 1 and the error if a kernel fails to compile).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)  # before any kernel module defines its kernels
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from kernels import triton_decode, triton_kv, triton_norm, triton_prefill, triton_rotary  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+# Shared memory per block on an H100/H200 (227 KB).
+MAX_SHARED = 232448
+
+
+def _compile(kernel, types: dict[str, str], consts: dict, num_warps: int) -> int:  # type: ignore[no-untyped-def]
+    """Compile with unlisted arguments as i32 scalars; returns shared memory bytes."""
+    signature = {name: types.get(name, "i32") for name in kernel.arg_names}
+    signature.update(dict.fromkeys(consts, "constexpr"))
+    compiled = triton.compile(
+        ASTSource(kernel, signature, constexprs=consts),
+        target=TARGET,
+        options={"num_warps": num_warps},
+    )
+    return int(compiled.metadata.shared)
+
+
+def _cases():  # type: ignore[no-untyped-def]
+    bf16 = "*bf16"
+    attn = {"k_cache_ptr": bf16, "v_cache_ptr": bf16, "q_ptr": bf16, "scale_log2": "fp32"}
+    index = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "cu_seqlens_q_ptr": "*i32"}
+    for splits in (1, 4):
+        yield (
+            f"decode splits={splits}",
+            triton_decode._decode_split_kernel,
+            {**attn, **index, "out_ptr": bf16 if splits == 1 else "*fp32", "lse_ptr": "*fp32"},
+            {
+                "GROUP": 4,
+                "GROUP_PAD": 16,
+                "HEAD_DIM": 128,
+                "BLOCK_D": 128,
+                "BLOCK_SIZE": 16,
+                "BLOCK_N": 64,
+                "SPLITS": splits,
+                "DOT_PRECISION": None,
+            },
+            4,
+        )
+    yield (
+        "decode reduce",
+        triton_decode._decode_reduce_kernel,
+        {"partial_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": bf16},
+        {"SPLITS": 4, "SPLITS_PAD": 4, "HEAD_DIM": 128, "BLOCK_D": 128},
+        4,
+    )
+    yield (
+        "prefill",
+        triton_prefill._prefill_kernel,
+        {**attn, **index, "out_ptr": bf16},
+        {
+            "GROUP": 4,
+            "GROUP_PAD": 4,
+            "BLOCK_Q": 32,
+            "BLOCK_M": 128,
+            "BLOCK_N": 64,
+            "HEAD_DIM": 128,
+            "BLOCK_D": 128,
+            "BLOCK_SIZE": 16,
+            "DOT_PRECISION": None,
+        },
+        8,
+    )
+    yield (
+        "write_kv",
+        triton_kv._write_kv_kernel,
+        {
+            "key_ptr": bf16,
+            "value_ptr": bf16,
+            "k_cache_ptr": bf16,
+            "v_cache_ptr": bf16,
+            "slot_ptr": "*i64",
+        },  # fmt: skip
+        {"NUM_HEADS": 8, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "BLOCK_H": 8, "BLOCK_D": 128},
+        4,
+    )
+    for gather in (True, False):
+        yield (
+            f"copy_blocks gather={gather}",
+            triton_kv._copy_blocks_kernel,
+            {
+                "src_ptr": bf16,
+                "dst_ptr": bf16,
+                "block_ids_ptr": "*i64",
+                "stride_src_p": "i64",
+                "stride_dst_p": "i64",
+            },  # fmt: skip
+            {"GATHER": gather, "CHUNK": 2048},
+            4,
+        )
+    yield (
+        "rms_norm",
+        triton_norm._rms_norm_kernel,
+        {
+            "x_ptr": bf16,
+            "residual_ptr": bf16,
+            "weight_ptr": bf16,
+            "out_ptr": bf16,
+            "residual_out_ptr": bf16,
+            "eps": "fp32",
+        },  # fmt: skip
+        {"HAS_RESIDUAL": True, "BLOCK_H": 4096},
+        16,
+    )
+    yield (
+        "rotary",
+        triton_rotary._rotary_kernel,
+        {
+            "positions_ptr": "*i64",
+            "q_ptr": bf16,
+            "k_ptr": bf16,
+            "cos_sin_ptr": "*fp32",
+            "q_out_ptr": bf16,
+            "k_out_ptr": bf16,
+        },  # fmt: skip
+        {
+            "NUM_Q_HEADS": 32,
+            "NUM_K_HEADS": 8,
+            "HALF": 64,
+            "BLOCK_HQ": 32,
+            "BLOCK_HK": 8,
+            "BLOCK_HALF": 64,
+        },  # fmt: skip
+        4,
+    )
+
+
+def main() -> int:
+    failed = 0
+    for name, kernel, types, consts, warps in _cases():
+        try:
+            shared = _compile(kernel, types, consts, warps)
+        except Exception as exc:  # report every kernel, not just the first failure
+            print(f"FAIL {name}: {type(exc).__name__}: {exc}")
+            failed += 1
+            continue
+        status = "ok" if shared <= MAX_SHARED else "FAIL (shared memory)"
+        failed += status != "ok"
+        print(f"{status} {name}: {shared} B shared")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
