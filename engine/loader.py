@@ -1,0 +1,204 @@
+"""Read a local Hugging Face model directory: config, weights and tokenizer.
+
+Everything comes from the directory given (config.json, generation_config.json,
+*.safetensors, tokenizer files); nothing is ever fetched from a hub. This module knows the
+Hugging Face file formats and nothing about batching or the KV cache.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Architectures models/llama.py implements (they differ only in config details).
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture of a Llama-family checkpoint, normalised across config versions."""
+
+    model_name: str
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    # None for plain RoPE, else the HF rope parameters (rope_type "linear" or "llama3").
+    rope_scaling: dict[str, Any] | None
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    tie_word_embeddings: bool
+    # Mistral-style sliding window; the runner caps the context at it so attention is exact.
+    sliding_window: int | None
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    # dtype the weights are stored in (checkpoint dtype), before EngineConfig.dtype applies.
+    checkpoint_dtype: torch.dtype
+    # dtype the engine runs in; set by the runner from EngineConfig.dtype.
+    dtype: torch.dtype = torch.float32
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def max_context(self) -> int:
+        """Longest context that is attended exactly (positions and sliding window)."""
+        if self.sliding_window is not None:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    with path.open(encoding="utf-8") as f:
+        data = json.load(f)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return data
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling) from either transformers 5 ``rope_parameters`` or 4.x keys."""
+    params = cfg.get("rope_parameters")
+    if params is None:
+        params = dict(cfg.get("rope_scaling") or {})
+        params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    params = dict(params)
+    # 4.x checkpoints spell the type "type"; "dynamic"/"yarn" etc. are rejected below.
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"rope_scaling type {rope_type!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    if rope_type == "default":
+        return theta, None
+    params["rope_type"] = rope_type
+    params.pop("type", None)
+    return theta, params
+
+
+def load_model_config(model_dir: str | Path) -> ModelConfig:
+    """Parse config.json (+ generation_config.json) of a local HF directory."""
+    model_dir = Path(model_dir)
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise ValueError(f"model: {model_dir} has no config.json (expected a local HF directory)")
+    cfg = _read_json(config_path)
+    archs = cfg.get("architectures") or []
+    arch = archs[0] if archs else f"<none; model_type={cfg.get('model_type')!r}>"
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"architecture {arch} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act {act!r} is not supported; supported: silu")
+    hidden = int(cfg["hidden_size"])
+    heads = int(cfg["num_attention_heads"])
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    if heads % kv_heads:
+        raise ValueError(f"num_attention_heads ({heads}) must be a multiple of kv heads")
+    theta, scaling = _rope(cfg)
+    is_qwen2 = arch == "Qwen2ForCausalLM"
+    attention_bias = bool(cfg.get("attention_bias", False))
+    sliding = cfg.get("sliding_window")
+    if is_qwen2 and not cfg.get("use_sliding_window", False):
+        sliding = None
+
+    gen_path = model_dir / "generation_config.json"
+    gen = _read_json(gen_path) if gen_path.is_file() else {}
+    eos: list[int] = []
+    for tid in _as_id_list(gen.get("eos_token_id")) + _as_id_list(cfg.get("eos_token_id")):
+        if tid not in eos:
+            eos.append(tid)
+    ckpt_dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    if ckpt_dtype not in _DTYPES:
+        raise ValueError(f"checkpoint dtype {ckpt_dtype!r} is not supported; use {list(_DTYPES)}")
+    return ModelConfig(
+        model_name=model_dir.name,
+        architecture=arch,
+        num_layers=int(cfg["num_hidden_layers"]),
+        hidden_size=hidden,
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        vocab_size=int(cfg["vocab_size"]),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        qkv_bias=is_qwen2 or attention_bias,
+        o_bias=attention_bias and not is_qwen2,
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        sliding_window=int(sliding) if sliding else None,
+        eos_token_ids=tuple(eos),
+        bos_token_id=gen.get("bos_token_id", cfg.get("bos_token_id")),
+        checkpoint_dtype=_DTYPES[ckpt_dtype],
+        extra=cfg,
+    )
+
+
+def resolve_dtype(
+    requested: str, checkpoint_dtype: torch.dtype, device: torch.device
+) -> torch.dtype:
+    """EngineConfig.dtype -> torch dtype: "auto" is float32 on CPU, the checkpoint's on GPU."""
+    if requested == "auto":
+        return torch.float32 if device.type == "cpu" else checkpoint_dtype
+    if requested not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {requested!r}")
+    return _DTYPES[requested]
+
+
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    """The checkpoint's weight files: those named by the shard index, else every *.safetensors."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(_read_json(index)["weight_map"].values()))
+        files = [model_dir / n for n in names]
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model: no *.safetensors weights in {model_dir}")
+    return files
+
+
+def iter_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, CPU tensor) for every tensor of every shard, one shard open at a time."""
+    from safetensors import safe_open
+
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                yield name, f.get_tensor(name)
+
+
+def load_tokenizer(model_dir: str | Path) -> Any:
+    """The directory's tokenizer through transformers (fast tokenizer when available)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)

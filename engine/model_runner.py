@@ -1,0 +1,283 @@
+"""Runs the model for one scheduled step: batch tensors in, sampled tokens out.
+
+The runner owns the weights, the tokenizer and the KV cache tensor. Each step it flattens
+the scheduler's chunks into one token batch (positions, cache slots, block tables,
+cu_seqlens, context lengths), runs the model, computes logits only for the rows that
+sample, and samples them. It never decides what runs (the scheduler does) and never frees
+blocks (the KV cache manager does).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from engine.config import EngineConfig
+from engine.kv_connector import KVConnector
+from engine.loader import (
+    ModelConfig,
+    iter_weights,
+    load_model_config,
+    load_tokenizer,
+    resolve_dtype,
+)
+from engine.models import build_model
+from engine.models.llama import AttentionMetadata
+from engine.sampler import SampledToken, Sampler, SamplingRow
+from engine.scheduler_output import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+KVCacheAllocator = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
+
+# Unless num_kv_blocks is configured, a CPU pool takes at most this share of the memory
+# available at start-up, and at most the cap: CPU nodes share RAM (and /dev/shm) with other
+# replicas and Ray's object store.
+_CPU_KV_MEMORY_FRACTION = 0.2
+_CPU_KV_MEMORY_CAP = 2 << 30
+_GPU_MEMORY_UTILIZATION = 0.85
+
+
+def default_kv_cache_allocator(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+@dataclass(frozen=True)
+class BatchInputs:
+    """One step's flattened batch, on the model's device."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # [R] int64: index in T of the last token of each sampling chunk
+    sample_request_ids: list[str]  # [R]
+    sampling: list[SamplingRow]  # [R]
+
+
+def _resolve_device(requested: str) -> torch.device:
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: 'cuda' requested but CUDA is not available")
+    return torch.device(requested)
+
+
+def _limit_cpu_threads() -> None:
+    """Don't run more intra-op threads than CPUs this process may use.
+
+    Deployments set the thread count to their CPU share themselves (Ray also exports
+    OMP_NUM_THREADS to its workers); this only lowers torch's default, when nobody chose a
+    count and the process is pinned to fewer CPUs than the machine has.
+    """
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    try:
+        allowed = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        return
+    if torch.get_num_threads() > allowed:
+        torch.set_num_threads(allowed)
+
+
+def _available_memory_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30
+
+
+class ModelRunner:
+    """Loads a local HF model and executes ``SchedulerOutput`` steps on it."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        kv_cache_allocator: KVCacheAllocator | None = None,
+        kv_connector: KVConnector | None = None,
+    ) -> None:
+        self.config = config
+        self.device = _resolve_device(config.device)
+        if self.device.type == "cpu":
+            _limit_cpu_threads()
+        model_config = load_model_config(config.model)
+        dtype = resolve_dtype(config.dtype, model_config.checkpoint_dtype, self.device)
+        self.model_config: ModelConfig = replace(model_config, dtype=dtype)
+        limit = self.model_config.max_context
+        if config.max_model_len is not None and config.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len ({config.max_model_len}) exceeds what the model attends "
+                f"exactly ({limit}: max_position_embeddings / sliding_window)"
+            )
+        self.max_model_len = config.max_model_len or limit
+        self.tokenizer = load_tokenizer(config.model)
+        tok_eos = getattr(self.tokenizer, "eos_token_id", None)
+        if isinstance(tok_eos, int) and tok_eos not in self.model_config.eos_token_ids:
+            # Checkpoints without generation_config.json still stop at the tokenizer's eos.
+            eos = (*self.model_config.eos_token_ids, tok_eos)
+            self.model_config = replace(self.model_config, eos_token_ids=eos)
+        self.model = self._load_model()
+        self.sampler = Sampler(self.model_config.eos_token_ids, seed=config.seed)
+        self.kv_cache_allocator = kv_cache_allocator or default_kv_cache_allocator
+        self.kv_connector = kv_connector
+        self.kv_cache: torch.Tensor | None = None
+
+    def _load_model(self) -> torch.nn.Module:
+        cfg = self.model_config
+        # Build on the meta device, then materialise on the target: no double allocation.
+        with torch.device("meta"):
+            model = build_model(cfg, self.max_model_len).to(cfg.dtype)
+        model = model.to_empty(device=self.device)
+        if cfg.tie_word_embeddings:  # to_empty() unties shared parameters
+            model.lm_head.weight = model.model.embed_tokens.weight
+        with torch.no_grad():
+            model.load_weights(iter_weights(self.config.model))
+        return model.eval()
+
+    # ---- KV cache -------------------------------------------------------------------------
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one KV block takes across all layers (K and V)."""
+        c = self.model_config
+        elem = torch.empty((), dtype=c.dtype).element_size()
+        return c.num_layers * 2 * self.config.block_size * c.num_kv_heads * c.head_dim * elem
+
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        c = self.model_config
+        return (c.num_layers, 2, num_blocks, self.config.block_size, c.num_kv_heads, c.head_dim)
+
+    def profile_num_blocks(self) -> int:
+        """How many KV blocks to allocate when ``num_kv_blocks`` is not configured.
+
+        Never more than the running batch can use (max_num_seqs full-length requests);
+        limited by a share of free host memory on CPU, or by free GPU memory after the
+        weights and an activation allowance on CUDA.
+        """
+        per_seq = math.ceil(self.max_model_len / self.config.block_size)
+        useful = per_seq * self.config.max_num_seqs
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            c = self.model_config
+            # Activations of the largest step (fp32 MLP intermediates dominate) plus logits.
+            act = self.config.max_num_batched_tokens * (4 * c.intermediate_size + 8 * c.hidden_size)
+            act = act * 4 + self.config.max_num_seqs * c.vocab_size * 8
+            budget = free - (1 - _GPU_MEMORY_UTILIZATION) * total - act
+        else:
+            budget = min(_available_memory_bytes() * _CPU_KV_MEMORY_FRACTION, _CPU_KV_MEMORY_CAP)
+        affordable = int(budget // self.block_bytes)
+        if affordable < per_seq:
+            raise ValueError(
+                f"KV cache: memory for {affordable} blocks cannot hold one request of "
+                f"max_model_len={self.max_model_len}; lower max_model_len or set num_kv_blocks"
+            )
+        return min(useful, affordable)
+
+    def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        """Allocate the pool (layout ``[L, 2, N, B, Hkv, D]``) through the allocator."""
+        shape = self.kv_cache_shape(num_blocks)
+        cache = self.kv_cache_allocator(shape, self.model_config.dtype, self.device)
+        if tuple(cache.shape) != shape or not cache.is_contiguous():
+            raise ValueError(f"kv_cache_allocator returned {tuple(cache.shape)}, expected {shape}")
+        self.kv_cache = cache
+        return cache
+
+    # ---- one step -------------------------------------------------------------------------
+
+    def prepare_inputs(self, out: SchedulerOutput) -> BatchInputs:
+        """Flatten the chunks into batch tensors (built as Python lists, copied once)."""
+        block_size = self.config.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        cu = [0]
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []
+        sample_ids: list[str] = []
+        sampling: list[SamplingRow] = []
+        for chunk in out.chunks:
+            n = len(chunk.token_ids)
+            start = chunk.start_position
+            end = start + n
+            if n == 0 or len(chunk.block_ids) * block_size < end:
+                raise ValueError(
+                    f"request {chunk.request_id}: {n} tokens at {start} do not fit its "
+                    f"{len(chunk.block_ids)} blocks"
+                )
+            if end > self.max_model_len:
+                raise ValueError(f"request {chunk.request_id}: {end} tokens > max_model_len")
+            input_ids.extend(chunk.token_ids)
+            positions.extend(range(start, end))
+            table = chunk.block_ids
+            slots.extend(
+                table[p // block_size] * block_size + p % block_size for p in range(start, end)
+            )
+            cu.append(cu[-1] + n)
+            seq_lens.append(end)
+            tables.append(table)
+            if chunk.sample:
+                sample_rows.append(cu[-1] - 1)
+                sample_ids.append(chunk.request_id)
+                sampling.append(SamplingRow(chunk.sampling_params, chunk.num_output_tokens))
+        width = max(len(t) for t in tables)
+        # Padding entries are never read (seq_lens bounds every sequence); 0 is a valid id.
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        dev = self.device
+
+        def tensor(data: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(data, dtype=dtype).to(dev, non_blocking=True)
+
+        meta = AttentionMetadata(
+            slot_mapping=tensor(slots, torch.int64),
+            cu_seqlens_q=tensor(cu, torch.int32),
+            seq_lens=tensor(seq_lens, torch.int32),
+            block_tables=tensor(padded, torch.int32),
+            decode_only=len(input_ids) == len(out.chunks),
+        )
+        return BatchInputs(
+            input_ids=tensor(input_ids, torch.int64),
+            positions=tensor(positions, torch.int64),
+            meta=meta,
+            sample_rows=tensor(sample_rows, torch.int64),
+            sample_request_ids=sample_ids,
+            sampling=sampling,
+        )
+
+    @torch.inference_mode()
+    def compute_logits(self, out: SchedulerOutput) -> tuple[BatchInputs, torch.Tensor]:
+        """Run the forward pass; returns the batch and float32 logits ``[R, V]`` of the
+        sampling rows (in ``batch.sample_request_ids`` order). Writes the KV cache."""
+        if self.kv_cache is None:
+            raise RuntimeError("allocate_kv_cache() must be called before executing steps")
+        batch = self.prepare_inputs(out)
+        connector = self.kv_connector
+        if connector is not None:
+            connector.begin_step(list(out.kv_sends))
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.meta, connector)
+        logits = self.model.compute_logits(hidden[batch.sample_rows]).float()
+        return batch, logits
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+        """Run one step; returns the sampled token of every chunk with ``sample=True``.
+
+        With a KV connector, ``begin_step(out.kv_sends)`` is called before the forward pass
+        and ``layer_computed`` after each layer; the engine calls ``end_step``.
+        """
+        if not out.chunks:
+            return {}
+        batch, logits = self.compute_logits(out)
+        tokens = self.sampler(logits, batch.sampling)
+        return dict(zip(batch.sample_request_ids, tokens, strict=True))

@@ -1,0 +1,30 @@
+"""Model registry: Hugging Face architecture name -> the class that implements it."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from engine.loader import SUPPORTED_ARCHITECTURES, ModelConfig
+from engine.models.llama import LlamaForCausalLM
+
+_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+}
+assert set(_REGISTRY) == set(SUPPORTED_ARCHITECTURES)
+
+
+def model_class(architecture: str) -> type[nn.Module]:
+    """The class for ``architecture``; ValueError naming the supported ones otherwise."""
+    try:
+        return _REGISTRY[architecture]
+    except KeyError:
+        raise ValueError(
+            f"architecture {architecture} is not supported; supported: {', '.join(_REGISTRY)}"
+        ) from None
+
+
+def build_model(cfg: ModelConfig, max_position: int) -> LlamaForCausalLM:
+    cls = model_class(cfg.architecture)
+    return cls(cfg, max_position)  # type: ignore[return-value]

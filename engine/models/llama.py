@@ -1,0 +1,238 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2) in one file, over a paged KV cache.
+
+The model works on a *flattened* batch: the new tokens of every scheduled request are
+concatenated into one ``[T]`` vector (prefill chunks and decode tokens mixed), and
+``AttentionMetadata`` says where each request's tokens sit, which cache slots they write
+and which blocks hold their context. Attention, KV writes, RMSNorm and RoPE go through
+``kernels.ops`` (Triton on CUDA, torch on CPU). The variants differ only in config:
+GQA/MQA head counts, qkv bias (Qwen2), tied embeddings, RoPE scaling (llama3, linear).
+
+Parameter names follow the Hugging Face checkpoints except that q/k/v and gate/up are fused
+into one matmul each; ``load_weights`` maps the checkpoint names. This module never
+allocates the KV cache and never samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.loader import ModelConfig
+from kernels import ops
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from engine.kv_connector import KVConnector
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Where the flattened tokens of one step live (all tensors on the model's device)."""
+
+    slot_mapping: torch.Tensor  # [T] int64: cache slot each new token's K/V is written to
+    cu_seqlens_q: torch.Tensor  # [S+1] int32: token offsets of each sequence in the batch
+    seq_lens: torch.Tensor  # [S] int32: context length of each sequence incl. new tokens
+    block_tables: torch.Tensor  # [S, M] int32: block ids of each sequence (padded)
+    decode_only: bool  # every sequence has exactly one new token: use the decode kernel
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return ops.rms_norm(x, self.weight, self.eps, residual)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, cfg.o_bias)
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [T]
+        x: torch.Tensor,  # [T, hidden]
+        kv_cache: torch.Tensor,  # [2, N, B, Hkv, D]: this layer's slice of the pool
+        cos_sin: torch.Tensor,  # [P, D]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = ops.apply_rotary(positions, q, k, cos_sin)
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.decode_only:
+            out = ops.paged_decode_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale
+            )
+        else:
+            out = ops.paged_attention(
+                q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, self.scale
+            )
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        cos_sin: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual stream is carried separately so each norm fuses the residual add.
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, kv_cache, cos_sin, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Mistral / Qwen2 decoder over a paged KV cache."""
+
+    def __init__(self, cfg: ModelConfig, max_position: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.max_position = max_position
+        # Built lazily on the model's device; float32 for accuracy in every model dtype.
+        self._cos_sin: torch.Tensor | None = None
+
+    def cos_sin_cache(self) -> torch.Tensor:
+        device = self.model.embed_tokens.weight.device
+        if self._cos_sin is None or self._cos_sin.device != device:
+            cfg = self.config
+            self._cos_sin = ops.build_rope_cache(
+                cfg.head_dim,
+                self.max_position,
+                cfg.rope_theta,
+                cfg.rope_scaling,
+                torch.float32,
+                device,
+            )
+        return self._cos_sin
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_cache: torch.Tensor,  # [L, 2, N, B, Hkv, D]
+        meta: AttentionMetadata,
+        kv_connector: KVConnector | None = None,
+    ) -> torch.Tensor:  # [T, hidden]: final-norm hidden states
+        """Run the decoder; writes every token's K/V into ``kv_cache`` at its slot."""
+        cos_sin = self.cos_sin_cache()
+        x = self.model.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for i, layer in enumerate(self.model.layers):
+            x, residual = layer(positions, x, residual, kv_cache[i], cos_sin, meta)
+            if kv_connector is not None:
+                # Layer i's K/V are in the cache now: the connector may start sending them.
+                kv_connector.layer_computed(i, kv_cache)
+        x, _ = self.model.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, V]
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (HF names) into the fused parameters; strict about names."""
+        cfg = self.config
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        inter = cfg.intermediate_size
+        # checkpoint suffix -> (fused parameter suffix, row offset, rows)
+        fused = {
+            "q_proj": ("qkv_proj", 0, q),
+            "k_proj": ("qkv_proj", q, kv),
+            "v_proj": ("qkv_proj", q + kv, kv),
+            "gate_proj": ("gate_up_proj", 0, inter),
+            "up_proj": ("gate_up_proj", inter, inter),
+        }
+        params = dict(self.named_parameters())
+        if cfg.tie_word_embeddings:
+            params.pop("lm_head.weight", None)  # shares embed_tokens.weight
+        expected: dict[str, int] = {}  # parameter -> rows still to fill (to detect gaps)
+        for name, p in params.items():
+            expected[name] = p.shape[0]
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue  # derived from the config, some old checkpoints store it
+            if cfg.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            parts = name.rsplit(".", 2)  # [..., "q_proj", "weight"]
+            target, rows = name, slice(None)
+            if len(parts) == 3 and parts[1] in fused:
+                fused_name, offset, size = fused[parts[1]]
+                target = f"{parts[0]}.{fused_name}.{parts[2]}"
+                rows = slice(offset, offset + size)
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {cfg.architecture}")
+            dest = params[target].data[rows]
+            if dest.shape != tensor.shape:
+                raise ValueError(
+                    f"checkpoint tensor {name!r}: shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor)
+            expected[target] -= dest.shape[0]
+        missing = sorted(n for n, left in expected.items() if left > 0)
+        if missing:
+            raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}")

@@ -1,0 +1,164 @@
+"""Turn one step's logits into tokens: greedy, temperature, top-k, top-p, seeds, logprobs.
+
+Each row is sampled independently of the others in the batch. A request with a seed draws
+its randomness from a generator derived from ``(seed, num_output_tokens)``, so it gets the
+same tokens whatever else is batched with it and after a preemption recomputes it.
+Logprobs are the log-softmax of the raw logits (vLLM's default), taken before
+temperature, top-k/top-p and the min_tokens mask. This module never touches the KV cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    """The token picked for one request this step."""
+
+    token_id: int
+    logprob: float | None  # log-prob of token_id (None unless the request asked for logprobs)
+    top_logprobs: list[tuple[int, float]] | None  # the top-n (id, log-prob), best first
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """What the sampler needs to know about one row of logits."""
+
+    params: SamplingParams
+    num_output_tokens: int  # tokens generated before this one
+
+
+def seed_for_step(seed: int, num_output_tokens: int) -> int:
+    """A well-mixed 63-bit generator seed for token ``num_output_tokens`` of a seeded request."""
+    x = (seed * 0x9E3779B97F4A7C15 + num_output_tokens + 1) & _MASK64  # splitmix64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) >> 1
+
+
+class Sampler:
+    """Picks one token per row. ``eos_token_ids`` are masked until min_tokens is reached."""
+
+    def __init__(self, eos_token_ids: Sequence[int], seed: int = 0) -> None:
+        self.eos_token_ids = list(eos_token_ids)
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def _shared_generator(self, device: torch.device) -> torch.Generator:
+        """Generator for unseeded rows: seeded once from the engine seed, then advancing."""
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return self._generators[device]
+
+    def __call__(
+        self,
+        logits: torch.Tensor,  # [S, V] (any float dtype)
+        rows: Sequence[SamplingRow],
+    ) -> list[SampledToken]:
+        if logits.shape[0] != len(rows):
+            raise ValueError(f"logits: {logits.shape[0]} rows for {len(rows)} requests")
+        if not rows:
+            return []
+        logits = logits.float()
+        raw = logits
+        logits = self._mask_min_tokens(logits, rows)
+        token_ids = self._pick(logits, rows)
+        return self._with_logprobs(raw, token_ids, rows)
+
+    def _mask_min_tokens(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """Forbid every stop token of a request that has not reached min_tokens yet."""
+        banned: list[tuple[int, int]] = []
+        vocab = logits.shape[1]
+        for i, row in enumerate(rows):
+            if row.num_output_tokens >= row.params.min_tokens:
+                continue
+            stops = list(row.params.stop_token_ids)
+            if not row.params.ignore_eos:
+                stops += self.eos_token_ids
+            banned.extend((i, t) for t in stops if 0 <= t < vocab)
+        if not banned:
+            return logits
+        logits = logits.clone()
+        idx = torch.tensor(banned, device=logits.device).T
+        logits[idx[0], idx[1]] = float("-inf")
+        return logits
+
+    def _pick(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
+        greedy_ids = logits.argmax(dim=-1).tolist()
+        random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if not random_rows:
+            return greedy_ids
+        sub = logits[random_rows]
+        temps = torch.tensor(
+            [rows[i].params.temperature for i in random_rows], device=sub.device
+        ).unsqueeze(1)
+        probs = _top_k_top_p(sub / temps, [rows[i].params for i in random_rows]).softmax(dim=-1)
+        # Sample with the exponential race: argmax(p / E), E ~ Exp(1), one draw per row from
+        # that row's own generator when it has a seed.
+        noise = torch.empty_like(probs)
+        shared = self._shared_generator(probs.device)
+        for j, i in enumerate(random_rows):
+            seed = rows[i].params.seed
+            gen = shared
+            if seed is not None:
+                gen = torch.Generator(device=probs.device).manual_seed(
+                    seed_for_step(seed, rows[i].num_output_tokens)
+                )
+            noise[j].exponential_(generator=gen)
+        picked = (probs / noise).argmax(dim=-1).tolist()
+        for j, i in enumerate(random_rows):
+            greedy_ids[i] = picked[j]
+        return greedy_ids
+
+    def _with_logprobs(
+        self, raw: torch.Tensor, token_ids: list[int], rows: Sequence[SamplingRow]
+    ) -> list[SampledToken]:
+        want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        out = [SampledToken(t, None, None) for t in token_ids]
+        if not want:
+            return out
+        logprobs = torch.log_softmax(raw[want], dim=-1)
+        max_n = max(rows[i].params.logprobs or 0 for i in want)
+        top_vals, top_ids = logprobs.topk(max_n, dim=-1) if max_n else (None, None)
+        chosen = logprobs.gather(1, torch.tensor([[token_ids[i]] for i in want], device=raw.device))
+        chosen_l = chosen.squeeze(1).tolist()
+        top_vals_l = top_vals.tolist() if top_vals is not None else None
+        top_ids_l = top_ids.tolist() if top_ids is not None else None
+        for j, i in enumerate(want):
+            n = rows[i].params.logprobs or 0
+            top: list[tuple[int, float]] = []
+            if n and top_ids_l is not None and top_vals_l is not None:
+                top = list(zip(top_ids_l[j][:n], top_vals_l[j][:n], strict=True))
+            out[i] = SampledToken(token_ids[i], chosen_l[j], top)
+        return out
+
+
+def _top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Set logits outside each row's top-k and top-p nucleus to -inf ([S, V] -> [S, V])."""
+    vocab = logits.shape[1]
+    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    ps = [p.top_p for p in params]
+    if all(k == vocab for k in ks) and all(p >= 1.0 for p in ps):
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    k = torch.tensor(ks, device=logits.device).unsqueeze(1)
+    drop = rank >= k
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass of the
+    # tokens before it already reaches p. The first token is always kept.
+    before = probs.cumsum(dim=-1) - probs
+    p = torch.tensor(ps, device=logits.device, dtype=probs.dtype).unsqueeze(1)
+    drop = drop | ((before >= p) & (p < 1.0))
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)

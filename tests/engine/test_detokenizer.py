@@ -1,0 +1,78 @@
+"""IncrementalDetokenizer on the test model's byte-level BPE tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.loader import load_tokenizer
+
+TEXT = "Hello Léa, 東京の朝 🙂 def foo(x):\n  return 😀😀 naïve — Łódź 😀!"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path):
+    return load_tokenizer(tiny_model_dir)
+
+
+def stream(
+    tok, prompt: list[int], ids: list[int], skip: bool = True
+) -> tuple[list[str], IncrementalDetokenizer]:
+    d = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+    return [d.append(t) for t in ids], d
+
+
+def test_deltas_concatenate_to_the_full_decode(tokenizer) -> None:
+    ids = tokenizer.encode(TEXT)
+    deltas, d = stream(tokenizer, tokenizer.encode("Prompt:"), ids)
+    assert "".join(deltas) == d.text == TEXT
+    assert not any("\ufffd" in delta for delta in deltas)
+
+
+def test_split_character_is_held_back_until_complete(tokenizer) -> None:
+    ids = tokenizer.encode(" 😀")
+    pieces = [tokenizer.decode([i]) for i in ids]
+    assert any("\ufffd" in p for p in pieces), "the emoji should span several byte tokens"
+    d = IncrementalDetokenizer(tokenizer, [], True)
+    for i in ids[:-1]:
+        assert d.append(i) == ""
+        assert d.pending
+    assert d.append(ids[-1]) == " 😀"
+    assert not d.pending
+
+
+def test_flush_emits_an_incomplete_tail(tokenizer) -> None:
+    ids = tokenizer.encode("ok 😀")
+    deltas, d = stream(tokenizer, [], ids[:-1])
+    assert d.pending and "\ufffd" not in d.text
+    tail = d.flush()
+    assert tail.endswith("\ufffd") and d.text == "ok" + tail
+
+
+def test_special_tokens_skipped_or_kept(tokenizer) -> None:
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ids = tokenizer.encode("Hi there") + [im_end] + tokenizer.encode(" again")
+    assert "".join(stream(tokenizer, [], ids, skip=True)[0]) == "Hi there again"
+    assert "".join(stream(tokenizer, [], ids, skip=False)[0]) == "Hi there<|im_end|> again"
+
+
+def test_first_token_keeps_its_leading_space_after_the_prompt(tokenizer) -> None:
+    prompt = tokenizer.encode("The lamp was")
+    deltas, d = stream(tokenizer, prompt, tokenizer.encode(" carried slowly"))
+    assert d.text == " carried slowly" and deltas[0].startswith(" ")
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_token_streams_match_batch_decode(tokenizer, seed: int) -> None:
+    """Whatever the model emits (random ids, broken bytes included), the streamed text plus
+    the final flush equals decoding all the ids at once, and no delta splits a character."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, len(tokenizer), (200,), generator=g).tolist()
+    deltas, d = stream(tokenizer, [5, 6, 7], ids)
+    full = tokenizer.decode(ids, skip_special_tokens=True)
+    assert "".join(deltas) + d.flush() == full
+    for delta in deltas:
+        assert not delta.endswith("\ufffd")

@@ -1,0 +1,357 @@
+"""The engine against transformers on the same weights (float32): the correctness oracle.
+
+Three shapes of the Llama family (Llama-3 GQA with llama3 RoPE scaling; Qwen2 with qkv bias
+and tied embeddings; Mistral MQA) run batches of mixed prompt lengths (1 to 600 tokens)
+that arrive at different steps, under a default token budget, a tiny chunked-prefill
+budget, a pool small enough to force preemption, and with prefix-cache hits. Greedy tokens
+must equal ``transformers.generate`` and every logprob must be within 1e-4 of
+transformers' log-softmax. Every run ends with the pool's integrity check and no block held.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.loader import load_model_config
+from engine.model_runner import ModelRunner
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler_output import ScheduledChunk, SchedulerOutput
+
+VARIANTS = ["llama3-gqa", "qwen2", "mqa"]
+ATOL = 1e-4
+NUM_NEW = 6
+# (arrival step, prompt length); several arrive while others are mid-prefill or decoding.
+ARRIVALS = [(0, 600), (0, 1), (0, 45), (1, 130), (2, 17), (4, 301), (7, 2), (9, 64)]
+# For the small pool: medium prompts first, then the long one that needs the blocks they hold.
+PREEMPT_ARRIVALS = [(0, 130), (0, 200), (0, 45), (1, 600), (2, 17), (3, 1), (5, 64), (6, 2)]
+
+
+@dataclass
+class Reference:
+    """A transformers model and the greedy continuations it produced (memoised)."""
+
+    model: torch.nn.Module
+    vocab_size: int
+    greedy: dict[tuple[int, ...], list[int]] = field(default_factory=dict)
+    full_logits: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
+
+    def generate(self, prompt: list[int], n: int = NUM_NEW) -> list[int]:
+        key = tuple(prompt)
+        if key not in self.greedy:
+            from transformers import GenerationConfig
+
+            ids = torch.tensor([prompt])
+            gc = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=None)
+            with torch.no_grad():
+                out = self.model.generate(
+                    ids, generation_config=gc, attention_mask=torch.ones_like(ids)
+                )
+            self.greedy[key] = out[0, len(prompt) :].tolist()
+        return self.greedy[key]
+
+    def logits(self, token_ids: list[int]) -> torch.Tensor:  # [len, V]
+        key = tuple(token_ids)
+        if key not in self.full_logits:
+            with torch.no_grad():
+                self.full_logits[key] = self.model(torch.tensor([token_ids])).logits[0].float()
+        return self.full_logits[key]
+
+
+@pytest.fixture(scope="module", params=VARIANTS)
+def variant(
+    request: pytest.FixtureRequest, test_model: Callable[[str], Path]
+) -> tuple[Path, Reference]:
+    from transformers import AutoModelForCausalLM
+
+    model_dir = test_model(request.param)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return model_dir, Reference(hf, hf.config.vocab_size)
+
+
+def make_prompt(length: int, seed: int, vocab: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(4, vocab, (length,), generator=g).tolist()  # ids 0..3 are special
+
+
+def run(
+    engine: LLMEngine, arrivals: list[tuple[int, str, list[int]]], logprobs: int = 2
+) -> dict[str, RequestOutput]:
+    """Add each request at its step, step until all finish; returns final outputs."""
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=logprobs)
+    final: dict[str, RequestOutput] = {}
+    logprob_log: dict[str, list] = {}
+    for step in range(2000):
+        for at, rid, prompt in arrivals:
+            if at == step:
+                engine.add_request(rid, prompt, params)
+        if step > max(a[0] for a in arrivals) and not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            logprob_log.setdefault(out.request_id, []).extend(out.logprobs or [])
+            if out.finished:
+                final[out.request_id] = out
+    else:
+        raise AssertionError("engine did not finish within 2000 steps")
+    # The streamed logprob deltas, concatenated, are what a client sees.
+    for rid, out in final.items():
+        object.__setattr__(out, "logprobs", logprob_log[rid])
+    return final
+
+
+def assert_clean(engine: LLMEngine) -> None:
+    engine.check_integrity()
+    stats = engine.stats()
+    assert not engine.has_unfinished_requests()
+    assert stats.num_free_blocks == stats.num_total_blocks, "a block is still held"
+
+
+def assert_matches(ref: Reference, prompt: list[int], out: RequestOutput) -> None:
+    assert out.finish_reason == "length"
+    assert out.token_ids == ref.generate(prompt), f"{out.request_id}: greedy tokens differ"
+    hf = torch.log_softmax(ref.logits(prompt + out.token_ids[:-1]), dim=-1)[len(prompt) - 1 :]
+    assert out.logprobs is not None and len(out.logprobs) == NUM_NEW
+    for i, lp in enumerate(out.logprobs):
+        assert lp.token_id == out.token_ids[i]
+        assert abs(lp.logprob - hf[i, lp.token_id].item()) <= ATOL
+        assert lp.top_logprobs is not None and len(lp.top_logprobs) == 2
+        for tid, value in lp.top_logprobs:
+            assert abs(value - hf[i, tid].item()) <= ATOL
+        assert lp.top_logprobs[0][0] == out.token_ids[i]  # greedy = the top-1
+
+
+SCENARIOS = {
+    # name: EngineConfig overrides
+    "default": {},
+    "chunked32": {"max_num_batched_tokens": 32},
+    "preempt": {"num_kv_blocks": 48, "max_model_len": 640, "max_num_batched_tokens": 128},
+}
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_greedy_and_logprobs_match_transformers(variant, scenario: str) -> None:
+    model_dir, ref = variant
+    engine = LLMEngine(EngineConfig(model=str(model_dir), **SCENARIOS[scenario]))
+    arrivals = [
+        (at, f"r{i}", make_prompt(n, seed=i, vocab=ref.vocab_size))
+        for i, (at, n) in enumerate(PREEMPT_ARRIVALS if scenario == "preempt" else ARRIVALS)
+    ]
+    final = run(engine, arrivals)
+    assert sorted(final) == sorted(rid for _, rid, _ in arrivals)
+    for _, rid, prompt in arrivals:
+        assert_matches(ref, prompt, final[rid])
+    if scenario == "preempt":
+        assert engine.stats().num_preemptions > 0, "the pool was meant to force preemption"
+    assert_clean(engine)
+
+
+def test_prefix_cache_hits_match_transformers(variant) -> None:
+    model_dir, ref = variant
+    engine = LLMEngine(EngineConfig(model=str(model_dir), max_num_batched_tokens=96))
+    shared = make_prompt(200, seed=100, vocab=ref.vocab_size)
+    first = [(0, "first", shared + make_prompt(7, seed=101, vocab=ref.vocab_size))]
+    run(engine, first)
+    # Same 200-token prefix (12 full blocks of 16): later prompts reuse its cached blocks,
+    # including one that is exactly the shared prefix and one that diverges mid-block.
+    arrivals = [
+        (0, "same", list(shared)),
+        (0, "longer", shared + make_prompt(40, seed=102, vocab=ref.vocab_size)),
+        (1, "mid", shared[:170] + make_prompt(5, seed=103, vocab=ref.vocab_size)),
+    ]
+    final = run(engine, arrivals)
+    for _, rid, prompt in arrivals:
+        assert final[rid].num_cached_tokens >= 160, rid
+        assert_matches(ref, prompt, final[rid])
+    assert_clean(engine)
+
+
+def test_logits_match_for_prefill_and_decode(variant) -> None:
+    """ModelRunner's logits themselves (all V values) for a mixed prefill + decode batch."""
+    model_dir, ref = variant
+    runner = ModelRunner(EngineConfig(model=str(model_dir), block_size=16))
+    runner.allocate_kv_cache(64)
+    params = SamplingParams(temperature=0.0)
+    long_p = make_prompt(600, seed=7, vocab=ref.vocab_size)
+    short_p = make_prompt(3, seed=8, vocab=ref.vocab_size)
+    blocks_a, blocks_b = list(range(0, 40)), list(range(40, 42))
+    step1 = SchedulerOutput(
+        [
+            ScheduledChunk("a", long_p[:512], 0, blocks_a, False, params, 0),
+            ScheduledChunk("b", short_p, 0, blocks_b, True, params, 0),
+        ],
+        515,
+    )
+    _, logits = runner.compute_logits(step1)
+    torch.testing.assert_close(logits[0], ref.logits(short_p)[-1], atol=ATOL, rtol=0)
+    b_next = int(logits[0].argmax())
+    # Mixed step: the rest of a's prompt (prefill) and b's first decode.
+    step2 = SchedulerOutput(
+        [
+            ScheduledChunk("a", long_p[512:], 512, blocks_a, True, params, 0),
+            ScheduledChunk("b", [b_next], 3, blocks_b, True, params, 1),
+        ],
+        89,
+    )
+    _, logits = runner.compute_logits(step2)
+    torch.testing.assert_close(logits[0], ref.logits(long_p)[-1], atol=ATOL, rtol=0)
+    torch.testing.assert_close(logits[1], ref.logits(short_p + [b_next])[-1], atol=ATOL, rtol=0)
+    a_next = int(logits[0].argmax())
+    # Decode-only step (the decode attention kernel).
+    step3 = SchedulerOutput(
+        [ScheduledChunk("a", [a_next], 600, blocks_a, True, params, 1)]
+        + [ScheduledChunk("b", [int(logits[1].argmax())], 4, blocks_b, True, params, 2)],
+        2,
+    )
+    _, logits3 = runner.compute_logits(step3)
+    torch.testing.assert_close(logits3[0], ref.logits(long_p + [a_next])[-1], atol=ATOL, rtol=0)
+    b_ctx = short_p + [b_next, int(logits[1].argmax())]
+    torch.testing.assert_close(logits3[1], ref.logits(b_ctx)[-1], atol=ATOL, rtol=0)
+
+
+def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(
+        json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
+    )
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM"):
+        load_model_config(tmp_path)
+
+
+def test_transformers_4_config_keys_are_understood(tmp_path: Path) -> None:
+    """Older checkpoints spell RoPE as rope_theta + rope_scaling{"type": ...}."""
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "vocab_size": 100,
+        "rope_theta": 500000.0,
+        "rope_scaling": {"type": "linear", "factor": 2.0},
+        "torch_dtype": "bfloat16",
+        "eos_token_id": [7, 9],
+    }
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 9}))
+    mc = load_model_config(tmp_path)
+    assert mc.rope_theta == 500000.0 and mc.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    assert mc.num_kv_heads == 4 and mc.head_dim == 16 and mc.checkpoint_dtype == torch.bfloat16
+    assert mc.eos_token_ids == (9, 7)
+    cfg["rope_scaling"] = {"type": "yarn", "factor": 4.0}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="yarn.*llama3"):
+        load_model_config(tmp_path)
+
+
+def test_sharded_checkpoint_loads_the_same_weights(test_model, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    src = test_model("mqa")
+    hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    hf.save_pretrained(tmp_path, max_shard_size="300KB")
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        (tmp_path / name).write_bytes((src / name).read_bytes())
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    prompt = make_prompt(40, seed=3, vocab=hf.config.vocab_size)
+    chunk = ScheduledChunk("x", prompt, 0, [0, 1, 2], True, SamplingParams(temperature=0.0), 0)
+    logits = []
+    for model_dir in (src, tmp_path):
+        runner = ModelRunner(EngineConfig(model=str(model_dir)))
+        runner.allocate_kv_cache(4)
+        logits.append(runner.compute_logits(SchedulerOutput([chunk], 40))[1])
+    torch.testing.assert_close(logits[0], logits[1], atol=0, rtol=0)
+
+
+class RecordingConnector:
+    """Checks, at each layer_computed call, that exactly layers <= l hold the new K/V."""
+
+    def __init__(self, slots: list[int], block_size: int) -> None:
+        self.slots = slots
+        self.block_size = block_size
+        self.begun: list[list[str]] = []
+        self.layers: list[int] = []
+
+    def begin_step(self, sends) -> None:
+        self.begun.append([s.request_id for s in sends])
+
+    def layer_computed(self, layer_idx: int, kv_cache: torch.Tensor) -> None:
+        blocks = [s // self.block_size for s in self.slots]
+        offsets = [s % self.block_size for s in self.slots]
+        written = kv_cache[:, 0, blocks, offsets].abs().flatten(1).sum(-1) > 0  # [L]
+        assert written.tolist() == [i <= layer_idx for i in range(kv_cache.shape[0])]
+        self.layers.append(layer_idx)
+
+    def end_step(self) -> list[str]:
+        return []
+
+    def poll_finished(self) -> list[str]:
+        return []
+
+
+def test_kv_connector_sees_each_layer_right_after_its_kv_write(tiny_model_dir: Path) -> None:
+    from engine.kv_connector import PendingSend
+
+    block_size = 4
+    prompt = list(range(10, 19))  # 9 tokens in blocks [2, 5, 7]
+    slots = [[2, 5, 7][p // block_size] * block_size + p % block_size for p in range(9)]
+    conn = RecordingConnector(slots, block_size)
+    runner = ModelRunner(
+        EngineConfig(model=str(tiny_model_dir), block_size=block_size), kv_connector=conn
+    )
+    runner.allocate_kv_cache(8)
+    chunk = ScheduledChunk("p", prompt, 0, [2, 5, 7], True, SamplingParams(), 0)
+    send = PendingSend("p", [2, 5, 7], 9)
+    sampled = runner.execute(SchedulerOutput([chunk], 9, kv_sends=[send]))
+    assert list(sampled) == ["p"]
+    assert conn.begun == [["p"]]
+    assert conn.layers == list(range(runner.model_config.num_layers))
+
+
+def test_kv_pool_sizing_and_injected_allocator(tiny_model_dir: Path) -> None:
+    calls: list[tuple[tuple[int, ...], torch.dtype, torch.device]] = []
+
+    def allocator(shape, dtype, device):
+        calls.append((shape, dtype, device))
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    config = EngineConfig(model=str(tiny_model_dir), block_size=16, max_num_seqs=4)
+    runner = ModelRunner(config, kv_cache_allocator=allocator)
+    mc = runner.model_config
+    per_seq = -(-runner.max_model_len // 16)
+    assert per_seq <= runner.profile_num_blocks() <= 4 * per_seq  # never more than usable
+    cache = runner.allocate_kv_cache(10)
+    shape = (mc.num_layers, 2, 10, 16, mc.num_kv_heads, mc.head_dim)
+    assert calls == [(shape, torch.float32, torch.device("cpu"))] and cache.shape == shape
+    # Stale pool contents (NaN here) outside the request's own slots never leak in.
+    chunk = ScheduledChunk("x", [5, 6, 7], 0, [3], True, SamplingParams(temperature=0.0), 0)
+    _, logits = runner.compute_logits(SchedulerOutput([chunk], 3))
+    assert torch.isfinite(logits).all()
+
+
+def test_bfloat16_greedy_follows_transformers_bfloat16(tiny_model_dir: Path) -> None:
+    """bf16 rounding differs between implementations, so a token may only differ where the
+    reference itself hesitates (top-2 gap below 0.25); from there on the texts diverge."""
+    from transformers import AutoModelForCausalLM
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="bfloat16"))
+    assert engine.kv_cache.dtype == torch.bfloat16
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
+    prompts = [make_prompt(n, seed=n, vocab=hf.config.vocab_size) for n in (5, 50, 300)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    for prompt, out in zip(prompts, engine.generate(prompts, params), strict=True):
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1 : -1]
+        top2 = logits.float().topk(2, dim=-1)
+        for i, tok in enumerate(out.token_ids):
+            if tok != top2.indices[i, 0].item():
+                assert (top2.values[i, 0] - top2.values[i, 1]).item() < 0.25
+                break
+    assert_clean(engine)
