@@ -153,7 +153,7 @@ def _join(state_dir: Path) -> ClusterState:
 
 
 def cmd_serve(args: argparse.Namespace, state_dir: Path, config=None) -> int:
-    from cluster.serving import curl_example, deploy
+    from cluster.serving import curl_example, deploy, grpc_example
     from cluster.state import save_state
 
     state = _join(state_dir)
@@ -166,7 +166,10 @@ def cmd_serve(args: argparse.Namespace, state_dir: Path, config=None) -> int:
         print(f"  gRPC        {record.grpc_address}", flush=True)
     if state.dashboard_url:
         print(f"  dashboard   {state.dashboard_url}", flush=True)
-    print(f"  try:\n    {curl_example(record)}\n", flush=True)
+    print(f"  try:\n    {curl_example(record)}", flush=True)
+    if (grpc_call := grpc_example(record)) is not None:
+        print(f"    {grpc_call}", flush=True)
+    print(flush=True)
     return 0
 
 

@@ -1,9 +1,10 @@
 """Deploy the pdserve application onto a running local cluster (``pdserve serve``).
 
-Connects a driver to the recorded cluster, starts Serve with one HTTP (and, if configured,
-gRPC) proxy on the head at the cluster's loopback address and OS-chosen ports, deploys
-``deployments.app.build_app(config)`` and reports progress until every replica runs. The
-application outlives this driver (Serve's controller is detached); ``pdserve down`` ends it.
+Connects a driver to the recorded cluster, starts Serve with one HTTP proxy and (unless the
+config turns it off) one gRPC proxy on the head, at the cluster's loopback address and
+OS-chosen ports, deploys ``deployments.app.build_app(config)`` and reports progress until
+every replica runs. The application outlives this driver (Serve's controller is detached);
+``pdserve down`` ends it.
 """
 
 from __future__ import annotations
@@ -164,4 +165,14 @@ def curl_example(record: ServeRecord) -> str:
     return (
         f"curl -s {record.http_url}/v1/chat/completions "
         f"-H 'Content-Type: application/json' -d '{body}'"
+    )
+
+
+def grpc_example(record: ServeRecord) -> str | None:
+    """A gRPC call a user can paste into a shell (None when gRPC is off)."""
+    if record.grpc_address is None:
+        return None
+    return (
+        f"python -m deployments.grpc.client --target {record.grpc_address} "
+        f"--application {record.app_name} --max-tokens 32 'Hello!'"
     )

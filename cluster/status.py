@@ -17,16 +17,18 @@ from typing import TYPE_CHECKING
 from cluster.procs import is_running
 from cluster.state import ClusterState, NodeRecord, auth_header
 from deployments.config import POOL_LABEL_KEY
+from deployments.metrics import PREFIX, exported_name
 
 if TYPE_CHECKING:  # Ray is imported only when status runs
     from ray.serve.schema import ApplicationDetails
     from ray.util.state.common import NodeState
 
 HTTP_TIMEOUT_S = 5.0
+# Prometheus family of each pdserve load gauge -> its key in ReplicaStatus.load.
 LOAD_GAUGES = {
-    "num_requests_running": "running",
-    "num_requests_waiting": "waiting",
-    "kv_cache_usage_perc": "kv",
+    exported_name(PREFIX + "num_requests_running", "gauge"): "running",
+    exported_name(PREFIX + "num_requests_waiting", "gauge"): "waiting",
+    exported_name(PREFIX + "kv_cache_usage_perc", "gauge"): "kv",
 }
 
 
@@ -87,12 +89,13 @@ def scrape_load(records: list[NodeRecord], node_ip: str) -> dict[str, dict[str, 
         except (urllib.error.URLError, OSError):
             continue
         for family in text_string_to_metric_families(text):
-            for gauge, key in LOAD_GAUGES.items():
-                if family.name.endswith(f"pdserve_{gauge}"):
-                    for sample in family.samples:
-                        replica = sample.labels.get("replica")
-                        if replica:
-                            load[replica][key] = sample.value
+            key = LOAD_GAUGES.get(family.name)
+            if key is None:
+                continue
+            for sample in family.samples:
+                replica = sample.labels.get("replica")
+                if replica:
+                    load[replica][key] = sample.value
     return load
 
 

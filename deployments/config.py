@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 PoolRole = Literal["prefill", "decode"]
 POOL_LABEL_KEY = "pdserve.io/pool"
 ACCELERATOR_LABEL_KEY = "ray.io/accelerator-type"
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "0:0:0:0:0:0:0:0"})
 
 
 class _Strict(BaseModel):
@@ -179,8 +180,23 @@ class TransportConfig(_Strict):
     )
     host: str | None = Field(
         default=None,
-        description="Address the KV listener binds to; None = the replica's Ray node address.",
+        description=(
+            "Address the KV listener binds to and advertises to prefill peers; None = the "
+            "replica's Ray node address (the pod IP on Kubernetes, 127.0.0.2 locally). "
+            "Wildcards (0.0.0.0, ::) are refused: peers need an address they can dial."
+        ),
     )
+
+    @model_validator(mode="after")
+    def _check_host(self) -> TransportConfig:
+        if self.host is not None and self.host.strip("[]") in WILDCARD_HOSTS:
+            raise ValueError(
+                f"transport.host: {self.host!r} is a wildcard; the KV listener must bind "
+                "an address its peers can dial (leave it unset for the node's address)"
+            )
+        if self.host is not None and not self.host.strip():
+            raise ValueError("transport.host: empty; leave it unset for the node's address")
+        return self
 
 
 class RouterConfig(_Strict):
@@ -253,7 +269,8 @@ class ObservabilityConfig(_Strict):
     )
     service_name: str = Field(default="pdserve", description="OpenTelemetry service.name.")
     metrics_enabled: bool = Field(
-        default=True, description="Export pdserve:* metrics through Ray's metrics agent."
+        default=True,
+        description="Export pdserve_* metrics through Ray's metrics agent (as ray_pdserve_*).",
     )
 
 
@@ -268,8 +285,16 @@ class HTTPOptions(_Strict):
 class GRPCOptions(_Strict):
     """Serve's gRPC proxy."""
 
-    enabled: bool = Field(default=False, description="Serve the pdserve gRPC API too.")
-    port: int = Field(default=9000, ge=0, le=65535, description="gRPC port.")
+    enabled: bool = Field(
+        default=True,
+        description="Serve the pdserve gRPC API (deployments/grpc/pdserve.proto) too.",
+    )
+    port: int = Field(
+        default=9000,
+        ge=0,
+        le=65535,
+        description="gRPC port; `pdserve serve` picks a free one unless this is set.",
+    )
 
 
 class AppConfig(_Strict):

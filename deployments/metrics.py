@@ -1,22 +1,38 @@
 """pdserve's Prometheus metrics, exported through Ray's metrics agent (``ray.util.metrics``).
 
-Names follow vLLM's set with the ``pdserve:`` prefix (ECOSYSTEM.md); through Ray they show
-up as ``ray_pdserve_*``. Every metric carries ``model_name``, ``role`` (prefill|decode|
-ingress) and ``replica``; ``pdserve:disagg_decisions`` adds ``decision`` (local|remote).
-With metrics disabled every recorder is a no-op, so call sites never branch.
+Names follow vLLM's set with a ``pdserve_`` prefix: ``pdserve_time_to_first_token_seconds``
+where vLLM has ``vllm:time_to_first_token_seconds``. The ``:`` cannot be used: Ray 2.60
+records metrics through OpenTelemetry, whose instrument names allow no ``:``, and such a
+metric is silently never exported (checked on a local cluster: a ``pdserve:x`` counter never
+reached the node's metrics endpoint, ``pdserve_x`` did). Ray adds its ``ray_`` prefix, and
+Prometheus the usual suffixes: a histogram ``h`` is scraped as ``ray_h_bucket``/``_sum``/
+``_count``, a counter ``c`` as ``ray_c_total``, a gauge ``g`` as ``ray_g`` (``exported_name``).
+
+Every metric carries ``model_name``, ``role`` (prefill|decode|ingress) and ``replica``;
+``pdserve_disagg_decisions`` adds ``decision`` (local|remote). With metrics disabled every
+recorder is a no-op, so call sites never branch.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
+
+PREFIX = "pdserve_"
+RAY_PREFIX = "ray_"
+MetricKind = Literal["histogram", "counter", "gauge"]
 
 LATENCY_BUCKETS_S = [
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
     0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 ]  # fmt: skip
-TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
-BYTES_BUCKETS = [2.0**k for k in range(10, 34, 2)]
 BASE_TAGS = ("model_name", "role", "replica")
+
+
+def exported_name(name: str, kind: MetricKind) -> str:
+    """The Prometheus family name a metric ``name`` gets on a Ray node's metrics endpoint
+    (what a dashboard query or ``pdserve status`` looks for)."""
+    suffix = "_total" if kind == "counter" else ""
+    return f"{RAY_PREFIX}{name}{suffix}"
 
 
 class _Null:
@@ -32,67 +48,76 @@ class _Null:
         pass
 
 
+class _Counter:
+    """A Ray counter that accepts an increment of 0 as "nothing happened" (Ray raises on it,
+    and a request with no output tokens must not fail while recording its metrics)."""
+
+    def __init__(self, metric: Any) -> None:
+        self._metric = metric
+
+    def inc(self, value: float = 1.0, tags: dict[str, str] | None = None) -> None:
+        if value > 0:
+            self._metric.inc(value, tags)
+
+
 class ServingMetrics:
     """All metrics one replica records; construct once per replica process."""
 
     def __init__(self, *, model_name: str, role: str, replica: str, enabled: bool = True) -> None:
         self.enabled = enabled
+        # Full metric name -> kind, for every metric below (tests, docs, scrapers).
+        self.kinds: dict[str, MetricKind] = {}
         self._tags = {"model_name": model_name, "role": role, "replica": replica}
         self.time_to_first_token = self._histogram(
-            "pdserve:time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS_S
+            "time_to_first_token_seconds", "Time to first token."
         )
         self.inter_token_latency = self._histogram(
-            "pdserve:inter_token_latency_seconds", "Gap between output tokens.", LATENCY_BUCKETS_S
+            "inter_token_latency_seconds", "Gap between output tokens."
         )
         self.time_per_output_token = self._histogram(
-            "pdserve:request_time_per_output_token_seconds",
+            "request_time_per_output_token_seconds",
             "Mean time per output token of a finished request.",
-            LATENCY_BUCKETS_S,
         )
         self.e2e_latency = self._histogram(
-            "pdserve:e2e_request_latency_seconds", "End-to-end request latency.", LATENCY_BUCKETS_S
+            "e2e_request_latency_seconds", "End-to-end request latency."
         )
         self.queue_time = self._histogram(
-            "pdserve:request_queue_time_seconds",
-            "Time from arrival until the prefill started.",
-            LATENCY_BUCKETS_S,
+            "request_queue_time_seconds", "Time from arrival until the prefill started."
         )
-        self.prompt_tokens = self._counter("pdserve:prompt_tokens", "Prompt tokens processed.")
-        self.generation_tokens = self._counter("pdserve:generation_tokens", "Tokens generated.")
+        self.prompt_tokens = self._counter("prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = self._counter("generation_tokens", "Tokens generated.")
         self.prefix_cache_queries = self._counter(
-            "pdserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
         )
         self.prefix_cache_hits = self._counter(
-            "pdserve:prefix_cache_hits", "Prompt tokens found in the prefix cache."
+            "prefix_cache_hits", "Prompt tokens found in the prefix cache."
         )
         self.num_requests_running = self._gauge(
-            "pdserve:num_requests_running", "Requests in the running batch."
+            "num_requests_running", "Requests in the running batch."
         )
         self.num_requests_waiting = self._gauge(
-            "pdserve:num_requests_waiting", "Requests waiting (incl. for remote KV)."
+            "num_requests_waiting", "Requests waiting (incl. for remote KV)."
         )
         self.kv_cache_usage = self._gauge(
-            "pdserve:kv_cache_usage_perc", "Fraction of KV blocks in use (0..1)."
+            "kv_cache_usage_perc", "Fraction of KV blocks in use (0..1)."
         )
         self.kv_transfer_seconds = self._histogram(
-            "pdserve:kv_transfer_seconds",
-            "Duration of one request's KV transfer.",
-            LATENCY_BUCKETS_S,
+            "kv_transfer_seconds", "Duration of one request's KV transfer."
         )
         self.kv_transfer_bytes = self._counter(
-            "pdserve:kv_transfer_bytes", "KV bytes moved between replicas."
+            "kv_transfer_bytes", "KV bytes moved between replicas."
         )
         self.kv_transfer_failures = self._counter(
-            "pdserve:kv_transfer_failures", "KV transfers that failed or missed their deadline."
+            "kv_transfer_failures", "KV transfers that failed or missed their deadline."
         )
         self.disagg_decisions = self._counter(
-            "pdserve:disagg_decisions", "Prefill placement decisions.", ("decision",)
+            "disagg_decisions", "Prefill placement decisions.", ("decision",)
         )
         self.prefill_fallbacks = self._counter(
-            "pdserve:prefill_fallbacks", "Remote prefills recomputed locally after a failure."
+            "prefill_fallbacks", "Remote prefills recomputed locally after a failure."
         )
         self.requests_shed = self._counter(
-            "pdserve:requests_shed", "Requests rejected because no placement met the SLO."
+            "requests_shed", "Requests rejected because no placement met the SLO."
         )
 
     def record_decision(self, decision: str) -> None:
@@ -103,29 +128,34 @@ class ServingMetrics:
         self.num_requests_waiting.set(waiting)
         self.kv_cache_usage.set(kv_usage)
 
-    def _histogram(self, name: str, description: str, buckets: list[float]) -> Any:
+    def _histogram(self, name: str, description: str) -> Any:
+        self.kinds[PREFIX + name] = "histogram"
         if not self.enabled:
             return _Null()
         from ray.util.metrics import Histogram
 
-        metric = Histogram(name, description, boundaries=buckets, tag_keys=BASE_TAGS)
+        metric = Histogram(
+            PREFIX + name, description, boundaries=LATENCY_BUCKETS_S, tag_keys=BASE_TAGS
+        )
         metric.set_default_tags(self._tags)
         return metric
 
     def _counter(self, name: str, description: str, extra_tags: tuple[str, ...] = ()) -> Any:
+        self.kinds[PREFIX + name] = "counter"
         if not self.enabled:
             return _Null()
         from ray.util.metrics import Counter
 
-        metric = Counter(name, description, tag_keys=BASE_TAGS + extra_tags)
+        metric = Counter(PREFIX + name, description, tag_keys=BASE_TAGS + extra_tags)
         metric.set_default_tags(self._tags)
-        return metric
+        return _Counter(metric)
 
     def _gauge(self, name: str, description: str) -> Any:
+        self.kinds[PREFIX + name] = "gauge"
         if not self.enabled:
             return _Null()
         from ray.util.metrics import Gauge
 
-        metric = Gauge(name, description, tag_keys=BASE_TAGS)
+        metric = Gauge(PREFIX + name, description, tag_keys=BASE_TAGS)
         metric.set_default_tags(self._tags)
         return metric

@@ -138,7 +138,12 @@ class PrefillServer:
         self._arrivals.add(num_tokens)
         self.metrics.prompt_tokens.inc(num_tokens)
         params = req.sampling.to_params()
-        attrs = {tracing.USAGE_INPUT_TOKENS: num_tokens}
+        attrs = {
+            tracing.USAGE_INPUT_TOKENS: num_tokens,
+            # Where this replica pushes the KV (the decode replica's listener).
+            "pdserve.kv_target.address": req.kv_target.address,
+            "pdserve.kv_target.transport": req.kv_target.transport,
+        }
         with tracing.span("prefill", self.model_name, carrier=req.trace_carrier, attributes=attrs):
             self.connector.register_target(rid, req.kv_target)
             last = None

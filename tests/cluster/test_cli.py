@@ -15,7 +15,7 @@ import pytest
 
 from cluster import cli
 from cluster.procs import is_running, session_members, stop_sessions
-from cluster.serving import bind_front_door, curl_example
+from cluster.serving import bind_front_door, curl_example, grpc_example
 from cluster.state import ClusterState, NodeRecord, ServeRecord, load_state, save_state
 from cluster.topology import ClusterSpec, format_labels
 from deployments.config import AppConfig
@@ -95,7 +95,7 @@ def test_front_door_binds_cluster_address_unless_configured() -> None:
     cfg = bind_front_door(AppConfig(), "127.0.0.2")
     assert cfg.http.host == "127.0.0.2"
     assert cfg.http.port not in (0, 8000)  # OS-chosen, not the field's default
-    assert not cfg.grpc.enabled
+    assert cfg.grpc.enabled and cfg.grpc.port not in (0, 9000)  # gRPC on by default
     explicit = AppConfig.from_dict({"http": {"port": 8123}, "grpc": {"enabled": True}})
     cfg = bind_front_door(explicit, "127.0.0.2")
     assert cfg.http.port == 8123 and cfg.grpc.port not in (0, 9000)
@@ -111,6 +111,13 @@ def test_front_door_binds_cluster_address_unless_configured() -> None:
     assert (cfg.http.port, cfg.grpc.port) == (40001, 40002)  # Serve's proxies keep their ports
     assert running.http_url == "http://127.0.0.2:40001"
     assert curl_example(running).startswith("curl -s http://127.0.0.2:40001/v1/chat/completions ")
+    assert grpc_example(running) == (
+        "python -m deployments.grpc.client --target 127.0.0.2:40002 "
+        "--application pdserve --max-tokens 32 'Hello!'"
+    )
+    assert grpc_example(running.model_copy(update={"grpc_port": None})) is None
+    off = bind_front_door(AppConfig.from_dict({"grpc": {"enabled": False}}), "127.0.0.2")
+    assert not off.grpc.enabled
 
 
 def test_state_round_trips(tmp_path: Path) -> None:

@@ -1,12 +1,16 @@
 """`pdserve run CONFIG` (what `make serve` calls): three nodes, the app deployed with prefill
-and decode replicas on their labelled nodes, an OpenAI endpoint that answers, and SIGTERM
-taking everything down again."""
+and decode replicas on their labelled nodes, an OpenAI endpoint and a gRPC endpoint (on by
+default) that answer, pdserve's metrics on the nodes' Prometheus endpoints, one trace per
+request across the ingress, decode and prefill processes, and SIGTERM taking everything
+down again."""
 
 from __future__ import annotations
 
 import json
+import os
 import queue
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -19,6 +23,7 @@ import httpx
 import pytest
 
 from cluster.procs import is_running, session_members
+from tests.cluster.telemetry_scrape import node_samples, spans_by_trace
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(480)]
 REPO = Path(__file__).resolve().parents[2]
@@ -28,9 +33,12 @@ model:
 decode:
   engine:
     max_num_seqs: 8
-grpc:
-  enabled: true
+observability:
+  tracing_exporter: console
 """
+# Longer than policy.local_prefill_max_tokens (64): the decode replica prefills it remotely.
+OPERATIONS = ("text_completion", "decode", "prefill_remote", "prefill", "kv_transfer")
+LONG_PROMPT = " ".join(["the river runs past the old mill to the sea"] * 12)
 
 
 def _lines(proc: subprocess.Popen[str]) -> queue.Queue[str | None]:
@@ -71,12 +79,15 @@ def test_run_serves_until_sigterm(tmp_path: Path) -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        # Ray's agent exports metrics every 10 s by default; the nodes inherit this.
+        env={**os.environ, "RAY_metrics_report_interval_ms": "2000"},
     )
     log: list[str] = []
     try:
         lines = _lines(proc)
         base = _wait_for(lines, r"OpenAI API\s+(http://127\.0\.0\.2:\d+)/v1", log, 400)
         grpc_port = int(_wait_for(lines, r"gRPC\s+127\.0\.0\.2:(\d+)", log, 10))
+        grpc_call = _wait_for(lines, r"^\s+(python -m deployments\.grpc\.client .*)$", log, 10)
         _wait_for(lines, r"(serving); Ctrl-C", log, 30)
         state = json.loads((state_dir / "cluster.json").read_text())
         leaders = [n["pid"] for n in state["nodes"]]
@@ -99,6 +110,25 @@ def test_run_serves_until_sigterm(tmp_path: Path) -> None:
         assert body["choices"][0]["finish_reason"] == "length"
         with socket.create_connection(("127.0.0.2", grpc_port), timeout=5):
             pass  # Serve's gRPC proxy listens where `run` said
+        # The printed gRPC line works as pasted.
+        grpc_reply = subprocess.run(
+            [sys.executable, *shlex.split(grpc_call)[1:]],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert grpc_reply.returncode == 0, grpc_reply.stderr
+        assert grpc_reply.stdout.strip() and "completion_tokens" in grpc_reply.stderr
+
+        with httpx.Client(base_url=base, timeout=120) as client:
+            remote = client.post(
+                "/v1/completions",
+                json={"model": model["id"], "prompt": LONG_PROMPT, "max_tokens": 4},
+            )
+        assert remote.status_code == 200, remote.text
+        _check_metrics([n["metrics_export_port"] for n in state["nodes"]], model["id"])
+        _check_trace(Path(state["root_dir"]), remote.json()["id"], model["id"])
 
         status = subprocess.run(
             [sys.executable, "-m", "cluster.cli", "status", "--state-dir", str(state_dir)],
@@ -112,6 +142,11 @@ def test_run_serves_until_sigterm(tmp_path: Path) -> None:
         placed = {(r[0], r[2], r[3]) for r in rows if len(r) >= 4 and r[0].endswith("Server")}
         assert ("PrefillServer", "RUNNING", "prefill") in placed
         assert ("DecodeServer", "RUNNING", "decode") in placed
+        # LOAD comes from the replicas' pdserve gauges on the node metrics endpoints.
+        (decode_row,) = [
+            line for line in status.stdout.splitlines() if "DecodeServer " in line[:15]
+        ]
+        assert re.search(r"\d+ running, \d+ waiting, kv \d+%$", decode_row), status.stdout
 
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=90) == 0, "\n".join(log)
@@ -126,3 +161,69 @@ def test_run_serves_until_sigterm(tmp_path: Path) -> None:
     assert [pid for pid in members if is_running(pid)] == []
     assert not (state_dir / "cluster.json").exists()
     assert not Path(state["root_dir"]).exists()
+
+
+def _check_metrics(ports: list[int], model: str, timeout_s: float = 60.0) -> None:
+    """After the requests, every node's endpoint together carries pdserve's series with
+    values (Ray's agent exports every few seconds: poll, bounded)."""
+    wanted = {
+        "ray_pdserve_time_to_first_token_seconds_count": {"role": "decode"},
+        "ray_pdserve_e2e_request_latency_seconds_count": {"role": "ingress"},
+        "ray_pdserve_prompt_tokens_total": {"role": "prefill"},
+        "ray_pdserve_generation_tokens_total": {"role": "decode"},
+        "ray_pdserve_kv_transfer_bytes_total": {"role": "decode"},
+        "ray_pdserve_disagg_decisions_total": {"decision": "remote"},
+    }
+    deadline = time.monotonic() + timeout_s
+    while True:
+        samples = node_samples("127.0.0.2", ports)
+        missing = [
+            name
+            for name, labels in wanted.items()
+            if not any(
+                s.name == name and s.value > 0 and labels.items() <= s.labels.items()
+                for s in samples
+            )
+        ]
+        if not missing:
+            break
+        assert time.monotonic() < deadline, f"no values for {missing} on ports {ports}"
+        time.sleep(2.0)
+    ttft = [s for s in samples if s.name == "ray_pdserve_time_to_first_token_seconds_count"]
+    assert {s.labels["model_name"] for s in ttft} == {model}
+    assert {"decode", "ingress"} <= {s.labels["role"] for s in ttft}
+    assert all(s.labels["replica"] for s in ttft if s.labels["role"] == "decode")
+
+
+def _check_trace(root_dir: Path, response_id: str, model: str, timeout_s: float = 20.0) -> None:
+    """The console exporter's spans, read from the replicas' log files: the request's
+    trace spans the ingress, decode and prefill processes and the KV transfer."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        traces = spans_by_trace(root_dir)
+        roots = [
+            t
+            for t in traces.values()
+            if any(s.attributes.get("pdserve.request_id") == response_id for s in t)
+        ]
+        names = {s.name for t in roots for s in t}
+        needed = {f"{op} {model}" for op in OPERATIONS}
+        if len(roots) == 1 and needed <= names:
+            break
+        assert time.monotonic() < deadline, f"trace of {response_id}: {len(roots)}, {names}"
+        time.sleep(1.0)
+    (spans,) = roots
+    by_name = {s.name.removesuffix(f" {model}"): s for s in spans}
+    files = {by_name[n].source for n in ("text_completion", "decode", "prefill")}
+    assert len(files) == 3, files  # three processes, one trace id
+    # One tree: a single root (the HTTP server span when FastAPI is instrumented, else the
+    # ingress's own span), every other span's parent inside the same trace.
+    ids = {s.span_id for s in spans}
+    assert len([s for s in spans if s.parent_id is None]) == 1
+    assert all(s.parent_id in ids for s in spans if s.parent_id is not None)
+    assert by_name["decode"].parent_id == by_name["text_completion"].span_id
+    prefill = by_name["prefill"]
+    assert prefill.parent_id == by_name["prefill_remote"].span_id
+    # The KV listener binds the replica's Ray node address, not 127.0.0.1 or a wildcard.
+    assert prefill.attributes["pdserve.kv_target.address"].startswith("127.0.0.2:")
+    assert by_name["kv_transfer"].attributes["pdserve.kv_transfer.bytes"] > 0

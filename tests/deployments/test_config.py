@@ -55,6 +55,8 @@ def test_empty_yaml_gives_defaults(tmp_path: Path) -> None:
     cfg = AppConfig.from_yaml(write(tmp_path, ""))
     assert cfg == AppConfig()
     assert cfg.model.path is None and cfg.model.test_model == "small"
+    assert cfg.grpc.enabled  # gRPC is served unless the config turns it off
+    assert cfg.transport.host is None  # = each replica's Ray node address
 
 
 def test_unknown_field_is_rejected_with_its_path(tmp_path: Path) -> None:
@@ -77,6 +79,8 @@ def test_unknown_field_is_rejected_with_its_path(tmp_path: Path) -> None:
         ({"prefill": {"node_labels": {"ray.io/node-id": "x"}}}, "reserved"),
         ({"slo": {"ttft_ms": 0}}, "slo.ttft_ms"),
         ({"transport": {"kind": "carrier-pigeon"}}, "transport.kind"),
+        ({"transport": {"host": "0.0.0.0"}}, "transport.host"),
+        ({"transport": {"host": "[::]"}}, "transport.host"),
     ],
 )
 def test_invalid_values_name_the_field(data: dict, needle: str) -> None:

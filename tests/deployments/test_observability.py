@@ -14,10 +14,15 @@ from deployments.metrics import ServingMetrics
 
 @pytest.fixture(scope="module")
 def spans() -> InMemorySpanExporter:
+    """An in-memory exporter on the process's SDK provider (installed here if none is yet:
+    OpenTelemetry lets a process set its provider only once, and other test modules add
+    their exporters to the same one)."""
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):
+        provider = TracerProvider()
+        trace.set_tracer_provider(provider)
     exporter = InMemorySpanExporter()
-    provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    trace.set_tracer_provider(provider)
     return exporter
 
 
