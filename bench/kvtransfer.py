@@ -1,0 +1,507 @@
+"""KV-transfer benchmark: bandwidth of each CPU transport, and the hand-off's share of TTFT.
+
+    python -m bench.kvtransfer [--max-mib 1024] [--handoff-reps 2] [--skip-handoff]
+
+Part 1, bandwidth: payloads from ``--min-mib`` to ``--max-mib`` (powers of 4), each moved as
+one request's KV (one message per layer) from this process (prefill side) into a decode-side
+process, over shared memory and over torch.distributed (gloo), twice: with random,
+differently ordered block ids on both sides (the worst case) and with one run of
+consecutive ids on each side (what a fresh pool hands out). Next to them, measured in the
+same run: a plain ``Tensor.copy_`` of the same bytes, and a raw TCP loopback socket between
+the same two processes.
+
+Part 2, hand-off: the ``small`` test model prefills a ``--handoff-tokens`` prompt in this
+process while a decode engine waits in another; the hand-off is the time from the last
+layer computed to the decode side's ``wait`` returning, reported next to TTFT and the time
+the last layer's bytes take at the measured bandwidth.
+
+Prints a table and writes JSON (``--out``, default bench/results/kvtransfer.json).
+Targets checked: shm >= 50% of copy bandwidth from 64 MiB up; gloo >= 50% of the raw
+socket; hand-off p50 < 5 ms plus the last layer's bytes time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import platform
+import random
+import socket
+import statistics
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvtransfer import KVLayout, KVTarget, KVTransferConfig
+from kvtransfer.sender import KVSender
+
+MIB = 1 << 20
+# A small-model-like layout: 8 layers, 8 KV heads of 64, 16-token blocks, fp16:
+# 32 KiB per block per layer, 256 KiB per block over all layers.
+LAYOUT = KVLayout(
+    model="bench", num_layers=8, num_kv_heads=8, head_dim=64, block_size=16, dtype="float16"
+)
+BLOCK_ALL_LAYERS = LAYOUT.num_layers * LAYOUT.block_bytes()
+
+
+# --------------------------------------------------------------------------- decode process
+
+
+def _decode_side(conn: Connection, num_threads: int) -> None:
+    """Command loop of the decode-side process (receivers, raw socket sink, decode engine)."""
+    torch.set_num_threads(num_threads)
+    from kvtransfer.receiver import KVReceiver
+    from kvtransfer.shm import SharedKVAllocator
+
+    alloc = SharedKVAllocator()
+    receivers: dict[str, KVReceiver] = {}
+    engine = handoff = None
+    while True:
+        cmd, *args = conn.recv()
+        if cmd == "pool":
+            (num_blocks,) = args
+            shape = (LAYOUT.num_layers, 2, num_blocks, LAYOUT.block_size, LAYOUT.num_kv_heads,
+                     LAYOUT.head_dim)  # fmt: skip
+            pool = alloc(shape, torch.float16, "cpu")
+            seg = alloc.segment_for(pool)
+            for transport in ("shm", "torch_dist"):
+                receivers[transport] = KVReceiver(
+                    pool, LAYOUT, KVTransferConfig(transport=transport), shm_segment=seg
+                )
+            conn.send("ok")
+        elif cmd == "expect":
+            transport, rid, dst = args
+            conn.send(receivers[transport].expect(rid, dst, time.time() + 120).model_dump_json())
+        elif cmd == "wait":
+            transport, rid = args
+            conn.send(receivers[transport].wait(rid).ok)
+        elif cmd == "socket":
+            (size,) = args
+            _socket_sink(conn, size)
+        elif cmd == "engine":
+            engine, handoff = _decode_engine(*args)
+            conn.send("ok")
+        elif cmd == "reserve":
+            rid, prompt = args
+            from engine.sampling_params import SamplingParams
+
+            params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+            target = handoff.reserve(rid, prompt, params, time.time() + 600)
+            conn.send(target.model_dump_json())
+        elif cmd == "handoff_wait":
+            (rid,) = args
+            result = handoff.receiver.wait(rid)
+            ready = time.time()
+            engine.abort(rid)
+            conn.send((ready, result.ok, result.bytes))
+        elif cmd == "quit":
+            for r in receivers.values():
+                r.close()
+            if handoff is not None:
+                handoff.receiver.close()
+            alloc.close()
+            conn.send("bye")
+            return
+
+
+def _socket_sink(conn: Connection, size: int) -> None:
+    srv = socket.create_server(("127.0.0.1", 0))
+    conn.send(srv.getsockname()[1])
+    sock, _ = srv.accept()
+    buf = bytearray(size)
+    view = memoryview(buf)
+    while True:
+        got = 0
+        while got < size:
+            n = sock.recv_into(view[got:])
+            if n == 0:
+                sock.close()
+                srv.close()
+                return
+            got += n
+        sock.sendall(b"k")
+
+
+def _decode_engine(model_dir: str, num_blocks: int, transport: str) -> tuple[Any, Any]:
+    from engine.llm_engine import LLMEngine
+    from kvtransfer.connector import DecodeHandoff, engine_layout
+    from kvtransfer.receiver import KVReceiver
+    from kvtransfer.shm import SharedKVAllocator
+
+    alloc = SharedKVAllocator()
+    engine = LLMEngine.from_pretrained(
+        model_dir, kv_cache_allocator=alloc, num_kv_blocks=num_blocks
+    )
+    receiver = KVReceiver(
+        engine.kv_cache,
+        engine_layout(engine),
+        KVTransferConfig(transport=transport),
+        shm_segment=alloc.segment_for(engine.kv_cache),
+    )
+    return engine, DecodeHandoff(engine, receiver)
+
+
+# --------------------------------------------------------------------------- measurements
+
+
+def _timed(fn: Any, min_seconds: float, max_reps: int) -> list[float]:
+    """Seconds of each ``fn()`` after one warm-up, repeated until ``min_seconds``."""
+    fn()
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < max_reps and (len(times) < 3 or time.perf_counter() - start < min_seconds):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _record(row: dict[str, Any], key: str, times: list[float]) -> None:
+    """Best and median of the repetitions. The table and the targets use the best: on a
+    machine shared with other work the median mostly measures the neighbours."""
+    row[f"{key}_s"] = min(times)
+    row[f"{key}_median_s"] = statistics.median(times)
+    row[f"{key}_reps"] = len(times)
+
+
+# "random": scattered, differently ordered ids on both sides (the worst case: every block
+# its own copy, two passes for shm). "runs": one run of consecutive ids on each side, at
+# different offsets (what a fresh pool's free list hands out).
+ORDERS = ("random", "runs")
+
+
+def _block_ids(
+    rng: random.Random, order: str, n: int, pool_blocks: int
+) -> tuple[list[int], list[int]]:
+    if order == "random":
+        return rng.sample(range(pool_blocks), n), rng.sample(range(pool_blocks), n)
+    s0, d0 = rng.randrange(pool_blocks - n + 1), rng.randrange(pool_blocks - n + 1)
+    return list(range(s0, s0 + n)), list(range(d0, d0 + n))
+
+
+def _bandwidth(conn: Connection, sizes: list[int], min_seconds: float) -> list[dict[str, Any]]:
+    max_blocks = max(sizes) // BLOCK_ALL_LAYERS
+    pool_blocks = max_blocks + 64
+    conn.send(("pool", pool_blocks))
+    assert conn.recv() == "ok"
+    src = torch.randn(LAYOUT.num_layers, 2, pool_blocks, LAYOUT.block_size,
+                      LAYOUT.num_kv_heads, LAYOUT.head_dim).half()  # fmt: skip
+    sender = KVSender(LAYOUT)
+    rng = random.Random(0)
+    counter = iter(range(1 << 30))
+    rows = []
+    t_start = time.perf_counter()
+    for size in sizes:
+        n = size // BLOCK_ALL_LAYERS
+        row: dict[str, Any] = {"size_bytes": n * BLOCK_ALL_LAYERS, "blocks": n}
+        reps = 20 if size <= 16 * MIB else 5 if size <= 256 * MIB else 3
+
+        a = torch.empty(row["size_bytes"], dtype=torch.uint8).random_()
+        b = torch.empty_like(a)
+        _record(row, "copy", _timed(lambda a=a, b=b: b.copy_(a), min_seconds, reps))
+        del a, b
+
+        conn.send(("socket", row["size_bytes"]))
+        sock = socket.create_connection(("127.0.0.1", conn.recv()))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        payload = memoryview(bytearray(row["size_bytes"]))
+
+        def one_socket(sock: socket.socket = sock, payload: memoryview = payload) -> None:
+            sock.sendall(payload)
+            assert sock.recv(1) == b"k"
+
+        _record(row, "socket", _timed(one_socket, min_seconds, reps))
+        sock.close()
+        del payload
+
+        for order in ORDERS:
+            for transport in ("shm", "torch_dist"):
+                times: list[float] = []
+
+                def one_transfer(
+                    transport: str = transport, n: int = n, order: str = order, times: list = times
+                ) -> None:
+                    rid = f"b{next(counter)}"
+                    src_ids, dst_ids = _block_ids(rng, order, n, pool_blocks)
+                    conn.send(("expect", transport, rid, dst_ids))
+                    target = KVTarget.model_validate_json(conn.recv())
+                    t0 = time.perf_counter()
+                    handle = sender.open(target, src_ids)
+                    for layer in range(LAYOUT.num_layers):
+                        sender.send_layer(handle, layer, src)
+                    result = sender.finish(handle)
+                    elapsed = time.perf_counter() - t0
+                    conn.send(("wait", transport, rid))
+                    assert conn.recv() and result.ok
+                    times.append(elapsed)
+
+                one_transfer()  # warm-up: connection, group rendezvous, shm mapping
+                times.clear()
+                start = time.perf_counter()
+                while len(times) < reps and (
+                    len(times) < 3 or time.perf_counter() - start < min_seconds
+                ):
+                    one_transfer()
+                _record(row, f"{transport}_{order}", times)
+        keys = ["copy", "socket"] + [f"{t}_{o}" for o in ORDERS for t in ("shm", "torch_dist")]
+        for key in keys:
+            row[f"{key}_GBps"] = row["size_bytes"] / row[f"{key}_s"] / 1e9
+            row[f"{key}_median_GBps"] = row["size_bytes"] / row[f"{key}_median_s"] / 1e9
+        for order in ORDERS:
+            row[f"shm_{order}_vs_copy"] = row[f"shm_{order}_GBps"] / row["copy_GBps"]
+            row[f"gloo_{order}_vs_socket"] = row[f"torch_dist_{order}_GBps"] / row["socket_GBps"]
+        rows.append(row)
+        print(
+            f"{row['size_bytes'] / MIB:8.0f} MiB done ({time.perf_counter() - t_start:.0f} s)",
+            flush=True,
+        )
+    sender.close()
+    return rows
+
+
+class _LastLayerClock:
+    """Wraps a connector to note when the last layer of a step was computed."""
+
+    def __init__(self, inner: Any, num_layers: int) -> None:
+        self.inner = inner
+        self.num_layers = num_layers
+        self.last_layer_time = 0.0
+
+    def begin_step(self, sends: list[Any]) -> None:
+        self.inner.begin_step(sends)
+
+    def layer_computed(self, layer_idx: int, kv_cache: torch.Tensor) -> None:
+        self.inner.layer_computed(layer_idx, kv_cache)
+        if layer_idx == self.num_layers - 1:
+            self.last_layer_time = time.time()
+
+    def end_step(self) -> list[str]:
+        return self.inner.end_step()
+
+    def poll_finished(self) -> list[str]:
+        return self.inner.poll_finished()
+
+
+def _handoff(
+    conn: Connection, model: str, tokens: int, reps: int, transport: str
+) -> dict[str, Any]:
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+    from engine.testmodel import ensure_test_model
+    from kvtransfer.connector import PrefillKVConnector, engine_layout
+
+    model_dir = ensure_test_model(model)
+    num_blocks = math.ceil(tokens / 16) + 8
+    conn.send(("engine", str(model_dir), num_blocks, transport))
+    assert conn.recv() == "ok"
+    connector = PrefillKVConnector(None)  # type: ignore[arg-type]
+    clock = _LastLayerClock(connector, 0)
+    engine = LLMEngine.from_pretrained(
+        model_dir, kv_connector=clock, num_kv_blocks=num_blocks, enable_prefix_caching=False
+    )
+    layout = engine_layout(engine)
+    clock.num_layers = layout.num_layers
+    connector.sender = KVSender(layout)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    rng = random.Random(1)
+    samples = []
+    for rep in range(reps + 1):  # the first, short, one warms up the connection
+        rid = f"h{rep}"
+        length = tokens if rep else 32
+        prompt = [rng.randrange(4, engine.vocab_size) for _ in range(length)]
+        conn.send(("reserve", rid, prompt))
+        connector.register_target(rid, KVTarget.model_validate_json(conn.recv()))
+        conn.send(("handoff_wait", rid))
+        submitted = time.time()
+        engine.add_request(rid, prompt, params, prefill_only=True)
+        while engine.has_pending_work():
+            engine.step()
+            time.sleep(0.0005)
+        ready, ok, nbytes = conn.recv()
+        assert ok
+        if rep:
+            samples.append(
+                {
+                    "ttft_s": ready - submitted,
+                    "handoff_s": ready - clock.last_layer_time,
+                    "bytes": nbytes,
+                }
+            )
+        print(
+            f"  {transport} {'rep ' + str(rep) if rep else 'warm-up'} ({length} tokens): "
+            f"TTFT {ready - submitted:.3f} s, "
+            f"hand-off {(ready - clock.last_layer_time) * 1e3:.2f} ms",
+            flush=True,
+        )
+    connector.sender.close()
+    handoffs = sorted(s["handoff_s"] for s in samples)
+    ttfts = sorted(s["ttft_s"] for s in samples)
+    return {
+        "model": model,
+        "prompt_tokens": tokens,
+        "transport": transport,
+        "kv_bytes": samples[0]["bytes"],
+        "layer_bytes": samples[0]["bytes"] // layout.num_layers,
+        "handoff_p50_s": statistics.median(handoffs),
+        "ttft_p50_s": statistics.median(ttfts),
+        "handoff_share_of_ttft": statistics.median(s["handoff_s"] / s["ttft_s"] for s in samples),
+        "samples": samples,
+    }
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _sizes(min_mib: int, max_mib: int) -> list[int]:
+    sizes, s = [], min_mib
+    while s <= max_mib:
+        sizes.append(s * MIB)
+        s *= 4
+    if sizes[-1] != max_mib * MIB:
+        sizes.append(max_mib * MIB)
+    return sizes
+
+
+def _print_table(rows: list[dict[str, Any]]) -> None:
+    head = (
+        f"{'payload':>10} {'copy_':>7} {'socket':>7} | {'shm':>6} {'/copy':>5} {'gloo':>6} "
+        f"{'/sock':>5} (random ids) | {'shm':>6} {'/copy':>5} {'gloo':>6} {'/sock':>5} (runs)"
+    )
+    print("\nBandwidth (GB/s, best of the repetitions; medians in the JSON)\n" + head)
+    print("-" * len(head))
+    for r in rows:
+        cells = [
+            f"{r['size_bytes'] / MIB:7.0f} MiB {r['copy_GBps']:7.2f} {r['socket_GBps']:7.2f} |"
+        ]
+        for order in ORDERS:
+            cells.append(
+                f"{r[f'shm_{order}_GBps']:6.2f} {r[f'shm_{order}_vs_copy']:5.0%} "
+                f"{r[f'torch_dist_{order}_GBps']:6.2f} {r[f'gloo_{order}_vs_socket']:5.0%}"
+                + (" " * 13 + "|" if order == "random" else "")
+            )
+        print(" ".join(cells))
+
+
+def _targets(rows: list[dict[str, Any]], handoffs: list[dict[str, Any]]) -> dict[str, Any]:
+    big = [r for r in rows if r["size_bytes"] >= 64 * MIB]
+    out: dict[str, Any] = {}
+    for order in ORDERS:
+        out[f"shm_ge_50pct_copy_from_64MiB_{order}"] = (
+            all(r[f"shm_{order}_vs_copy"] >= 0.5 for r in big) if big else None
+        )
+        out[f"gloo_ge_50pct_socket_{order}"] = all(
+            r[f"gloo_{order}_vs_socket"] >= 0.5 for r in rows
+        )
+    for h in handoffs:
+        # The stricter reading: the bytes' time at the faster (consecutive ids) bandwidth.
+        bw = {r["size_bytes"]: r[f"{h['transport']}_runs_GBps"] for r in rows}
+        nearest = min(bw, key=lambda s: abs(math.log(s / max(h["kv_bytes"], 1))))
+        bytes_time = h["layer_bytes"] / (bw[nearest] * 1e9)
+        h["last_layer_bytes_s"] = bytes_time
+        h["target_s"] = 0.005 + bytes_time
+        out[f"handoff_{h['transport']}_p50_lt_5ms_plus_bytes"] = h["handoff_p50_s"] < h["target_s"]
+    return out
+
+
+def _cpu_pressure() -> float | None:
+    try:
+        line = Path("/proc/pressure/cpu").read_text().splitlines()[0]
+    except (OSError, IndexError):
+        return None
+    fields = dict(kv.split("=") for kv in line.split()[1:])
+    return float(fields["avg60"])
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--min-mib", type=int, default=1)
+    p.add_argument("--max-mib", type=int, default=1024, help="largest payload (MiB)")
+    p.add_argument("--min-seconds", type=float, default=0.5, help="per point, per method")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--skip-handoff", action="store_true")
+    p.add_argument("--handoff-model", default="small")
+    p.add_argument("--handoff-tokens", type=int, default=2048)
+    p.add_argument("--handoff-reps", type=int, default=2, help="2k prefills per transport")
+    p.add_argument(
+        "--handoff-transports",
+        default="shm",
+        help="comma-separated; shm is what 'auto' picks for CPU engines on one node",
+    )
+    p.add_argument("--out", type=Path, default=Path("bench/results/kvtransfer.json"))
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    ctx = mp.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    proc = ctx.Process(target=_decode_side, args=(child_conn, args.threads), daemon=True)
+    proc.start()
+    handoffs: list[dict[str, Any]] = []
+    handoff_note = None
+    try:
+        rows = _bandwidth(conn, _sizes(args.min_mib, args.max_mib), args.min_seconds)
+        _print_table(rows)
+        if args.skip_handoff:
+            handoff_note = "skipped (--skip-handoff)"
+        else:
+            try:
+                import engine.llm_engine  # noqa: F401
+            except ImportError as exc:
+                handoff_note = f"needs the engine (engine.llm_engine): {exc}"
+            else:
+                print(f"\nHand-off, {args.handoff_model} model, {args.handoff_tokens}-token prompt")
+                for transport in args.handoff_transports.split(","):
+                    handoffs.append(
+                        _handoff(
+                            conn, args.handoff_model, args.handoff_tokens, args.handoff_reps,
+                            transport,
+                        )
+                    )  # fmt: skip
+        conn.send(("quit",))
+        conn.recv()
+    finally:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+    targets = _targets(rows, handoffs)
+    for h in handoffs:
+        print(
+            f"{h['transport']:>10}: hand-off p50 {h['handoff_p50_s'] * 1e3:.2f} ms "
+            f"(target < {h['target_s'] * 1e3:.2f} ms = 5 ms + last layer's "
+            f"{h['layer_bytes'] / MIB:.2f} MiB), TTFT p50 {h['ttft_p50_s']:.2f} s, "
+            f"hand-off share of TTFT {h['handoff_share_of_ttft']:.2%}"
+        )
+    if handoff_note:
+        print(f"hand-off: {handoff_note}")
+    print("\nTargets: " + ", ".join(f"{k}={v}" for k, v in targets.items()))
+    pressure = _cpu_pressure()
+    if pressure is not None and pressure > 25:
+        print(f"note: CPU pressure {pressure:.0f}% (other work was competing for the CPUs)")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    report = {
+        "layout": LAYOUT.model_dump(),
+        "threads": args.threads,
+        "machine": {
+            "cpus": mp.cpu_count(),
+            "platform": platform.platform(),
+            "loadavg_at_end": os.getloadavg(),
+            # Share of time runnable tasks waited for a CPU (Linux PSI): other work on the
+            # machine; numbers taken under high pressure say more about the neighbours.
+            "cpu_pressure_some_avg60": _cpu_pressure(),
+        },
+        "bandwidth": rows,
+        "handoff": handoffs,
+        "handoff_note": handoff_note,
+        "targets": targets,
+    }
+    args.out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

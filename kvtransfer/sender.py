@@ -1,0 +1,198 @@
+"""Prefill side of a KV hand-off: stream each computed layer of a request to its decode peer.
+
+``KVSender.open(target, src_block_ids)`` and ``send_layer`` only enqueue work and return at
+once, so the model keeps computing the next layer while this one moves; a worker thread per
+decode peer does the I/O in order (one message per layer per request: the request's blocks
+of a layer are coalesced, never sent one by one) and a reader thread per peer collects the
+peer's answers. ``finish`` waits for the decode side's confirmation, bounded by the
+target's deadline. The sender never frees engine blocks; it reports when it is done with
+them (``SendHandle.finished``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from kvtransfer.config import KVTransferConfig
+from kvtransfer.metrics import TransferObserver, notify
+from kvtransfer.node import local_node_id, sender_choice
+from kvtransfer.sender_peer import DecodePeer, SendHandle
+from kvtransfer.types import (
+    KVLayout,
+    KVTarget,
+    KVTransferError,
+    KVTransferRefusedError,
+    KVTransferTimeoutError,
+    TransferResult,
+)
+
+
+class KVSender:
+    """Pushes requests' KV, layer by layer, into decode peers' reserved blocks.
+
+    ``device`` is where this engine's pool lives ('cpu', 'cuda' or 'cuda:N').
+    """
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        config: KVTransferConfig | None = None,
+        *,
+        device: str = "cpu",
+        observer: TransferObserver | None = None,
+    ) -> None:
+        self.layout = layout
+        self.config = config or KVTransferConfig()
+        self.torch_device = torch.device(device)
+        if self.torch_device.type == "cuda" and self.torch_device.index is None:
+            # Resolve "cuda" now, on the engine's thread: the I/O threads must use its GPU.
+            self.torch_device = torch.device("cuda", torch.cuda.current_device())
+        self.device = self.torch_device.type
+        self.node_id = local_node_id(self.config.node_id)
+        self._observer = observer
+        self._lock = threading.Lock()
+        self._peers: dict[tuple[str, str], DecodePeer] = {}
+        self._retired: list[DecodePeer] = []
+        self._index_cache: dict[tuple[tuple[int, ...], str], torch.Tensor] = {}
+
+    def open(self, target: KVTarget, src_block_ids: list[int]) -> SendHandle:
+        """Start a transfer of the request's KV from ``src_block_ids`` (prompt order; only
+        the first ``len(target.block_ids)`` are sent). Never blocks on the network."""
+        src = [int(b) for b in src_block_ids[: len(target.block_ids)]]
+        if len(src) < len(target.block_ids):
+            raise ValueError(
+                f"src_block_ids: {len(src_block_ids)} blocks, the target expects "
+                f"{len(target.block_ids)}"
+            )
+        if any(b < 0 for b in src):
+            raise ValueError("src_block_ids: negative block id")
+        transport = sender_choice(
+            self.config.transport, target.transport, target.node_id == self.node_id, self.device
+        )
+        handle = SendHandle(target=target, src_block_ids=src)
+        with self._lock:
+            key = (target.address, transport)
+            peer = self._peers.get(key)
+            if peer is None or peer.dead is not None:
+                peer = DecodePeer(self, target.address, transport)
+                self._peers[key] = peer
+            if target.request_id in peer.handles:
+                raise ValueError(f"request_id: {target.request_id!r} is already being sent")
+            handle.peer = peer
+            peer.handles[target.request_id] = handle
+            peer.jobs.put(("open", handle, None))
+        return handle
+
+    def send_layer(self, handle: SendHandle, layer_idx: int, kv_cache: torch.Tensor) -> None:
+        """Enqueue layer ``layer_idx`` of the request (``kv_cache`` is the whole pool
+        [L, 2, N, B, H, D] or that layer [2, N, B, H, D]). Returns at once."""
+        if handle.done():
+            return
+        src = kv_cache[layer_idx] if kv_cache.dim() == 6 else kv_cache
+        if max(handle.src_block_ids) >= src.shape[1]:
+            self._fail(
+                handle,
+                KVTransferRefusedError(
+                    f"src_block_ids: {max(handle.src_block_ids)} out of range for a pool of "
+                    f"{src.shape[1]} blocks"
+                ),
+            )
+            return
+        ready = None
+        if src.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(src.device))
+        assert handle.peer is not None
+        handle.peer.jobs.put(("layer", handle, (layer_idx, src, ready)))
+
+    def finish(self, handle: SendHandle, *, check: bool = True) -> TransferResult:
+        """Wait (until the target's deadline) for the decode side to confirm every layer.
+
+        Raises the transfer's error when ``check`` (the default); else returns the result
+        with ``ok=False``."""
+        # The decode side gives up at the deadline too; waiting longer frees nothing sooner.
+        remaining = handle.target.deadline - time.time()
+        if not handle.finished.wait(max(0.0, remaining)):
+            self._fail(
+                handle,
+                KVTransferTimeoutError(
+                    f"request {handle.request_id!r}: no confirmation by the deadline "
+                    f"({handle.layers_sent}/{self.layout.num_layers} layers sent)"
+                ),
+            )
+        assert handle.result is not None
+        if check and handle.error is not None:
+            raise handle.error
+        return handle.result
+
+    def open_handles(self) -> list[str]:
+        """Request ids with a transfer still in progress (for leak checks)."""
+        with self._lock:
+            return sorted(rid for p in self._peers.values() for rid in p.handles)
+
+    def close(self) -> None:
+        """Fail what is in flight, disconnect every peer and wait for their threads."""
+        with self._lock:
+            peers, self._peers = list(self._peers.values()), {}
+        for peer in peers:
+            self._drop_peer(peer, KVTransferError("sender closed"))
+        with self._lock:
+            retired, self._retired = self._retired, []
+        for peer in retired:
+            peer.join(timeout=5.0)
+
+    # ------------------------------------------------------------- internals
+
+    def index(self, ids: list[int], device: torch.device) -> torch.Tensor:
+        key = (tuple(ids), str(device))
+        idx = self._index_cache.get(key)
+        if idx is None:
+            if len(self._index_cache) > 1024:
+                self._index_cache.clear()
+            idx = self._index_cache[key] = torch.tensor(ids, dtype=torch.int64, device=device)
+        return idx
+
+    def _succeed(self, handle: SendHandle, nbytes: int) -> None:
+        self._settle(handle, None, nbytes)
+
+    def _fail(self, handle: SendHandle, error: KVTransferError) -> None:
+        self._settle(handle, error, handle.bytes_sent)
+
+    def _settle(self, handle: SendHandle, error: KVTransferError | None, nbytes: int) -> None:
+        with handle._state_lock:
+            if handle.finished.is_set():
+                return
+            handle.error = error
+            handle.result = TransferResult(
+                request_id=handle.request_id,
+                ok=error is None,
+                bytes=nbytes,
+                seconds=time.perf_counter() - handle.started,
+                error=None if error is None else str(error),
+                transport=handle.peer.transport if handle.peer else "",
+            )
+            handle.opened.set()
+            handle.finished.set()
+        if handle.peer is not None:
+            with self._lock:
+                if handle.peer.handles.get(handle.request_id) is handle:
+                    del handle.peer.handles[handle.request_id]
+        notify(self._observer, "send", handle.result)
+
+    def _drop_peer(self, peer: DecodePeer, error: KVTransferError) -> None:
+        """The peer is gone (or unusable): fail its transfers and tear its state down."""
+        with self._lock:
+            if peer.dead is None:
+                peer.dead = error
+            for key, p in list(self._peers.items()):
+                if p is peer:
+                    del self._peers[key]
+            if peer not in self._retired:  # joined by close(); finished ones are pruned
+                self._retired = [p for p in self._retired if p.worker.is_alive()] + [peer]
+            handles = list(peer.handles.values())
+        for handle in handles:
+            self._fail(handle, error)
+        peer.close()

@@ -1,0 +1,125 @@
+"""Child-process bodies and shared helpers for the kvtransfer tests (spawned, not forked).
+
+Both sides build their pools from a seed, so a receiver can check byte-identity without the
+bytes travelling any other way than through the transport under test.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from multiprocessing.connection import Connection
+
+import torch
+
+from kvtransfer import KVLayout, KVTarget, KVTransferConfig
+from kvtransfer.receiver import KVReceiver
+from kvtransfer.sender import KVSender
+from kvtransfer.shm import SharedKVAllocator
+
+LAYOUT = KVLayout(
+    model="tiny-test", num_layers=4, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32"
+)
+
+
+def source_pool(layout: KVLayout, num_blocks: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    shape = (layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads,
+             layout.head_dim)  # fmt: skip
+    return torch.randn(shape, generator=g, dtype=torch.float32).to(getattr(torch, layout.dtype))
+
+
+def make_receiver(
+    layout: KVLayout, transport: str, num_blocks: int
+) -> tuple[KVReceiver, torch.Tensor, SharedKVAllocator]:
+    """A receiver whose pool lives in shared memory (offered as shm or torch_dist)."""
+    alloc = SharedKVAllocator()
+    shape = (layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads,
+             layout.head_dim)  # fmt: skip
+    pool = alloc(shape, getattr(torch, layout.dtype), "cpu")
+    receiver = KVReceiver(
+        pool, layout, KVTransferConfig(transport=transport), shm_segment=alloc.segment_for(pool)
+    )
+    return receiver, pool, alloc
+
+
+def sender_main(
+    conn: Connection, layout_json: str, seed: int, num_blocks: int, stop_after_layers: int | None
+) -> None:
+    """Prefill side: receive [(target_json, src_ids)], stream all layers (layer-major across
+    requests, as the engine does), report results. With ``stop_after_layers`` it sends that
+    many layers, says 'partial' and waits to be killed."""
+    torch.set_num_threads(1)
+    layout = KVLayout.model_validate_json(layout_json)
+    src = source_pool(layout, num_blocks, seed)
+    sender = KVSender(layout)
+    jobs = conn.recv()
+    handles = [sender.open(KVTarget.model_validate_json(t), ids) for t, ids in jobs]
+    layers = layout.num_layers if stop_after_layers is None else stop_after_layers
+    for layer in range(layers):
+        for h in handles:
+            sender.send_layer(h, layer, src)
+    if stop_after_layers is not None:
+        time.sleep(0.5)  # let the partial layers land
+        conn.send("partial")
+        time.sleep(600)
+        os._exit(3)
+    results = [sender.finish(h, check=False).model_dump_json() for h in handles]
+    conn.send((results, sender.open_handles()))
+    sender.close()
+
+
+def receiver_main(conn: Connection, layout_json: str, transport: str, num_blocks: int) -> None:
+    """Decode side that gets killed: expect one request, hand back the target, idle."""
+    torch.set_num_threads(1)
+    layout = KVLayout.model_validate_json(layout_json)
+    receiver, _pool, _alloc = make_receiver(layout, transport, num_blocks)
+    block_ids, deadline = conn.recv()
+    target = receiver.expect("victim", block_ids, deadline)
+    conn.send((target.model_dump_json(), _alloc.segment_for(_pool).name))
+    time.sleep(600)
+
+
+def prefill_engine_main(conn: Connection, model_dir: str, num_kv_blocks: int) -> None:
+    """Prefill-role engine: for each batch [(request_id, prompt_ids, params_json?, target)]
+    add the requests ``prefill_only`` with their targets, step until every send ended, and
+    answer [(request_id, first_token_id, transfer_result_json)]. ``None`` ends the loop."""
+    torch.set_num_threads(1)
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+    from kvtransfer.connector import PrefillKVConnector, engine_layout
+
+    connector: PrefillKVConnector | None = None
+    engine = None
+    while True:
+        batch = conn.recv()
+        if batch is None:
+            break
+        if engine is None:
+            # The connector needs the layout, the layout needs the engine: late-bind the sender.
+            connector = PrefillKVConnector(None)  # type: ignore[arg-type]
+            engine = LLMEngine.from_pretrained(
+                model_dir, kv_connector=connector, num_kv_blocks=num_kv_blocks
+            )
+            connector.sender = KVSender(engine_layout(engine))
+        assert connector is not None
+        firsts: dict[str, int] = {}
+        for rid, prompt, max_tokens, target_json in batch:
+            connector.register_target(rid, KVTarget.model_validate_json(target_json))
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+            engine.add_request(rid, prompt, params, prefill_only=True)
+        deadline = time.time() + 60
+        while (engine.has_pending_work() or len(firsts) < len(batch)) and time.time() < deadline:
+            for out in engine.step():
+                if out.finished and out.token_ids:
+                    firsts[out.request_id] = out.token_ids[0]
+            if not engine.has_unfinished_requests():
+                time.sleep(0.002)  # only sends left: let them land
+        engine.check_integrity()
+        stats = engine.stats()
+        leaked = stats.num_total_blocks - stats.num_free_blocks
+        answers = []
+        for rid, *_ in batch:
+            result = connector.take_result(rid, timeout=5)
+            answers.append((rid, firsts.get(rid), result.model_dump_json() if result else None))
+        conn.send((answers, leaked))

@@ -1,0 +1,99 @@
+"""PrefillKVConnector driven the way the engine drives it (begin_step, layer_computed per
+layer, end_step, poll_finished), without a model: what it reports and when."""
+
+from __future__ import annotations
+
+import time
+
+from engine.kv_connector import KVConnector, PendingSend
+from kvtransfer.connector import PrefillKVConnector
+from kvtransfer.sender import KVSender
+from tests.kvtransfer.procs import LAYOUT, make_receiver, source_pool
+
+
+def _poll_until(connector: PrefillKVConnector, rid: str, timeout: float = 20) -> list[str]:
+    seen: list[str] = []
+    deadline = time.time() + timeout
+    while rid not in seen and time.time() < deadline:
+        seen += connector.poll_finished()
+        time.sleep(0.005)
+    return seen
+
+
+def test_connector_streams_layers_and_reports_after_the_step() -> None:
+    receiver, pool, alloc = make_receiver(LAYOUT, "shm", 16)
+    connector = PrefillKVConnector(KVSender(LAYOUT))
+    assert isinstance(connector, KVConnector)
+    try:
+        src = source_pool(LAYOUT, 8, 9)
+        tokens = 2 * LAYOUT.block_size + 1  # 3 blocks, the last one partly filled
+        target = receiver.expect("a", [9, 2, 14], time.time() + 20)
+        connector.register_target("a", target)
+        # The engine's block table may hold one more block than the prompt needs.
+        connector.begin_step([PendingSend("a", [5, 1, 6, 7], tokens), PendingSend("stray", [0], 4)])
+        for layer in range(LAYOUT.num_layers):
+            connector.layer_computed(layer, src)
+        time.sleep(0.3)  # the sends complete while the "step" is still running
+        # Ids begun in this step are not reported by its own end_step: the engine only
+        # tracks them as sending after processing the step's outputs.
+        assert connector.end_step() == []
+        seen = _poll_until(connector, "a")
+        assert sorted(seen) == ["a", "stray"]
+        result = connector.take_result("a")
+        assert result is not None and result.ok
+        stray = connector.take_result("stray")
+        assert stray is not None and not stray.ok and "no KVTarget" in (stray.error or "")
+        assert receiver.wait("a").ok
+        assert connector.poll_finished() == []
+        assert (pool[:, :, [9, 2, 14]] == src[:, :, [5, 1, 6]]).all()
+    finally:
+        connector.sender.close()
+        receiver.close()
+        alloc.close()
+
+
+def test_connector_refuses_a_target_sized_for_another_prompt() -> None:
+    receiver, _pool, alloc = make_receiver(LAYOUT, "shm", 16)
+    connector = PrefillKVConnector(KVSender(LAYOUT))
+    try:
+        connector.register_target("a", receiver.expect("a", [1, 2], time.time() + 20))
+        connector.begin_step([PendingSend("a", [0, 1, 2], 3 * LAYOUT.block_size)])
+        assert connector.end_step() == []
+        assert connector.poll_finished() == ["a"]
+        result = connector.take_result("a")
+        assert result is not None and "2 blocks for 12 tokens" in (result.error or "")
+        receiver.cancel("a")
+    finally:
+        connector.sender.close()
+        receiver.close()
+        alloc.close()
+
+
+def test_connector_gives_blocks_back_when_the_peer_never_answers() -> None:
+    """A decode peer that accepts the connection and then says nothing: the send is
+    reported finished (failed) once its deadline passes, so the engine frees the blocks."""
+    import socket
+
+    silent = socket.create_server(("127.0.0.1", 0))
+    host, port = silent.getsockname()[:2]
+    receiver, _pool, alloc = make_receiver(LAYOUT, "shm", 4)
+    connector = PrefillKVConnector(KVSender(LAYOUT))
+    try:
+        target = receiver.expect("a", [1], time.time() + 1.0)
+        receiver.cancel("a")
+        # Same credentials and layout, but pointing at a listener that never replies.
+        connector.register_target("a", target.model_copy(update={"address": f"{host}:{port}"}))
+        connector.begin_step([PendingSend("a", [0], LAYOUT.block_size)])
+        for layer in range(LAYOUT.num_layers):
+            connector.layer_computed(layer, source_pool(LAYOUT, 2, 0))
+        assert connector.end_step() == []
+        start = time.time()
+        assert _poll_until(connector, "a") == ["a"]
+        assert time.time() - start < 2.0 + 1.0
+        result = connector.take_result("a")
+        assert result is not None and not result.ok
+    finally:
+        connector.sender.close()
+        receiver.close()
+        alloc.close()
+        silent.close()

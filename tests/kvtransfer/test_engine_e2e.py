@@ -1,0 +1,185 @@
+"""End to end with the real engine and the tiny test model: engine A (prefill role, its own
+process) prefills and streams its KV into engine B (decode role, this process), B decodes.
+Tokens equal one engine doing the whole request, and transformers. Failures fall back to a
+local prefill with the same tokens, and neither side leaks a block."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvtransfer import KVTransferConfig
+from kvtransfer.connector import DecodeHandoff, PrefillKVConnector, engine_layout
+from kvtransfer.receiver import KVReceiver
+from kvtransfer.sender import KVSender
+from kvtransfer.shm import SharedKVAllocator, list_segments
+from tests.kvtransfer.procs import prefill_engine_main
+
+engine_mod = pytest.importorskip("engine.llm_engine")
+from engine.sampling_params import SamplingParams  # noqa: E402
+
+NUM_NEW = 10
+BLOCKS = 64
+
+
+def _params() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+
+
+def _decode_engine(model_dir: Path, transport: str) -> tuple[Any, KVReceiver, SharedKVAllocator]:
+    alloc = SharedKVAllocator()
+    engine = engine_mod.LLMEngine.from_pretrained(
+        model_dir, kv_cache_allocator=alloc, num_kv_blocks=BLOCKS
+    )
+    receiver = KVReceiver(
+        engine.kv_cache,
+        engine_layout(engine),
+        KVTransferConfig(transport=transport),
+        shm_segment=alloc.segment_for(engine.kv_cache),
+    )
+    return engine, receiver, alloc
+
+
+def _decode_all(engine: Any) -> dict[str, list[int]]:
+    final: dict[str, list[int]] = {}
+    for _ in range(500):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = list(out.token_ids)
+    return final
+
+
+def _assert_no_leak(engine: Any) -> None:
+    engine.check_integrity()
+    stats = engine.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
+
+
+@pytest.fixture(scope="module")
+def references(tiny_model_dir: Path) -> Iterator[dict[tuple[int, ...], list[int]]]:
+    """Greedy continuations from one engine doing the whole request, checked against
+    transformers on the way."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    prompts = [list(range(3, 40)), [7, 99, 512, 3, 3, 1024] * 6, list(range(200, 216))]
+    single = engine_mod.LLMEngine.from_pretrained(tiny_model_dir, num_kv_blocks=BLOCKS)
+    outs = single.generate(prompts, _params())
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    gc = GenerationConfig(max_new_tokens=NUM_NEW, do_sample=False, eos_token_id=None)
+    refs: dict[tuple[int, ...], list[int]] = {}
+    for prompt, out in zip(prompts, outs, strict=True):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            hf_ids = hf.generate(ids, generation_config=gc, attention_mask=torch.ones_like(ids))
+        assert list(out.token_ids) == hf_ids[0, len(prompt) :].tolist()
+        refs[tuple(prompt)] = list(out.token_ids)
+    yield refs
+
+
+def test_prefill_process_streams_kv_to_decode_engines(
+    tiny_model_dir: Path, references: dict[tuple[int, ...], list[int]]
+) -> None:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=prefill_engine_main, args=(child, str(tiny_model_dir), BLOCKS))
+    proc.start()
+    # One prefill process pairs with two decode engines at once, over two transports.
+    decoders = {t: _decode_engine(tiny_model_dir, t) for t in ("shm", "torch_dist")}
+    segments = [a.segment_for(e.kv_cache).name for e, _, a in decoders.values()]
+    try:
+        prompts = list(references)
+        plan = [("shm", 0), ("shm", 1), ("torch_dist", 2), ("torch_dist", 0)]
+        batch, handoffs = [], {}
+        for i, (transport, p) in enumerate(plan):
+            engine, receiver, _ = decoders[transport]
+            handoff = DecodeHandoff(engine, receiver)
+            rid = f"{transport}-{i}"
+            target = handoff.reserve(rid, list(prompts[p]), _params(), time.time() + 90)
+            assert target is not None and target.transport == transport
+            batch.append((rid, list(prompts[p]), NUM_NEW, target.model_dump_json()))
+            handoffs[rid] = (handoff, prompts[p])
+        parent.send(batch)
+        assert parent.poll(120), "prefill process did not answer"
+        answers, prefill_leaked = parent.recv()
+        assert prefill_leaked == 0
+        for rid, first, result_json in answers:
+            assert first is not None and result_json is not None
+            assert '"ok":true' in result_json, result_json
+            handoff, _ = handoffs[rid]
+            result = handoff.complete(rid, first)
+            assert result.ok and result.bytes > 0
+        for transport, (engine, receiver, _) in decoders.items():
+            final = _decode_all(engine)
+            for rid, (_, prompt) in handoffs.items():
+                if rid.startswith(transport):
+                    assert final[rid] == references[prompt], rid
+            _assert_no_leak(engine)
+            assert receiver.pending() == []
+        parent.send(None)
+        proc.join(30)
+        assert proc.exitcode == 0
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        for _, receiver, alloc in decoders.values():
+            receiver.close()
+            alloc.close()
+    for name in segments:
+        assert name not in list_segments()
+
+
+def test_lost_prefill_falls_back_to_local_compute(
+    tiny_model_dir: Path, references: dict[tuple[int, ...], list[int]]
+) -> None:
+    """Nobody sends the KV: wait raises by the deadline, the decode engine recomputes the
+    prompt into the blocks it reserved, the tokens are still right, nothing leaks."""
+    engine, receiver, alloc = _decode_engine(tiny_model_dir, "shm")
+    try:
+        prompt = next(iter(references))
+        handoff = DecodeHandoff(engine, receiver)
+        assert handoff.reserve("lost", list(prompt), _params(), time.time() + 0.5) is not None
+        start = time.time()
+        result = handoff.complete("lost", first_token_id=references[prompt][0])
+        assert not result.ok and "deadline" in (result.error or "")
+        assert time.time() - start < 0.5 + 2.0
+        assert _decode_all(engine)["lost"] == references[prompt]
+        _assert_no_leak(engine)
+        assert receiver.pending() == []
+    finally:
+        receiver.close()
+        alloc.close()
+
+
+def test_prefill_frees_blocks_when_the_decode_side_is_gone(tiny_model_dir: Path) -> None:
+    """The receiver disappears before the prefill runs: the prefill engine still answers,
+    its transfer result says what failed, and all its blocks come back."""
+    dec_engine, receiver, alloc = _decode_engine(tiny_model_dir, "torch_dist")
+    prompt = list(range(3, 40))
+    target = DecodeHandoff(dec_engine, receiver).reserve("gone", prompt, _params())
+    assert target is not None
+    receiver.close()
+    alloc.close()
+
+    connector = PrefillKVConnector(KVSender(engine_layout(dec_engine)))
+    engine = engine_mod.LLMEngine.from_pretrained(
+        tiny_model_dir, kv_connector=connector, num_kv_blocks=BLOCKS
+    )
+    connector.register_target("gone", target)
+    engine.add_request("gone", prompt, _params(), prefill_only=True)
+    deadline = time.time() + 30
+    while engine.has_pending_work() and time.time() < deadline:
+        engine.step()
+        time.sleep(0.001)
+    result = connector.take_result("gone", timeout=1)
+    assert result is not None and not result.ok and result.error
+    _assert_no_leak(engine)
+    assert connector.sender.open_handles() == []
+    connector.sender.close()
