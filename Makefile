@@ -6,32 +6,41 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pdserve-installed
+STAMP_DEV := $(VENV)/.pdserve-dev-installed
 CONFIG ?=
 PYTEST_ARGS ?=
 
-.PHONY: install serve test lint bench clean
+.PHONY: install serve test lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 # Without a GPU take the CPU torch wheel first, so the project's torch range is already
-# satisfied and pip never pulls multi-GB CUDA wheels.
+# satisfied and pip never pulls multi-GB CUDA wheels. `serve` needs only the runtime
+# dependencies; `test` adds the dev extra (pytest, triton for the kernel interpreter, ...).
 $(STAMP): pyproject.toml | $(PY)
 	@if ! command -v nvidia-smi >/dev/null 2>&1; then \
-		$(PY) -m pip install -q torch==2.13.0 triton==3.5.1; \
+		$(PY) -m pip install -q torch==2.13.0; \
 	fi
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e .
 	@touch $(STAMP)
 
-install: $(STAMP)
+$(STAMP_DEV): $(STAMP)
+	@if ! command -v nvidia-smi >/dev/null 2>&1; then \
+		$(PY) -m pip install -q triton==3.5.1; \
+	fi
+	$(PY) -m pip install -q -e '.[dev]'
+	@touch $(STAMP_DEV)
+
+install: $(STAMP_DEV)
 
 serve: $(STAMP)
 	$(VENV)/bin/pdserve run $(CONFIG)
 
-test: $(STAMP)
+test: $(STAMP_DEV)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-lint: $(STAMP)
+lint: $(STAMP_DEV)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 

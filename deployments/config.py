@@ -63,8 +63,13 @@ class ModelSettings(_Strict):
         return str(ensure_test_model(self.test_model))
 
     def served_name(self, resolved_path: str) -> str:
-        """The model id clients use: ``name`` or the last part of the model directory."""
-        return self.name or Path(resolved_path).name
+        """The model id clients use: ``name``, ``pdserve-<size>`` for a generated test
+        model (its cache directory carries a content hash), else the directory's name."""
+        if self.name:
+            return self.name
+        if self.path is None:
+            return f"pdserve-{self.test_model}"
+        return Path(resolved_path).name
 
 
 class EngineLimits(_Strict):

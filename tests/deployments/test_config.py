@@ -108,3 +108,11 @@ def test_model_path_must_exist(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="model.path"):
         cfg.model.resolve_path()
     assert cfg.model.served_name("/models/llama-3-8b") == "llama-3-8b"
+
+
+def test_generated_test_model_is_served_under_a_stable_name() -> None:
+    cfg = AppConfig.from_dict({"model": {"test_model": "small"}})
+    # The cache directory's name carries a content hash; clients see "pdserve-small".
+    assert cfg.model.served_name("/cache/pdserve-small-56b7b1d61e02") == "pdserve-small"
+    named = AppConfig.from_dict({"model": {"test_model": "tiny", "name": "my-model"}})
+    assert named.model.served_name("/cache/pdserve-tiny-0") == "my-model"
