@@ -63,6 +63,11 @@ def _node_env(token_path: Path) -> dict[str, str]:
             # Draining on SIGTERM exists for rolling upgrades behind a load balancer; `down`
             # takes the whole cluster away, so it would only add seconds.
             "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
+            # Ray renices its workers to 15 by default; the engine replicas are the service
+            # here and must not yield their cores to whatever else runs on the machine.
+            "RAY_worker_niceness": "0",
+            # Fresher load in `pdserve status` (Ray's default export interval is 10 s).
+            "RAY_metrics_report_interval_ms": "2000",
         }
     )
     return env

@@ -14,3 +14,20 @@ def free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def free_port_all_interfaces() -> int:
+    """A port free on every interface, for services that bind the wildcard address.
+
+    Ray Serve's gRPC proxy listens on ``[::]:PORT`` whatever the node address is (Ray 2.60
+    has no host option for it), so a port that is only free on 127.0.0.2 can still collide.
+    """
+    try:
+        sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+        address: tuple = ("::", 0)
+    except OSError:  # no IPv6: the IPv4 wildcard is what a bind to [::] falls back to
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        address = ("0.0.0.0", 0)
+    with sock:
+        sock.bind(address)
+        return int(sock.getsockname()[1])

@@ -18,7 +18,7 @@ import time
 from typing import TYPE_CHECKING
 
 from cluster.local import Progress
-from cluster.ports import free_port
+from cluster.ports import free_port, free_port_all_interfaces
 from cluster.state import ClusterState, ServeRecord
 from deployments.config import AppConfig
 
@@ -73,7 +73,7 @@ def bind_front_door(
     grpc = config.grpc
     if grpc.enabled and not (grpc.port and "port" in grpc_set):
         port = running.grpc_port if running is not None and running.grpc_port else None
-        grpc = grpc.model_copy(update={"port": port or free_port(node_ip)})
+        grpc = grpc.model_copy(update={"port": port or free_port_all_interfaces()})
     return config.model_copy(update={"http": http, "grpc": grpc})
 
 

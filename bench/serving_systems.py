@@ -1,0 +1,245 @@
+"""The servers ``bench.compare_serving`` measures, each started and stopped by this process.
+
+``PdserveServer`` brings up a local pdserve cluster of its own (``pdserve up`` with a state
+directory that only it uses, then ``pdserve serve CONFIG``) and takes it down with
+``pdserve down``, which stops exactly the recorded pids. ``VLLMServer`` runs vLLM's OpenAI
+server from another Python (its own venv) in a new session and stops it by pid, then its
+process group. Neither ever signals a process by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import httpx
+
+from cluster.ports import free_port
+
+HOST = "127.0.0.1"
+
+
+class ServerError(RuntimeError):
+    """A server did not come up (the message carries the tail of its log)."""
+
+
+class Server(Protocol):
+    """A server the comparison can start, measure and stop."""
+
+    name: str
+
+    def root_pids(self) -> list[int]:
+        """The processes whose trees make up the running server (for CPU accounting)."""
+        ...
+
+    def start(self, timeout_s: float) -> str:
+        """Start and wait until ``/v1/models`` answers; return the base URL (no ``/v1``)."""
+        ...
+
+    def stop(self) -> None:
+        """Stop everything ``start`` started (idempotent)."""
+        ...
+
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _stat_fields(pid: str) -> list[str] | None:
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:  # gone, or not Linux
+        return None
+    return raw[raw.rfind(")") + 2 :].split()  # fields after "pid (comm) "
+
+
+def tree_cpu_seconds(roots: list[int]) -> float:
+    """User + system CPU seconds of the live processes in the trees under ``roots``."""
+    children: dict[int, list[int]] = {}
+    cpu: dict[int, float] = {}
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else []:
+        if not entry.name.isdigit() or (fields := _stat_fields(entry.name)) is None:
+            continue
+        pid = int(entry.name)
+        children.setdefault(int(fields[1]), []).append(pid)  # fields[1] = ppid
+        cpu[pid] = (int(fields[11]) + int(fields[12])) / _CLK_TCK  # utime + stime
+    total, todo, seen = 0.0, list(roots), set()
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        total += cpu.get(pid, 0.0)
+        todo.extend(children.get(pid, []))
+    return total
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds the whole machine spent busy (all cores; from /proc/stat), 0 if unknown."""
+    try:
+        first = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    except OSError:
+        return 0.0
+    ticks = [int(v) for v in first[:8]]
+    idle = ticks[3] + ticks[4]  # idle + iowait
+    return (sum(ticks) - idle) / _CLK_TCK
+
+
+def _log_tail(path: Path, lines: int = 30) -> str:
+    if not path.is_file():
+        return "(no log)"
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def wait_for_models(
+    base_url: str, deadline: float, alive: Callable[[], bool] | None = None
+) -> None:
+    """Poll ``GET /v1/models`` until it answers 200; raise TimeoutError past ``deadline``."""
+    while time.monotonic() < deadline:
+        if alive is not None and not alive():
+            raise ServerError("the server process exited while starting")
+        try:
+            if httpx.get(f"{base_url}/v1/models", timeout=5.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    raise TimeoutError(f"{base_url}/v1/models did not answer in time")
+
+
+@dataclass
+class PdserveServer:
+    """pdserve on a local cluster of its own (``python -m cluster.cli``)."""
+
+    name: str
+    config: Path
+    state_dir: Path
+    log_path: Path
+    up_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # e.g. RAY_worker_niceness for `up`
+    python: str = sys.executable
+    _started: bool = False
+
+    def _cli(self, *args: str, timeout_s: float) -> None:
+        cmd = [self.python, "-m", "cluster.cli", *args, "--state-dir", str(self.state_dir)]
+        with self.log_path.open("a") as log:
+            log.write(f"$ {' '.join(f'{k}={v}' for k, v in self.env.items())} {shlex.join(cmd)}\n")
+            log.flush()
+            proc = subprocess.run(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                timeout=timeout_s,
+                check=False,
+                env={**os.environ, **self.env},
+            )
+        if proc.returncode != 0:
+            raise ServerError(
+                f"{self.name}: `{shlex.join(cmd[1:])}` exited {proc.returncode}\n"
+                + _log_tail(self.log_path)
+            )
+
+    def start(self, timeout_s: float) -> str:
+        from cluster.state import load_state
+
+        deadline = time.monotonic() + timeout_s
+        self._started = True
+        self._cli("up", "--no-dashboard", *self.up_args, timeout_s=timeout_s)
+        remaining = max(1.0, deadline - time.monotonic())
+        self._cli(
+            "serve", str(self.config), "--deploy-timeout", str(remaining), timeout_s=remaining + 30
+        )
+        state = load_state(self.state_dir)
+        if state is None or state.serve is None:
+            raise ServerError(f"{self.name}: no serve record in {self.state_dir}")
+        url = state.serve.http_url
+        wait_for_models(url, deadline)
+        return url
+
+    def root_pids(self) -> list[int]:
+        from cluster.state import load_state
+
+        state = load_state(self.state_dir)
+        return [] if state is None else [node.pid for node in state.nodes]
+
+    def stop(self) -> None:
+        if self._started:
+            self._started = False
+            self._cli("down", timeout_s=120)
+
+
+@dataclass
+class VLLMServer:
+    """vLLM's OpenAI server (``vllm.entrypoints.openai.api_server``) from its own venv."""
+
+    name: str
+    python: str
+    model_dir: str
+    log_path: Path
+    served_model_name: str
+    env: dict[str, str] = field(default_factory=dict)
+    extra_args: list[str] = field(default_factory=list)
+    _proc: subprocess.Popen[bytes] | None = None
+
+    def command(self, port: int) -> list[str]:
+        return [
+            self.python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model_dir,
+            "--served-model-name",
+            self.served_model_name,
+            "--host",
+            HOST,
+            "--port",
+            str(port),
+            *self.extra_args,
+        ]
+
+    def start(self, timeout_s: float) -> str:
+        port = free_port(HOST)
+        cmd = self.command(port)
+        env = {**os.environ, **self.env}
+        with self.log_path.open("a") as log:
+            log.write(f"$ {' '.join(f'{k}={v}' for k, v in self.env.items())} {shlex.join(cmd)}\n")
+            log.flush()
+            # A new session: vLLM forks an engine-core process; the group lets stop() end it
+            # too if the server itself does not.
+            self._proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        url = f"http://{HOST}:{port}"
+        proc = self._proc
+        try:
+            wait_for_models(url, time.monotonic() + timeout_s, alive=lambda: proc.poll() is None)
+        except (TimeoutError, ServerError) as err:
+            self.stop()
+            raise ServerError(f"{self.name}: {err}\n{_log_tail(self.log_path)}") from None
+        return url
+
+    def root_pids(self) -> list[int]:
+        return [] if self._proc is None else [self._proc.pid]
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+        # Leftovers of the group this process led (its engine core).
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
