@@ -1,14 +1,26 @@
-"""Engine vs ``transformers.generate``: same model, same prompts, concurrency 1, 8, 32.
+"""Engine vs ``transformers.generate`` on the same model and prompts, two workloads.
 
-    python -m bench.engine [--model DIR | --size small] [--concurrency 1 8 32]
-                           [--prompt-len 128] [--max-tokens 32] [--threads N] [--out FILE.json]
+    python -m bench.engine [--model DIR | --size small] [--workload fixed|mixed|both]
+                           [--concurrency 1 8 32] [--prompt-len 128] [--max-tokens 32]
+                           [--mixed-concurrency 8 32] [--mixed-prompt-len 16 256]
+                           [--mixed-max-tokens 8 64] [--mixed-requests 32]
+                           [--threads N] [--seed 0] [--out FILE.json]
 
-For each concurrency c, c prompts of the same length run to ``--max-tokens`` greedy tokens
-(eos ignored) once through pdserve's LLMEngine (continuous batching, paged KV) and once
-through ``transformers.generate`` (static batching: one padded-free batch of c prompts).
-Prints a table and writes JSON with, per system and concurrency: output tokens/s, prefill
-latency (time to first token), per-token decode latency, and whether the greedy tokens of
-the two systems agree. Defaults take a few minutes on 2 CPU cores with the small model.
+``fixed``: for each concurrency c, c prompts of one length, each run to ``--max-tokens``
+greedy tokens (eos ignored). Static batching wastes nothing here.
+
+``mixed`` (a serving-like workload): for each concurrency c, the same ``--mixed-requests``
+requests with prompt lengths and output lengths drawn uniformly from the given ranges (fixed
+seed), all arriving at time 0. pdserve keeps at most c requests in flight and admits the next
+one as soon as one finishes (continuous batching). transformers serves them in arrival order
+in static batches of c: each batch is left-padded to its longest prompt (with an attention
+mask) and, since ``generate`` has one ``max_new_tokens``, runs to the batch's longest output;
+only each request's own tokens count as output.
+
+Both systems run greedy, same dtype, same torch threads. Prints one table per workload and
+writes JSON with, per system and concurrency: output tokens/s, mean time to first token
+(from the workload's start), mean per-token decode latency, and the share of requests whose
+greedy tokens agree between the two systems.
 """
 
 from __future__ import annotations
@@ -31,12 +43,23 @@ from engine.testmodel import SIZES, ensure_test_model
 
 
 @dataclass(frozen=True)
+class Job:
+    """One benchmark request: prompt token ids and how many tokens it generates."""
+
+    prompt: list[int]
+    max_tokens: int
+
+
+@dataclass(frozen=True)
 class Result:
+    workload: str  # "fixed" | "mixed"
     system: str  # "pdserve" | "transformers"
     concurrency: int
+    num_requests: int
+    output_tokens: int
     output_tokens_per_s: float
-    prefill_latency_s: float  # mean time to first token
-    decode_latency_s_per_token: float  # mean time between output tokens after the first
+    prefill_latency_s: float  # mean time to first token, from the workload's start
+    decode_latency_s_per_token: float  # mean time between a request's output tokens
     wall_s: float
 
 
@@ -46,20 +69,68 @@ def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[in
     return torch.randint(4, vocab, (n, length), generator=g).tolist()
 
 
+def fixed_jobs(n: int, length: int, max_tokens: int, vocab: int, seed: int) -> list[Job]:
+    return [Job(p, max_tokens) for p in make_prompts(n, length, vocab, seed)]
+
+
+def mixed_jobs(
+    n: int,
+    prompt_len: tuple[int, int],
+    max_tokens: tuple[int, int],
+    vocab: int,
+    seed: int,
+) -> list[Job]:
+    """``n`` requests with uniform prompt and output lengths in the inclusive ranges."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(prompt_len[0], prompt_len[1] + 1, (n,), generator=g).tolist()
+    outs = torch.randint(max_tokens[0], max_tokens[1] + 1, (n,), generator=g).tolist()
+    return [
+        Job(torch.randint(4, vocab, (length,), generator=g).tolist(), out)
+        for length, out in zip(lens, outs, strict=True)
+    ]
+
+
+def _summarize(
+    workload: str,
+    system: str,
+    concurrency: int,
+    jobs: list[Job],
+    wall: float,
+    ttft: list[float],
+    decode: list[float],
+) -> Result:
+    total = sum(j.max_tokens for j in jobs)
+    return Result(
+        workload=workload,
+        system=system,
+        concurrency=concurrency,
+        num_requests=len(jobs),
+        output_tokens=total,
+        output_tokens_per_s=total / wall,
+        prefill_latency_s=statistics.mean(ttft),
+        decode_latency_s_per_token=statistics.mean(decode),
+        wall_s=wall,
+    )
+
+
 def run_engine(
-    engine: LLMEngine, prompts: list[list[int]], max_tokens: int
+    engine: LLMEngine, jobs: list[Job], concurrency: int, workload: str = "fixed"
 ) -> tuple[Result, list[list[int]]]:
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    """Closed loop: at most ``concurrency`` requests in flight, the next admitted on finish."""
     start = time.perf_counter()
-    ids = [f"bench-{start}-{i}" for i in range(len(prompts))]
-    for rid, prompt in zip(ids, prompts, strict=True):
-        engine.add_request(rid, prompt, params)
+    ids = [f"bench-{start}-{i}" for i in range(len(jobs))]
     first: dict[str, float] = {}
     done: dict[str, float] = {}
     tokens: dict[str, list[int]] = {}
-    max_steps = 10 * (len(prompts) + 1) * (max_tokens + sum(map(len, prompts)))
-    for _ in range(max_steps):
-        if len(done) == len(ids):
+    next_job = 0
+    budget = sum(len(j.prompt) + j.max_tokens for j in jobs)
+    for _ in range(10 * (len(jobs) + 1) * budget):
+        while next_job < len(jobs) and next_job - len(done) < concurrency:
+            job = jobs[next_job]
+            params = SamplingParams(temperature=0.0, max_tokens=job.max_tokens, ignore_eos=True)
+            engine.add_request(ids[next_job], job.prompt, params)
+            next_job += 1
+        if len(done) == len(jobs):
             break
         for out in engine.step():
             now = time.perf_counter()
@@ -71,21 +142,19 @@ def run_engine(
     else:
         raise RuntimeError("engine did not finish the benchmark requests")
     wall = max(done.values()) - start
-    decode = [(done[r] - first[r]) / max(max_tokens - 1, 1) for r in ids]
-    result = Result(
-        system="pdserve",
-        concurrency=len(prompts),
-        output_tokens_per_s=len(prompts) * max_tokens / wall,
-        prefill_latency_s=statistics.mean(first[r] - start for r in ids),
-        decode_latency_s_per_token=statistics.mean(decode),
-        wall_s=wall,
-    )
+    ttft = [first[r] - start for r in ids]
+    decode = [
+        (done[r] - first[r]) / max(j.max_tokens - 1, 1) for r, j in zip(ids, jobs, strict=True)
+    ]
+    result = _summarize(workload, "pdserve", concurrency, jobs, wall, ttft, decode)
     return result, [tokens[r] for r in ids]
 
 
 def run_transformers(
-    model: torch.nn.Module, prompts: list[list[int]], max_tokens: int
+    model: torch.nn.Module, jobs: list[Job], concurrency: int, workload: str = "fixed"
 ) -> tuple[Result, list[list[int]]]:
+    """Static batching: batches of ``concurrency`` jobs in order, each left-padded to its
+    longest prompt and generated to its longest output."""
     from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
     class StepClock(LogitsProcessor):
@@ -98,45 +167,82 @@ def run_transformers(
             self.times.append(time.perf_counter())
             return scores
 
-    ids = torch.tensor(prompts, device=model.device)
-    clock = StepClock()
-    gc = GenerationConfig(
-        max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
-    )
+    pad = 0
+    tokens: list[list[int]] = []
+    ttft: list[float] = []
+    decode: list[float] = []
     start = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            generation_config=gc,
-            logits_processor=LogitsProcessorList([clock]),
+    for b in range(0, len(jobs), concurrency):
+        batch = jobs[b : b + concurrency]
+        width = max(len(j.prompt) for j in batch)
+        ids = torch.tensor([[pad] * (width - len(j.prompt)) + j.prompt for j in batch])
+        mask = torch.tensor([[0] * (width - len(j.prompt)) + [1] * len(j.prompt) for j in batch])
+        new = max(j.max_tokens for j in batch)
+        clock = StepClock()
+        gc = GenerationConfig(
+            max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=pad
         )
+        with torch.inference_mode():
+            out = model.generate(
+                ids.to(model.device),
+                attention_mask=mask.to(model.device),
+                generation_config=gc,
+                logits_processor=LogitsProcessorList([clock]),
+            )
+        for row, job in enumerate(batch):
+            tokens.append(out[row, width : width + job.max_tokens].tolist())
+            ttft.append(clock.times[0] - start)
+            # A row's last own token is ready at step max_tokens - 1's logits.
+            last = clock.times[min(job.max_tokens, len(clock.times)) - 1]
+            decode.append((last - clock.times[0]) / max(job.max_tokens - 1, 1))
     wall = time.perf_counter() - start
-    first = clock.times[0] - start
-    result = Result(
-        system="transformers",
-        concurrency=len(prompts),
-        output_tokens_per_s=len(prompts) * max_tokens / wall,
-        prefill_latency_s=first,
-        decode_latency_s_per_token=(wall - first) / max(max_tokens - 1, 1),
-        wall_s=wall,
-    )
-    return result, out[:, ids.shape[1] :].tolist()
+    result = _summarize(workload, "transformers", concurrency, jobs, wall, ttft, decode)
+    return result, tokens
 
 
-def print_table(results: list[Result], agree: dict[int, float]) -> None:
+def print_table(title: str, results: list[Result], agree: dict[int, float]) -> None:
+    print(f"\n{title}")
     header = (
-        f"{'system':<13}{'conc':>5}{'out tok/s':>11}{'prefill ms':>12}"
-        f"{'decode ms/tok':>15}{'same tokens':>13}"
+        f"{'system':<13}{'conc':>5}{'reqs':>6}{'out tok':>8}{'out tok/s':>11}{'speedup':>9}"
+        f"{'ttft ms':>10}{'decode ms/tok':>15}{'same tokens':>13}"
     )
     print(header)
     print("-" * len(header))
+    base = {r.concurrency: r.output_tokens_per_s for r in results if r.system == "transformers"}
     for r in results:
+        ref = base.get(r.concurrency)
+        speed = f"{r.output_tokens_per_s / ref:>8.2f}x" if ref else f"{'':>9}"
         print(
-            f"{r.system:<13}{r.concurrency:>5}{r.output_tokens_per_s:>11.1f}"
-            f"{r.prefill_latency_s * 1e3:>12.1f}{r.decode_latency_s_per_token * 1e3:>15.2f}"
-            f"{agree.get(r.concurrency, float('nan')):>12.0%}"
+            f"{r.system:<13}{r.concurrency:>5}{r.num_requests:>6}{r.output_tokens:>8}"
+            f"{r.output_tokens_per_s:>11.1f}{speed}"
+            f"{r.prefill_latency_s * 1e3:>10.1f}{r.decode_latency_s_per_token * 1e3:>15.2f}"
+            + (f"{agree[r.concurrency]:>12.0%}" if r.concurrency in agree else f"{'-':>12}")
         )
+
+
+def _agreement(ours: list[list[int]], theirs: list[list[int]]) -> float:
+    return sum(a == b for a, b in zip(ours, theirs, strict=True)) / len(ours)
+
+
+def _run_workload(
+    name: str,
+    engine: LLMEngine,
+    hf: torch.nn.Module | None,
+    plans: list[tuple[int, list[Job]]],
+) -> tuple[list[Result], dict[int, float]]:
+    results: list[Result] = []
+    agree: dict[int, float] = {}
+    for conc, jobs in plans:
+        print(f"{name} c={conc} ({len(jobs)} requests): pdserve ...", file=sys.stderr, flush=True)
+        res, ours = run_engine(engine, jobs, conc, name)
+        results.append(res)
+        if hf is not None:
+            print(f"{name} c={conc}: transformers ...", file=sys.stderr, flush=True)
+            ref_res, theirs = run_transformers(hf, jobs, conc, name)
+            results.append(ref_res)
+            agree[conc] = _agreement(ours, theirs)
+        engine.check_integrity()
+    return results, agree
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -144,9 +250,15 @@ def main(argv: list[str] | None = None) -> None:
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--model", type=Path, help="local Hugging Face model directory")
     src.add_argument("--size", choices=sorted(SIZES), help="generated test model (default small)")
+    parser.add_argument("--workload", choices=["fixed", "mixed", "both"], default="both")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--mixed-concurrency", type=int, nargs="+", default=[8, 32])
+    parser.add_argument("--mixed-prompt-len", type=int, nargs=2, default=[16, 256])
+    parser.add_argument("--mixed-max-tokens", type=int, nargs=2, default=[8, 64])
+    parser.add_argument("--mixed-requests", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the mixed workload")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--block-size", type=int, default=16)
@@ -156,12 +268,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--out", type=Path, help="JSON output (default bench/results/...)")
     args = parser.parse_args(argv)
+    for flag in ("mixed_prompt_len", "mixed_max_tokens"):
+        lo, hi = getattr(args, flag)
+        if not 1 <= lo <= hi:
+            parser.error(f"--{flag.replace('_', '-')}: need 1 <= MIN <= MAX")
     if args.threads:
         torch.set_num_threads(args.threads)
+    fixed = args.workload in ("fixed", "both")
+    mixed = args.workload in ("mixed", "both")
 
     model_dir = args.model or ensure_test_model(args.size or "small")
-    max_conc = max(args.concurrency)
-    seq_len = args.prompt_len + args.max_tokens
+    max_conc = max(
+        [*(args.concurrency if fixed else []), *(args.mixed_concurrency if mixed else [])]
+    )
+    seq_len = max(
+        args.prompt_len + args.max_tokens if fixed else 0,
+        args.mixed_prompt_len[1] + args.mixed_max_tokens[1] if mixed else 0,
+    )
     blocks = max_conc * math.ceil(seq_len / args.block_size) + 8
     engine = LLMEngine(
         EngineConfig(
@@ -185,39 +308,69 @@ def main(argv: list[str] | None = None) -> None:
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
 
     # Warm-up (first-call allocations, lazy imports) outside the measurements.
-    warm = make_prompts(2, min(args.prompt_len, 16), vocab, seed=99)
+    warm = fixed_jobs(2, 16, 2, vocab, seed=99)
     run_engine(engine, warm, 2)
     if hf is not None:
         run_transformers(hf, warm, 2)
 
-    results: list[Result] = []
-    agree: dict[int, float] = {}
-    for conc in args.concurrency:
-        prompts = make_prompts(conc, args.prompt_len, vocab, seed=conc)
-        print(f"concurrency {conc}: pdserve ...", file=sys.stderr, flush=True)
-        res, ours = run_engine(engine, prompts, args.max_tokens)
-        results.append(res)
-        if hf is not None:
-            print(f"concurrency {conc}: transformers ...", file=sys.stderr, flush=True)
-            ref_res, theirs = run_transformers(hf, prompts, args.max_tokens)
-            results.append(ref_res)
-            agree[conc] = sum(a == b for a, b in zip(ours, theirs, strict=True)) / conc
-        engine.check_integrity()
-
-    print(f"model {model_dir} dtype {dtype} device {device} threads {torch.get_num_threads()}")
-    print_table(results, agree)
-    out = args.out or Path("bench/results") / f"engine-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    report = {
+    report: dict[str, object] = {
         "model": str(model_dir),
         "dtype": str(dtype),
         "device": str(device),
         "torch_threads": torch.get_num_threads(),
-        "prompt_len": args.prompt_len,
-        "max_tokens": args.max_tokens,
-        "results": [asdict(r) for r in results],
-        "greedy_agreement": {str(k): v for k, v in agree.items()},
+        "workloads": {},
     }
+    tables: list[tuple[str, list[Result], dict[int, float]]] = []
+    if fixed:
+        plans = [
+            (c, fixed_jobs(c, args.prompt_len, args.max_tokens, vocab, seed=c))
+            for c in args.concurrency
+        ]
+        results, agree = _run_workload("fixed", engine, hf, plans)
+        title = f"fixed: prompt {args.prompt_len}, output {args.max_tokens} tokens"
+        tables.append((title, results, agree))
+        report["workloads"]["fixed"] = {  # type: ignore[index]
+            "prompt_len": args.prompt_len,
+            "max_tokens": args.max_tokens,
+            "results": [asdict(r) for r in results],
+            "greedy_agreement": {str(k): v for k, v in agree.items()},
+        }
+    if mixed:
+        plans = [
+            (
+                c,
+                mixed_jobs(
+                    args.mixed_requests,
+                    tuple(args.mixed_prompt_len),
+                    tuple(args.mixed_max_tokens),
+                    vocab,
+                    seed=args.seed,
+                ),
+            )
+            for c in args.mixed_concurrency
+        ]
+        results, agree = _run_workload("mixed", engine, hf, plans)
+        lo_p, hi_p = args.mixed_prompt_len
+        lo_o, hi_o = args.mixed_max_tokens
+        title = (
+            f"mixed: prompt U[{lo_p},{hi_p}], output U[{lo_o},{hi_o}], "
+            f"{args.mixed_requests} requests, seed {args.seed}"
+        )
+        tables.append((title, results, agree))
+        report["workloads"]["mixed"] = {  # type: ignore[index]
+            "prompt_len_range": [lo_p, hi_p],
+            "max_tokens_range": [lo_o, hi_o],
+            "num_requests": args.mixed_requests,
+            "seed": args.seed,
+            "results": [asdict(r) for r in results],
+            "greedy_agreement": {str(k): v for k, v in agree.items()},
+        }
+
+    print(f"model {model_dir} dtype {dtype} device {device} threads {torch.get_num_threads()}")
+    for title, results, agree in tables:
+        print_table(title, results, agree)
+    out = args.out or Path("bench/results") / f"engine-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out}")
 

@@ -221,9 +221,14 @@ class ModelRunner:
             input_ids.extend(chunk.token_ids)
             positions.extend(range(start, end))
             table = chunk.block_ids
-            slots.extend(
-                table[p // block_size] * block_size + p % block_size for p in range(start, end)
-            )
+            # One range per block touched (not one expression per token): prefill chunks
+            # of thousands of tokens cost a few block-sized extends.
+            pos = start
+            while pos < end:
+                base = table[pos // block_size] * block_size
+                stop = min(end, (pos // block_size + 1) * block_size)
+                slots.extend(range(base + pos % block_size, base + (stop - 1) % block_size + 1))
+                pos = stop
             cu.append(cu[-1] + n)
             seq_lens.append(end)
             tables.append(table)

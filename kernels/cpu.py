@@ -1,10 +1,13 @@
-"""Fast CPU implementations of the attention ops (batched torch, no Python loop over tokens).
+"""Fast CPU implementations of the ops the engine runs every step (batched torch, no Python
+loop over tokens).
 
 The engine runs these on CPU every step, so they must not be what limits it: decode gathers
 the blocks of all sequences at once into a padded ``[S, L, Hkv, D]`` buffer and runs one
-grouped-query SDPA call with a length mask; whole prompts use SDPA's causal mode; prefill
-chunks after a cached prefix go through the decode function's padded path in groups whose
-padding waste is bounded. Checked against ``kernels/reference.py``.
+grouped-query SDPA call with a length mask; whole float32 prompts of equal length share one
+call of SDPA's fused causal kernel; prefill chunks after a cached prefix go through the
+decode function's padded path in groups whose padding waste is bounded. KV writes are one
+``index_copy_`` per cache; float32 RMSNorm uses torch's fused kernel and rotary writes into
+preallocated outputs. Checked against ``kernels/reference.py``.
 """
 
 from __future__ import annotations
@@ -14,7 +17,15 @@ import threading
 import torch
 import torch.nn.functional as F
 
-__all__ = ["paged_attention_cpu", "paged_decode_attention_cpu"]
+from kernels import reference
+
+__all__ = [
+    "apply_rotary_cpu",
+    "paged_attention_cpu",
+    "paged_decode_attention_cpu",
+    "rms_norm_cpu",
+    "write_kv_cpu",
+]
 
 # Gathering a step's KV into freshly allocated memory costs more than the attention itself
 # (page faults on hundreds of MB), so gathers reuse a per-thread scratch buffer. Thread-local
@@ -146,8 +157,8 @@ def paged_attention_cpu(
     scale: float,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Mixed prefill/decode batch: all decodes in one call; whole prompts (nothing cached)
-    one by one with SDPA's own causal mask, which skips the masked half; other prefill
-    chunks in padded groups."""
+    with SDPA's own causal mask, which skips the masked half (float32: equal lengths
+    batched); other prefill chunks in padded groups."""
     out = torch.empty_like(q)
     cu = cu_seqlens_q.tolist()
     ctx_lens = seq_lens.tolist()
@@ -162,20 +173,140 @@ def paged_attention_cpu(
         out[rows] = paged_decode_attention_cpu(
             q[rows], k_cache, v_cache, block_tables[idx], seq_lens[idx], scale
         )
-    for s in prompts:
-        length = ctx_lens[s]
-        k = _gather_padded(k_cache, block_tables[s : s + 1], length, "k")[0, :length]
-        v = _gather_padded(v_cache, block_tables[s : s + 1], length, "v")[0, :length]
-        qs = q[cu[s] : cu[s + 1]].transpose(0, 1)  # [Hq, L, D]
-        o = F.scaled_dot_product_attention(
-            qs, k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale, enable_gqa=True
-        )
-        out[cu[s] : cu[s + 1]] = o.transpose(0, 1)
+    if q.dtype == torch.float32:
+        by_length: dict[int, list[int]] = {}
+        for s in prompts:
+            by_length.setdefault(ctx_lens[s], []).append(s)
+        for length, group in by_length.items():
+            _whole_prompts(q, k_cache, v_cache, group, cu, length, block_tables, scale, out)
+    else:
+        # Half precision keeps SDPA's GQA math path: its rounding follows transformers'.
+        for s in prompts:
+            length = ctx_lens[s]
+            k = _gather_padded(k_cache, block_tables[s : s + 1], length, "k")[0, :length]
+            v = _gather_padded(v_cache, block_tables[s : s + 1], length, "v")[0, :length]
+            qs = q[cu[s] : cu[s + 1]].transpose(0, 1)  # [Hq, L, D]
+            o = F.scaled_dot_product_attention(
+                qs,
+                k.transpose(0, 1),
+                v.transpose(0, 1),
+                is_causal=True,
+                scale=scale,
+                enable_gqa=True,
+            )
+            out[cu[s] : cu[s + 1]] = o.transpose(0, 1)
     for group in _plan_groups(q_lens, ctx_lens, prefills):
         inputs = _prefill_group(q, k_cache, v_cache, group, cu, q_lens, ctx_lens, block_tables)
         padded = _grouped_attention(*inputs, scale=scale)  # [P, Lq, Hq, D]
         for i, s in enumerate(group):
             out[cu[s] : cu[s + 1]] = padded[i, : q_lens[s]]
+    return out
+
+
+def _whole_prompts(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    group: list[int],  # sequences whose new tokens are their whole context, all of ``length``
+    cu: list[int],
+    length: int,
+    block_tables: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,  # [T, Hq, D], written in place
+) -> None:
+    """Causal attention of equal-length whole float32 prompts in one SDPA call.
+
+    Query heads are laid out as [P * Hkv, G, L, D] against K/V expanded (not copied) over
+    the group, which keeps SDPA on its fused causal kernel for grouped-query models.
+    """
+    p, hq, d = len(group), q.shape[1], q.shape[2]
+    hkv = k_cache.shape[2]
+    g = hq // hkv
+    idx = torch.tensor(group, dtype=torch.int64, device=q.device)
+    k = _gather_padded(k_cache, block_tables[idx], length, "k")[:, :length]  # [P, L, Hkv, D]
+    v = _gather_padded(v_cache, block_tables[idx], length, "v")[:, :length]
+    if p == 1:
+        qs = q[cu[group[0]] : cu[group[0]] + length][None]
+    else:
+        qs = torch.stack([q[cu[s] : cu[s] + length] for s in group])  # [P, L, Hq, D]
+    qf = qs.view(p, length, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(p * hkv, g, length, d)
+    kf = k.permute(0, 2, 1, 3).reshape(p * hkv, 1, length, d).expand(-1, g, -1, -1)
+    vf = v.permute(0, 2, 1, 3).reshape(p * hkv, 1, length, d).expand(-1, g, -1, -1)
+    o = F.scaled_dot_product_attention(qf, kf, vf, is_causal=True, scale=scale)
+    o = o.view(p, hkv, g, length, d).permute(0, 3, 1, 2, 4).reshape(p, length, hq, d)
+    for i, s in enumerate(group):
+        out[cu[s] : cu[s] + length] = o[i]
+
+
+def write_kv_cpu(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [N, B, Hkv, D]
+    v_cache: torch.Tensor,  # [N, B, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64, < 0 = skip
+) -> None:
+    """Store each token's K/V row at its slot: one ``index_copy_`` per cache.
+
+    Needs caches whose block and offset dims flatten into one slot dim (always true for
+    the pool layout); otherwise falls back to the reference's two-index assignment.
+    """
+    n, b, hkv, d = k_cache.shape
+    if (
+        not (k_cache[0].is_contiguous() and v_cache[0].is_contiguous())
+        or k_cache.stride(0) != b * hkv * d
+        or v_cache.stride(0) != b * hkv * d
+    ):
+        reference.write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
+        return
+    slots = slot_mapping.to(device=key.device, dtype=torch.int64)
+    if bool((slots < 0).any()):
+        keep = slots >= 0
+        slots, key, value = slots[keep], key[keep], value[keep]
+    k_cache.view(n * b, hkv, d).index_copy_(0, slots, key.to(k_cache.dtype))
+    v_cache.view(n * b, hkv, d).index_copy_(0, slots, value.to(v_cache.dtype))
+
+
+def rms_norm_cpu(
+    x: torch.Tensor,  # [T, H]
+    weight: torch.Tensor,  # [H]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [T, H]
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm with the reference's semantics; float32 uses torch's fused kernel."""
+    if x.dtype != torch.float32 or weight.dtype != torch.float32:
+        return reference.rms_norm_ref(x, weight, eps, residual)
+    if residual is not None:
+        x = x + residual
+    out = F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return out if residual is None else (out, x)
+
+
+def apply_rotary_cpu(
+    positions: torch.Tensor,  # [T] int64
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    cos_sin_cache: torch.Tensor,  # [P, D]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference rotation (same float32 operations, same rounding) written into
+    preallocated outputs instead of concatenating temporaries."""
+    if q.dtype != torch.float32 or k.dtype != torch.float32:
+        return reference.apply_rotary_ref(positions, q, k, cos_sin_cache)
+    half = cos_sin_cache.shape[-1] // 2
+    rows = cos_sin_cache[positions.to(cos_sin_cache.device, torch.int64)].float()  # [T, D]
+    cos = rows[:, None, :half]
+    sin = rows[:, None, half:]
+    return _rotate_into(q, cos, sin), _rotate_into(k, cos, sin)
+
+
+def _rotate_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    lo, hi = out[..., :half], out[..., half:]
+    torch.mul(x1, cos, out=lo)
+    lo.sub_(x2 * sin)
+    torch.mul(x2, cos, out=hi)
+    hi.add_(x1 * sin)
     return out
 
 

@@ -83,7 +83,7 @@ def write_kv(
     if mod is not None:
         mod.write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
     else:
-        reference.write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
+        cpu.write_kv_cpu(key, value, k_cache, v_cache, slot_mapping)
 
 
 def paged_attention(
@@ -146,7 +146,7 @@ def rms_norm(
     mod = _triton("triton_norm", x)
     if mod is not None:
         return mod.rms_norm_triton(x, weight, eps, residual)
-    return reference.rms_norm_ref(x, weight, eps, residual)
+    return cpu.rms_norm_cpu(x, weight, eps, residual)
 
 
 def build_rope_cache(
@@ -177,7 +177,7 @@ def apply_rotary(
     mod = _triton("triton_rotary", q)
     if mod is not None:
         return mod.apply_rotary_triton(positions, q, k, cos_sin_cache)
-    return reference.apply_rotary_ref(positions, q, k, cos_sin_cache)
+    return cpu.apply_rotary_cpu(positions, q, k, cos_sin_cache)
 
 
 def _check_blocks(kv: torch.Tensor, block_ids: torch.Tensor) -> None:

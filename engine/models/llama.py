@@ -103,7 +103,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        act = F.silu(gate)
+        return self.down_proj(act.mul_(up))  # in place: one [T, I] temporary less
 
 
 class DecoderLayer(nn.Module):

@@ -201,3 +201,38 @@ print("ok")
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("hq", "hkv", "d", "bs"), SHAPES)
+def test_equal_length_whole_prompts_batched_with_decodes(
+    hq: int, hkv: int, d: int, bs: int, dtype
+) -> None:
+    # Three prompts of one length share an SDPA call; another length, a prefill chunk after
+    # a cached prefix and decodes ride along in the same step.
+    q_lens = [70, 1, 70, 33, 70, 20, 1]
+    ctx_lens = [70, 90, 70, 33, 70, 60, 5]
+    batch = make_batch(
+        3,
+        q_lens,
+        ctx_lens,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        block_size=bs,
+        dtype=dtype,
+    )
+    args = batch.attention_args()
+    assert_close(ops.paged_attention(*args), R.paged_attention_ref(*args), ATTN_TOL[dtype])
+
+
+def test_write_kv_with_padding_slots_and_bfloat16_cache() -> None:
+    k_cache = torch.zeros(4, 8, 2, 16, dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    key, value = torch.randn(5, 2, 16), torch.randn(5, 2, 16)
+    slots = torch.tensor([-1, 0, 31, -1, 9])
+    ops.write_kv(key, value, k_cache, v_cache, slots)
+    ref_k, ref_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    R.write_kv_ref(key, value, ref_k, ref_v, slots)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+    assert k_cache.count_nonzero() == ref_k.count_nonzero() > 0
