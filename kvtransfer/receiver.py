@@ -28,6 +28,7 @@ from kvtransfer.node import local_node_id, receiver_offer
 from kvtransfer.receiver_state import PeerConn, Session
 from kvtransfer.shm import ShmSegment
 from kvtransfer.staging import BufferPool, typed_view
+from kvtransfer.threads import single_threaded_copies
 from kvtransfer.types import (
     KVLayout,
     KVTarget,
@@ -250,7 +251,9 @@ class KVReceiver:
         conn.drop_ack(request_id)
 
     def _bind_device(self) -> None:
-        """The CUDA device is per thread: point this I/O thread at the pool's GPU."""
+        """Set up an I/O thread: copies on this thread only; the CUDA device is per thread,
+        point it at the pool's GPU."""
+        single_threaded_copies()
         if self.kv_cache.device.type == "cuda":
             torch.cuda.set_device(self.kv_cache.device)
 

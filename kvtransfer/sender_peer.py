@@ -24,6 +24,7 @@ import torch
 from kvtransfer import blocks, torchdist, wire
 from kvtransfer.shm import ShmSegment
 from kvtransfer.staging import BufferPool, Scratch, typed_view
+from kvtransfer.threads import single_threaded_copies
 from kvtransfer.types import (
     KVLayoutMismatchError,
     KVTarget,
@@ -96,6 +97,7 @@ class DecodePeer:
     # ------------------------------------------------------------- worker thread
 
     def _work(self) -> None:
+        single_threaded_copies()
         device = self.sender.torch_device
         if device.type == "cuda" and device.index is not None:  # the device is per thread
             torch.cuda.set_device(device)
