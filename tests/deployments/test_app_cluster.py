@@ -196,15 +196,22 @@ def test_cancelled_stream_frees_blocks_on_both_sides(pd: PD) -> None:
 def test_killing_the_prefill_replica_during_a_burst(pd: PD, reference: Callable) -> None:
     before = pd.decode.counters.remote().result()
     actor_name = pd.prefill.actor_name.remote().result(timeout_s=30)
-    # Long enough that the prefill replica is still busy with the burst when it is killed.
-    burst = {f"burst-{i}": prompt(10 + i, 360 + 10 * i) for i in range(5)}
+    burst = {f"burst-{i}": prompt(10 + i, 360 + 10 * i) for i in range(8)}
+    rids = list(burst)
 
     async def run() -> dict[str, list[GenerateChunk]]:
-        tasks = {
-            rid: asyncio.create_task(collect(pd, request(rid, ids))) for rid, ids in burst.items()
-        }
+        def send(batch: list[str]) -> dict[str, asyncio.Task]:
+            return {
+                rid: asyncio.create_task(collect(pd, request(rid, burst[rid]))) for rid in batch
+            }
+
+        # Half the burst is in flight when the replica dies; the other half is sent at once
+        # after, while the decode side's router still lists the dead replica. The tiny
+        # model prefills in milliseconds, so a kill timed against in-flight work alone races.
+        tasks = send(rids[:4])
         await asyncio.sleep(0.3)
         ray.kill(ray.get_actor(actor_name, namespace="serve"), no_restart=True)
+        tasks |= send(rids[4:])
         return {rid: await t for rid, t in tasks.items()}
 
     results = asyncio.run(run())
