@@ -37,7 +37,10 @@ def resolve_model(config: AppConfig, progress: Progress) -> AppConfig:
         progress(f"model: test model {config.model.test_model!r} (generated once, on first use)")
     path = config.model.resolve_path()
     progress(f"model: {path}")
-    return config.model_copy(update={"model": config.model.model_copy(update={"path": path})})
+    # Keep the name clients see ("pdserve-small", not the cache directory's hashed name).
+    name = config.model.served_name(str(path))
+    pinned = config.model.model_copy(update={"path": path, "name": name})
+    return config.model_copy(update={"model": pinned})
 
 
 def prepare_model_in_background(config: AppConfig) -> threading.Thread:

@@ -15,7 +15,7 @@ import pytest
 
 from cluster import cli
 from cluster.procs import is_running, session_members, stop_sessions
-from cluster.serving import bind_front_door, curl_example, grpc_example
+from cluster.serving import bind_front_door, curl_example, grpc_example, resolve_model
 from cluster.state import ClusterState, NodeRecord, ServeRecord, load_state, save_state
 from cluster.topology import ClusterSpec, format_labels
 from deployments.config import AppConfig
@@ -178,3 +178,11 @@ def test_every_subcommand_has_a_handler() -> None:
     parser = cli.build_parser()
     (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
     assert set(sub.choices) == set(cli.COMMANDS)
+
+
+def test_resolved_test_model_keeps_its_client_facing_name() -> None:
+    lines: list[str] = []
+    cfg = resolve_model(AppConfig.from_dict({"model": {"test_model": "tiny"}}), lines.append)
+    assert cfg.model.path is not None and "pdserve-tiny-" in str(cfg.model.path)
+    assert cfg.model.served_name(str(cfg.model.path)) == "pdserve-tiny"
+    assert any("generated once" in line for line in lines)
