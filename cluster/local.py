@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.ports import free_port
+from cluster.ports import PortAllocator
 from cluster.procs import is_running, stop_sessions
 from cluster.state import (
     ClusterState,
@@ -82,12 +82,17 @@ class _HeadPorts:
     dashboard: int
 
     @classmethod
-    def pick(cls, ip: str) -> _HeadPorts:
-        return cls(gcs=free_port(ip), client=free_port(ip), dashboard=free_port(ip))
+    def pick(cls, ports: PortAllocator) -> _HeadPorts:
+        return cls(gcs=ports.take(), client=ports.take(), dashboard=ports.take())
 
 
 def _ray_start_command(
-    node: NodeSpec, spec: ClusterSpec, temp_dir: Path, ports: _HeadPorts, metrics_port: int
+    node: NodeSpec,
+    spec: ClusterSpec,
+    temp_dir: Path,
+    ports: _HeadPorts,
+    metrics_port: int,
+    agent_port: int,
 ) -> list[str]:
     """``ray start --block`` arguments for one node."""
     ip = spec.node_ip
@@ -109,7 +114,7 @@ def _ray_start_command(
         "--min-worker-port=0",
         "--max-worker-port=0",
         f"--metrics-export-port={metrics_port}",
-        f"--dashboard-agent-listen-port={free_port(ip)}",
+        f"--dashboard-agent-listen-port={agent_port}",
     ]
     if node.labels:
         cmd.append(f"--labels={format_labels(node.labels)}")
@@ -175,7 +180,8 @@ class _Launcher:
         self.state_dir = state_dir
         self.progress = progress
         self.root = _short_root()
-        self.ports = _HeadPorts.pick(spec.node_ip)
+        self.allocator = PortAllocator(spec.node_ip)
+        self.ports = _HeadPorts.pick(self.allocator)
         self.token_path = state_dir / TOKEN_FILE
         write_token(self.token_path, secrets.token_hex(32))
         self.records: list[NodeRecord] = []
@@ -196,8 +202,8 @@ class _Launcher:
         temp_dir.mkdir(parents=True, exist_ok=True)
         log_file = self.state_dir / "logs" / f"{node.name}.log"
         log_file.parent.mkdir(parents=True, exist_ok=True)
-        metrics_port = free_port(self.spec.node_ip)
-        cmd = _ray_start_command(node, self.spec, temp_dir, self.ports, metrics_port)
+        metrics_port, agent_port = self.allocator.take(), self.allocator.take()
+        cmd = _ray_start_command(node, self.spec, temp_dir, self.ports, metrics_port, agent_port)
         with log_file.open("wb") as out:
             proc = subprocess.Popen(
                 cmd,

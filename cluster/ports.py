@@ -16,6 +16,27 @@ def free_port(host: str) -> int:
         return int(sock.getsockname()[1])
 
 
+class PortAllocator:
+    """Hands out OS-chosen free ports on one address, never the same port twice.
+
+    Each ``free_port`` call releases its port at once, so two calls can get the same number
+    back from the OS; the services they are for bind only later. One allocator per cluster
+    start keeps the numbers it hands out distinct.
+    """
+
+    def __init__(self, host: str) -> None:
+        self.host = host
+        self._given: set[int] = set()
+
+    def take(self) -> int:
+        for _ in range(64):
+            port = free_port(self.host)
+            if port not in self._given:
+                self._given.add(port)
+                return port
+        raise RuntimeError(f"no new free port on {self.host} after 64 tries")
+
+
 def free_port_all_interfaces() -> int:
     """A port free on every interface, for services that bind the wildcard address.
 
