@@ -20,7 +20,10 @@ class EngineConfig(BaseModel):
     model: str = Field(description="Path of a local Hugging Face model directory.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         default="auto",
-        description="Weight/activation dtype; 'auto' = float32 on CPU, the checkpoint's on GPU.",
+        description=(
+            "Weight/activation dtype; 'auto' = the checkpoint's, except float32 on a CPU "
+            "for float16 checkpoints and for bfloat16 ones without native bf16 (AVX512-BF16/AMX)."
+        ),
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
         default="auto", description="'auto' picks cuda when available, else cpu."

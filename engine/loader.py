@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from kernels.linear import can_pack
+
 # Architectures models/llama.py implements (they differ only in config details).
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -165,9 +167,14 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
 def resolve_dtype(
     requested: str, checkpoint_dtype: torch.dtype, device: torch.device
 ) -> torch.dtype:
-    """EngineConfig.dtype -> torch dtype: "auto" is float32 on CPU, the checkpoint's on GPU."""
+    """EngineConfig.dtype -> torch dtype. "auto" is the checkpoint's dtype, except on a CPU
+    where it would be slow: float16 always, bfloat16 without native support (AVX512-BF16 /
+    AMX), and those run in float32."""
     if requested == "auto":
-        return torch.float32 if device.type == "cpu" else checkpoint_dtype
+        if device.type != "cpu" or checkpoint_dtype == torch.float32:
+            return checkpoint_dtype
+        native = checkpoint_dtype == torch.bfloat16 and can_pack(torch.bfloat16, device)
+        return checkpoint_dtype if native else torch.float32
     if requested not in _DTYPES:
         raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {requested!r}")
     return _DTYPES[requested]

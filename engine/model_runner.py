@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from engine.config import EngineConfig
+from engine.cpu_memory import keep_freed_memory
 from engine.kv_connector import KVConnector
 from engine.loader import (
     ModelConfig,
@@ -30,6 +31,7 @@ from engine.models import build_model
 from engine.models.llama import AttentionMetadata
 from engine.sampler import SampledToken, Sampler, SamplingRow
 from engine.scheduler_output import SchedulerOutput
+from kernels.linear import pack_linears
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +113,7 @@ class ModelRunner:
         self.device = _resolve_device(config.device)
         if self.device.type == "cpu":
             _limit_cpu_threads()
+            keep_freed_memory()
         model_config = load_model_config(config.model)
         dtype = resolve_dtype(config.dtype, model_config.checkpoint_dtype, self.device)
         self.model_config: ModelConfig = replace(model_config, dtype=dtype)
@@ -143,6 +146,7 @@ class ModelRunner:
             model.lm_head.weight = model.model.embed_tokens.weight
         with torch.no_grad():
             model.load_weights(iter_weights(self.config.model))
+        pack_linears(model)  # bfloat16 on CPUs with native bf16: oneDNN-packed weights
         return model.eval()
 
     # ---- KV cache -------------------------------------------------------------------------
