@@ -13,6 +13,9 @@ preallocated outputs. Checked against ``kernels/reference.py``.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +35,7 @@ __all__ = [
 # because several engines may share a process, each stepping in its own thread.
 _MAX_SCRATCH_BYTES = 1 << 30
 _scratch = threading.local()
+_T = TypeVar("_T")
 
 # A group of prefills is padded to its longest query/context; a new group starts when the
 # padded work would exceed this multiple of the useful work.
@@ -45,7 +49,8 @@ def _scratch_buffer(
     if numel * torch.empty((), dtype=dtype).element_size() > _MAX_SCRATCH_BYTES:
         return None
     buffers: dict[tuple, torch.Tensor] = _scratch.__dict__.setdefault("buffers", {})
-    key = (slot, dtype, device)
+    # Buffers made under inference_mode cannot be written outside it (and vice versa).
+    key = (slot, dtype, device, torch.is_inference_mode_enabled())
     buf = buffers.get(key)
     if buf is None or buf.numel() < numel:
         buf = torch.empty(numel, dtype=dtype, device=device)
@@ -53,57 +58,84 @@ def _scratch_buffer(
     return buf[:numel]
 
 
-def _gather_padded(
-    cache: torch.Tensor,  # [N, B, Hkv, D]
+def _per_step(slot: str, key: tuple[torch.Tensor, ...], build: Callable[[], _T]) -> _T:
+    """``build()``, computed once per step and reused by every layer.
+
+    The metadata tensors of a step (block tables, lengths, positions) are the same objects
+    in all layers, so what derives from them alone (gather indices, masks, rotary rows) is
+    keyed on their identity and version counter (bumped by any in-place change; inference
+    tensors have none, and the engine never changes a step's metadata in place). One entry
+    per slot and thread; the next step replaces it.
+    """
+    memo: dict[str, tuple[list[tuple[torch.Tensor, int]], object]] = _scratch.__dict__.setdefault(
+        "memo", {}
+    )
+    stamp = [(t, -1 if t.is_inference() else t._version) for t in key]
+    hit = memo.get(slot)
+    if (
+        hit is not None
+        and len(hit[0]) == len(stamp)
+        and all(a is b and va == vb for (a, va), (b, vb) in zip(hit[0], stamp, strict=True))
+    ):
+        return hit[1]  # type: ignore[return-value]
+    value = build()
+    memo[slot] = (stamp, value)
+    return value
+
+
+def _gather_ids(
     block_tables: torch.Tensor,  # [P, M]
     max_len: int,
-    slot: str,
-) -> torch.Tensor:  # [P, nb*B, Hkv, D]
-    num_blocks, block_size, hkv, d = cache.shape
+    block_size: int,
+    num_blocks: int,
+    device: torch.device,
+) -> torch.Tensor:  # [P * nb] int64: the blocks holding the first max_len slots of each row
     nb = (max_len + block_size - 1) // block_size
     # Entries past a sequence's last block may hold anything (padding); they are masked out,
     # so clamp them to a valid id rather than trusting them.
-    ids = block_tables[:, :nb].to(cache.device, torch.int64).clamp(0, num_blocks - 1).flatten()
+    return block_tables[:, :nb].to(device, torch.int64).clamp(0, num_blocks - 1).flatten()
+
+
+def _gather(
+    cache: torch.Tensor,  # [N, B, Hkv, D]
+    ids: torch.Tensor,  # [P * nb] int64 from _gather_ids
+    num_seqs: int,
+    slot: str,
+) -> torch.Tensor:  # [P, nb*B, Hkv, D]
+    num_blocks, block_size, hkv, d = cache.shape
+    length = ids.numel() // num_seqs * block_size
     if not cache.is_contiguous():  # reshape would copy the whole cache
-        return cache[ids].view(block_tables.shape[0], nb * block_size, hkv, d)
+        return cache[ids].view(num_seqs, length, hkv, d)
     rows = cache.view(num_blocks, block_size * hkv * d)
     buf = _scratch_buffer(slot, ids.numel() * rows.shape[1], cache.dtype, cache.device)
     if buf is None:
         gathered = rows.index_select(0, ids)
     else:
         gathered = torch.index_select(rows, 0, ids, out=buf.view(ids.numel(), rows.shape[1]))
-    return gathered.view(block_tables.shape[0], nb * block_size, hkv, d)
+    return gathered.view(num_seqs, length, hkv, d)
 
 
-def _grouped_attention(
-    q: torch.Tensor,  # [P, Lq, Hq, D]
-    k: torch.Tensor,  # [P, L, Hkv, D]
-    v: torch.Tensor,  # [P, L, Hkv, D]
-    q_pos: torch.Tensor,  # [P, Lq] int64: absolute position of each query
-    kv_len: torch.Tensor,  # [P] int64: valid context length
-    scale: float,
-) -> torch.Tensor:  # [P, Lq, Hq, D]
-    """Causal, length-masked attention; each KV head is read once for its query-head group."""
-    p, lq, hq, d = q.shape
-    length, hkv = k.shape[1], k.shape[2]
-    g = hq // hkv
-    # Fold the query-head group into the query axis: [P, Hkv, Lq*G, D].
-    qf = q.view(p, lq, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(p, hkv, lq * g, d)
-    kf = k.transpose(1, 2)  # [P, Hkv, L, D]
-    vf = v.transpose(1, 2)
-    k_idx = torch.arange(length, device=q.device)
+@dataclass(frozen=True)
+class _DecodePlan:
+    """What every layer's decode attention of one step shares."""
+
+    ids: torch.Tensor  # [S * nb] int64: gather indices
+    mask: torch.Tensor  # [S, 1, 1, L] bool: key visible
+    empty: torch.Tensor | None  # [S] bool: sequences without context (None: there are none)
+
+
+def _decode_plan(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, num_blocks: int
+) -> _DecodePlan:
+    device = block_tables.device
+    lens = seq_lens.to(device, torch.int64)
+    ids = _gather_ids(block_tables, max(int(lens.max()), 1), block_size, num_blocks, device)
+    length = ids.numel() // lens.numel() * block_size
     # Rows with no visible key (empty sequences) would softmax to NaN: let them see key 0
-    # and zero them below.
-    empty = kv_len <= 0
-    visible = (k_idx[None, None, :] <= q_pos[:, :, None]) & (
-        k_idx[None, None, :] < kv_len.clamp(min=1)[:, None, None]
-    )  # [P, Lq, L]
-    visible = visible.repeat_interleave(g, dim=1)[:, None]  # [P, 1, Lq*G, L]
-    out = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=visible, scale=scale)
-    out = out.view(p, hkv, lq, g, d).permute(0, 2, 1, 3, 4).reshape(p, lq, hq, d)
-    if bool(empty.any()):
-        out = out.masked_fill(empty[:, None, None, None], 0.0)
-    return out
+    # and zero them afterwards.
+    visible = torch.arange(length, device=device)[None, :] < lens.clamp(min=1)[:, None]
+    empty = lens <= 0
+    return _DecodePlan(ids, visible[:, None, None, :], empty if bool(empty.any()) else None)
 
 
 def paged_decode_attention_cpu(
@@ -114,15 +146,26 @@ def paged_decode_attention_cpu(
     seq_lens: torch.Tensor,  # [S] int32
     scale: float,
 ) -> torch.Tensor:  # [S, Hq, D]
-    """All decode sequences in one padded grouped-query attention call."""
-    if q.shape[0] == 0:
+    """All decode sequences in one call of SDPA's fused kernel: K/V gathered into a padded
+    ``[S, L, Hkv, D]`` buffer, each query-head group folded into the query axis (so each
+    KV head is read once) and a length mask; indices and mask are built once per step."""
+    s, hq, d = q.shape
+    if s == 0:
         return torch.empty_like(q)
-    lens = seq_lens.to(q.device, torch.int64)
-    max_len = max(int(lens.max()), 1)
-    k = _gather_padded(k_cache, block_tables, max_len, "k")
-    v = _gather_padded(v_cache, block_tables, max_len, "v")
-    q_pos = (lens - 1).clamp(min=0)[:, None]  # [S, 1]
-    return _grouped_attention(q[:, None], k, v, q_pos, lens, scale)[:, 0]
+    num_blocks, block_size, hkv, _ = k_cache.shape
+    plan = _per_step(
+        f"decode/{num_blocks}/{block_size}",
+        (block_tables, seq_lens),
+        lambda: _decode_plan(block_tables, seq_lens, block_size, num_blocks),
+    )
+    k = _gather(k_cache, plan.ids, s, "k").transpose(1, 2)  # [S, Hkv, L, D]
+    v = _gather(v_cache, plan.ids, s, "v").transpose(1, 2)
+    qf = q.reshape(s, hkv, hq // hkv, d)
+    out = F.scaled_dot_product_attention(qf, k, v, attn_mask=plan.mask, scale=scale)
+    out = out.reshape(s, hq, d)
+    if plan.empty is not None:
+        out = out.masked_fill(plan.empty[:, None, None], 0.0)
+    return out
 
 
 def _plan_groups(q_lens: list[int], ctx_lens: list[int], seqs: list[int]) -> list[list[int]]:
@@ -147,6 +190,106 @@ def _plan_groups(q_lens: list[int], ctx_lens: list[int], seqs: list[int]) -> lis
     return groups
 
 
+@dataclass(frozen=True)
+class _PromptGroup:
+    """Whole prompts (nothing cached before them) of one length: one causal SDPA call."""
+
+    starts: list[int]  # first row of each prompt in q
+    length: int
+    ids: torch.Tensor  # gather indices of their blocks
+
+
+@dataclass(frozen=True)
+class _PrefillGroup:
+    """Prefill chunks after cached context, padded to the group's longest query/context."""
+
+    spans: list[tuple[int, int]]  # rows of each chunk in q
+    rows: torch.Tensor  # [P, max_q] int64: q rows (padding repeats a chunk's last row)
+    ids: torch.Tensor  # gather indices of their blocks
+    mask: torch.Tensor  # [P, 1, max_q*G, L] bool: causal and length mask, head-group folded
+    empty: torch.Tensor | None  # [P] bool: chunks without context (None: there are none)
+
+
+@dataclass(frozen=True)
+class _MixedPlan:
+    """How one step's mixed batch is split; shared by every layer."""
+
+    decode_rows: torch.Tensor | None  # [Sd] int64 rows of the one-token sequences
+    decode_tables: torch.Tensor | None  # [Sd, M]
+    decode_lens: torch.Tensor | None  # [Sd]
+    prompts: list[_PromptGroup]
+    prefills: list[_PrefillGroup]
+
+
+def _mixed_plan(
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    block_size: int,
+    num_blocks: int,
+    group_size: int,
+) -> _MixedPlan:
+    dev = block_tables.device
+    cu = cu_seqlens_q.tolist()
+    ctx_lens = seq_lens.tolist()
+    num_seqs = len(ctx_lens)
+    q_lens = [cu[s + 1] - cu[s] for s in range(num_seqs)]
+    decodes = [s for s in range(num_seqs) if q_lens[s] == 1]
+    decode_rows = decode_tables = decode_lens = None
+    if decodes:
+        idx = torch.tensor(decodes, dtype=torch.int64, device=dev)
+        decode_rows = torch.tensor([cu[s] for s in decodes], dtype=torch.int64, device=dev)
+        decode_tables, decode_lens = block_tables[idx], seq_lens[idx]
+    by_length: dict[int, list[int]] = {}
+    for s in range(num_seqs):
+        if 1 < q_lens[s] == ctx_lens[s]:
+            by_length.setdefault(ctx_lens[s], []).append(s)
+    prompts = []
+    for length, group in by_length.items():
+        idx = torch.tensor(group, dtype=torch.int64, device=dev)
+        ids = _gather_ids(block_tables[idx], length, block_size, num_blocks, dev)
+        prompts.append(_PromptGroup([cu[s] for s in group], length, ids))
+    chunks = [s for s in range(num_seqs) if 1 < q_lens[s] < ctx_lens[s]]
+    layout = (block_tables, block_size, num_blocks, group_size)
+    prefills = [
+        _prefill_group(group, cu, q_lens, ctx_lens, *layout)
+        for group in _plan_groups(q_lens, ctx_lens, chunks)
+    ]
+    return _MixedPlan(decode_rows, decode_tables, decode_lens, prompts, prefills)
+
+
+def _prefill_group(
+    group: list[int],
+    cu: list[int],
+    q_lens: list[int],
+    ctx_lens: list[int],
+    block_tables: torch.Tensor,
+    block_size: int,
+    num_blocks: int,
+    group_size: int,  # query heads per KV head
+) -> _PrefillGroup:
+    dev = block_tables.device
+    max_q = max(q_lens[s] for s in group)
+    max_ctx = max(ctx_lens[s] for s in group)
+    idx = torch.tensor(group, dtype=torch.int64, device=dev)
+    lens = torch.tensor([ctx_lens[s] for s in group], dtype=torch.int64, device=dev)
+    qlen = torch.tensor([q_lens[s] for s in group], dtype=torch.int64, device=dev)
+    starts = torch.tensor([cu[s] for s in group], dtype=torch.int64, device=dev)
+    j = torch.minimum(torch.arange(max_q, device=dev)[None, :], qlen[:, None] - 1)
+    # Padded query rows repeat the chunk's last token; their outputs are discarded.
+    rows = starts[:, None] + j  # [P, max_q]
+    q_pos = lens[:, None] - qlen[:, None] + j  # absolute position of each query
+    ids = _gather_ids(block_tables[idx], max_ctx, block_size, num_blocks, dev)
+    k_idx = torch.arange(ids.numel() // len(group) * block_size, device=dev)
+    visible = (k_idx[None, None, :] <= q_pos[:, :, None]) & (
+        k_idx[None, None, :] < lens.clamp(min=1)[:, None, None]
+    )  # [P, max_q, L]
+    mask = visible.repeat_interleave(group_size, dim=1)[:, None]  # [P, 1, max_q*G, L]
+    empty = lens <= 0
+    spans = [(cu[s], cu[s] + q_lens[s]) for s in group]
+    return _PrefillGroup(spans, rows, ids, mask, empty if bool(empty.any()) else None)
+
+
 def paged_attention_cpu(
     q: torch.Tensor,  # [T, Hq, D]
     k_cache: torch.Tensor,  # [N, B, Hkv, D]
@@ -157,49 +300,36 @@ def paged_attention_cpu(
     scale: float,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Mixed prefill/decode batch: all decodes in one call; whole prompts (nothing cached)
-    with SDPA's own causal mask, which skips the masked half (float32: equal lengths
-    batched); other prefill chunks in padded groups."""
+    of equal length in one call of SDPA's fused causal kernel; other prefill chunks in
+    padded groups. The split is planned once per step."""
     out = torch.empty_like(q)
-    cu = cu_seqlens_q.tolist()
-    ctx_lens = seq_lens.tolist()
-    num_seqs = len(ctx_lens)
-    q_lens = [cu[s + 1] - cu[s] for s in range(num_seqs)]
-    decodes = [s for s in range(num_seqs) if q_lens[s] == 1]
-    prompts = [s for s in range(num_seqs) if 1 < q_lens[s] == ctx_lens[s]]
-    prefills = [s for s in range(num_seqs) if 1 < q_lens[s] < ctx_lens[s]]
-    if decodes:
-        idx = torch.tensor(decodes, dtype=torch.int64, device=q.device)
-        rows = torch.tensor([cu[s] for s in decodes], dtype=torch.int64, device=q.device)
-        out[rows] = paged_decode_attention_cpu(
-            q[rows], k_cache, v_cache, block_tables[idx], seq_lens[idx], scale
+    num_blocks, block_size, hkv, d = k_cache.shape
+    g = q.shape[1] // hkv
+    plan = _per_step(
+        f"mixed/{num_blocks}/{block_size}/{g}",
+        (cu_seqlens_q, seq_lens, block_tables),
+        lambda: _mixed_plan(cu_seqlens_q, seq_lens, block_tables, block_size, num_blocks, g),
+    )
+    if plan.decode_rows is not None:
+        assert plan.decode_tables is not None and plan.decode_lens is not None
+        out[plan.decode_rows] = paged_decode_attention_cpu(
+            q[plan.decode_rows], k_cache, v_cache, plan.decode_tables, plan.decode_lens, scale
         )
-    if q.dtype == torch.float32:
-        by_length: dict[int, list[int]] = {}
-        for s in prompts:
-            by_length.setdefault(ctx_lens[s], []).append(s)
-        for length, group in by_length.items():
-            _whole_prompts(q, k_cache, v_cache, group, cu, length, block_tables, scale, out)
-    else:
-        # Half precision keeps SDPA's GQA math path: its rounding follows transformers'.
-        for s in prompts:
-            length = ctx_lens[s]
-            k = _gather_padded(k_cache, block_tables[s : s + 1], length, "k")[0, :length]
-            v = _gather_padded(v_cache, block_tables[s : s + 1], length, "v")[0, :length]
-            qs = q[cu[s] : cu[s + 1]].transpose(0, 1)  # [Hq, L, D]
-            o = F.scaled_dot_product_attention(
-                qs,
-                k.transpose(0, 1),
-                v.transpose(0, 1),
-                is_causal=True,
-                scale=scale,
-                enable_gqa=True,
-            )
-            out[cu[s] : cu[s + 1]] = o.transpose(0, 1)
-    for group in _plan_groups(q_lens, ctx_lens, prefills):
-        inputs = _prefill_group(q, k_cache, v_cache, group, cu, q_lens, ctx_lens, block_tables)
-        padded = _grouped_attention(*inputs, scale=scale)  # [P, Lq, Hq, D]
-        for i, s in enumerate(group):
-            out[cu[s] : cu[s + 1]] = padded[i, : q_lens[s]]
+    for prompts in plan.prompts:
+        _whole_prompts(q, k_cache, v_cache, prompts, scale, out)
+    for group in plan.prefills:
+        p, max_q = group.rows.shape
+        k = _gather(k_cache, group.ids, p, "k").transpose(1, 2)  # [P, Hkv, L, D]
+        v = _gather(v_cache, group.ids, p, "v").transpose(1, 2)
+        # Fold each query-head group into the query axis: [P, Hkv, max_q*G, D].
+        qf = q[group.rows].view(p, max_q, hkv, g, d).permute(0, 2, 1, 3, 4)
+        qf = qf.reshape(p, hkv, max_q * g, d)
+        o = F.scaled_dot_product_attention(qf, k, v, attn_mask=group.mask, scale=scale)
+        o = o.view(p, hkv, max_q, g, d).permute(0, 2, 1, 3, 4).reshape(p, max_q, hkv * g, d)
+        if group.empty is not None:
+            o = o.masked_fill(group.empty[:, None, None, None], 0.0)
+        for i, (start, end) in enumerate(group.spans):
+            out[start:end] = o[i, : end - start]
     return out
 
 
@@ -207,35 +337,31 @@ def _whole_prompts(
     q: torch.Tensor,  # [T, Hq, D]
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    group: list[int],  # sequences whose new tokens are their whole context, all of ``length``
-    cu: list[int],
-    length: int,
-    block_tables: torch.Tensor,
+    group: _PromptGroup,
     scale: float,
     out: torch.Tensor,  # [T, Hq, D], written in place
 ) -> None:
-    """Causal attention of equal-length whole float32 prompts in one SDPA call.
+    """Causal attention of equal-length whole prompts in one SDPA call.
 
     Query heads are laid out as [P * Hkv, G, L, D] against K/V expanded (not copied) over
     the group, which keeps SDPA on its fused causal kernel for grouped-query models.
     """
-    p, hq, d = len(group), q.shape[1], q.shape[2]
+    p, length, hq, d = len(group.starts), group.length, q.shape[1], q.shape[2]
     hkv = k_cache.shape[2]
     g = hq // hkv
-    idx = torch.tensor(group, dtype=torch.int64, device=q.device)
-    k = _gather_padded(k_cache, block_tables[idx], length, "k")[:, :length]  # [P, L, Hkv, D]
-    v = _gather_padded(v_cache, block_tables[idx], length, "v")[:, :length]
+    k = _gather(k_cache, group.ids, p, "k")[:, :length]  # [P, L, Hkv, D]
+    v = _gather(v_cache, group.ids, p, "v")[:, :length]
     if p == 1:
-        qs = q[cu[group[0]] : cu[group[0]] + length][None]
+        qs = q[group.starts[0] : group.starts[0] + length][None]
     else:
-        qs = torch.stack([q[cu[s] : cu[s] + length] for s in group])  # [P, L, Hq, D]
+        qs = torch.stack([q[start : start + length] for start in group.starts])  # [P, L, Hq, D]
     qf = qs.view(p, length, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(p * hkv, g, length, d)
     kf = k.permute(0, 2, 1, 3).reshape(p * hkv, 1, length, d).expand(-1, g, -1, -1)
     vf = v.permute(0, 2, 1, 3).reshape(p * hkv, 1, length, d).expand(-1, g, -1, -1)
     o = F.scaled_dot_product_attention(qf, kf, vf, is_causal=True, scale=scale)
     o = o.view(p, hkv, g, length, d).permute(0, 3, 1, 2, 4).reshape(p, length, hq, d)
-    for i, s in enumerate(group):
-        out[cu[s] : cu[s] + length] = o[i]
+    for i, start in enumerate(group.starts):
+        out[start : start + length] = o[i]
 
 
 def write_kv_cpu(
@@ -272,13 +398,24 @@ def rms_norm_cpu(
     eps: float,
     residual: torch.Tensor | None = None,  # [T, H]
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm with the reference's semantics; float32 uses torch's fused kernel."""
-    if x.dtype != torch.float32 or weight.dtype != torch.float32:
-        return reference.rms_norm_ref(x, weight, eps, residual)
+    """RMSNorm with the reference's semantics, on torch's fused kernel: for half precision
+    the norm runs in float32 and is cast back before the weight multiply, as in HF."""
     if residual is not None:
         x = x + residual
-    out = F.rms_norm(x, (x.shape[-1],), weight, eps)
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        out = F.rms_norm(x, (x.shape[-1],), weight, eps)
+    else:
+        out = F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype).mul_(weight)
     return out if residual is None else (out, x)
+
+
+def _rope_rows(
+    positions: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:  # [T, 1, D] cos, [T, 1, D] sin with the sign of each half
+    half = cos_sin_cache.shape[-1] // 2
+    rows = cos_sin_cache[positions.to(cos_sin_cache.device, torch.int64)].float()  # [T, D]
+    cos, sin = rows[:, :half], rows[:, half:]
+    return torch.cat([cos, cos], -1)[:, None], torch.cat([-sin, sin], -1)[:, None]
 
 
 def apply_rotary_cpu(
@@ -287,52 +424,18 @@ def apply_rotary_cpu(
     k: torch.Tensor,  # [T, Hkv, D]
     cos_sin_cache: torch.Tensor,  # [P, D]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference rotation (same float32 operations, same rounding) written into
-    preallocated outputs instead of concatenating temporaries."""
-    if q.dtype != torch.float32 or k.dtype != torch.float32:
-        return reference.apply_rotary_ref(positions, q, k, cos_sin_cache)
-    half = cos_sin_cache.shape[-1] // 2
-    rows = cos_sin_cache[positions.to(cos_sin_cache.device, torch.int64)].float()  # [T, D]
-    cos = rows[:, None, :half]
-    sin = rows[:, None, half:]
-    return _rotate_into(q, cos, sin), _rotate_into(k, cos, sin)
+    """The reference rotation, float32 math rounded once, as
+    ``x * [cos, cos] + [x2, x1] * [-sin, sin]`` (the same products and sums as the
+    reference, so the same rounding), with the rows of a step gathered once for all layers."""
+    cos, sin = _per_step(
+        "rope", (positions, cos_sin_cache), lambda: _rope_rows(positions, cos_sin_cache)
+    )
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
-def _rotate_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    lo, hi = out[..., :half], out[..., half:]
-    torch.mul(x1, cos, out=lo)
-    lo.sub_(x2 * sin)
-    torch.mul(x2, cos, out=hi)
-    hi.add_(x1 * sin)
-    return out
-
-
-def _prefill_group(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    group: list[int],
-    cu: list[int],
-    q_lens: list[int],
-    ctx_lens: list[int],
-    block_tables: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Padded inputs of ``_grouped_attention`` for one group of prefill sequences."""
-    max_q = max(q_lens[s] for s in group)
-    max_ctx = max(ctx_lens[s] for s in group)
-    dev = q.device
-    idx = torch.tensor(group, dtype=torch.int64, device=dev)
-    lens = torch.tensor([ctx_lens[s] for s in group], dtype=torch.int64, device=dev)
-    qlen = torch.tensor([q_lens[s] for s in group], dtype=torch.int64, device=dev)
-    starts = torch.tensor([cu[s] for s in group], dtype=torch.int64, device=dev)
-    j = torch.arange(max_q, dtype=torch.int64, device=dev)
-    # Padded query rows repeat the sequence's last token; their outputs are discarded.
-    rows = starts[:, None] + torch.minimum(j[None, :], qlen[:, None] - 1)  # [P, max_q]
-    q_pad = q[rows]  # [P, max_q, Hq, D]
-    q_pos = lens[:, None] - qlen[:, None] + torch.minimum(j[None, :], qlen[:, None] - 1)
-    k = _gather_padded(k_cache, block_tables[idx], max_ctx, "k")
-    v = _gather_padded(v_cache, block_tables[idx], max_ctx, "v")
-    return q_pad, k, v, q_pos, lens
+    xf = x.float()
+    out = xf * cos
+    out += torch.cat([xf[..., half:], xf[..., :half]], -1).mul_(sin)
+    return out if x.dtype == torch.float32 else out.to(x.dtype)

@@ -336,22 +336,27 @@ def test_kv_pool_sizing_and_injected_allocator(tiny_model_dir: Path) -> None:
     assert torch.isfinite(logits).all()
 
 
-def test_bfloat16_greedy_follows_transformers_bfloat16(tiny_model_dir: Path) -> None:
-    """bf16 rounding differs between implementations, so a token may only differ where the
-    reference itself hesitates (top-2 gap below 0.25); from there on the texts diverge."""
+def test_bfloat16_greedy_follows_the_float32_reference(tiny_model_dir: Path) -> None:
+    """bf16 rounding differs between implementations (transformers' own bf16 run disagrees
+    with its float32 run here and there), so the engine's bf16 tokens are held to the float32
+    truth: a token may differ from the float32 argmax only where float32 itself hesitates
+    (top-2 gap below 0.25); from there on the texts diverge."""
     from transformers import AutoModelForCausalLM
 
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="bfloat16"))
     assert engine.kv_cache.dtype == torch.bfloat16
-    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     prompts = [make_prompt(n, seed=n, vocab=hf.config.vocab_size) for n in (5, 50, 300)]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    agreed = 0
     for prompt, out in zip(prompts, engine.generate(prompts, params), strict=True):
         with torch.no_grad():
             logits = hf(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1 : -1]
-        top2 = logits.float().topk(2, dim=-1)
+        top2 = logits.topk(2, dim=-1)
         for i, tok in enumerate(out.token_ids):
             if tok != top2.indices[i, 0].item():
                 assert (top2.values[i, 0] - top2.values[i, 1]).item() < 0.25
                 break
+            agreed += 1
+    assert agreed >= 15  # most tokens agree: a broken bf16 path would not get here
     assert_clean(engine)
