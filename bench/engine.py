@@ -19,8 +19,10 @@ only each request's own tokens count as output.
 
 Both systems run greedy, same dtype, same torch threads. Prints one table per workload and
 writes JSON with, per system and concurrency: output tokens/s, mean time to first token
-(from the workload's start), mean per-token decode latency, and the share of requests whose
-greedy tokens agree between the two systems.
+(from the workload's start), mean per-token decode latency, and how far the greedy tokens
+of the two systems agree (the share of output tokens before their first difference: 100%
+in float32; bfloat16 rounding differs between implementations, so there the texts part at
+some near-tie).
 """
 
 from __future__ import annotations
@@ -204,7 +206,7 @@ def print_table(title: str, results: list[Result], agree: dict[int, float]) -> N
     print(f"\n{title}")
     header = (
         f"{'system':<13}{'conc':>5}{'reqs':>6}{'out tok':>8}{'out tok/s':>11}{'speedup':>9}"
-        f"{'ttft ms':>10}{'decode ms/tok':>15}{'same tokens':>13}"
+        f"{'ttft ms':>10}{'decode ms/tok':>15}{'agree':>8}"
     )
     print(header)
     print("-" * len(header))
@@ -216,12 +218,23 @@ def print_table(title: str, results: list[Result], agree: dict[int, float]) -> N
             f"{r.system:<13}{r.concurrency:>5}{r.num_requests:>6}{r.output_tokens:>8}"
             f"{r.output_tokens_per_s:>11.1f}{speed}"
             f"{r.prefill_latency_s * 1e3:>10.1f}{r.decode_latency_s_per_token * 1e3:>15.2f}"
-            + (f"{agree[r.concurrency]:>12.0%}" if r.concurrency in agree else f"{'-':>12}")
+            + (f"{agree[r.concurrency]:>8.0%}" if r.concurrency in agree else f"{'-':>8}")
         )
 
 
 def _agreement(ours: list[list[int]], theirs: list[list[int]]) -> float:
-    return sum(a == b for a, b in zip(ours, theirs, strict=True)) / len(ours)
+    """Share of output tokens produced before the two systems' first disagreement.
+
+    Greedy texts agree token for token in float32; in bfloat16 the two implementations
+    round differently, a near-tie flips somewhere and the texts part from there on, so a
+    whole-request comparison would say little. This counts how far they agree."""
+    same = total = 0
+    for a, b in zip(ours, theirs, strict=True):
+        pairs = enumerate(zip(a, b, strict=False))
+        prefix = next((i for i, (x, y) in pairs if x != y), min(len(a), len(b)))
+        same += prefix
+        total += max(len(a), len(b))
+    return same / total if total else 1.0
 
 
 def _run_workload(
