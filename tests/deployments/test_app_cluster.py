@@ -13,6 +13,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -66,6 +67,9 @@ class PD:
 @pytest.fixture(scope="module")
 def pd() -> Iterator[PD]:
     temp_dir = tempfile.mkdtemp(prefix="pdray-", dir="/tmp")  # short: unix socket paths
+    # ray.cluster_utils records the head's address in Ray's default temp dir whatever
+    # temp_dir says, and fails where that dir does not exist yet (a fresh machine).
+    Path(ray._private.utils.get_ray_address_file(None)).parent.mkdir(parents=True, exist_ok=True)
     common = {"node_ip_address": NODE_IP, "object_store_memory": OBJECT_STORE_BYTES}
     cluster = Cluster(
         initialize_head=True,
