@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput, TokenLogprob
+from engine.outputs import RequestOutput, TokenLogprob, merge_outputs
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
 
@@ -184,14 +184,25 @@ class AsyncLLMEngine:
         self, request_id: str, stream: _Stream, *, abort_on_exit: bool = True
     ) -> AsyncIterator[RequestOutput]:
         finished = False
+        error: BaseException | None = None
         try:
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
-                finished = item.finished
+                # Outputs that piled up while the consumer was busy go out as one (an error
+                # behind them is raised after they are delivered).
+                while not item.finished and not stream.queue.empty():
+                    later = stream.queue.get_nowait()
+                    if isinstance(later, BaseException):
+                        error = later
+                        break
+                    item = merge_outputs(item, later)
+                finished = item.finished or error is not None
                 yield item
+                if error is not None:
+                    raise error
                 if finished:
                     return
         finally:

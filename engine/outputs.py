@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -47,3 +47,26 @@ class RequestOutput:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids)
+
+
+def merge_outputs(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """One output carrying the deltas of two consecutive outputs of the same request.
+
+    A consumer that falls behind the engine (a busy event loop, a slow client) gets what
+    accumulated in one piece instead of one message per token, as vLLM's output collector
+    does; the concatenated deltas are exactly what the two would have delivered.
+    """
+    if earlier.request_id != later.request_id:
+        raise ValueError(
+            f"request_id: cannot merge outputs of {earlier.request_id!r} and {later.request_id!r}"
+        )
+    logprobs = None
+    if earlier.logprobs is not None or later.logprobs is not None:
+        logprobs = [*(earlier.logprobs or []), *(later.logprobs or [])]
+    return replace(
+        later,
+        new_token_ids=[*earlier.new_token_ids, *later.new_token_ids],
+        text_delta=earlier.text_delta + later.text_delta,
+        logprobs=logprobs,
+        first_token_time=earlier.first_token_time or later.first_token_time,
+    )
