@@ -114,6 +114,16 @@ class PoolConfig(_Strict):
         default=1.0, gt=0, description="CPUs per replica; also the replica's torch threads."
     )
     num_gpus: float = Field(default=0.0, ge=0, description="GPUs per replica.")
+    nice: int = Field(
+        default=0,
+        ge=0,
+        le=19,
+        description=(
+            "Niceness added to the replica's process (0 = unchanged). Where the pools share "
+            "CPUs, a niced prefill pool lets decode steps win the cores: steady TPOT while "
+            "long prompts are prefilled next door."
+        ),
+    )
     max_ongoing_requests: int = Field(
         default=64, ge=1, description="Serve's per-replica cap on in-flight requests."
     )

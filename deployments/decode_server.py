@@ -52,6 +52,7 @@ from deployments.remote_prefill import PrefillClient, RemotePrefill, ServePrefil
 from deployments.replica import (
     IntegrityReport,
     TransferMetricsObserver,
+    lower_cpu_priority,
     replica_name,
     replica_node_id,
     set_torch_threads,
@@ -91,6 +92,7 @@ class DecodeServer:
     ) -> None:
         self.cfg = config if isinstance(config, AppConfig) else AppConfig.from_dict(config)
         set_torch_threads(self.cfg.decode.num_cpus)
+        lower_cpu_priority(self.cfg.decode.nice)
         tracing.setup_tracing(self.cfg.observability)
         self.model_name = self.cfg.model.served_name(model_dir)
         self.metrics = ServingMetrics(

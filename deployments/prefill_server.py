@@ -34,6 +34,7 @@ from deployments.outputs import to_wire_logprob
 from deployments.replica import (
     IntegrityReport,
     TransferMetricsObserver,
+    lower_cpu_priority,
     replica_actor_name,
     replica_name,
     replica_node_id,
@@ -92,6 +93,7 @@ class PrefillServer:
     ) -> None:
         self.cfg = config if isinstance(config, AppConfig) else AppConfig.from_dict(config)
         set_torch_threads(self.cfg.prefill.num_cpus)
+        lower_cpu_priority(self.cfg.prefill.nice)
         tracing.setup_tracing(self.cfg.observability)
         self.model_name = self.cfg.model.served_name(model_dir)
         self.metrics = ServingMetrics(

@@ -49,6 +49,31 @@ def set_torch_threads(num_cpus: float) -> int:
     return threads
 
 
+def lower_cpu_priority(nice: int) -> int:
+    """Raise every thread of this process to at least niceness ``nice``; returns how many
+    threads were changed.
+
+    On Linux niceness is per thread and a new thread inherits its creator's, so this covers
+    the threads that exist now and, through them, the engine and OpenMP threads started
+    later. Only ever lowers priority (which needs no privileges).
+    """
+    if nice <= 0:
+        return 0
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:  # not Linux: the whole process
+        tids = [0]
+    changed = 0
+    for tid in tids:
+        try:
+            if os.getpriority(os.PRIO_PROCESS, tid) < nice:
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+                changed += 1
+        except OSError:  # the thread ended meanwhile
+            continue
+    return changed
+
+
 def _in_ray_worker() -> bool:
     try:
         import ray
