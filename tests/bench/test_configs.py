@@ -61,7 +61,8 @@ def test_compare_serving_starts_the_clusters_the_configs_document() -> None:
 def test_colocated_config_has_no_prefill_pool() -> None:
     cfg = AppConfig.from_yaml(CONFIG_DIR / "local-2core-colocated.yaml")
     assert cfg.policy.mode == "always_local"
-    assert cfg.decode.num_cpus == 2  # the one replica gets both cores
+    # One engine thread: the second core is left to the Ray proxy and the ingress.
+    assert cfg.decode.num_cpus == 1 and cfg.prefill.min_replicas == 0
 
 
 def test_disaggregated_config_sends_long_prompts_to_the_prefill_pool() -> None:
@@ -69,6 +70,7 @@ def test_disaggregated_config_sends_long_prompts_to_the_prefill_pool() -> None:
 
     cfg = AppConfig.from_yaml(CONFIG_DIR / "local-2core-disagg.yaml")
     assert cfg.prefill.min_replicas >= 1 and cfg.policy.mode == "auto"
+    assert cfg.prefill.nice > cfg.decode.nice  # decode steps win shared cores
     policy = DisaggregationPolicy(cfg.policy, cfg.slo, cfg.router.default_prefill_tokens_per_s)
     load = LocalLoad(
         queued_prefill_tokens=0,
