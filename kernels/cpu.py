@@ -116,26 +116,42 @@ def _gather(
 
 
 @dataclass(frozen=True)
-class _DecodePlan:
-    """What every layer's decode attention of one step shares."""
+class _DecodeGroup:
+    """Decode sequences of similar length, attended in one call; shared by every layer."""
 
-    ids: torch.Tensor  # [S * nb] int64: gather indices
-    mask: torch.Tensor  # [S, 1, 1, L] bool: key visible
-    empty: torch.Tensor | None  # [S] bool: sequences without context (None: there are none)
+    rows: torch.Tensor | None  # [P] int64: their rows in q (None: all rows, in order)
+    ids: torch.Tensor  # [P * nb] int64: gather indices
+    mask: torch.Tensor  # [P, 1, 1, L] bool: key visible
+    empty: torch.Tensor | None  # [P] bool: sequences without context (None: there are none)
 
 
 def _decode_plan(
     block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, num_blocks: int
-) -> _DecodePlan:
+) -> list[_DecodeGroup]:
+    """Sequences grouped by length so that padding to a group's longest context stays
+    bounded (one long conversation among short ones is not paid for by all of them)."""
     device = block_tables.device
     lens = seq_lens.to(device, torch.int64)
-    ids = _gather_ids(block_tables, max(int(lens.max()), 1), block_size, num_blocks, device)
-    length = ids.numel() // lens.numel() * block_size
-    # Rows with no visible key (empty sequences) would softmax to NaN: let them see key 0
-    # and zero them afterwards.
-    visible = torch.arange(length, device=device)[None, :] < lens.clamp(min=1)[:, None]
-    empty = lens <= 0
-    return _DecodePlan(ids, visible[:, None, None, :], empty if bool(empty.any()) else None)
+    lens_list = [max(n, 1) for n in lens.tolist()]
+    members = _plan_groups([1] * len(lens_list), lens_list, list(range(len(lens_list))))
+    groups = []
+    for member in members:
+        rows = None
+        tables, group_lens = block_tables, lens
+        if len(members) > 1:
+            rows = torch.tensor(member, dtype=torch.int64, device=device)
+            tables, group_lens = block_tables[rows], lens[rows]
+        longest = max(lens_list[i] for i in member)
+        ids = _gather_ids(tables, longest, block_size, num_blocks, device)
+        length = ids.numel() // len(member) * block_size
+        # Rows with no visible key (empty sequences) would softmax to NaN: let them see
+        # key 0 and zero them afterwards.
+        visible = torch.arange(length, device=device)[None, :] < group_lens.clamp(min=1)[:, None]
+        empty = group_lens <= 0
+        groups.append(
+            _DecodeGroup(rows, ids, visible[:, None, None, :], empty if bool(empty.any()) else None)
+        )
+    return groups
 
 
 def paged_decode_attention_cpu(
@@ -146,25 +162,34 @@ def paged_decode_attention_cpu(
     seq_lens: torch.Tensor,  # [S] int32
     scale: float,
 ) -> torch.Tensor:  # [S, Hq, D]
-    """All decode sequences in one call of SDPA's fused kernel: K/V gathered into a padded
-    ``[S, L, Hkv, D]`` buffer, each query-head group folded into the query axis (so each
-    KV head is read once) and a length mask; indices and mask are built once per step."""
+    """Decode sequences in one call of SDPA's fused kernel per group of similar length: K/V
+    gathered into a padded ``[P, L, Hkv, D]`` buffer, each query-head group folded into the
+    query axis (so each KV head is read once) and a length mask; the grouping, indices and
+    masks are built once per step."""
     s, hq, d = q.shape
     if s == 0:
         return torch.empty_like(q)
     num_blocks, block_size, hkv, _ = k_cache.shape
-    plan = _per_step(
+    groups = _per_step(
         f"decode/{num_blocks}/{block_size}",
         (block_tables, seq_lens),
         lambda: _decode_plan(block_tables, seq_lens, block_size, num_blocks),
     )
-    k = _gather(k_cache, plan.ids, s, "k").transpose(1, 2)  # [S, Hkv, L, D]
-    v = _gather(v_cache, plan.ids, s, "v").transpose(1, 2)
-    qf = q.reshape(s, hkv, hq // hkv, d)
-    out = F.scaled_dot_product_attention(qf, k, v, attn_mask=plan.mask, scale=scale)
-    out = out.reshape(s, hq, d)
-    if plan.empty is not None:
-        out = out.masked_fill(plan.empty[:, None, None], 0.0)
+    out = q.new_empty(q.shape) if len(groups) > 1 else None
+    for group in groups:
+        qg = q if group.rows is None else q[group.rows]
+        p = qg.shape[0]
+        k = _gather(k_cache, group.ids, p, "k").transpose(1, 2)  # [P, Hkv, L, D]
+        v = _gather(v_cache, group.ids, p, "v").transpose(1, 2)
+        qf = qg.reshape(p, hkv, hq // hkv, d)
+        o = F.scaled_dot_product_attention(qf, k, v, attn_mask=group.mask, scale=scale)
+        o = o.reshape(p, hq, d)
+        if group.empty is not None:
+            o = o.masked_fill(group.empty[:, None, None], 0.0)
+        if out is None:
+            return o
+        out[group.rows] = o
+    assert out is not None
     return out
 
 
