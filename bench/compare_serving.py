@@ -388,7 +388,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--recommended",
         choices=[DISAGG, COLOC],
-        default=DISAGG,
+        default=COLOC,
         help="the pdserve system the vLLM targets are checked for",
     )
     p.add_argument(
