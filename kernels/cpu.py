@@ -2,12 +2,14 @@
 loop over tokens).
 
 The engine runs these on CPU every step, so they must not be what limits it: decode gathers
-the blocks of all sequences at once into a padded ``[S, L, Hkv, D]`` buffer and runs one
-grouped-query SDPA call with a length mask; whole float32 prompts of equal length share one
-call of SDPA's fused causal kernel; prefill chunks after a cached prefix go through the
-decode function's padded path in groups whose padding waste is bounded. KV writes are one
-``index_copy_`` per cache; float32 RMSNorm uses torch's fused kernel and rotary writes into
-preallocated outputs. Checked against ``kernels/reference.py``.
+the blocks of the sequences into a padded ``[P, L, Hkv, D]`` buffer, one group of similar
+context lengths at a time, and runs one grouped-query call of SDPA's fused kernel per group
+with a length mask; whole prompts of equal length share one call of SDPA's fused causal
+kernel; prefill chunks after a cached prefix go in padded groups whose padding waste is
+bounded. What derives from a step's metadata alone (grouping, gather indices, masks, rotary
+rows) is built once per step and shared by all layers. KV writes are one ``index_copy_``
+per cache; RMSNorm runs on torch's kernel (in float32 for half precision, as in HF).
+Checked against ``kernels/reference.py``.
 """
 
 from __future__ import annotations

@@ -244,3 +244,15 @@ def test_engine_error_reaches_streams_and_later_calls(tiny_model_dir: Path) -> N
         asyncio.run(main())
     finally:
         eng.shutdown()
+
+
+def test_merge_outputs_refuses_two_requests() -> None:
+    from engine.outputs import merge_outputs
+
+    def out(rid: str, tok: int) -> RequestOutput:
+        return RequestOutput(rid, [1], [tok], [tok], "a", "a", None, False, None, 0, 0.0)
+
+    merged = merge_outputs(out("a", 5), out("a", 6))
+    assert merged.new_token_ids == [5, 6] and merged.text_delta == "aa"
+    with pytest.raises(ValueError, match="request_id"):
+        merge_outputs(out("a", 5), out("b", 6))
