@@ -168,10 +168,9 @@ def paged_decode_attention_cpu(
     gathered into a padded ``[P, L, Hkv, D]`` buffer, each query-head group folded into the
     query axis (so each KV head is read once) and a length mask; the grouping, indices and
     masks are built once per step."""
-    s, hq, d = q.shape
-    if s == 0:
+    if q.shape[0] == 0:
         return torch.empty_like(q)
-    num_blocks, block_size, hkv, _ = k_cache.shape
+    num_blocks, block_size = k_cache.shape[:2]
     groups = _per_step(
         f"decode/{num_blocks}/{block_size}",
         (block_tables, seq_lens),
@@ -180,19 +179,36 @@ def paged_decode_attention_cpu(
     out = q.new_empty(q.shape) if len(groups) > 1 else None
     for group in groups:
         qg = q if group.rows is None else q[group.rows]
-        p = qg.shape[0]
-        k = _gather(k_cache, group.ids, p, "k").transpose(1, 2)  # [P, Hkv, L, D]
-        v = _gather(v_cache, group.ids, p, "v").transpose(1, 2)
-        qf = qg.reshape(p, hkv, hq // hkv, d)
-        o = F.scaled_dot_product_attention(qf, k, v, attn_mask=group.mask, scale=scale)
-        o = o.reshape(p, hq, d)
-        if group.empty is not None:
-            o = o.masked_fill(group.empty[:, None, None], 0.0)
+        o = _attend(qg[:, None], k_cache, v_cache, group.ids, group.mask, group.empty, scale)
         if out is None:
-            return o
-        out[group.rows] = o
+            return o[:, 0]
+        out[group.rows] = o[:, 0]
     assert out is not None
     return out
+
+
+def _attend(
+    q: torch.Tensor,  # [P, Lq, Hq, D]: padded queries of P sequences
+    k_cache: torch.Tensor,  # [N, B, Hkv, D]
+    v_cache: torch.Tensor,
+    ids: torch.Tensor,  # [P * nb] int64 from _gather_ids
+    mask: torch.Tensor,  # [P, 1, Lq*G or 1, L] bool: key visible to each (folded) query
+    empty: torch.Tensor | None,  # [P] bool: sequences without context, zeroed
+    scale: float,
+) -> torch.Tensor:  # [P, Lq, Hq, D]
+    """One call of SDPA's fused kernel over K/V gathered into a padded buffer, with each
+    query-head group folded into the query axis so each KV head is read once."""
+    p, lq, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    g = hq // hkv
+    k = _gather(k_cache, ids, p, "k").transpose(1, 2)  # [P, Hkv, L, D]
+    v = _gather(v_cache, ids, p, "v").transpose(1, 2)
+    qf = q.reshape(p, lq, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(p, hkv, lq * g, d)
+    o = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=scale)
+    o = o.view(p, hkv, lq, g, d).permute(0, 2, 1, 3, 4).reshape(p, lq, hq, d)
+    if empty is not None:
+        o = o.masked_fill(empty[:, None, None, None], 0.0)
+    return o
 
 
 def _plan_groups(q_lens: list[int], ctx_lens: list[int], seqs: list[int]) -> list[list[int]]:
@@ -330,7 +346,7 @@ def paged_attention_cpu(
     of equal length in one call of SDPA's fused causal kernel; other prefill chunks in
     padded groups. The split is planned once per step."""
     out = torch.empty_like(q)
-    num_blocks, block_size, hkv, d = k_cache.shape
+    num_blocks, block_size, hkv, _ = k_cache.shape
     g = q.shape[1] // hkv
     plan = _per_step(
         f"mixed/{num_blocks}/{block_size}/{g}",
@@ -345,16 +361,7 @@ def paged_attention_cpu(
     for prompts in plan.prompts:
         _whole_prompts(q, k_cache, v_cache, prompts, scale, out)
     for group in plan.prefills:
-        p, max_q = group.rows.shape
-        k = _gather(k_cache, group.ids, p, "k").transpose(1, 2)  # [P, Hkv, L, D]
-        v = _gather(v_cache, group.ids, p, "v").transpose(1, 2)
-        # Fold each query-head group into the query axis: [P, Hkv, max_q*G, D].
-        qf = q[group.rows].view(p, max_q, hkv, g, d).permute(0, 2, 1, 3, 4)
-        qf = qf.reshape(p, hkv, max_q * g, d)
-        o = F.scaled_dot_product_attention(qf, k, v, attn_mask=group.mask, scale=scale)
-        o = o.view(p, hkv, max_q, g, d).permute(0, 2, 1, 3, 4).reshape(p, max_q, hkv * g, d)
-        if group.empty is not None:
-            o = o.masked_fill(group.empty[:, None, None, None], 0.0)
+        o = _attend(q[group.rows], k_cache, v_cache, group.ids, group.mask, group.empty, scale)
         for i, (start, end) in enumerate(group.spans):
             out[start:end] = o[i, : end - start]
     return out

@@ -49,9 +49,7 @@ class PackedLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if not rows.is_contiguous():
-            rows = rows.contiguous()
+        rows = x.reshape(-1, self.in_features).contiguous()  # no copy when already so
         out = torch.ops.mkldnn._linear_pointwise(
             rows, self.packed_weight, self.bias, "none", [], ""
         )
