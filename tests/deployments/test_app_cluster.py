@@ -214,7 +214,17 @@ def test_killing_the_prefill_replica_during_a_burst(pd: PD, reference: Callable)
         # model prefills in milliseconds, so a kill timed against in-flight work alone races.
         tasks = send(rids[:4])
         await asyncio.sleep(0.3)
-        ray.kill(ray.get_actor(actor_name, namespace="serve"), no_restart=True)
+        actor = ray.get_actor(actor_name, namespace="serve")
+        ray.kill(actor, no_restart=True)
+        # ray.kill only asks: wait until the replica is really gone, or the second half may
+        # still be prefilled by it and nothing falls back.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                await asyncio.wait_for(actor.__ray_ready__.remote(), timeout=5)
+            except (ray.exceptions.RayActorError, asyncio.TimeoutError):
+                break
+            await asyncio.sleep(0.05)
         tasks |= send(rids[4:])
         return {rid: await t for rid, t in tasks.items()}
 
