@@ -7,7 +7,9 @@ ingress. One cluster for the module; everything is stopped by the fixture."""
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
+import signal
 import socket
 import tempfile
 import time
@@ -209,23 +211,20 @@ def test_killing_the_prefill_replica_during_a_burst(pd: PD, reference: Callable)
                 rid: asyncio.create_task(collect(pd, request(rid, burst[rid]))) for rid in batch
             }
 
-        # Half the burst is in flight when the replica dies; the other half is sent at once
-        # after, while the decode side's router still lists the dead replica. The tiny
-        # model prefills in milliseconds, so a kill timed against in-flight work alone races.
+        # The tiny model prefills in milliseconds, so a kill timed against in-flight work
+        # alone races with it (and with Serve starting the replacement). Instead the
+        # replica is frozen first: the second half is sent to it while Serve still lists
+        # it, and it dies with that half in flight.
+        actor = ray.get_actor(actor_name, namespace="serve")
+        pid = await actor.__ray_call__.remote(lambda _self: os.getpid())
         tasks = send(rids[:4])
         await asyncio.sleep(0.3)
-        actor = ray.get_actor(actor_name, namespace="serve")
-        ray.kill(actor, no_restart=True)
-        # ray.kill only asks: wait until the replica is really gone, or the second half may
-        # still be prefilled by it and nothing falls back.
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                await asyncio.wait_for(actor.__ray_ready__.remote(), timeout=5)
-            except (ray.exceptions.RayActorError, asyncio.TimeoutError):
-                break
-            await asyncio.sleep(0.05)
-        tasks |= send(rids[4:])
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            tasks |= send(rids[4:])
+            await asyncio.sleep(1.0)
+        finally:
+            ray.kill(actor, no_restart=True)
         return {rid: await t for rid, t in tasks.items()}
 
     results = asyncio.run(run())
