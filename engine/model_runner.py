@@ -31,6 +31,7 @@ from engine.models import build_model
 from engine.models.llama import AttentionMetadata
 from engine.sampler import SampledToken, Sampler, SamplingRow
 from engine.scheduler_output import SchedulerOutput
+from kernels import native
 from kernels.linear import pack_linears
 
 logger = logging.getLogger(__name__)
@@ -114,6 +115,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             _limit_cpu_threads()
             keep_freed_memory()
+            native.available()  # build the CPU kernels now, not in the first request
         model_config = load_model_config(config.model)
         dtype = resolve_dtype(config.dtype, model_config.checkpoint_dtype, self.device)
         self.model_config: ModelConfig = replace(model_config, dtype=dtype)

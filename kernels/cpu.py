@@ -1,10 +1,12 @@
 """Fast CPU implementations of the ops the engine runs every step (batched torch, no Python
 loop over tokens).
 
-The engine runs these on CPU every step, so they must not be what limits it: decode gathers
-the blocks of the sequences into a padded ``[P, L, Hkv, D]`` buffer, one group of similar
-context lengths at a time, and runs one grouped-query call of SDPA's fused kernel per group
-with a length mask; whole prompts of equal length share one call of SDPA's fused causal
+The engine runs these on CPU every step, so they must not be what limits it: decode reads
+the paged blocks in place in the native kernel of ``kernels/native.py`` where it is built
+(about 2x SDPA's fused kernel at decode shapes); without it, decode gathers the blocks of
+the sequences into a padded ``[P, L, Hkv, D]`` buffer, one group of similar context
+lengths at a time, and runs one grouped-query call of SDPA's fused kernel per group with a
+length mask; whole prompts of equal length share one call of SDPA's fused causal
 kernel; prefill chunks after a cached prefix go in padded groups whose padding waste is
 bounded. What derives from a step's metadata alone (grouping, gather indices, masks, rotary
 rows) is built once per step and shared by all layers. KV writes are one ``index_copy_``
@@ -22,7 +24,7 @@ from typing import TypeVar
 import torch
 import torch.nn.functional as F
 
-from kernels import reference
+from kernels import native, reference
 
 __all__ = [
     "apply_rotary_cpu",
@@ -164,12 +166,16 @@ def paged_decode_attention_cpu(
     seq_lens: torch.Tensor,  # [S] int32
     scale: float,
 ) -> torch.Tensor:  # [S, Hq, D]
-    """Decode sequences in one call of SDPA's fused kernel per group of similar length: K/V
+    """Decode attention: the native kernel (blocks read in place) where it is built, else
+    one call of SDPA's fused kernel per group of sequences of similar length: K/V
     gathered into a padded ``[P, L, Hkv, D]`` buffer, each query-head group folded into the
     query axis (so each KV head is read once) and a length mask; the grouping, indices and
     masks are built once per step."""
     if q.shape[0] == 0:
         return torch.empty_like(q)
+    out = native.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    if out is not None:
+        return out
     num_blocks, block_size = k_cache.shape[:2]
     groups = _per_step(
         f"decode/{num_blocks}/{block_size}",

@@ -1,0 +1,143 @@
+"""The native CPU decode-attention kernel (kernels/csrc) against the reference, its torch
+fallback, and how it is built: cached per source/compiler/CPU, and absent (not an error)
+where it cannot be built."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import cpu, native
+from kernels import reference as R
+from tests.kernels.cases import ATTN_TOL, assert_close, make_batch
+
+REPO = Path(__file__).resolve().parents[2]
+has_compiler = shutil.which("c++") is not None or shutil.which("g++") is not None
+needs_native = pytest.mark.skipif(not has_compiler, reason="no C++ compiler")
+
+SHAPES = [
+    # (num_q_heads, num_kv_heads, head_dim, block_size): MHA, GQA 4 and 8, MQA, odd head dim
+    (4, 4, 64, 16),
+    (12, 4, 64, 16),
+    (16, 2, 128, 32),
+    (8, 1, 128, 16),
+    (6, 2, 80, 16),
+]
+
+
+def _decode_batch(seed: int, ctx_lens: list[int], hq: int, hkv: int, d: int, bs: int, dtype):
+    return make_batch(
+        seed,
+        [1] * len(ctx_lens),
+        ctx_lens,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        block_size=bs,
+        dtype=dtype,
+    )
+
+
+@needs_native
+def test_the_kernel_builds_where_a_compiler_is_present() -> None:
+    # Losing the fast path silently (a broken build) would only show as a slower engine.
+    assert native.available()
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("hq", "hkv", "d", "bs"), SHAPES)
+def test_native_decode_matches_reference(hq, hkv, d, bs, dtype, threads) -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        # One sequence (heads split over threads), and a batch of lengths around block
+        # boundaries up to ~1000 tokens (sequences split over threads).
+        for ctx_lens in ([37], [1, bs - 1, bs, bs + 1, 333, 1000, 2 * bs]):
+            batch = _decode_batch(3, ctx_lens, hq, hkv, d, bs, dtype)
+            args = batch.decode_args()
+            out = native.paged_decode_attention(*args)
+            assert out is not None
+            assert_close(out, R.paged_decode_attention_ref(*args), ATTN_TOL[dtype])
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_native
+def test_native_decode_reads_strided_queries_and_skips_empty_sequences() -> None:
+    # The model's q is a view into the fused qkv projection: rows are strided.
+    batch = _decode_batch(4, [5, 70, 9], 8, 2, 64, 16, torch.bfloat16)
+    qkv = torch.randn(3, 8 * 64 + 2 * 2 * 64, dtype=torch.bfloat16)
+    q = qkv[:, : 8 * 64].view(3, 8, 64)
+    assert not q.is_contiguous()
+    lens = torch.tensor([5, 0, 9], dtype=torch.int32)
+    args = (q, batch.k_cache, batch.v_cache, batch.block_tables, lens, batch.scale)
+    out = native.paged_decode_attention(*args)
+    assert out is not None
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    keep = torch.tensor([0, 2])
+    ref_args = (
+        q[keep].contiguous(),
+        batch.k_cache,
+        batch.v_cache,
+        batch.block_tables[keep],
+        lens[keep],
+        batch.scale,
+    )
+    assert_close(out[keep], R.paged_decode_attention_ref(*ref_args), ATTN_TOL[torch.bfloat16])
+
+
+def test_unsupported_dtypes_are_left_to_torch() -> None:
+    batch = _decode_batch(5, [20], 4, 2, 64, 16, torch.float16)
+    assert native.paged_decode_attention(*batch.decode_args()) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_torch_fallback_matches_reference(monkeypatch, dtype) -> None:
+    # Machines without a compiler run the SDPA path: it must stay correct.
+    monkeypatch.setattr(native, "paged_decode_attention", lambda *a: None)
+    batch = _decode_batch(6, [1, 15, 16, 17, 300, 999], 12, 4, 64, 16, dtype)
+    args = batch.decode_args()
+    assert_close(
+        cpu.paged_decode_attention_cpu(*args), R.paged_decode_attention_ref(*args), ATTN_TOL[dtype]
+    )
+
+
+def _probe(env: dict[str, str]) -> str:
+    code = "from kernels import native; print(native.available())"
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    return done.stdout.strip() + "\n" + done.stderr
+
+
+@needs_native
+def test_builds_once_into_the_cache_and_reuses_it(tmp_path: Path) -> None:
+    env = {"PDSERVE_KERNEL_CACHE": str(tmp_path)}
+    assert _probe(env).startswith("True")
+    built = list(tmp_path.glob("pdserve_native_*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    assert _probe(env).startswith("True")
+    assert [p.stat().st_mtime_ns for p in tmp_path.glob("pdserve_native_*.so")] == [stamp]
+    assert not [p for p in tmp_path.iterdir() if p.suffix == ".so" and p not in built]
+
+
+def test_a_failing_compiler_leaves_the_torch_path(tmp_path: Path) -> None:
+    out = _probe({"PDSERVE_KERNEL_CACHE": str(tmp_path), "CXX": "false"})
+    assert out.startswith("False")
+    assert "native CPU kernels unavailable" in out
+    assert list(tmp_path.iterdir()) == []  # no half-written library left behind
