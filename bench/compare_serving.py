@@ -40,6 +40,8 @@ from bench.serving_systems import (
     ServerError,
     VLLMServer,
     machine_busy_seconds,
+    machine_cpus,
+    pin_this_process,
     tree_cpu_seconds,
 )
 
@@ -149,6 +151,13 @@ def measure(
     startup = time.monotonic() - t0
     print(f"[{server.name}] ready at {url} after {startup:.1f} s", flush=True)
     out: list[Measurement] = []
+    # The load generator shares the machine: keep it off the CPUs the server reserved for
+    # its engine (vLLM's OpenMP threads, pdserve's engine CPUs), as a real client would be.
+    engine = server.engine_cpus()
+    client = machine_cpus() - engine
+    restore = pin_this_process(client if engine and client else set())
+    if engine and client:
+        print(f"[{server.name}] engine CPUs {sorted(engine)}; load generator on {sorted(client)}")
     try:
         for w in workloads:
             warm, measured = prepared[w.name]
@@ -176,6 +185,7 @@ def measure(
                 flush=True,
             )
     finally:
+        restore()
         server.stop()
     return out, startup
 

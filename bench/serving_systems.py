@@ -49,6 +49,10 @@ class Server(Protocol):
         """Stop everything ``start`` started (idempotent)."""
         ...
 
+    def engine_cpus(self) -> set[int]:
+        """CPUs the running server binds its engine threads to (empty: none)."""
+        ...
+
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -61,8 +65,8 @@ def _stat_fields(pid: str) -> list[str] | None:
     return raw[raw.rfind(")") + 2 :].split()  # fields after "pid (comm) "
 
 
-def tree_cpu_seconds(roots: list[int]) -> float:
-    """User + system CPU seconds of the live processes in the trees under ``roots``."""
+def _process_table() -> tuple[dict[int, list[int]], dict[int, float]]:
+    """Children of every live process and its user + system CPU seconds."""
     children: dict[int, list[int]] = {}
     cpu: dict[int, float] = {}
     for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else []:
@@ -71,15 +75,66 @@ def tree_cpu_seconds(roots: list[int]) -> float:
         pid = int(entry.name)
         children.setdefault(int(fields[1]), []).append(pid)  # fields[1] = ppid
         cpu[pid] = (int(fields[11]) + int(fields[12])) / _CLK_TCK  # utime + stime
-    total, todo, seen = 0.0, list(roots), set()
+    return children, cpu
+
+
+def _tree(roots: list[int], children: dict[int, list[int]]) -> set[int]:
+    todo, seen = list(roots), set()
     while todo:
         pid = todo.pop()
-        if pid in seen:
-            continue
-        seen.add(pid)
-        total += cpu.get(pid, 0.0)
-        todo.extend(children.get(pid, []))
-    return total
+        if pid not in seen:
+            seen.add(pid)
+            todo.extend(children.get(pid, []))
+    return seen
+
+
+def tree_cpu_seconds(roots: list[int]) -> float:
+    """User + system CPU seconds of the live processes in the trees under ``roots``."""
+    children, cpu = _process_table()
+    return sum(cpu.get(pid, 0.0) for pid in _tree(roots, children))
+
+
+def machine_cpus() -> set[int]:
+    if hasattr(os, "sched_getaffinity"):
+        return set(os.sched_getaffinity(0))
+    return set(range(os.cpu_count() or 1))
+
+
+def pinned_thread_cpus(roots: list[int]) -> set[int]:
+    """CPUs that threads of the trees under ``roots`` are pinned to (threads whose affinity
+    is narrower than the machine's): where a server binds its compute threads."""
+    everything = machine_cpus()
+    children, _ = _process_table()
+    pinned: set[int] = set()
+    for pid in _tree(roots, children):
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            try:
+                allowed = os.sched_getaffinity(int(task.name))
+            except (OSError, ValueError):
+                continue
+            if allowed < everything:
+                pinned |= allowed
+    return pinned
+
+
+def pin_this_process(cpus: set[int]) -> Callable[[], None]:
+    """Move every thread of this process (the load generator) to ``cpus``; returns a
+    function that moves them back. A no-op where affinity is unsupported or ``cpus`` empty."""
+    if not cpus or not hasattr(os, "sched_setaffinity"):
+        return lambda: None
+    before: dict[int, set[int]] = {}
+    for task in Path("/proc/self/task").glob("*"):
+        with contextlib.suppress(OSError, ValueError):
+            tid = int(task.name)
+            before[tid] = os.sched_getaffinity(tid)
+            os.sched_setaffinity(tid, cpus)
+
+    def restore() -> None:
+        for tid, allowed in before.items():
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(tid, allowed)
+
+    return restore
 
 
 def machine_busy_seconds() -> float:
@@ -170,6 +225,12 @@ class PdserveServer:
         state = load_state(self.state_dir)
         return [] if state is None else [node.pid for node in state.nodes]
 
+    def engine_cpus(self) -> set[int]:
+        from cluster.state import load_state
+
+        state = load_state(self.state_dir)
+        return set() if state is None else {c for node in state.nodes for c in node.engine_cpus}
+
     def stop(self) -> None:
         if self._started:
             self._started = False
@@ -228,6 +289,10 @@ class VLLMServer:
 
     def root_pids(self) -> list[int]:
         return [] if self._proc is None else [self._proc.pid]
+
+    def engine_cpus(self) -> set[int]:
+        # vLLM's CPU backend pins its OpenMP threads (VLLM_CPU_OMP_THREADS_BIND=auto).
+        return pinned_thread_cpus(self.root_pids())
 
     def stop(self, grace_s: float = 20.0) -> None:
         proc, self._proc = self._proc, None

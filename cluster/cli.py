@@ -73,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-dashboard", action="store_true", help="skip the dashboard (status needs it)"
     )
     group.add_argument(
+        "--no-pin-cpus",
+        action="store_true",
+        help="let every process run on every CPU (default: engine CPUs of their own)",
+    )
+    group.add_argument(
         "--start-timeout", type=_positive_float, default=90.0, help="seconds per node to start"
     )
     serve_flags = argparse.ArgumentParser(add_help=False)
@@ -119,6 +124,7 @@ def _cluster_spec(args: argparse.Namespace):  # -> ClusterSpec (import kept lazy
         decode_gpus=args.decode_gpus,
         object_store_mib=args.object_store_mib,
         dashboard=False if args.no_dashboard else None,
+        pin_cpus=False if args.no_pin_cpus else None,
     )
 
 

@@ -2,9 +2,11 @@
 
 Each node (head, prefill pool, decode pool; see ``cluster.topology``) is one
 ``ray start --block`` process in its own session, with its own ``--temp-dir``, OS-chosen
-ports, a capped object store and its ``--labels``. The pids, addresses and temp dirs go into
-the state file (``cluster.state``) so a later command can find and stop exactly these
-processes. This module never runs ``ray stop`` and never signals a process by name.
+ports, a capped object store, its ``--labels`` and, when the CPUs are pinned, the shared
+CPUs as its affinity and its engine CPUs in ``$PDSERVE_ENGINE_CPUS``. The pids, addresses
+and temp dirs go into the state file (``cluster.state``) so a later command can find and
+stop exactly these processes. This module never runs ``ray stop`` and never signals a
+process by name.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from cluster.state import (
     write_token,
 )
 from cluster.topology import ClusterSpec, NodeSpec, format_labels
+from engine.affinity import ENGINE_CPUS_ENV, format_cpu_list
 
 READY_MARKER = "Ray runtime started"
 TOKEN_FILE = "auth_token"
@@ -50,9 +53,12 @@ class StopReport:
     survivors: list[int]
 
 
-def _node_env(token_path: Path) -> dict[str, str]:
+def _node_env(token_path: Path, node: NodeSpec) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("RAY_AUTH_TOKEN", None)  # would take precedence over the cluster's token file
+    env.pop(ENGINE_CPUS_ENV, None)  # only this node's reservation counts
+    if node.engine_cpus:
+        env[ENGINE_CPUS_ENV] = format_cpu_list(node.engine_cpus)
     env.update(
         {
             # Explicit, so a stray ~/.ray/auth_token cannot switch auth on for some nodes only.
@@ -129,6 +135,13 @@ def _ray_start_command(
     if spec.dashboard:
         cmd += [f"--dashboard-host={ip}", f"--dashboard-port={ports.dashboard}"]
     return cmd
+
+
+def _affinity_setter(cpus: tuple[int, ...]) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that moves the child to ``cpus`` (None when unrestricted)."""
+    if not cpus:
+        return None
+    return lambda: os.sched_setaffinity(0, cpus)
 
 
 def _log_tail(path: Path, lines: int = 25) -> str:
@@ -210,8 +223,9 @@ class _Launcher:
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                env=_node_env(self.token_path),
+                env=_node_env(self.token_path, node),
                 start_new_session=True,  # the session id later finds every process of the node
+                preexec_fn=_affinity_setter(node.cpus),  # inherited by all the node's processes
             )
         record = NodeRecord(
             name=node.name,
@@ -222,6 +236,8 @@ class _Launcher:
             labels=node.labels,
             num_cpus=node.num_cpus,
             metrics_export_port=metrics_port,
+            cpus=list(node.cpus),
+            engine_cpus=list(node.engine_cpus),
         )
         self.records.append(record)
         save_state(self.state_dir, self.snapshot())
@@ -271,6 +287,12 @@ def start_cluster(
     launcher = _Launcher(spec, state_dir, progress)
     head, *pools = spec.nodes()
     started = time.monotonic()
+    if (plan := spec.cpu_plan()) is not None:
+        prefill = format_cpu_list(plan.prefill_engine_cpus) or "the shared CPUs"
+        progress(
+            f"CPUs: decode engines on {format_cpu_list(plan.decode_engine_cpus)}, prefill "
+            f"engines on {prefill}, everything else on {format_cpu_list(plan.shared_cpus)}"
+        )
     try:
         progress(f"starting head node on {launcher.snapshot().gcs_address}")
         launcher.start([head], timeout_s)

@@ -34,6 +34,12 @@ class NodeRecord(BaseModel):
     labels: dict[str, str] = Field(description="Ray node labels.")
     num_cpus: int = Field(description="Logical CPUs the node offers.")
     metrics_export_port: int = Field(description="Prometheus metrics port of the node.")
+    cpus: list[int] = Field(
+        default_factory=list, description="CPUs the node's processes start on; [] = any."
+    )
+    engine_cpus: list[int] = Field(
+        default_factory=list, description="CPUs reserved for its engine threads; [] = none."
+    )
 
 
 class ServeRecord(BaseModel):

@@ -18,6 +18,7 @@ from cluster.procs import is_running
 from cluster.state import ClusterState, NodeRecord, auth_header
 from deployments.config import POOL_LABEL_KEY
 from deployments.metrics import PREFIX, exported_name
+from engine.affinity import format_cpu_list
 
 if TYPE_CHECKING:  # Ray is imported only when status runs
     from ray.serve.schema import ApplicationDetails
@@ -42,6 +43,7 @@ class NodeStatus:
     labels: dict[str, str]
     cpus_total: float
     cpus_reserved: float  # by alive actors placed on the node
+    cpu_pinning: str = "-"  # where the node's processes run (pinned clusters)
 
 
 @dataclass(frozen=True)
@@ -140,9 +142,18 @@ def _ray_nodes(
 def _node_status(
     record: NodeRecord, node: NodeState | None, reserved: dict[str, float]
 ) -> NodeStatus:
+    pinning = _cpu_pinning(record)
     if node is None:
         return NodeStatus(
-            record.name, record.pid, is_running(record.pid), "unknown", "", record.labels, 0.0, 0.0
+            record.name,
+            record.pid,
+            is_running(record.pid),
+            "unknown",
+            "",
+            record.labels,
+            0.0,
+            0.0,
+            pinning,
         )
     return NodeStatus(
         name=record.name,
@@ -153,7 +164,14 @@ def _node_status(
         labels={k: v for k, v in (node.labels or {}).items() if k != "ray.io/node-id"},
         cpus_total=float(node.resources_total.get("CPU", 0.0)),
         cpus_reserved=reserved.get(node.node_id, 0.0),
+        cpu_pinning=pinning,
     )
+
+
+def _cpu_pinning(record: NodeRecord) -> str:
+    if record.engine_cpus:
+        return f"engine {format_cpu_list(record.engine_cpus)}, rest {format_cpu_list(record.cpus)}"
+    return f"all {format_cpu_list(record.cpus)}" if record.cpus else "-"
 
 
 def _serve_app(state: ClusterState, problems: list[str]) -> ApplicationDetails | None:
@@ -233,7 +251,7 @@ def format_status(status: ClusterStatus) -> str:
     st = status.state
     lines = [f"cluster  gcs {st.gcs_address}  dashboard {st.dashboard_url or '-'}"]
     lines.append("nodes")
-    rows = [["NAME", "PID", "PROCESS", "RAY", "NODE ID", "LABELS", "CPU RESERVED/TOTAL"]]
+    rows = [["NAME", "PID", "PROCESS", "RAY", "NODE ID", "LABELS", "CPU RESERVED/TOTAL", "CPUS"]]
     for n in status.nodes:
         rows.append(
             [
@@ -244,6 +262,7 @@ def format_status(status: ClusterStatus) -> str:
                 n.node_id[:8] or "-",
                 ",".join(f"{k}={v}" for k, v in sorted(n.labels.items())) or "-",
                 f"{n.cpus_reserved:g}/{n.cpus_total:g}",
+                n.cpu_pinning,
             ]
         )
     lines += _table(rows)

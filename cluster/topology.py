@@ -9,6 +9,16 @@ the ingress ask for 0 CPUs (``AppConfig.ingress_num_cpus``) and spend their time
 sockets, while an engine replica keeps its cores busy. Giving the head a logical CPU on a
 2-core machine would only let something compute-bound land there and contend with the engines.
 
+Logical CPUs only count; where processes actually run is the CPU plan (``CpuPlan``): with
+``pin_cpus`` the decode engines get CPUs of their own (and the prefill engines too, when the
+machine has enough), and everything else (the head's processes, the raylets, the replicas'
+serving threads, prefill engines without CPUs of their own) runs on the remaining "shared"
+CPUs. Each pool node tells its replicas their engine CPUs in ``$PDSERVE_ENGINE_CPUS``; a
+replica binds only its engine thread there (``PoolConfig.cpu_bind``). On 2 cores: decode
+engine on CPU 1, the rest on CPU 0. An engine that shares its core with the serving threads
+waits behind their bursts every step; measured with ``bench.compare_serving`` this halves
+the colocated server's throughput.
+
 This module only describes; ``cluster.local`` starts processes.
 """
 
@@ -40,10 +50,34 @@ class NodeSpec(BaseModel):
         ge=MIN_OBJECT_STORE_MIB, description="Cap of the node's object store in /dev/shm (MiB)."
     )
     labels: dict[str, str] = Field(description="Ray node labels (``ray start --labels``).")
+    cpus: tuple[int, ...] = Field(
+        default=(), description="CPUs the node's processes start on; () = unrestricted."
+    )
+    engine_cpus: tuple[int, ...] = Field(
+        default=(), description="CPUs reserved for the node's engine threads; () = none."
+    )
 
     @property
     def object_store_bytes(self) -> int:
         return self.object_store_mib * MIB
+
+
+class CpuPlan(BaseModel):
+    """Where the processes of a pinned local cluster run (see the module docstring)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    shared_cpus: tuple[int, ...] = Field(description="CPUs of every non-engine thread.")
+    prefill_engine_cpus: tuple[int, ...] = Field(
+        description="CPUs of the prefill engines; () = they run on the shared CPUs."
+    )
+    decode_engine_cpus: tuple[int, ...] = Field(description="CPUs of the decode engines.")
+
+
+def _usable_cpus() -> tuple[int, ...]:
+    if hasattr(os, "sched_getaffinity"):
+        return tuple(sorted(os.sched_getaffinity(0)))
+    return tuple(range(os.cpu_count() or 1))
 
 
 class ClusterSpec(BaseModel):
@@ -78,6 +112,17 @@ class ClusterSpec(BaseModel):
         default=True,
         description="Start the Ray dashboard on the head (the state API and `status` need it).",
     )
+    pin_cpus: bool = Field(
+        default=True,
+        description=(
+            "Reserve CPUs for the engine threads (decode first) and start every other "
+            "process on the remaining CPUs; needs 2+ CPUs and Linux."
+        ),
+    )
+    machine_cpus: tuple[int, ...] | None = Field(
+        default=None,
+        description="CPUs the cluster may use; None = this process's CPU affinity.",
+    )
 
     @model_validator(mode="after")
     def _check_node_ip(self) -> ClusterSpec:
@@ -101,12 +146,40 @@ class ClusterSpec(BaseModel):
         defaults.update({k: v for k, v in overrides.items() if v is not None})
         return cls.model_validate(defaults)
 
+    def cpu_plan(self) -> CpuPlan | None:
+        """Which CPUs the engines get and which the rest shares; None = no pinning.
+
+        The decode engines get the last ``decode_cpus`` CPUs (at most all but one), the
+        prefill engines the last ``prefill_cpus`` of the rest when that still leaves one
+        shared CPU (else they share), and the shared CPUs are whatever remains.
+        """
+        cpus = sorted(self.machine_cpus if self.machine_cpus is not None else _usable_cpus())
+        if not self.pin_cpus or len(cpus) < 2 or not hasattr(os, "sched_setaffinity"):
+            return None
+        n_decode = min(self.decode_cpus, len(cpus) - 1)
+        decode, rest = cpus[len(cpus) - n_decode :], cpus[: len(cpus) - n_decode]
+        n_prefill = min(self.prefill_cpus, len(rest) - 1)
+        prefill = rest[len(rest) - n_prefill :] if n_prefill > 0 else []
+        shared = rest[: len(rest) - len(prefill)]
+        return CpuPlan(
+            shared_cpus=tuple(shared),
+            prefill_engine_cpus=tuple(prefill),
+            decode_engine_cpus=tuple(decode),
+        )
+
     def nodes(self) -> list[NodeSpec]:
         """Head first: the pool nodes join the head's GCS."""
         store = self.object_store_mib
+        plan = self.cpu_plan()
+        shared = plan.shared_cpus if plan else ()
         return [
             NodeSpec(
-                name="head", role="head", num_cpus=self.head_cpus, object_store_mib=store, labels={}
+                name="head",
+                role="head",
+                num_cpus=self.head_cpus,
+                object_store_mib=store,
+                labels={},
+                cpus=shared,
             ),
             NodeSpec(
                 name="prefill",
@@ -115,6 +188,8 @@ class ClusterSpec(BaseModel):
                 num_gpus=self.prefill_gpus,
                 object_store_mib=store,
                 labels={POOL_LABEL_KEY: "prefill"},
+                cpus=shared,
+                engine_cpus=plan.prefill_engine_cpus if plan else (),
             ),
             NodeSpec(
                 name="decode",
@@ -123,6 +198,8 @@ class ClusterSpec(BaseModel):
                 num_gpus=self.decode_gpus,
                 object_store_mib=store,
                 labels={POOL_LABEL_KEY: "decode"},
+                cpus=shared,
+                engine_cpus=plan.decode_engine_cpus if plan else (),
             ),
         ]
 

@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from engine.affinity import parse_cpu_list
 
 PoolRole = Literal["prefill", "decode"]
 POOL_LABEL_KEY = "pdserve.io/pool"
@@ -124,6 +126,15 @@ class PoolConfig(_Strict):
             "long prompts are prefilled next door."
         ),
     )
+    cpu_bind: str = Field(
+        default="auto",
+        description=(
+            "CPUs the replica's engine threads are bound to (CPU engines): 'auto' = the "
+            "engine CPUs the node reserved in $PDSERVE_ENGINE_CPUS (`pdserve up` sets it; "
+            "unbound when unset), 'none' = never bind, or a CPU list such as '2-3'. Bound "
+            "replicas run at most one torch thread per CPU."
+        ),
+    )
     max_ongoing_requests: int = Field(
         default=64, ge=1, description="Serve's per-replica cap on in-flight requests."
     )
@@ -135,6 +146,13 @@ class PoolConfig(_Strict):
     engine: EngineLimits = Field(
         default_factory=EngineLimits, description="Engine limits of each replica."
     )
+
+    @field_validator("cpu_bind")
+    @classmethod
+    def _check_cpu_bind(cls, value: str) -> str:
+        if value not in ("auto", "none"):
+            parse_cpu_list(value)  # ValueError naming the list
+        return value
 
     @model_validator(mode="after")
     def _check_bounds(self) -> PoolConfig:

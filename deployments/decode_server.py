@@ -52,6 +52,7 @@ from deployments.remote_prefill import PrefillClient, RemotePrefill, ServePrefil
 from deployments.replica import (
     IntegrityReport,
     TransferMetricsObserver,
+    engine_cpus,
     lower_cpu_priority,
     replica_name,
     replica_node_id,
@@ -91,7 +92,8 @@ class DecodeServer:
         engine_factory: EngineFactory | None = None,
     ) -> None:
         self.cfg = config if isinstance(config, AppConfig) else AppConfig.from_dict(config)
-        set_torch_threads(self.cfg.decode.num_cpus)
+        cpus = engine_cpus(self.cfg.decode.cpu_bind)
+        set_torch_threads(self.cfg.decode.num_cpus, cpus)
         lower_cpu_priority(self.cfg.decode.nice)
         tracing.setup_tracing(self.cfg.observability)
         self.model_name = self.cfg.model.served_name(model_dir)
@@ -105,7 +107,7 @@ class DecodeServer:
         factory = engine_factory or default_engine_factory
         self.engine = factory(
             engine_config(self.cfg, "decode", model_dir),
-            EngineHooks("decode", kv_cache_allocator=allocator),
+            EngineHooks("decode", kv_cache_allocator=allocator, cpu_affinity=cpus),
         )
         llm = self.engine.engine
         self.block_size: int = llm.block_size
@@ -331,6 +333,7 @@ class DecodeServer:
             num_total_blocks=stats.num_total_blocks,
             pending_transfers=self.receiver.pending(),
             num_streams=self._open_streams,
+            engine_cpus=list(getattr(self.engine, "cpu_affinity", ())),
         )
 
     def shutdown(self) -> None:

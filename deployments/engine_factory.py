@@ -27,6 +27,7 @@ class EngineHooks:
     role: PoolRole
     kv_cache_allocator: Any = None  # KVCacheAllocator: the decode pool's shared-memory pool
     kv_connector: KVConnector | None = None  # the prefill side's KV sender
+    cpu_affinity: tuple[int, ...] = ()  # CPUs the engine thread binds to; () = unbound
 
 
 EngineFactory = Callable[[EngineConfig, EngineHooks], Any]
@@ -39,7 +40,7 @@ def default_engine_factory(config: EngineConfig, hooks: EngineHooks) -> Any:
     llm = LLMEngine(
         config, kv_cache_allocator=hooks.kv_cache_allocator, kv_connector=hooks.kv_connector
     )
-    return AsyncLLMEngine(llm)
+    return AsyncLLMEngine(llm, cpu_affinity=hooks.cpu_affinity)
 
 
 def engine_config(cfg: AppConfig, role: PoolRole, model_dir: str) -> EngineConfig:

@@ -34,6 +34,7 @@ from deployments.outputs import to_wire_logprob
 from deployments.replica import (
     IntegrityReport,
     TransferMetricsObserver,
+    engine_cpus,
     lower_cpu_priority,
     replica_actor_name,
     replica_name,
@@ -92,7 +93,8 @@ class PrefillServer:
         engine_factory: EngineFactory | None = None,
     ) -> None:
         self.cfg = config if isinstance(config, AppConfig) else AppConfig.from_dict(config)
-        set_torch_threads(self.cfg.prefill.num_cpus)
+        cpus = engine_cpus(self.cfg.prefill.cpu_bind)
+        set_torch_threads(self.cfg.prefill.num_cpus, cpus)
         lower_cpu_priority(self.cfg.prefill.nice)
         tracing.setup_tracing(self.cfg.observability)
         self.model_name = self.cfg.model.served_name(model_dir)
@@ -105,7 +107,8 @@ class PrefillServer:
         late = _LateConnector()
         factory = engine_factory or default_engine_factory
         self.engine = factory(
-            engine_config(self.cfg, "prefill", model_dir), EngineHooks("prefill", kv_connector=late)
+            engine_config(self.cfg, "prefill", model_dir),
+            EngineHooks("prefill", kv_connector=late, cpu_affinity=cpus),
         )
         llm = self.engine.engine
         self.layout = engine_layout(llm)
@@ -211,6 +214,7 @@ class PrefillServer:
             num_free_blocks=stats.num_free_blocks,
             num_total_blocks=stats.num_total_blocks,
             pending_transfers=self.sender.open_handles(),
+            engine_cpus=list(getattr(self.engine, "cpu_affinity", ())),
         )
 
     def actor_name(self) -> str | None:

@@ -1,5 +1,5 @@
-"""Per-replica helpers shared by the prefill and decode servers: identity, torch threads,
-the KV-transfer metrics observer, and the integrity report both servers return.
+"""Per-replica helpers shared by the prefill and decode servers: identity, torch threads and
+engine CPUs, the KV-transfer metrics observer, and the integrity report both servers return.
 
 Everything here also works outside Ray (tests construct servers directly).
 """
@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Mapping
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from deployments.metrics import ServingMetrics
+from engine.affinity import ENGINE_CPUS_ENV, check_cpus_exist, parse_cpu_list
 from kvtransfer.types import TransferResult
 
 
@@ -28,6 +30,9 @@ class IntegrityReport(BaseModel):
     num_total_blocks: int
     pending_transfers: list[str] = Field(description="KV transfers still open.")
     num_streams: int = Field(default=0, description="Client streams still open (decode).")
+    engine_cpus: list[int] = Field(
+        default_factory=list, description="CPUs the engine thread is bound to; [] = unbound."
+    )
 
     @property
     def idle(self) -> bool:
@@ -39,12 +44,35 @@ class IntegrityReport(BaseModel):
         )
 
 
-def set_torch_threads(num_cpus: float) -> int:
-    """Give torch as many intra-op threads as the replica has CPUs (at least one):
-    unpinned replicas on a small machine would otherwise oversubscribe each other."""
+def engine_cpus(cpu_bind: str, environ: Mapping[str, str] = os.environ) -> tuple[int, ...]:
+    """The CPUs a replica's engine thread binds to under the pool's ``cpu_bind``; () = none.
+
+    'auto' takes the node's reservation (``$PDSERVE_ENGINE_CPUS``), an explicit list is used
+    as given; either must name CPUs this machine has (ValueError otherwise).
+    """
+    if cpu_bind == "none":
+        return ()
+    if cpu_bind == "auto":
+        reserved = environ.get(ENGINE_CPUS_ENV, "").strip()
+        if not reserved:
+            return ()
+        cpus = parse_cpu_list(reserved)
+        check_cpus_exist(cpus, f"${ENGINE_CPUS_ENV}={reserved!r}")
+        return cpus
+    cpus = parse_cpu_list(cpu_bind)
+    check_cpus_exist(cpus, f"cpu_bind {cpu_bind!r}")
+    return cpus
+
+
+def set_torch_threads(num_cpus: float, bound_cpus: tuple[int, ...] = ()) -> int:
+    """Give torch as many intra-op threads as the replica has CPUs (at least one, and no
+    more than the CPUs its engine is bound to): unpinned replicas on a small machine would
+    otherwise oversubscribe each other."""
     import torch
 
     threads = max(1, int(num_cpus))
+    if bound_cpus:
+        threads = min(threads, len(bound_cpus))
     torch.set_num_threads(threads)
     return threads
 

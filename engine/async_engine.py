@@ -5,6 +5,10 @@ compute) never blocks the event loop. Every call that touches the engine is a co
 on that thread between steps, so the engine is never used from two threads at once. Outputs
 go back to each request's ``asyncio.Queue`` through ``loop.call_soon_threadsafe``.
 
+With ``cpu_affinity`` the engine thread binds itself to those CPUs before its first step,
+so it and the OpenMP workers torch starts from it compute there, while the event loop and
+every other thread of the process stay where they were (``engine.affinity``).
+
 A consumer that stops iterating (client disconnect, task cancellation) aborts its request,
 which frees its KV blocks. If a step raises, every stream gets the error and later calls
 raise ``EngineDeadError``.
@@ -22,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from engine.affinity import bind_current_thread
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput, TokenLogprob, merge_outputs
 from engine.sampling_params import SamplingParams
@@ -56,8 +61,11 @@ class _Stream:
 class AsyncLLMEngine:
     """Owns an LLMEngine and the thread that steps it."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, *, cpu_affinity: Sequence[int] | None = None) -> None:
         self.engine = engine
+        self._cpu_affinity = tuple(sorted(set(cpu_affinity))) if cpu_affinity else ()
+        self._bound = threading.Event()  # set once the thread tried to bind (bound or not)
+        self._bound_cpus: tuple[int, ...] = ()
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}  # touched only on the engine thread
         self._stats = engine.stats()
@@ -67,8 +75,10 @@ class AsyncLLMEngine:
         self._thread.start()
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, **kwargs: Any) -> AsyncLLMEngine:
-        return cls(LLMEngine.from_pretrained(model_dir, **kwargs))
+    def from_pretrained(
+        cls, model_dir: str | Path, *, cpu_affinity: Sequence[int] | None = None, **kwargs: Any
+    ) -> AsyncLLMEngine:
+        return cls(LLMEngine.from_pretrained(model_dir, **kwargs), cpu_affinity=cpu_affinity)
 
     # ------------------------------------------------------------------ public API
     @property
@@ -78,6 +88,12 @@ class AsyncLLMEngine:
     @property
     def model_config(self) -> Any:
         return self.engine.model_config
+
+    @property
+    def cpu_affinity(self) -> tuple[int, ...]:
+        """The CPUs the engine thread is bound to; () when unbound."""
+        self._bound.wait(5.0)
+        return self._bound_cpus
 
     def stats(self) -> EngineStats:
         """The snapshot taken after the latest step or command (never blocks)."""
@@ -250,6 +266,9 @@ class AsyncLLMEngine:
             del self._streams[request_id]
 
     def _run(self) -> None:
+        if self._cpu_affinity and bind_current_thread(self._cpu_affinity):
+            self._bound_cpus = self._cpu_affinity
+        self._bound.set()
         blocked = False  # the last step could schedule nothing: don't spin on it
         try:
             while not self._stopped.is_set():

@@ -50,6 +50,9 @@ class ScriptedServer:
     def root_pids(self) -> list[int]:
         return [os.getpid()]  # the fake runs in this process's threads
 
+    def engine_cpus(self) -> set[int]:
+        return set()  # the fake binds nothing
+
     def stop(self) -> None:
         ScriptedServer.log.append(f"stop {self.name}")
         if self._server is not None:

@@ -91,6 +91,50 @@ def test_topology_splits_cores_between_pools(monkeypatch) -> None:
         format_labels({"a": "1,b=2"})
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="CPU pinning is Linux-only")
+def test_cpu_plan_gives_engines_cpus_of_their_own() -> None:
+    def plan(cpus: int, prefill: int, decode: int, **kw: object):
+        spec = ClusterSpec(
+            prefill_cpus=prefill, decode_cpus=decode, machine_cpus=tuple(range(cpus)), **kw
+        )
+        return spec, spec.cpu_plan()
+
+    # 2 cores: the decode engine owns CPU 1; prefill engines share CPU 0 with the rest.
+    spec, p = plan(2, 1, 2)
+    assert (p.shared_cpus, p.prefill_engine_cpus, p.decode_engine_cpus) == ((0,), (), (1,))
+    assert [(n.cpus, n.engine_cpus) for n in spec.nodes()] == [
+        ((0,), ()),
+        ((0,), ()),
+        ((0,), (1,)),
+    ]
+    _, p = plan(4, 2, 2)
+    assert (p.shared_cpus, p.prefill_engine_cpus, p.decode_engine_cpus) == ((0,), (1,), (2, 3))
+    _, p = plan(8, 3, 3)
+    assert (p.shared_cpus, p.prefill_engine_cpus, p.decode_engine_cpus) == (
+        (0, 1),
+        (2, 3, 4),
+        (5, 6, 7),
+    )
+    assert plan(1, 1, 1)[1] is None  # nothing to spare
+    spec, p = plan(4, 2, 2, pin_cpus=False)
+    assert p is None and all(n.cpus == () and n.engine_cpus == () for n in spec.nodes())
+
+
+def test_pinned_nodes_start_on_the_shared_cpus_with_their_reservation(tmp_path: Path) -> None:
+    from cluster.local import _affinity_setter, _node_env
+
+    spec = ClusterSpec(prefill_cpus=1, decode_cpus=1, machine_cpus=(0, 1))
+    head, prefill, decode = spec.nodes()
+    os.environ["PDSERVE_ENGINE_CPUS"] = "7"  # a stray value in the caller's environment
+    try:
+        assert _node_env(tmp_path / "t", decode)["PDSERVE_ENGINE_CPUS"] == "1"
+        assert "PDSERVE_ENGINE_CPUS" not in _node_env(tmp_path / "t", prefill)
+    finally:
+        del os.environ["PDSERVE_ENGINE_CPUS"]
+    assert _affinity_setter(()) is None
+    assert _affinity_setter(head.cpus) is not None
+
+
 def test_front_door_binds_cluster_address_unless_configured() -> None:
     cfg = bind_front_door(AppConfig(), "127.0.0.2")
     assert cfg.http.host == "127.0.0.2"

@@ -49,6 +49,27 @@ def ray_state_nodes(state_dir: Path) -> list[dict]:
     return json.loads(out.stdout.splitlines()[-1])
 
 
+def _check_cpu_pinning(state: dict, members: list[int]) -> None:
+    """With 2+ CPUs the decode engine gets the last CPU and every process of the cluster
+    starts on the others; the decode node passes its reservation to its workers."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    by_name = {n["name"]: n for n in state["nodes"]}
+    if len(cpus) < 2:
+        assert all(not n["cpus"] and not n["engine_cpus"] for n in state["nodes"])
+        return
+    shared = set(cpus[:-1])
+    assert by_name["decode"]["engine_cpus"] == [cpus[-1]]
+    assert all(set(n["cpus"]) == shared for n in state["nodes"])
+    for pid in members:
+        try:
+            assert os.sched_getaffinity(pid) == shared, pid
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except (ProcessLookupError, FileNotFoundError):
+            continue  # ended meanwhile
+        reservation = [v for v in environ if v.startswith(b"PDSERVE_ENGINE_CPUS=")]
+        assert reservation in ([], [f"PDSERVE_ENGINE_CPUS={cpus[-1]}".encode()])
+
+
 def test_up_status_down(tmp_path: Path) -> None:
     state_dir = tmp_path / "state"
     up = pdserve("up", "--state-dir", str(state_dir), "--prefill-cpus", "1", "--decode-cpus", "1")
@@ -62,6 +83,7 @@ def test_up_status_down(tmp_path: Path) -> None:
         members = session_members(leaders)
         assert set(leaders) <= set(members)
         assert len(members) > len(leaders)  # gcs, raylets, agents... live in the sessions
+        _check_cpu_pinning(state, members)
 
         nodes = [n for n in ray_state_nodes(state_dir) if n["state"] == "ALIVE"]
         assert len(nodes) == 3
@@ -84,6 +106,8 @@ def test_up_status_down(tmp_path: Path) -> None:
         ):
             (row,) = [line for line in node_rows if line.split()[0] == name]
             assert "running" in row and "ALIVE" in row and label in row and "0/1" in row
+            if name == "decode" and len(os.sched_getaffinity(0)) >= 2:
+                assert f"engine {max(os.sched_getaffinity(0))}," in row
         assert "not deployed" in status.stdout
 
         again = pdserve("up", "--state-dir", str(state_dir), timeout=60)

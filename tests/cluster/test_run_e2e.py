@@ -69,6 +69,27 @@ def _wait_for(lines: queue.Queue[str | None], pattern: str, log: list[str], time
     raise AssertionError(f"no {pattern!r} after {timeout} s:\n" + "\n".join(log))
 
 
+def _check_engine_thread_owns_its_cpu(members: list[int]) -> None:
+    """On 2+ CPUs only the decode replica's engine thread runs on the decode engine CPU (the
+    last one); every other thread of the cluster runs on the shared ones."""
+    if not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2:
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    engine, shared = {cpus[-1]}, set(cpus[:-1])
+    bound: list[str] = []
+    for pid in members:
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            try:
+                allowed = os.sched_getaffinity(int(task.name))
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            except (ProcessLookupError, FileNotFoundError):
+                continue  # ended meanwhile
+            assert allowed in (engine, shared), (pid, task.name, allowed)
+            if allowed == engine:
+                bound.append(cmdline)
+    assert len(bound) == 1 and "DecodeServer" in bound[0], bound
+
+
 def test_run_serves_until_sigterm(tmp_path: Path) -> None:
     config = tmp_path / "app.yaml"
     config.write_text(CONFIG)
@@ -92,6 +113,7 @@ def test_run_serves_until_sigterm(tmp_path: Path) -> None:
         state = json.loads((state_dir / "cluster.json").read_text())
         leaders = [n["pid"] for n in state["nodes"]]
         members = session_members(leaders)
+        _check_engine_thread_owns_its_cpu(members)
 
         with httpx.Client(base_url=base, timeout=120) as client:
             (model,) = client.get("/v1/models").json()["data"]

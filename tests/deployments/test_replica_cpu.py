@@ -1,8 +1,10 @@
 """Replica CPU settings: torch threads from num_cpus, and niceness for every thread,
-including threads started afterwards (run in a child process: niceness cannot be undone)."""
+including threads started afterwards (run in a child process: niceness cannot be undone),
+and the engine CPUs a replica binds to (cpu_bind, the node's $PDSERVE_ENGINE_CPUS)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -55,3 +57,39 @@ def test_nice_is_validated() -> None:
     with pytest.raises(ValueError, match="nice"):
         AppConfig.from_dict({"prefill": {"nice": 20}})
     assert AppConfig.from_dict({"prefill": {"nice": 10}}).prefill.nice == 10
+
+
+def test_engine_cpus_follow_cpu_bind_and_the_node_reservation() -> None:
+    from deployments.replica import engine_cpus
+
+    env = {"PDSERVE_ENGINE_CPUS": "0"}
+    assert engine_cpus("auto", env) == (0,)  # the node's reservation
+    assert engine_cpus("auto", {}) == ()  # none: unbound
+    assert engine_cpus("auto", {"PDSERVE_ENGINE_CPUS": " "}) == ()
+    assert engine_cpus("none", env) == ()  # never, whatever the node says
+    assert engine_cpus("0", {}) == (0,)  # explicit
+    beyond = str(os.cpu_count() or 1)
+    with pytest.raises(ValueError, match=f"cpu_bind '{beyond}'"):
+        engine_cpus(beyond, {})
+    with pytest.raises(ValueError, match="PDSERVE_ENGINE_CPUS"):
+        engine_cpus("auto", {"PDSERVE_ENGINE_CPUS": beyond})
+
+
+def test_cpu_bind_is_validated() -> None:
+    for bad in ("2-1", "one", ""):
+        with pytest.raises(ValueError, match="cpu_bind"):
+            AppConfig.from_dict({"decode": {"cpu_bind": bad}})
+    cfg = AppConfig.from_dict({"decode": {"cpu_bind": "0-1"}})
+    assert cfg.decode.cpu_bind == "0-1" and cfg.prefill.cpu_bind == "auto"
+
+
+def test_bound_replicas_run_one_torch_thread_per_cpu() -> None:
+    code = (
+        "import torch; from deployments.replica import set_torch_threads as s; "
+        "print(s(4, (0, 1)), torch.get_num_threads(), s(1, (0, 1)), s(3))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["2", "2", "1", "3"]

@@ -4,6 +4,7 @@ event loop stays responsive, and the decode-role hooks work through the async AP
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -256,3 +257,27 @@ def test_merge_outputs_refuses_two_requests() -> None:
     assert merged.new_token_ids == [5, 6] and merged.text_delta == "aa"
     with pytest.raises(ValueError, match="request_id"):
         merge_outputs(out("a", 5), out("b", 6))
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="thread affinity")
+def test_engine_thread_binds_to_its_cpus_and_nothing_else_moves(tiny_model_dir: Path) -> None:
+    before = os.sched_getaffinity(0)
+    cpu = max(before)
+    engine = LLMEngine.from_pretrained(
+        tiny_model_dir, num_kv_blocks=32, block_size=16, max_model_len=256, device="cpu"
+    )
+    eng = AsyncLLMEngine(engine, cpu_affinity=[cpu])
+    try:
+        assert eng.cpu_affinity == (cpu,)
+        on_thread = asyncio.run(eng._call(lambda: os.sched_getaffinity(0)))
+        assert on_thread == {cpu}
+        outs = asyncio.run(_collect(eng, "bound", GREEDY))  # it still serves
+        assert outs[-1].num_output_tokens == 8
+        assert os.sched_getaffinity(0) == before  # the caller's thread did not move
+    finally:
+        eng.shutdown()
+    unbound = AsyncLLMEngine(engine)
+    try:
+        assert unbound.cpu_affinity == ()
+    finally:
+        unbound.shutdown()
