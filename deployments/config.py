@@ -276,6 +276,14 @@ class PolicyConfig(_Strict):
         ge=0,
         description="Prompts with at most this many uncached tokens prefill locally.",
     )
+    local_when_saturated: bool = Field(
+        default=True,
+        description=(
+            "In 'auto' mode, prefill a long prompt locally when the prefill pool is "
+            "predicted to miss the TTFT SLO and local is faster. False keeps every long "
+            "prompt off the decode batch (steady TPOT) at the cost of TTFT under load."
+        ),
+    )
     on_slo_miss: Literal["queue", "shed"] = Field(
         default="queue",
         description="When no placement can meet the TTFT SLO: queue anyway, or shed (429).",

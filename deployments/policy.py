@@ -7,7 +7,7 @@ NVIDIA Dynamo's disaggregated router, made SLO-aware:
   the round trip and the KV transfer would cost more than the compute;
 - long prompts prefill remotely so that they do not stall the running decode batch,
   unless the prefill pool is saturated (its predicted TTFT misses the SLO while a local
-  prefill would be faster);
+  prefill would be faster) and ``local_when_saturated`` allows it;
 - when neither placement can meet ``shed_ttft_factor`` x the TTFT SLO and the config says
   ``on_slo_miss: shed``, an interactive request is shed (HTTP 429 with Retry-After).
 
@@ -135,6 +135,6 @@ class DisaggregationPolicy:
             return decision("local" if mode == "always_local" else "remote", "forced")
         if uncached <= self.config.local_prefill_max_tokens:
             return decision("local", "cached_prefix" if num_cached_tokens else "short_prompt")
-        if remote_s > slo_s and local_s < remote_s:
+        if self.config.local_when_saturated and remote_s > slo_s and local_s < remote_s:
             return decision("local", "prefill_pool_saturated")
         return decision("remote", "long_prompt")

@@ -46,6 +46,10 @@ def test_saturated_prefill_pool_falls_back_to_local() -> None:
     assert d.location == "local" and d.reason == "prefill_pool_saturated"
     assert d.predicted_remote_s == pytest.approx(5.4)
     assert d.predicted_local_s == pytest.approx(0.4)
+    # An operator who keeps long prompts off the decode batch whatever the TTFT.
+    steady = decide(policy(local_when_saturated=False), 400, remote=remote)
+    assert steady.location == "remote" and steady.reason == "long_prompt"
+    assert decide(policy(local_when_saturated=False), 40, remote=remote).location == "local"
     remote.finished(5000)
     assert decide(policy(), 400, remote=remote).location == "remote"
 
