@@ -131,8 +131,8 @@ class PoolConfig(_Strict):
         description=(
             "CPUs the replica's engine threads are bound to (CPU engines): 'auto' = the "
             "engine CPUs the node reserved in $PDSERVE_ENGINE_CPUS (`pdserve up` sets it; "
-            "unbound when unset), 'none' = never bind, or a CPU list such as '2-3'. Bound "
-            "replicas run at most one torch thread per CPU."
+            "unbound when unset; replicas of one node share them), 'none' = never bind, or "
+            "a CPU list such as '2-3'. Bound replicas run at most one torch thread per CPU."
         ),
     )
     max_ongoing_requests: int = Field(

@@ -83,6 +83,7 @@ def bind_current_thread(cpus: Collection[int]) -> bool:
             "could not bind the engine thread to CPUs %s: %s", format_cpu_list(cpus), err
         )
         return False
+    logger.info("engine thread bound to CPUs %s", format_cpu_list(cpus))
     return True
 
 
