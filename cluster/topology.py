@@ -16,8 +16,8 @@ serving threads, prefill engines without CPUs of their own) runs on the remainin
 CPUs. Each pool node tells its replicas their engine CPUs in ``$PDSERVE_ENGINE_CPUS``; a
 replica binds only its engine thread there (``PoolConfig.cpu_bind``). On 2 cores: decode
 engine on CPU 1, the rest on CPU 0. An engine that shares its core with the serving threads
-waits behind their bursts every step; measured with ``bench.compare_serving`` this halves
-the colocated server's throughput.
+waits behind their bursts every step: with ``bench.compare_serving`` on 2 cores the pinned
+colocated server served 133-138 tok/s at concurrency 8 where the unpinned one served 110.
 
 This module only describes; ``cluster.local`` starts processes.
 """
