@@ -151,14 +151,17 @@ class ClusterSpec(BaseModel):
 
         The decode engines get the last ``decode_cpus`` CPUs (at most all but one), the
         prefill engines the last ``prefill_cpus`` of the rest when that still leaves one
-        shared CPU (else they share), and the shared CPUs are whatever remains.
+        shared CPU (else they share), and the shared CPUs are whatever remains. A pool with
+        GPUs reserves nothing: its engine computes on the GPU, and its CPU work is serving.
         """
         cpus = sorted(self.machine_cpus if self.machine_cpus is not None else _usable_cpus())
         if not self.pin_cpus or len(cpus) < 2 or not hasattr(os, "sched_setaffinity"):
             return None
-        n_decode = min(self.decode_cpus, len(cpus) - 1)
+        n_decode = 0 if self.decode_gpus else min(self.decode_cpus, len(cpus) - 1)
         decode, rest = cpus[len(cpus) - n_decode :], cpus[: len(cpus) - n_decode]
-        n_prefill = min(self.prefill_cpus, len(rest) - 1)
+        n_prefill = 0 if self.prefill_gpus else min(self.prefill_cpus, len(rest) - 1)
+        if n_decode == 0 and n_prefill <= 0:
+            return None
         prefill = rest[len(rest) - n_prefill :] if n_prefill > 0 else []
         shared = rest[: len(rest) - len(prefill)]
         return CpuPlan(

@@ -186,3 +186,46 @@ def test_one_run_measures_each_system_alone_and_writes_the_report(
     printed = capsys.readouterr().out
     assert "mixed-long" in printed and "did not start" in printed
     assert "targets (recommended: pdserve-disagg)" in printed
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="needs thread affinity and 2+ CPUs",
+)
+def test_engine_cpus_are_found_and_the_load_generator_moved_off_them() -> None:
+    import subprocess
+    import sys
+
+    from bench.serving_systems import pin_this_process, pinned_thread_cpus
+
+    last = max(os.sched_getaffinity(0))
+    # A stand-in server whose compute thread pins itself, as vLLM's OpenMP threads do.
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import os, sys, threading, time\n"
+            f"t = threading.Thread(target=lambda: (os.sched_setaffinity(0, {{{last}}}), "
+            "time.sleep(30)), daemon=True)\n"
+            "t.start(); time.sleep(0.2); print('ready', flush=True); time.sleep(30)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        assert pinned_thread_cpus([child.pid]) == {last}
+    finally:
+        child.kill()
+        child.wait()
+    before = os.sched_getaffinity(0)
+    restore = pin_this_process(before - {last})
+    try:
+        for task in Path("/proc/self/task").iterdir():
+            try:
+                assert os.sched_getaffinity(int(task.name)) == before - {last}
+            except ProcessLookupError:  # a thread that ended meanwhile
+                continue
+    finally:
+        restore()
+    assert os.sched_getaffinity(0) == before

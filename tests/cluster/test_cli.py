@@ -116,6 +116,14 @@ def test_cpu_plan_gives_engines_cpus_of_their_own() -> None:
         (5, 6, 7),
     )
     assert plan(1, 1, 1)[1] is None  # nothing to spare
+    # GPU pools compute on their GPU: nothing reserved for them.
+    _, p = plan(8, 3, 3, decode_gpus=1)
+    assert (p.shared_cpus, p.prefill_engine_cpus, p.decode_engine_cpus) == (
+        (0, 1, 2, 3, 4),
+        (5, 6, 7),
+        (),
+    )
+    assert plan(8, 3, 3, decode_gpus=1, prefill_gpus=1)[1] is None
     spec, p = plan(4, 2, 2, pin_cpus=False)
     assert p is None and all(n.cpus == () and n.engine_cpus == () for n in spec.nodes())
 
