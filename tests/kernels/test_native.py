@@ -22,8 +22,11 @@ has_compiler = shutil.which("c++") is not None or shutil.which("g++") is not Non
 needs_native = pytest.mark.skipif(not has_compiler, reason="no C++ compiler")
 
 SHAPES = [
-    # (num_q_heads, num_kv_heads, head_dim, block_size): MHA, GQA 4 and 8, MQA, odd head dim
+    # (num_q_heads, num_kv_heads, head_dim, block_size): MHA, GQA 4 and 8, MQA, odd head dim;
+    # blocks smaller and larger than the 16 tokens the AVX-512 score pass takes at a time
     (4, 4, 64, 16),
+    (4, 2, 64, 8),
+    (8, 8, 128, 64),
     (12, 4, 64, 16),
     (16, 2, 128, 32),
     (8, 1, 128, 16),
