@@ -122,6 +122,7 @@ VARIANTS: dict[str, TestModelSpec] = {
         num_layers=2,
         num_heads=4,
         num_kv_heads=1,
+        head_dim=64,  # a head dim the CPU decode kernel has its AVX-512 path for
         extra_config={"sliding_window": None},
         seed=13,
     ),
