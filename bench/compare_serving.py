@@ -40,10 +40,10 @@ from bench.serving_systems import (
     ServerError,
     VLLMServer,
     machine_busy_seconds,
-    machine_cpus,
     pin_this_process,
     tree_cpu_seconds,
 )
+from engine.affinity import current_thread_cpus
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DISAGG, COLOC, VLLM = "pdserve-disagg", "pdserve-coloc", "vllm"
@@ -154,7 +154,7 @@ def measure(
     # The load generator shares the machine: keep it off the CPUs the server reserved for
     # its engine (vLLM's OpenMP threads, pdserve's engine CPUs), as a real client would be.
     engine = server.engine_cpus()
-    client = machine_cpus() - engine
+    client = set(current_thread_cpus()) - engine
     restore = pin_this_process(client if engine and client else set())
     if engine and client:
         print(f"[{server.name}] engine CPUs {sorted(engine)}; load generator on {sorted(client)}")

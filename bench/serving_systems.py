@@ -24,6 +24,7 @@ from typing import Protocol
 import httpx
 
 from cluster.ports import free_port
+from engine.affinity import current_thread_cpus
 
 HOST = "127.0.0.1"
 
@@ -94,16 +95,10 @@ def tree_cpu_seconds(roots: list[int]) -> float:
     return sum(cpu.get(pid, 0.0) for pid in _tree(roots, children))
 
 
-def machine_cpus() -> set[int]:
-    if hasattr(os, "sched_getaffinity"):
-        return set(os.sched_getaffinity(0))
-    return set(range(os.cpu_count() or 1))
-
-
 def pinned_thread_cpus(roots: list[int]) -> set[int]:
     """CPUs that threads of the trees under ``roots`` are pinned to (threads whose affinity
     is narrower than the machine's): where a server binds its compute threads."""
-    everything = machine_cpus()
+    everything = set(current_thread_cpus())
     children, _ = _process_table()
     pinned: set[int] = set()
     for pid in _tree(roots, children):

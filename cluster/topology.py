@@ -30,6 +30,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from deployments.config import POOL_LABEL_KEY
+from engine.affinity import current_thread_cpus
 
 NodeRole = Literal["head", "prefill", "decode"]
 LOOPBACK_NODE_IP = "127.0.0.2"  # Ray rewrites 127.0.0.1 to the host's address; 127.0.0.2 stays.
@@ -72,12 +73,6 @@ class CpuPlan(BaseModel):
         description="CPUs of the prefill engines; () = they run on the shared CPUs."
     )
     decode_engine_cpus: tuple[int, ...] = Field(description="CPUs of the decode engines.")
-
-
-def _usable_cpus() -> tuple[int, ...]:
-    if hasattr(os, "sched_getaffinity"):
-        return tuple(sorted(os.sched_getaffinity(0)))
-    return tuple(range(os.cpu_count() or 1))
 
 
 class ClusterSpec(BaseModel):
@@ -154,7 +149,7 @@ class ClusterSpec(BaseModel):
         shared CPU (else they share), and the shared CPUs are whatever remains. A pool with
         GPUs reserves nothing: its engine computes on the GPU, and its CPU work is serving.
         """
-        cpus = sorted(self.machine_cpus if self.machine_cpus is not None else _usable_cpus())
+        cpus = sorted(self.machine_cpus if self.machine_cpus is not None else current_thread_cpus())
         if not self.pin_cpus or len(cpus) < 2 or not hasattr(os, "sched_setaffinity"):
             return None
         n_decode = 0 if self.decode_gpus else min(self.decode_cpus, len(cpus) - 1)

@@ -52,11 +52,9 @@ from deployments.remote_prefill import PrefillClient, RemotePrefill, ServePrefil
 from deployments.replica import (
     IntegrityReport,
     TransferMetricsObserver,
-    engine_cpus,
-    lower_cpu_priority,
+    configure_replica_cpus,
     replica_name,
     replica_node_id,
-    set_torch_threads,
     transfer_host,
 )
 from engine.outputs import RequestOutput
@@ -92,9 +90,7 @@ class DecodeServer:
         engine_factory: EngineFactory | None = None,
     ) -> None:
         self.cfg = config if isinstance(config, AppConfig) else AppConfig.from_dict(config)
-        cpus = engine_cpus(self.cfg.decode.cpu_bind)
-        set_torch_threads(self.cfg.decode.num_cpus, cpus)
-        lower_cpu_priority(self.cfg.decode.nice)
+        cpus = configure_replica_cpus(self.cfg.decode)
         tracing.setup_tracing(self.cfg.observability)
         self.model_name = self.cfg.model.served_name(model_dir)
         self.metrics = ServingMetrics(

@@ -34,12 +34,10 @@ from deployments.outputs import to_wire_logprob
 from deployments.replica import (
     IntegrityReport,
     TransferMetricsObserver,
-    engine_cpus,
-    lower_cpu_priority,
+    configure_replica_cpus,
     replica_actor_name,
     replica_name,
     replica_node_id,
-    set_torch_threads,
     transfer_host,
 )
 from kvtransfer.config import KVTransferConfig
@@ -93,9 +91,7 @@ class PrefillServer:
         engine_factory: EngineFactory | None = None,
     ) -> None:
         self.cfg = config if isinstance(config, AppConfig) else AppConfig.from_dict(config)
-        cpus = engine_cpus(self.cfg.prefill.cpu_bind)
-        set_torch_threads(self.cfg.prefill.num_cpus, cpus)
-        lower_cpu_priority(self.cfg.prefill.nice)
+        cpus = configure_replica_cpus(self.cfg.prefill)
         tracing.setup_tracing(self.cfg.observability)
         self.model_name = self.cfg.model.served_name(model_dir)
         self.metrics = ServingMetrics(

@@ -13,6 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from deployments.config import PoolConfig
 from deployments.metrics import ServingMetrics
 from engine.affinity import ENGINE_CPUS_ENV, check_cpus_exist, parse_cpu_list
 from kvtransfer.types import TransferResult
@@ -53,14 +54,14 @@ def engine_cpus(cpu_bind: str, environ: Mapping[str, str] = os.environ) -> tuple
     if cpu_bind == "none":
         return ()
     if cpu_bind == "auto":
-        reserved = environ.get(ENGINE_CPUS_ENV, "").strip()
-        if not reserved:
-            return ()
-        cpus = parse_cpu_list(reserved)
-        check_cpus_exist(cpus, f"${ENGINE_CPUS_ENV}={reserved!r}")
-        return cpus
-    cpus = parse_cpu_list(cpu_bind)
-    check_cpus_exist(cpus, f"cpu_bind {cpu_bind!r}")
+        text = environ.get(ENGINE_CPUS_ENV, "").strip()
+        what = f"${ENGINE_CPUS_ENV}={text!r}"
+    else:
+        text, what = cpu_bind, f"cpu_bind {cpu_bind!r}"
+    if not text:
+        return ()
+    cpus = parse_cpu_list(text)
+    check_cpus_exist(cpus, what)
     return cpus
 
 
@@ -75,6 +76,15 @@ def set_torch_threads(num_cpus: float, bound_cpus: tuple[int, ...] = ()) -> int:
         threads = min(threads, len(bound_cpus))
     torch.set_num_threads(threads)
     return threads
+
+
+def configure_replica_cpus(pool: PoolConfig) -> tuple[int, ...]:
+    """A replica's CPU settings from its pool: torch threads, niceness, and the CPUs its
+    engine thread is to bind to (returned; the engine binds its own thread)."""
+    cpus = engine_cpus(pool.cpu_bind)
+    set_torch_threads(pool.num_cpus, cpus)
+    lower_cpu_priority(pool.nice)
+    return cpus
 
 
 def lower_cpu_priority(nice: int) -> int:
