@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -379,8 +380,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--vllm-args",
-        default="--dtype bfloat16 --max-model-len 4096",
-        help="extra flags of vLLM's api_server",
+        default="--max-model-len 4096",
+        help="extra flags of vLLM's api_server; without a --dtype among them, vLLM gets the "
+        "dtype pdserve's 'auto' resolves to for this model on this machine (bfloat16 only "
+        "with native bf16, else float32), so both compute in the same precision",
     )
     p.add_argument(
         "--vllm-env",
@@ -454,6 +457,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def compute_dtype(model_dir: str) -> str:
+    """The dtype pdserve's engine computes in for ``model_dir`` on this CPU ('auto')."""
+    import torch
+
+    from engine.loader import load_model_config, resolve_dtype
+
+    ckpt = load_model_config(model_dir).checkpoint_dtype
+    return str(resolve_dtype("auto", ckpt, torch.device("cpu"))).removeprefix("torch.")
+
+
 def build_servers(args: argparse.Namespace, model_dir: str, out_dir: Path) -> list[Server]:
     servers: list[Server] = []
     for name in args.system_list:
@@ -465,6 +478,9 @@ def build_servers(args: argparse.Namespace, model_dir: str, out_dir: Path) -> li
                 )
                 continue
             env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "auto"}
+            extra = args.vllm_args.split()
+            if not any(a == "--dtype" or a.startswith("--dtype=") for a in extra):
+                extra += ["--dtype", compute_dtype(model_dir)]
             env.update(dict(item.split("=", 1) for item in args.vllm_env))
             servers.append(
                 VLLMServer(
@@ -474,7 +490,7 @@ def build_servers(args: argparse.Namespace, model_dir: str, out_dir: Path) -> li
                     out_dir / "vllm.log",
                     Path(model_dir).name,
                     env=env,
-                    extra_args=args.vllm_args.split(),
+                    extra_args=extra,
                 )
             )
         else:
@@ -583,7 +599,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def _exit_on_sigterm(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwinds through `finally`: the servers started get stopped
+
+
 def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     report = run(parse_args(argv))
     measured = [r for r in report["results"] if r["summary"] and r["summary"]["completed"] > 0]
     return 0 if measured else 1
