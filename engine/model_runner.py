@@ -148,7 +148,9 @@ class ModelRunner:
             model.lm_head.weight = model.model.embed_tokens.weight
         with torch.no_grad():
             model.load_weights(iter_weights(self.config.model))
-        pack_linears(model)  # bfloat16 on CPUs with native bf16: oneDNN-packed weights
+        # CPU: oneDNN-packed bf16 weights (native bf16), or bf16-held weights of a bf16
+        # checkpoint served in float32 (AVX2); elsewhere the nn.Linear layers stay.
+        pack_linears(model)
         return model.eval()
 
     # ---- KV cache -------------------------------------------------------------------------

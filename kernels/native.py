@@ -1,10 +1,15 @@
 """Native CPU kernels (``kernels/csrc``): built on first use with the system C++ compiler,
 loaded with ctypes.
 
-Decode attention is the one CPU op where torch has no good fit: SDPA's fused kernel pays a
-fixed cost per (sequence, head) that dwarfs the work of a three-row query against a few
-hundred keys, and it needs the paged context gathered into a padded copy first. The kernel
-in ``csrc/paged_decode.cpp`` reads the blocks in place, as vLLM's CPU backend does.
+Two CPU ops where torch and its libraries have no good fit:
+
+- decode attention (``csrc/paged_decode.cpp``): SDPA's fused kernel pays a fixed cost per
+  (sequence, head) that dwarfs the work of a three-row query against a few hundred keys, and
+  it needs the paged context gathered into a padded copy first. The kernel reads the blocks
+  in place, as vLLM's CPU backend does.
+- float32 linears with bfloat16-held weights (``csrc/linear_bf16w.cpp``) for CPUs without
+  native bf16 (AVX2 + FMA): a bf16 checkpoint served in float32 there reads half the weight
+  bytes per decode step; oneDNN and MKL offer no bf16-weight / fp32-compute matmul on AVX2.
 
 The library is plain C ABI (no Python or torch headers), so it builds in about a second;
 the build is cached per source, compiler and CPU (``-march=native``) under
@@ -28,11 +33,17 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["available", "paged_decode_attention"]
+__all__ = [
+    "available",
+    "bf16_weight_linear",
+    "bf16_weight_linear_available",
+    "pack_bf16_weight",
+    "paged_decode_attention",
+]
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
+_SOURCES = [Path(__file__).with_name("csrc") / n for n in ("paged_decode.cpp", "linear_bf16w.cpp")]
 _ABI_VERSION = 1
 CACHE_ENV = "PDSERVE_KERNEL_CACHE"
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
@@ -72,7 +83,8 @@ def _build(compiler: str) -> Path:
     ).stdout
     key = hashlib.sha256(
         b"\0".join(
-            [_SOURCE.read_bytes(), version.encode(), _cpu_signature().encode()]
+            [*(src.read_bytes() for src in _SOURCES), version.encode()]
+            + [_cpu_signature().encode()]
             + [f.encode() for f in _FLAGS]
         )
     ).hexdigest()[:16]
@@ -85,7 +97,7 @@ def _build(compiler: str) -> Path:
     os.close(fd)
     try:
         subprocess.run(
-            [compiler, *_FLAGS, "-o", tmp, str(_SOURCE)],
+            [compiler, *_FLAGS, "-o", tmp, *map(str, _SOURCES)],
             capture_output=True,
             text=True,
             check=True,
@@ -114,6 +126,11 @@ def _load() -> ctypes.CDLL | None:
     for fn in _DECODE_FN.values():
         getattr(lib, fn).argtypes = _DECODE_ARGS
         getattr(lib, fn).restype = None
+    lib.pdserve_linear_bf16w_supported.restype = _I32
+    lib.pdserve_pack_bf16w.argtypes = [_P, _I64, _I64, _I64, _P]
+    lib.pdserve_pack_bf16w.restype = None
+    lib.pdserve_linear_bf16w.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64]
+    lib.pdserve_linear_bf16w.restype = None
     return lib
 
 
@@ -188,4 +205,56 @@ def paged_decode_attention(
         block_size,
         scale,
     )
+    return out
+
+
+BF16W_PANEL = 16  # output columns per packed panel (csrc/linear_bf16w.cpp)
+
+
+def bf16_weight_linear_available() -> bool:
+    """Whether ``bf16_weight_linear`` runs here: the library loaded and was built for a CPU
+    with AVX2 and FMA."""
+    lib = _library()
+    return lib is not None and bool(lib.pdserve_linear_bf16w_supported())
+
+
+def pack_bf16_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [N, K] (CPU, bfloat16) in the kernel's panel layout: a flat int32 tensor of
+    ``ceil(N / 16) * K * 8`` words (the same bytes as the bf16 weight, padded to 16 rows)."""
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
+        raise ValueError(
+            f"pack_bf16_weight: want a 2-D CPU bfloat16 weight, got {weight.dtype} "
+            f"{tuple(weight.shape)} on {weight.device}"
+        )
+    if not bf16_weight_linear_available():
+        raise RuntimeError("pack_bf16_weight: the native bf16-weight linear is unavailable")
+    n, k = weight.shape
+    w = weight.contiguous()
+    packed = torch.empty(-(-n // BF16W_PANEL) * k * 8, dtype=torch.int32)
+    _library().pdserve_pack_bf16w(w.data_ptr(), k, n, k, packed.data_ptr())
+    return packed
+
+
+def bf16_weight_linear(
+    x: torch.Tensor,  # [M, K] float32, rows contiguous
+    packed: torch.Tensor,  # from pack_bf16_weight
+    out_features: int,
+    bias: torch.Tensor | None,  # [N] float32
+) -> torch.Tensor:  # [M, N] float32
+    """``x @ W^T + bias`` in float32 with the packed bf16 ``W``; arguments are checked by
+    ``kernels.linear.Bf16WeightLinear``, which owns the packed weight."""
+    rows, in_features = x.shape
+    out = torch.empty((rows, out_features), dtype=torch.float32)
+    if rows:
+        _library().pdserve_linear_bf16w(
+            x.data_ptr(),
+            x.stride(0),
+            rows,
+            in_features,
+            packed.data_ptr(),
+            out_features,
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            out.stride(0),
+        )
     return out

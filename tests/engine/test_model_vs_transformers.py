@@ -153,6 +153,46 @@ def test_greedy_and_logprobs_match_transformers(variant, scenario: str) -> None:
     assert_clean(engine)
 
 
+@pytest.fixture(scope="module", params=VARIANTS)
+def bf16_variant(
+    request: pytest.FixtureRequest,
+    test_model: Callable[[str], Path],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[Path, Reference]:
+    """The variant saved as a bfloat16 checkpoint, and transformers running it in float32."""
+    from transformers import AutoModelForCausalLM
+
+    src = test_model(request.param)
+    out = tmp_path_factory.mktemp(f"{request.param}-bf16")
+    AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        (out / name).write_bytes((src / name).read_bytes())
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    return out, Reference(hf, hf.config.vocab_size)
+
+
+def test_bfloat16_checkpoint_in_float32_matches_transformers(bf16_variant) -> None:
+    """A bf16 checkpoint served in float32 (what dtype 'auto' does on a CPU without native
+    bf16): where the native kernel runs, every linear keeps its weights as bf16 and computes
+    in float32, and tokens and logprobs are still transformers' float32 ones."""
+    from kernels import native
+    from kernels.linear import Bf16WeightLinear
+
+    model_dir, ref = bf16_variant
+    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32"))
+    linears = [m for m in engine.runner.model.modules() if isinstance(m, Bf16WeightLinear)]
+    if native.bf16_weight_linear_available():
+        assert len(linears) == 4 * ref.model.config.num_hidden_layers + 1  # + lm_head
+    arrivals = [
+        (at, f"r{i}", make_prompt(n, seed=i, vocab=ref.vocab_size))
+        for i, (at, n) in enumerate(ARRIVALS)
+    ]
+    final = run(engine, arrivals)
+    for _, rid, prompt in arrivals:
+        assert_matches(ref, prompt, final[rid])
+    assert_clean(engine)
+
+
 def test_prefix_cache_hits_match_transformers(variant) -> None:
     model_dir, ref = variant
     engine = LLMEngine(EngineConfig(model=str(model_dir), max_num_batched_tokens=96))

@@ -1,6 +1,6 @@
-"""The CPU engine's fast paths: oneDNN-packed linears, bf16 norm/rotary against the
-reference, per-step plans reused across layers (and rebuilt when the metadata changes), and
-the glibc heap tuning."""
+"""The CPU engine's fast paths: oneDNN-packed linears, float32 linears with bf16-held
+weights, bf16 norm/rotary against the reference, per-step plans reused across layers (and
+rebuilt when the metadata changes), and the glibc heap tuning."""
 
 from __future__ import annotations
 
@@ -11,9 +11,15 @@ from torch import nn
 
 from engine.cpu_memory import keep_freed_memory
 from engine.loader import resolve_dtype
-from kernels import ops
+from kernels import native, ops
 from kernels import reference as R
-from kernels.linear import PackedLinear, can_pack, pack_linears
+from kernels.linear import (
+    Bf16WeightLinear,
+    PackedLinear,
+    can_pack,
+    holds_bf16_values,
+    pack_linears,
+)
 from tests.kernels.cases import ATTN_TOL, assert_close, make_batch
 
 CPU = torch.device("cpu")
@@ -153,3 +159,66 @@ def test_heap_tuning_is_applied_once() -> None:
     first = keep_freed_memory()
     assert isinstance(first, bool)
     assert keep_freed_memory() == first
+
+
+needs_bf16w = pytest.mark.skipif(
+    not native.bf16_weight_linear_available(), reason="no native kernel for AVX2 + FMA here"
+)
+
+
+def _bf16_valued_linear(in_features: int, out_features: int, bias: bool, seed: int) -> nn.Linear:
+    torch.manual_seed(seed)
+    layer = nn.Linear(in_features, out_features, bias=bias)
+    with torch.no_grad():  # as a bf16 checkpoint loaded in float32: bf16 values only
+        layer.weight.copy_(layer.weight.to(torch.bfloat16).float())
+    return layer
+
+
+@needs_bf16w
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(("in_features", "out_features"), [(96, 160), (33, 37), (768, 1280)])
+def test_bf16_weight_linear_matches_the_float32_layer(
+    in_features: int, out_features: int, bias: bool
+) -> None:
+    """Every row count the kernel tiles differently (1-6 rows per tile, several row blocks)
+    and output counts that are not a multiple of its 16-column panels."""
+    layer = _bf16_valued_linear(in_features, out_features, bias, seed=in_features)
+    packed = Bf16WeightLinear(layer)
+    assert packed.packed_weight.numel() * 4 == -(-out_features // 16) * 16 * in_features * 2
+    for rows in (1, 2, 5, 6, 7, 8, 13, 32, 300):
+        x = torch.randn(rows, in_features)
+        b = None if layer.bias is None else layer.bias.double()
+        expected = F.linear(x.double(), layer.weight.double(), b).float()
+        torch.testing.assert_close(packed(x), expected, rtol=1e-5, atol=1e-5)
+    x3 = torch.randn(2, 5, in_features)  # leading dims are kept
+    torch.testing.assert_close(packed(x3), F.linear(x3, layer.weight, layer.bias))
+    strided = torch.randn(4, 2 * in_features)[:, ::2]  # non-contiguous rows are copied
+    torch.testing.assert_close(packed(strided), F.linear(strided, layer.weight, layer.bias))
+    assert packed(torch.empty(0, in_features)).shape == (0, out_features)
+
+
+@needs_bf16w
+def test_bf16_weight_linear_refuses_what_it_cannot_compute_exactly() -> None:
+    layer = nn.Linear(16, 16)
+    assert not holds_bf16_values(layer.weight)  # a float32 init has more than bf16's bits
+    with pytest.raises(ValueError, match="bfloat16 values only"):
+        Bf16WeightLinear(layer)
+    packed = Bf16WeightLinear(_bf16_valued_linear(16, 16, True, seed=1))
+    with pytest.raises(ValueError, match=r"float32 CPU input \[\.\.\., 16\]"):
+        packed(torch.randn(3, 16, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"\[\.\.\., 16\]"):
+        packed(torch.randn(3, 8))
+
+
+@needs_bf16w
+def test_pack_linears_holds_bf16_valued_float32_weights_as_bf16() -> None:
+    exact = _bf16_valued_linear(32, 48, True, seed=2)
+    model = nn.ModuleDict({"exact": exact, "full": nn.Linear(32, 32)})
+    x = torch.randn(4, 32)
+    expected = F.linear(x, exact.weight, exact.bias)
+    if can_pack(torch.float32, CPU):  # never: oneDNN packing is for bf16 models
+        pytest.fail("float32 must not take the oneDNN bf16 path")
+    assert pack_linears(model) == 1
+    assert isinstance(model["exact"], Bf16WeightLinear)
+    assert isinstance(model["full"], nn.Linear)  # float32 values: left as it is
+    torch.testing.assert_close(model["exact"](x), expected)
