@@ -113,7 +113,7 @@ def _build(compiler: str) -> Path:
 def _load() -> ctypes.CDLL | None:
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if compiler is None:
-        logger.warning("no C++ compiler found: CPU decode attention stays on torch SDPA")
+        logger.warning("no C++ compiler found: CPU decode attention and linears stay on torch")
         return None
     try:
         lib = ctypes.CDLL(str(_build(compiler)))

@@ -144,3 +144,22 @@ def test_a_failing_compiler_leaves_the_torch_path(tmp_path: Path) -> None:
     assert out.startswith("False")
     assert "native CPU kernels unavailable" in out
     assert list(tmp_path.iterdir()) == []  # no half-written library left behind
+
+
+def test_without_the_library_float32_linears_stay_on_torch(tmp_path: Path) -> None:
+    code = (
+        "import torch; from torch import nn; from kernels import native, linear\n"
+        "m = nn.Sequential(nn.Linear(16, 16))\n"
+        "m[0].weight.data = m[0].weight.data.to(torch.bfloat16).float()\n"
+        "print(native.bf16_weight_linear_available(), linear.pack_linears(m), type(m[0]).__name__)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env={**os.environ, "PDSERVE_KERNEL_CACHE": str(tmp_path), "CXX": "false"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert done.stdout.split() == ["False", "0", "Linear"]
