@@ -11,7 +11,6 @@
 // Where the compiler targets AVX-512 (-march=native) and the head dim is 64 or 128, both
 // passes take 16 tokens of a block at a time in intrinsics (scores16, values16): partial
 // dot products are summed 16 at once, and the value sums stay in registers over a block.
-// With AVX2 + FMA and no AVX-512, the same passes run 8 lanes wide.
 // Elsewhere the portable loops below run (the compiler vectorizes them with `omp simd`).
 //
 // Exported as plain C functions for ctypes: no Python or torch headers, so it builds in
@@ -26,9 +25,8 @@
 
 #include <omp.h>
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(__AVX512F__)
 #include <immintrin.h>
-#define PDSERVE_VEC_ATTN 1  // scores16/values16 below exist for head dims 64 and 128
 #endif
 
 namespace {
@@ -170,99 +168,6 @@ inline void values16(const T* vr, int64_t tok_stride, int n, const float* sc, in
       }
     }
 }
-#elif defined(__AVX2__) && defined(__FMA__)
-// The same two passes with AVX2 (8 lanes), for CPUs without AVX-512 (AMD Zen 2/3, Intel
-// client parts): 16 tokens as two groups of 8, whose 8 partial dot products per query row
-// are summed at once by a horizontal-add tree.
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) {  // 8 bfloat16 -> float32 (the high halves)
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-// out lane i = the sum of the 8 floats at p + 8 i, for i < 8.
-inline __m256 sum8x8(const float* p) {
-  const __m256 t0 = _mm256_hadd_ps(load8(p), load8(p + 8));
-  const __m256 t1 = _mm256_hadd_ps(load8(p + 16), load8(p + 24));
-  const __m256 t2 = _mm256_hadd_ps(load8(p + 32), load8(p + 40));
-  const __m256 t3 = _mm256_hadd_ps(load8(p + 48), load8(p + 56));
-  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
-                       _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
-// Scores of tokens [l0, l0 + n) (n <= 8) for the G query rows of one KV head.
-template <typename T, int kD>
-inline void scores8(const T* kb, int64_t tok_stride, const float* qf, int G, int r0, int n,
-                    int l0, int len, float* sc, float* part) {
-  constexpr int C = kD / 8;
-  for (int t = 0; t < 8; ++t) {  // part: [G][8 tokens][8 lanes] partial sums
-    for (int g = 0; g < G; ++g) {
-      if (t >= n) {  // unused rows of a short block sum to nothing
-        _mm256_storeu_ps(part + (g * 8 + t) * 8, _mm256_setzero_ps());
-        continue;
-      }
-      const T* kr = kb + t * tok_stride;
-      const float* qr = qf + (r0 + g) * kD;
-      __m256 a0 = _mm256_mul_ps(load8(qr), load8(kr));
-      __m256 a1 = _mm256_mul_ps(load8(qr + 8), load8(kr + 8));
-      for (int c = 2; c < C; c += 2) {
-        a0 = _mm256_fmadd_ps(load8(qr + 8 * c), load8(kr + 8 * c), a0);
-        a1 = _mm256_fmadd_ps(load8(qr + 8 * c + 8), load8(kr + 8 * c + 8), a1);
-      }
-      _mm256_storeu_ps(part + (g * 8 + t) * 8, _mm256_add_ps(a0, a1));
-    }
-  }
-  for (int g = 0; g < G; ++g) {
-    alignas(32) float sums[8];
-    _mm256_store_ps(sums, sum8x8(part + g * 64));
-    std::memcpy(sc + (r0 + g) * len + l0, sums, sizeof(float) * n);
-  }
-}
-
-template <typename T, int kD>
-inline void scores16(const T* kb, int64_t tok_stride, const float* qf, int G, int r0, int n,
-                     int l0, int len, float* sc, float* part) {
-  scores8<T, kD>(kb, tok_stride, qf, G, r0, std::min(n, 8), l0, len, sc, part);
-  if (n > 8) scores8<T, kD>(kb + 8 * tok_stride, tok_stride, qf, G, r0, n - 8, l0 + 8, len, sc, part);
-}
-
-// acc[r][d0, d0 + 32) += sum over the n tokens from `vr` on of p[r][t] * v[t][d0, d0 + 32),
-// for GN <= 3 query rows r = r0 + g, the sums in registers over the block.
-template <typename T, int GN>
-inline void values_tile(const T* vr, int64_t tok_stride, int n, const float* sc, int len,
-                        int l0, int r0, int D, int d0, float* acc) {
-  __m256 a[GN][4];
-  for (int g = 0; g < GN; ++g)
-    for (int c = 0; c < 4; ++c) a[g][c] = _mm256_setzero_ps();
-  for (int t = 0; t < n; ++t) {
-    __m256 p[GN];
-    for (int g = 0; g < GN; ++g) p[g] = _mm256_set1_ps(sc[(r0 + g) * len + l0 + t]);
-    for (int c = 0; c < 4; ++c) {
-      const __m256 v = load8(vr + t * tok_stride + d0 + 8 * c);
-      for (int g = 0; g < GN; ++g) a[g][c] = _mm256_fmadd_ps(p[g], v, a[g][c]);
-    }
-  }
-  for (int g = 0; g < GN; ++g)
-    for (int c = 0; c < 4; ++c) {
-      float* dst = acc + (r0 + g) * D + d0 + 8 * c;
-      _mm256_storeu_ps(dst, _mm256_add_ps(_mm256_loadu_ps(dst), a[g][c]));
-    }
-}
-
-template <typename T, int kD>
-inline void values16(const T* vr, int64_t tok_stride, int n, const float* sc, int len, int l0,
-                     int r0, int G, float* acc) {
-  for (int d0 = 0; d0 < kD; d0 += 32)
-    for (int g0 = 0; g0 < G; g0 += 3) {
-      const int r = r0 + g0;
-      switch (std::min(3, G - g0)) {
-        case 3: values_tile<T, 3>(vr, tok_stride, n, sc, len, l0, r, kD, d0, acc); break;
-        case 2: values_tile<T, 2>(vr, tok_stride, n, sc, len, l0, r, kD, d0, acc); break;
-        default: values_tile<T, 1>(vr, tok_stride, n, sc, len, l0, r, kD, d0, acc); break;
-      }
-    }
-}
 #endif
 
 // The blocks of one sequence, and the cache layout they live in.
@@ -328,7 +233,7 @@ void attend(const T* q, int64_t q_head_stride, const Context<T>& c, int h0, int 
       prefetch_block(c.k_cache + block_id(c, b + 1) * c.blk_stride, c, h0, h1,
                      std::min(c.block_size, len - (b + 1) * c.block_size), D);
     const T* kb = c.k_cache + block_id(c, b) * c.blk_stride;
-#if defined(PDSERVE_VEC_ATTN)
+#if defined(__AVX512F__)
     if constexpr (kD == 64 || kD == 128) {
       for (int h = h0; h < h1; ++h)
         for (int t0 = 0; t0 < n; t0 += 16)
@@ -376,7 +281,7 @@ void attend(const T* q, int64_t q_head_stride, const Context<T>& c, int h0, int 
       prefetch_block(c.v_cache + block_id(c, b + 1) * c.blk_stride, c, h0, h1,
                      std::min(c.block_size, len - (b + 1) * c.block_size), D);
     const T* vb = c.v_cache + block_id(c, b) * c.blk_stride;
-#if defined(PDSERVE_VEC_ATTN)
+#if defined(__AVX512F__)
     if constexpr (kD == 64 || kD == 128) {
       for (int h = h0; h < h1; ++h)
         values16<T, kD>(vb + h * c.head_stride, c.tok_stride, n, sc, len, b * c.block_size,
