@@ -120,8 +120,11 @@ def _packed(linear: nn.Linear) -> nn.Module | None:
     weight = linear.weight
     if can_pack(weight.dtype, weight.device):
         return PackedLinear(linear)
-    if holds_bf16_values(weight) and native.bf16_weight_linear_available():
-        return Bf16WeightLinear(linear)
+    if native.bf16_weight_linear_available():
+        try:  # its constructor checks that the weight holds bf16 values (one pass over it)
+            return Bf16WeightLinear(linear)
+        except ValueError:
+            return None
     return None
 
 
