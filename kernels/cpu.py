@@ -10,8 +10,9 @@ length mask; whole prompts of equal length share one call of SDPA's fused causal
 kernel; prefill chunks after a cached prefix go in padded groups whose padding waste is
 bounded. What derives from a step's metadata alone (grouping, gather indices, masks, rotary
 rows) is built once per step and shared by all layers. KV writes are one ``index_copy_``
-per cache; RMSNorm runs on torch's kernel (in float32 for half precision, as in HF).
-Checked against ``kernels/reference.py``.
+per cache. RMSNorm (with its residual add), the rotary embedding and SiLU-and-mul run in
+one pass each in ``kernels/native.py`` where it is built, else on torch's kernels (RMSNorm
+in float32 for half precision, as in HF). Checked against ``kernels/reference.py``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ __all__ = [
     "paged_attention_cpu",
     "paged_decode_attention_cpu",
     "rms_norm_cpu",
+    "silu_and_mul_cpu",
     "write_kv_cpu",
 ]
 
@@ -438,8 +440,12 @@ def rms_norm_cpu(
     eps: float,
     residual: torch.Tensor | None = None,  # [T, H]
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm with the reference's semantics, on torch's fused kernel: for half precision
-    the norm runs in float32 and is cast back before the weight multiply, as in HF."""
+    """RMSNorm with the reference's semantics: the native one-pass kernel where it is built,
+    else torch's fused kernel (for half precision the norm runs in float32 and is cast back
+    before the weight multiply, as in HF)."""
+    fused = native.rms_norm(x, weight, eps, residual)
+    if fused is not None:
+        return fused
     if residual is not None:
         x = x + residual
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
@@ -464,9 +470,19 @@ def apply_rotary_cpu(
     k: torch.Tensor,  # [T, Hkv, D]
     cos_sin_cache: torch.Tensor,  # [P, D]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference rotation, float32 math rounded once, as
-    ``x * [cos, cos] + [x2, x1] * [-sin, sin]`` (the same products and sums as the
-    reference, so the same rounding), with the rows of a step gathered once for all layers."""
+    """The reference rotation, float32 math rounded once: in the native kernel where it is
+    built, else as ``x * [cos, cos] + [x2, x1] * [-sin, sin]`` (the same products and sums
+    as the reference, so the same rounding); the rows of a step are gathered once for all
+    layers."""
+    if native.available():
+        rows = _per_step(
+            "rope-rows",
+            (positions, cos_sin_cache),
+            lambda: cos_sin_cache[positions.to(cos_sin_cache.device, torch.int64)].float(),
+        )
+        rotated = native.rotary(rows, q, k)
+        if rotated is not None:
+            return rotated
     cos, sin = _per_step(
         "rope", (positions, cos_sin_cache), lambda: _rope_rows(positions, cos_sin_cache)
     )
@@ -479,3 +495,13 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     out = xf * cos
     out += torch.cat([xf[..., half:], xf[..., :half]], -1).mul_(sin)
     return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+    """``silu(gate) * up`` of a fused gate/up projection: one native pass where it is built,
+    else torch's two kernels (the SiLU in place of a fresh temporary)."""
+    fused = native.silu_and_mul(x)
+    if fused is not None:
+        return fused
+    gate, up = x.split(x.shape[-1] // 2, dim=-1)
+    return F.silu(gate).mul_(up)

@@ -1,6 +1,10 @@
 """CPU linear layers with their weights packed once at load time.
 
-- ``PackedLinear``: a bfloat16 model on a CPU with native bf16 (AVX512-BF16 / AMX), the
+- ``Bf16Linear``: a bfloat16 model on a CPU with AVX512-BF16 but no AMX (AMD Zen 4/5), the
+  weights in the native kernel's layout (``kernels/csrc/linear_bf16.cpp``): at decode sizes
+  it streams the weights at memory bandwidth where oneDNN reached about half of it (1.4x
+  at 8 rows on one Zen 4 core, 1.8x at 1 row), and it is on par with oneDNN for prefill.
+- ``PackedLinear``: a bfloat16 model on a CPU with AMX (or without the native kernel), the
   weights in oneDNN's blocked layout.
 - ``Bf16WeightLinear``: a float32 model whose weights are exactly bfloat16 values (a bf16
   checkpoint served in float32 on a CPU without native bf16, AVX2 + FMA): the weights are
@@ -22,14 +26,23 @@ is the fast dtype.
 
 from __future__ import annotations
 
+import functools
 import logging
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from kernels import native
 
-__all__ = ["Bf16WeightLinear", "PackedLinear", "can_pack", "holds_bf16_values", "pack_linears"]
+__all__ = [
+    "Bf16Linear",
+    "Bf16WeightLinear",
+    "PackedLinear",
+    "can_pack",
+    "holds_bf16_values",
+    "pack_linears",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +83,68 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN"
 
 
+@functools.cache
+def _has_amx() -> bool:
+    """Whether the CPU has AMX bf16 tiles (Intel Sapphire Rapids on), where oneDNN wins."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any("amx_bf16" in ln.split() for ln in text.splitlines() if ln.startswith("flags"))
+
+
+class _NativeLinear(nn.Module):
+    """A linear layer run by a native kernel of ``kernels.native`` on a packed weight."""
+
+    input_dtype: torch.dtype  # what the kernel takes and returns
+    kind: str  # for repr
+
+    def __init__(self, linear: nn.Linear, packed_weight: torch.Tensor) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.packed_weight = packed_weight
+        self.bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
+
+    def _run(self, rows: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.input_dtype or x.device.type != "cpu" or x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"{type(self).__name__}: want {str(self.input_dtype).removeprefix('torch.')} "
+                f"CPU input [..., {self.in_features}], got {x.dtype} {tuple(x.shape)} on "
+                f"{x.device}"
+            )
+        rows = x.reshape(-1, self.in_features)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        return self._run(rows).view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}"
+
+
+class Bf16Linear(_NativeLinear):
+    """bfloat16 ``y = x W^T + b`` (float32 sums, rounded once) with ``W`` in the native
+    AVX512-BF16 kernel's layout (inference only)."""
+
+    input_dtype = torch.bfloat16
+    kind = "packed=AVX512-BF16"
+
+    def __init__(self, linear: nn.Linear) -> None:
+        weight = linear.weight.detach()
+        if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+            raise ValueError(
+                f"Bf16Linear: the weight must be bfloat16 on the CPU, got {weight.dtype} on "
+                f"{weight.device}"
+            )
+        super().__init__(linear, native.pack_bf16_linear_weight(weight))
+
+    def _run(self, rows: torch.Tensor) -> torch.Tensor:
+        return native.bf16_linear(rows, self.packed_weight, self.out_features, self.bias)
+
+
 def holds_bf16_values(weight: torch.Tensor) -> bool:
     """Whether a float32 CPU tensor holds only bfloat16 values (rounding to bf16 loses
     nothing), as the weights of a bfloat16 checkpoint loaded in float32 do."""
@@ -79,46 +154,32 @@ def holds_bf16_values(weight: torch.Tensor) -> bool:
     return not bool(torch.any(bits & 0xFFFF))
 
 
-class Bf16WeightLinear(nn.Module):
+class Bf16WeightLinear(_NativeLinear):
     """Float32 ``y = x W^T + b`` with ``W`` held as bfloat16 in the native kernel's panel
     layout (inference only). Build it from an ``nn.Linear`` whose weight passes
     ``holds_bf16_values``; the result is then the float32 layer's."""
 
+    input_dtype = torch.float32
+    kind = "weights=bfloat16 (float32 math)"
+
     def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
         weight = linear.weight.detach()
         if not holds_bf16_values(weight):
             raise ValueError(
                 "Bf16WeightLinear: the weight must be float32 on the CPU holding bfloat16 "
                 f"values only, got {weight.dtype} on {weight.device}"
             )
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
-        self.packed_weight = native.pack_bf16_weight(weight.to(torch.bfloat16))
-        self.bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
+        super().__init__(linear, native.pack_bf16_weight(weight.to(torch.bfloat16)))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != self.in_features:
-            raise ValueError(
-                f"Bf16WeightLinear: want float32 CPU input [..., {self.in_features}], got "
-                f"{x.dtype} {tuple(x.shape)} on {x.device}"
-            )
-        rows = x.reshape(-1, self.in_features)
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
-        out = native.bf16_weight_linear(rows, self.packed_weight, self.out_features, self.bias)
-        return out.view(*x.shape[:-1], self.out_features)
-
-    def extra_repr(self) -> str:
-        return (
-            f"in_features={self.in_features}, out_features={self.out_features}, "
-            "weights=bfloat16 (float32 math)"
-        )
+    def _run(self, rows: torch.Tensor) -> torch.Tensor:
+        return native.bf16_weight_linear(rows, self.packed_weight, self.out_features, self.bias)
 
 
 def _packed(linear: nn.Linear) -> nn.Module | None:
     weight = linear.weight
     if can_pack(weight.dtype, weight.device):
+        if native.bf16_linear_available() and not _has_amx():
+            return Bf16Linear(linear)
         return PackedLinear(linear)
     if native.bf16_weight_linear_available():
         try:  # its constructor checks that the weight holds bf16 values (one pass over it)
@@ -129,9 +190,10 @@ def _packed(linear: nn.Linear) -> nn.Module | None:
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Replace every ``nn.Linear`` in ``model`` (in place) by a ``PackedLinear`` where
-    ``can_pack`` says so for its weight, else by a ``Bf16WeightLinear`` where its float32
-    weight holds bfloat16 values and the native kernel runs; returns how many were replaced.
+    """Replace every ``nn.Linear`` in ``model`` (in place) where ``can_pack`` says so for its
+    weight by a ``Bf16Linear`` (AVX512-BF16 without AMX) or a ``PackedLinear`` (oneDNN),
+    else by a ``Bf16WeightLinear`` where its float32 weight holds bfloat16 values and the
+    native kernel runs; returns how many were replaced.
 
     The unpacked weights are dropped (a tied ``lm_head`` keeps sharing the embedding's
     tensor, which the embedding still needs), so packing does not double the memory.

@@ -1,7 +1,7 @@
 """Native CPU kernels (``kernels/csrc``): built on first use with the system C++ compiler,
 loaded with ctypes.
 
-Two CPU ops where torch and its libraries have no good fit:
+CPU ops where torch and its libraries have no good fit:
 
 - decode attention (``csrc/paged_decode.cpp``): SDPA's fused kernel pays a fixed cost per
   (sequence, head) that dwarfs the work of a three-row query against a few hundred keys, and
@@ -10,6 +10,9 @@ Two CPU ops where torch and its libraries have no good fit:
 - float32 linears with bfloat16-held weights (``csrc/linear_bf16w.cpp``) for CPUs without
   native bf16 (AVX2 + FMA): a bf16 checkpoint served in float32 there reads half the weight
   bytes per decode step; oneDNN and MKL offer no bf16-weight / fp32-compute matmul on AVX2.
+- the row-wise ops of every layer (``csrc/layer_ops.cpp``): residual add + RMSNorm, rotary
+  embedding of q and k, SiLU-and-mul; in torch each is a chain of kernels with a full pass
+  over memory and a temporary per link (about a quarter of a bf16 prefill step).
 
 The library is plain C ABI (no Python or torch headers), so it builds in about a second;
 the build is cached per source, compiler and CPU (``-march=native``) under
@@ -29,6 +32,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -36,14 +40,24 @@ import torch
 __all__ = [
     "available",
     "bf16_weight_linear",
+    "bf16_linear",
+    "bf16_linear_available",
     "bf16_weight_linear_available",
+    "pack_bf16_linear_weight",
     "pack_bf16_weight",
     "paged_decode_attention",
+    "rms_norm",
+    "rotary",
+    "silu_and_mul",
 ]
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name("csrc") / n for n in ("paged_decode.cpp", "linear_bf16w.cpp")]
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCES = [
+    _CSRC / n for n in ("paged_decode.cpp", "linear_bf16w.cpp", "linear_bf16.cpp", "layer_ops.cpp")
+]
+_HEADERS = [_CSRC / "cpu_math.h"]
 _ABI_VERSION = 1
 CACHE_ENV = "PDSERVE_KERNEL_CACHE"
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
@@ -58,6 +72,12 @@ _DECODE_ARGS += [_I64, _I64, _I32, _I32, _I32, _I32, _I32, _F32]
 _DECODE_FN = {
     torch.float32: "pdserve_paged_decode_f32",
     torch.bfloat16: "pdserve_paged_decode_bf16",
+}
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_LAYER_OPS_ARGS = {
+    "pdserve_rms_norm": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _F32],
+    "pdserve_rotary": [_P, _P, _I64, _I64, _I32, _P, _I64, _I64, _I32, _I32, _P, _P, _I64],
+    "pdserve_silu_and_mul": [_P, _I64, _I64, _I64, _P],
 }
 
 
@@ -83,7 +103,7 @@ def _build(compiler: str) -> Path:
     ).stdout
     key = hashlib.sha256(
         b"\0".join(
-            [*(src.read_bytes() for src in _SOURCES), version.encode()]
+            [*(src.read_bytes() for src in _SOURCES + _HEADERS), version.encode()]
             + [_cpu_signature().encode()]
             + [f.encode() for f in _FLAGS]
         )
@@ -131,6 +151,17 @@ def _load() -> ctypes.CDLL | None:
     lib.pdserve_pack_bf16w.restype = None
     lib.pdserve_linear_bf16w.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64]
     lib.pdserve_linear_bf16w.restype = None
+    lib.pdserve_linear_bf16_supported.restype = _I32
+    lib.pdserve_bf16_packed_words.argtypes = [_I64, _I64]
+    lib.pdserve_bf16_packed_words.restype = _I64
+    lib.pdserve_pack_bf16.argtypes = [_P, _I64, _I64, _I64, _P]
+    lib.pdserve_pack_bf16.restype = None
+    lib.pdserve_linear_bf16.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64]
+    lib.pdserve_linear_bf16.restype = None
+    for name, argtypes in _LAYER_OPS_ARGS.items():
+        for suffix in _SUFFIX.values():
+            getattr(lib, f"{name}_{suffix}").argtypes = argtypes
+            getattr(lib, f"{name}_{suffix}").restype = None
     return lib
 
 
@@ -218,35 +249,34 @@ def bf16_weight_linear_available() -> bool:
     return lib is not None and bool(lib.pdserve_linear_bf16w_supported())
 
 
-def pack_bf16_weight(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` [N, K] (CPU, bfloat16) in the kernel's panel layout: a flat int32 tensor of
-    ``ceil(N / 16) * K * 8`` words (the same bytes as the bf16 weight, padded to 16 rows)."""
+def _pack(
+    what: str, weight: torch.Tensor, available: bool, words: int, packer: str
+) -> torch.Tensor:
     if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
         raise ValueError(
-            f"pack_bf16_weight: want a 2-D CPU bfloat16 weight, got {weight.dtype} "
+            f"{what}: want a 2-D CPU bfloat16 weight, got {weight.dtype} "
             f"{tuple(weight.shape)} on {weight.device}"
         )
-    if not bf16_weight_linear_available():
-        raise RuntimeError("pack_bf16_weight: the native bf16-weight linear is unavailable")
+    if not available:
+        raise RuntimeError(f"{what}: the native kernel is unavailable on this machine")
     n, k = weight.shape
     w = weight.contiguous()
-    packed = torch.empty(-(-n // BF16W_PANEL) * k * 8, dtype=torch.int32)
-    _library().pdserve_pack_bf16w(w.data_ptr(), k, n, k, packed.data_ptr())
+    packed = torch.empty(words, dtype=torch.int32)
+    getattr(_library(), packer)(w.data_ptr(), k, n, k, packed.data_ptr())
     return packed
 
 
-def bf16_weight_linear(
-    x: torch.Tensor,  # [M, K] float32, rows contiguous
-    packed: torch.Tensor,  # from pack_bf16_weight
+def _linear(
+    fn: str,
+    x: torch.Tensor,
+    packed: torch.Tensor,
     out_features: int,
-    bias: torch.Tensor | None,  # [N] float32
-) -> torch.Tensor:  # [M, N] float32
-    """``x @ W^T + bias`` in float32 with the packed bf16 ``W``; arguments are checked by
-    ``kernels.linear.Bf16WeightLinear``, which owns the packed weight."""
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
     rows, in_features = x.shape
-    out = torch.empty((rows, out_features), dtype=torch.float32)
+    out = torch.empty((rows, out_features), dtype=x.dtype)
     if rows:
-        _library().pdserve_linear_bf16w(
+        getattr(_library(), fn)(
             x.data_ptr(),
             x.stride(0),
             rows,
@@ -257,4 +287,150 @@ def bf16_weight_linear(
             out.data_ptr(),
             out.stride(0),
         )
+    return out
+
+
+def pack_bf16_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [N, K] (CPU, bfloat16) in the kernel's panel layout: a flat int32 tensor of
+    ``ceil(N / 16) * K * 8`` words (the same bytes as the bf16 weight, padded to 16 rows)."""
+    n, k = weight.shape if weight.dim() == 2 else (0, 0)
+    words = -(-n // BF16W_PANEL) * k * 8
+    return _pack(
+        "pack_bf16_weight", weight, bf16_weight_linear_available(), words, "pdserve_pack_bf16w"
+    )
+
+
+def bf16_weight_linear(
+    x: torch.Tensor,  # [M, K] float32, rows contiguous
+    packed: torch.Tensor,  # from pack_bf16_weight
+    out_features: int,
+    bias: torch.Tensor | None,  # [N] float32
+) -> torch.Tensor:  # [M, N] float32
+    """``x @ W^T + bias`` in float32 with the packed bf16 ``W``; arguments are checked by
+    ``kernels.linear.Bf16WeightLinear``, which owns the packed weight."""
+    return _linear("pdserve_linear_bf16w", x, packed, out_features, bias)
+
+
+def bf16_linear_available() -> bool:
+    """Whether ``bf16_linear`` runs here: the library loaded and was built for a CPU with
+    AVX512-BF16."""
+    lib = _library()
+    return lib is not None and bool(lib.pdserve_linear_bf16_supported())
+
+
+def pack_bf16_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [N, K] (CPU, bfloat16) in ``bf16_linear``'s layout: a flat int32 tensor
+    (input pairs interleaved in panels of 16 outputs, zero-padded; csrc/linear_bf16.cpp)."""
+    available = bf16_linear_available()
+    n, k = weight.shape if weight.dim() == 2 else (0, 0)
+    words = _library().pdserve_bf16_packed_words(n, k) if available else 0
+    return _pack("pack_bf16_linear_weight", weight, available, words, "pdserve_pack_bf16")
+
+
+def bf16_linear(
+    x: torch.Tensor,  # [M, K] bfloat16, rows contiguous
+    packed: torch.Tensor,  # from pack_bf16_linear_weight
+    out_features: int,
+    bias: torch.Tensor | None,  # [N] float32
+) -> torch.Tensor:  # [M, N] bfloat16
+    """``x @ W^T + bias`` with float32 sums rounded once to bf16; arguments are checked by
+    ``kernels.linear.Bf16Linear``, which owns the packed weight."""
+    return _linear("pdserve_linear_bf16", x, packed, out_features, bias)
+
+
+def _layer_op(name: str, *tensors: torch.Tensor) -> Callable[..., None] | None:
+    """The native ``name`` for these tensors' dtype, or None where it does not apply: the
+    library is unavailable, or the tensors are not all CPU float32/bfloat16 of one dtype
+    with a contiguous last dim."""
+    dtype = tensors[0].dtype
+    suffix = _SUFFIX.get(dtype)
+    if suffix is None or any(
+        t.dtype != dtype or t.device.type != "cpu" or (t.numel() and t.stride(-1) != 1)
+        for t in tensors
+    ):
+        return None
+    lib = _library()
+    return None if lib is None else getattr(lib, f"{name}_{suffix}")
+
+
+def rms_norm(
+    x: torch.Tensor,  # [T, H]
+    weight: torch.Tensor,  # [H]
+    eps: float,
+    residual: torch.Tensor | None,  # [T, H]
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+    """``kernels.reference.rms_norm_ref`` in one pass (the residual sum rounded to the
+    dtype, the norm in float32); None where the native op does not apply (2-D inputs only).
+    Shapes are checked by ``kernels.ops``."""
+    if x.dim() != 2 or (residual is not None and residual.dim() != 2):
+        return None
+    fn = _layer_op("pdserve_rms_norm", x, weight, *([] if residual is None else [residual]))
+    if fn is None:
+        return None
+    rows, hidden = x.shape
+    weight = weight.contiguous()
+    out = torch.empty((rows, hidden), dtype=x.dtype)
+    summed = None if residual is None else torch.empty_like(out)
+    if rows:
+        fn(
+            x.data_ptr(),
+            x.stride(0),
+            None if residual is None else residual.data_ptr(),
+            0 if residual is None else residual.stride(0),
+            None if summed is None else summed.data_ptr(),
+            weight.data_ptr(),
+            out.data_ptr(),
+            rows,
+            hidden,
+            eps,
+        )
+    return out if summed is None else (out, summed)
+
+
+def rotary(
+    rows: torch.Tensor,  # [T, D] float32: cos in the first half, sin in the second
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Neox-style rotation of q and k by each token's cos/sin row, float32 math rounded
+    once, into new contiguous tensors; None where the native op does not apply."""
+    fn = _layer_op("pdserve_rotary", q, k)
+    if fn is None or rows.dtype != torch.float32 or rows.device.type != "cpu":
+        return None
+    rows = rows.contiguous()
+    tokens, hq, d = q.shape
+    hk = k.shape[1]
+    q_out = torch.empty((tokens, hq, d), dtype=q.dtype)
+    k_out = torch.empty((tokens, hk, d), dtype=k.dtype)
+    if tokens:
+        fn(
+            rows.data_ptr(),
+            q.data_ptr(),
+            q.stride(0),
+            q.stride(1),
+            hq,
+            k.data_ptr(),
+            k.stride(0),
+            k.stride(1),
+            hk,
+            d,
+            q_out.data_ptr(),
+            k_out.data_ptr(),
+            tokens,
+        )
+    return q_out, k_out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:  # [T, 2I] -> [T, I]
+    """``silu(x[:, :I]) * x[:, I:]`` in one pass (for bfloat16 the SiLU is rounded before
+    the product, as in torch); None where the native op does not apply (2-D input only)."""
+    if x.dim() != 2 or x.shape[1] % 2:
+        return None
+    fn = _layer_op("pdserve_silu_and_mul", x)
+    if fn is None:
+        return None
+    rows, inter = x.shape[0], x.shape[1] // 2
+    out = torch.empty((rows, inter), dtype=x.dtype)
+    if rows:
+        fn(x.data_ptr(), x.stride(0), rows, inter, out.data_ptr())
     return out

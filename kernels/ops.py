@@ -26,6 +26,7 @@ __all__ = [
     "paged_decode_attention",
     "rms_norm",
     "scatter_blocks",
+    "silu_and_mul",
     "write_kv",
 ]
 
@@ -147,6 +148,15 @@ def rms_norm(
     if mod is not None:
         return mod.rms_norm_triton(x, weight, eps, residual)
     return cpu.rms_norm_cpu(x, weight, eps, residual)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+    """``silu(x[:, :I]) * x[:, I:]``: the activation of a fused gate/up projection."""
+    if x.dim() != 2 or x.shape[-1] % 2:
+        raise ValueError(f"x: expected [T, 2 * intermediate], got {tuple(x.shape)}")
+    if x.device.type == "cpu":
+        return cpu.silu_and_mul_cpu(x)
+    return reference.silu_and_mul_ref(x)
 
 
 def build_rope_cache(

@@ -15,6 +15,7 @@ import math
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 __all__ = [
     "apply_rotary_ref",
@@ -129,6 +130,12 @@ def rms_norm_ref(
     normed = (xf * torch.rsqrt(variance + eps)).to(x.dtype)
     out = (weight * normed).to(x.dtype)
     return out if residual is None else (out, x)
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:  # [..., 2I] -> [..., I]
+    """``silu(gate) * up`` of a fused gate/up projection, as HF's ``act_fn(gate) * up``."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def _rope_inv_freq(head_dim: int, base: float, rope_scaling: dict[str, Any] | None) -> torch.Tensor:

@@ -14,8 +14,10 @@ from engine.loader import resolve_dtype
 from kernels import native, ops
 from kernels import reference as R
 from kernels.linear import (
+    Bf16Linear,
     Bf16WeightLinear,
     PackedLinear,
+    _has_amx,
     can_pack,
     holds_bf16_values,
     pack_linears,
@@ -42,6 +44,53 @@ def test_packed_linear_matches_f_linear(bias: bool) -> None:
     assert packed(torch.empty(0, 96, dtype=torch.bfloat16)).shape == (0, 160)
 
 
+needs_avx512_bf16 = pytest.mark.skipif(
+    not native.bf16_linear_available(), reason="CPU without AVX512-BF16 (or no compiler)"
+)
+
+
+@needs_avx512_bf16
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(
+    ("in_features", "out_features"), [(96, 160), (33, 37), (768, 1280), (2560, 768)]
+)
+def test_bf16_linear_matches_a_float32_matmul(
+    in_features: int, out_features: int, bias: bool
+) -> None:
+    # Odd K (a zero-padded last input pair), N not a multiple of the 32-wide tile, and every
+    # row-tile shape up to 12 plus several L2 row blocks.
+    torch.manual_seed(in_features + out_features)
+    layer = nn.Linear(in_features, out_features, bias=bias).to(torch.bfloat16)
+    fast = Bf16Linear(layer)
+    w = layer.weight.double()
+    b = None if layer.bias is None else layer.bias.double()
+    for rows in (*range(1, 14), 24, 37, 300):
+        x = torch.randn(rows, in_features, dtype=torch.bfloat16)
+        want = F.linear(x.double(), w, b)
+        got = fast(x)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+        # float32 sums rounded once to bf16: within one bf16 rounding of the exact result
+        torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-3)
+        # ... and the same numbers oneDNN gives, up to the order of the float32 sums
+        torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias))
+    strided = torch.randn(5, in_features + 7, dtype=torch.bfloat16)[:, 3 : 3 + in_features]
+    torch.testing.assert_close(fast(strided), F.linear(strided, layer.weight, layer.bias))
+    x3 = torch.randn(2, 5, in_features, dtype=torch.bfloat16)  # leading dims are kept
+    assert fast(x3).shape == (2, 5, out_features)
+    assert fast(torch.empty(0, in_features, dtype=torch.bfloat16)).shape == (0, out_features)
+
+
+@needs_avx512_bf16
+def test_bf16_linear_refuses_other_dtypes() -> None:
+    with pytest.raises(ValueError, match="bfloat16"):
+        Bf16Linear(nn.Linear(8, 8))
+    fast = Bf16Linear(nn.Linear(8, 8).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="bfloat16 CPU input"):
+        fast(torch.randn(2, 8))
+    with pytest.raises(ValueError, match=r"\[\.\.\., 8\]"):
+        fast(torch.randn(2, 9, dtype=torch.bfloat16))
+
+
 @needs_bf16
 def test_pack_linears_replaces_every_linear_and_keeps_tied_embeddings() -> None:
     torch.manual_seed(0)
@@ -54,7 +103,9 @@ def test_pack_linears_replaces_every_linear_and_keeps_tied_embeddings() -> None:
     x = torch.randn(3, 32, dtype=torch.bfloat16)
     expected = F.linear(x, embed.weight)
     assert pack_linears(model) == 2
-    assert isinstance(model["proj"], PackedLinear) and isinstance(model["head"], PackedLinear)
+    # AVX512-BF16 without AMX: the native kernel; elsewhere oneDNN's packed layout.
+    kind = Bf16Linear if native.bf16_linear_available() and not _has_amx() else PackedLinear
+    assert isinstance(model["proj"], kind) and isinstance(model["head"], kind)
     assert torch.equal(model["embed"].weight, before)  # the embedding still has its table
     torch.testing.assert_close(model["head"](x), expected)
 

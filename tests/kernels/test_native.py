@@ -1,6 +1,6 @@
-"""The native CPU decode-attention kernel (kernels/csrc) against the reference, its torch
-fallback, and how it is built: cached per source/compiler/CPU, and absent (not an error)
-where it cannot be built."""
+"""The native CPU kernels (kernels/csrc: decode attention, and the layer ops RMSNorm, rotary,
+SiLU-and-mul) against the references, their torch fallbacks, and how they are built: cached
+per source/compiler/CPU, and absent (not an error) where they cannot be built."""
 
 from __future__ import annotations
 
@@ -163,3 +163,104 @@ def test_without_the_library_float32_linears_stay_on_torch(tmp_path: Path) -> No
         check=True,
     )
     assert done.stdout.split() == ["False", "0", "Linear"]
+
+
+def _ulps_apart(got: torch.Tensor, want: torch.Tensor) -> int:
+    """Largest distance in units of the last place (the bit patterns of same-sign values)."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if not got.numel():
+        return 0
+    bits = torch.int16 if got.dtype == torch.bfloat16 else torch.int32
+    return int((got.view(bits).long() - want.view(bits).long()).abs().max())
+
+
+LAYER_DTYPES = [torch.float32, torch.bfloat16]
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [0, 1, 7, 300])
+@pytest.mark.parametrize("dtype", LAYER_DTYPES, ids=str)
+def test_native_rms_norm_matches_reference(rows: int, dtype: torch.dtype) -> None:
+    torch.manual_seed(rows)
+    wide = torch.randn(rows, 1000).to(dtype)
+    x = wide[:, 100:868]  # rows of a wider tensor: a row stride other than the width
+    res = (torch.randn(rows, 768) * 3).to(dtype)
+    w = (torch.rand(768) + 0.5).to(dtype)
+    out, summed = native.rms_norm(x, w, 1e-5, res)
+    ref_out, ref_sum = R.rms_norm_ref(x, w, 1e-5, res)
+    assert torch.equal(summed, ref_sum)  # the residual stream is exactly torch's sum
+    # The float32 sum of squares is taken in another order, so the scale can differ in its
+    # last bit, and a normalised value one rounding (then the weight product another) apart.
+    plain = native.rms_norm(x, w, 1e-5, None)
+    for got, want in ((out, ref_out), (plain, R.rms_norm_ref(x, w, 1e-5))):
+        assert _ulps_apart(got, want) <= (2 if dtype == torch.bfloat16 else 4)
+        if dtype == torch.bfloat16 and rows:
+            assert (got != want).float().mean() < 0.01
+    assert not res.isnan().any()  # inputs untouched: outputs are fresh tensors
+    assert torch.equal(wide[:, 100:868], x)
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [0, 1, 7, 300])
+@pytest.mark.parametrize("dtype", LAYER_DTYPES, ids=str)
+def test_native_rotary_is_bitwise_the_reference(rows: int, dtype: torch.dtype) -> None:
+    torch.manual_seed(rows)
+    q_size, kv_size = 12 * 64, 4 * 64
+    qkv = torch.randn(rows, q_size + 2 * kv_size).to(dtype)  # q and k are views into it
+    q, k, _ = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q, k = q.view(rows, 12, 64), k.view(rows, 4, 64)
+    cache = R.build_rope_cache_ref(64, 4096, 500000.0, None, torch.float32, "cpu")
+    pos = torch.randint(0, 4096, (rows,))
+    rotated = native.rotary(cache[pos], q, k)
+    assert rotated is not None
+    for got, want in zip(rotated, R.apply_rotary_ref(pos, q, k, cache), strict=True):
+        assert got.is_contiguous() and got.dtype == dtype
+        assert torch.equal(got, want)  # the same float32 products and sums, one rounding
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [0, 1, 7, 300])
+@pytest.mark.parametrize("dtype", LAYER_DTYPES, ids=str)
+def test_native_silu_and_mul_matches_reference(rows: int, dtype: torch.dtype) -> None:
+    torch.manual_seed(rows)
+    x = (torch.randn(rows, 2 * 2560) * 6).to(dtype)  # deep into both tails of the sigmoid
+    x[:1, :4] = torch.tensor([0.0, -100.0, 100.0, -0.0])
+    got = native.silu_and_mul(x)
+    want = R.silu_and_mul_ref(x)
+    if dtype == torch.bfloat16:
+        assert _ulps_apart(got, want) <= 1  # SiLU's exp differs from torch's in the last bit
+        assert (got != want).float().mean() < 0.01 if rows else True
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_layer_ops_leave_what_they_cannot_take_to_torch() -> None:
+    half = torch.randn(4, 64, dtype=torch.float16)
+    assert native.silu_and_mul(half) is None
+    assert native.rms_norm(half, torch.ones(64, dtype=torch.float16), 1e-6, None) is None
+    assert native.silu_and_mul(torch.randn(2, 3, 64)) is None  # 2-D only
+    mixed = native.rms_norm(torch.randn(4, 64), torch.ones(64, dtype=torch.bfloat16), 1e-6, None)
+    assert mixed is None  # weight of another dtype
+
+
+@pytest.mark.parametrize("dtype", LAYER_DTYPES, ids=str)
+def test_layer_ops_torch_fallback_matches_reference(monkeypatch, dtype) -> None:
+    # Machines without a compiler keep the torch paths of kernels/cpu.py.
+    monkeypatch.setattr(native, "available", lambda: False)
+    for name in ("rms_norm", "rotary", "silu_and_mul"):
+        monkeypatch.setattr(native, name, lambda *a: None)
+    torch.manual_seed(3)
+    x, res = torch.randn(9, 256).to(dtype), torch.randn(9, 256).to(dtype)
+    w = torch.randn(256).to(dtype)
+    for got, want in zip(
+        cpu.rms_norm_cpu(x, w, 1e-6, res), R.rms_norm_ref(x, w, 1e-6, res), strict=True
+    ):
+        assert _ulps_apart(got, want) <= (2 if dtype == torch.bfloat16 else 4)
+    cache = R.build_rope_cache_ref(64, 100, 10000.0, None, torch.float32, "cpu")
+    pos, q, k = torch.arange(9), torch.randn(9, 4, 64).to(dtype), torch.randn(9, 2, 64).to(dtype)
+    for got, want in zip(
+        cpu.apply_rotary_cpu(pos, q, k, cache), R.apply_rotary_ref(pos, q, k, cache), strict=True
+    ):
+        assert torch.equal(got, want)
+    g = torch.randn(9, 512).to(dtype)
+    torch.testing.assert_close(cpu.silu_and_mul_cpu(g), R.silu_and_mul_ref(g))

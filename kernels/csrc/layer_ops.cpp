@@ -1,0 +1,133 @@
+// The row-wise ops of every decoder layer, one pass over memory each, for CPUs:
+//
+// - RMSNorm with the residual add fused in (the sum rounded to the model dtype, as torch's
+//   add would store it; the norm in float32; for bfloat16 the normalised value is rounded
+//   before the weight multiply, as in HF Llama);
+// - neox-style rotary embedding of q and k (float32 math, rounded once per element);
+// - SiLU-and-mul of the fused gate/up projection (for bfloat16: SiLU rounded, then the
+//   product rounded, as torch's F.silu(gate) * up computes it).
+//
+// In torch each of these is several kernels, each a full pass over a [T, H] tensor with a
+// temporary in between; at prefill sizes those passes cost about a quarter of a step. Rows
+// are split over the OpenMP threads of the calling process (torch's runtime) when there is
+// enough work; decode-sized inputs run on the calling thread. Plain C ABI, loaded by
+// kernels/native.py; the inner loops are portable code that the compiler vectorizes.
+
+#include <cmath>
+#include <cstdint>
+
+#include <omp.h>
+
+#include "cpu_math.h"
+
+// No fused multiply-adds in this file: each product and sum is rounded as torch rounds
+// its separate kernels, so the rotary embedding is bitwise the reference's.
+#pragma GCC optimize("fp-contract=off")
+
+namespace {
+
+using pdserve::exp_nonpositive;
+using pdserve::from_f32;
+using pdserve::round_to;
+using pdserve::to_f32;
+
+constexpr int64_t kParallelElems = 1 << 16;  // below this, one thread: waking others costs more
+
+template <typename T>
+void rms_norm(const T* x, int64_t x_stride, const T* res, int64_t res_stride, T* sum_out,
+              const T* weight, T* out, int64_t rows, int64_t h, float eps) {
+#pragma omp parallel for schedule(static) if (rows * h >= kParallelElems)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * x_stride;
+    T* o = out + r * h;
+    float ss = 0.0f;
+    if (res != nullptr) {
+      const T* rr = res + r * res_stride;
+      T* s = sum_out + r * h;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < h; ++i) {
+        const float v = round_to<T>(to_f32(xr[i]) + to_f32(rr[i]));
+        from_f32(v, &s[i]);
+        ss += v * v;
+      }
+      xr = s;
+    } else {
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < h; ++i) {
+        const float v = to_f32(xr[i]);
+        ss += v * v;
+      }
+    }
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(h) + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < h; ++i) {
+      const float normed = round_to<T>(to_f32(xr[i]) * inv);
+      from_f32(to_f32(weight[i]) * normed, &o[i]);
+    }
+  }
+}
+
+template <typename T>
+inline void rotate_head(const T* x, const float* cos, const float* sin, int half, T* o) {
+#pragma omp simd
+  for (int i = 0; i < half; ++i) {
+    const float x1 = to_f32(x[i]), x2 = to_f32(x[i + half]);
+    from_f32(x1 * cos[i] - x2 * sin[i], &o[i]);
+    from_f32(x2 * cos[i] + x1 * sin[i], &o[i + half]);
+  }
+}
+
+template <typename T>
+void rotary(const float* rows, const T* q, int64_t q_tok, int64_t q_head, int hq, const T* k,
+            int64_t k_tok, int64_t k_head, int hk, int d, T* q_out, T* k_out, int64_t tokens) {
+  const int half = d / 2;
+#pragma omp parallel for schedule(static) if (tokens * (hq + hk) * d >= kParallelElems)
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* cos = rows + t * d;
+    const float* sin = cos + half;
+    for (int h = 0; h < hq; ++h)
+      rotate_head(q + t * q_tok + h * q_head, cos, sin, half, q_out + (t * hq + h) * d);
+    for (int h = 0; h < hk; ++h)
+      rotate_head(k + t * k_tok + h * k_head, cos, sin, half, k_out + (t * hk + h) * d);
+  }
+}
+
+template <typename T>
+inline void silu_and_mul_row(const T* gate, const T* up, int64_t n, T* out) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = to_f32(gate[i]);
+    const float e = exp_nonpositive(-std::fabs(g));  // sigmoid without overflow
+    const float sigmoid = (g >= 0.0f ? 1.0f : e) / (1.0f + e);
+    from_f32(round_to<T>(g * sigmoid) * to_f32(up[i]), &out[i]);
+  }
+}
+
+template <typename T>
+void silu_and_mul(const T* x, int64_t x_stride, int64_t rows, int64_t inter, T* out) {
+#pragma omp parallel for schedule(static) if (rows * inter >= kParallelElems)
+  for (int64_t r = 0; r < rows; ++r)
+    silu_and_mul_row(x + r * x_stride, x + r * x_stride + inter, inter, out + r * inter);
+}
+
+}  // namespace
+
+#define PDSERVE_LAYER_OPS(SUFFIX, T)                                                          \
+  extern "C" void pdserve_rms_norm_##SUFFIX(const T* x, int64_t x_stride, const T* res,       \
+                                            int64_t res_stride, T* sum_out, const T* weight,  \
+                                            T* out, int64_t rows, int64_t h, float eps) {     \
+    rms_norm<T>(x, x_stride, res, res_stride, sum_out, weight, out, rows, h, eps);            \
+  }                                                                                           \
+  extern "C" void pdserve_rotary_##SUFFIX(const float* rows, const T* q, int64_t q_tok,       \
+                                          int64_t q_head, int hq, const T* k, int64_t k_tok,  \
+                                          int64_t k_head, int hk, int d, T* q_out, T* k_out,  \
+                                          int64_t tokens) {                                   \
+    rotary<T>(rows, q, q_tok, q_head, hq, k, k_tok, k_head, hk, d, q_out, k_out, tokens);     \
+  }                                                                                           \
+  extern "C" void pdserve_silu_and_mul_##SUFFIX(const T* x, int64_t x_stride, int64_t rows,   \
+                                                int64_t inter, T* out) {                      \
+    silu_and_mul<T>(x, x_stride, rows, inter, out);                                           \
+  }
+
+PDSERVE_LAYER_OPS(f32, float)
+PDSERVE_LAYER_OPS(bf16, uint16_t)
