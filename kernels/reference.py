@@ -25,6 +25,7 @@ __all__ = [
     "paged_decode_attention_ref",
     "rms_norm_ref",
     "scatter_blocks_ref",
+    "silu_and_mul_ref",
     "write_kv_ref",
 ]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import cpu, native
+from kernels import cpu, native, ops
 from kernels import reference as R
 from tests.kernels.cases import ATTN_TOL, assert_close, make_batch
 
@@ -232,6 +232,13 @@ def test_native_silu_and_mul_matches_reference(rows: int, dtype: torch.dtype) ->
         assert (got != want).float().mean() < 0.01 if rows else True
     else:
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_silu_and_mul_rejects_a_bad_shape() -> None:
+    with pytest.raises(ValueError, match="x: expected"):
+        ops.silu_and_mul(torch.randn(4, 7))
+    with pytest.raises(ValueError, match="x: expected"):
+        ops.silu_and_mul(torch.randn(8))
 
 
 def test_layer_ops_leave_what_they_cannot_take_to_torch() -> None:
