@@ -455,11 +455,10 @@ def rms_norm_cpu(
     return out if residual is None else (out, x)
 
 
-def _rope_rows(
-    positions: torch.Tensor, cos_sin_cache: torch.Tensor
+def _rope_halves(
+    rows: torch.Tensor,  # [T, D] float32 cos/sin rows of a step's positions
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [T, 1, D] cos, [T, 1, D] sin with the sign of each half
-    half = cos_sin_cache.shape[-1] // 2
-    rows = cos_sin_cache[positions.to(cos_sin_cache.device, torch.int64)].float()  # [T, D]
+    half = rows.shape[-1] // 2
     cos, sin = rows[:, :half], rows[:, half:]
     return torch.cat([cos, cos], -1)[:, None], torch.cat([-sin, sin], -1)[:, None]
 
@@ -474,18 +473,15 @@ def apply_rotary_cpu(
     built, else as ``x * [cos, cos] + [x2, x1] * [-sin, sin]`` (the same products and sums
     as the reference, so the same rounding); the rows of a step are gathered once for all
     layers."""
-    if native.available():
-        rows = _per_step(
-            "rope-rows",
-            (positions, cos_sin_cache),
-            lambda: cos_sin_cache[positions.to(cos_sin_cache.device, torch.int64)].float(),
-        )
-        rotated = native.rotary(rows, q, k)
-        if rotated is not None:
-            return rotated
-    cos, sin = _per_step(
-        "rope", (positions, cos_sin_cache), lambda: _rope_rows(positions, cos_sin_cache)
-    )
+    rows = _per_step(
+        "rope-rows",
+        (positions, cos_sin_cache),
+        lambda: cos_sin_cache[positions.to(cos_sin_cache.device, torch.int64)].float(),
+    )  # [T, D]: cos in the first half, sin in the second
+    rotated = native.rotary(rows, q, k)
+    if rotated is not None:
+        return rotated
+    cos, sin = _per_step("rope", (rows,), lambda: _rope_halves(rows))
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

@@ -252,7 +252,11 @@ def bf16_weight_linear_available() -> bool:
 
 
 def _pack(
-    what: str, weight: torch.Tensor, available: bool, words: int, packer: str
+    what: str,
+    weight: torch.Tensor,
+    available: bool,
+    words: Callable[[int, int], int],  # packed int32 words of an [N, K] weight
+    packer: str,
 ) -> torch.Tensor:
     if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
         raise ValueError(
@@ -263,7 +267,7 @@ def _pack(
         raise RuntimeError(f"{what}: the native kernel is unavailable on this machine")
     n, k = weight.shape
     w = weight.contiguous()
-    packed = torch.empty(words, dtype=torch.int32)
+    packed = torch.empty(words(n, k), dtype=torch.int32)
     getattr(_library(), packer)(w.data_ptr(), k, n, k, packed.data_ptr())
     return packed
 
@@ -295,10 +299,12 @@ def _linear(
 def pack_bf16_weight(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` [N, K] (CPU, bfloat16) in the kernel's panel layout: a flat int32 tensor of
     ``ceil(N / 16) * K * 8`` words (the same bytes as the bf16 weight, padded to 16 rows)."""
-    n, k = weight.shape if weight.dim() == 2 else (0, 0)
-    words = -(-n // BF16W_PANEL) * k * 8
     return _pack(
-        "pack_bf16_weight", weight, bf16_weight_linear_available(), words, "pdserve_pack_bf16w"
+        "pack_bf16_weight",
+        weight,
+        bf16_weight_linear_available(),
+        lambda n, k: -(-n // BF16W_PANEL) * k * 8,
+        "pdserve_pack_bf16w",
     )
 
 
@@ -323,10 +329,13 @@ def bf16_linear_available() -> bool:
 def pack_bf16_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` [N, K] (CPU, bfloat16) in ``bf16_linear``'s layout: a flat int32 tensor
     (input pairs interleaved in panels of 16 outputs, zero-padded; csrc/linear_bf16.cpp)."""
-    available = bf16_linear_available()
-    n, k = weight.shape if weight.dim() == 2 else (0, 0)
-    words = _library().pdserve_bf16_packed_words(n, k) if available else 0
-    return _pack("pack_bf16_linear_weight", weight, available, words, "pdserve_pack_bf16")
+    return _pack(
+        "pack_bf16_linear_weight",
+        weight,
+        bf16_linear_available(),
+        lambda n, k: _library().pdserve_bf16_packed_words(n, k),
+        "pdserve_pack_bf16",
+    )
 
 
 def bf16_linear(
