@@ -135,6 +135,21 @@ class PoolConfig(_Strict):
             "a CPU list such as '2-3'. Bound replicas run at most one torch thread per CPU."
         ),
     )
+    helper_threads: int = Field(
+        default=0,
+        ge=0,
+        description=(
+            "CPU engines bound to their CPUs: OpenMP threads added on the process's other "
+            "(shared) CPUs, niced, for steps of at least helper_min_tokens tokens. On a "
+            "small node they turn the serving CPUs' idle time into prefill compute; the "
+            "linears hand out work dynamically, so a preempted helper costs little. 0 = none."
+        ),
+    )
+    helper_min_tokens: int = Field(
+        default=32,
+        ge=1,
+        description="Smallest step (in tokens) that the helper threads join.",
+    )
     max_ongoing_requests: int = Field(
         default=64, ge=1, description="Serve's per-replica cap on in-flight requests."
     )

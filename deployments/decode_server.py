@@ -33,11 +33,11 @@ from deployments import tracing
 from deployments.config import AppConfig
 from deployments.engine_factory import (
     EngineFactory,
-    EngineHooks,
     cached_prefix_tokens,
     check_engine_integrity,
     default_engine_factory,
     engine_config,
+    pool_hooks,
 )
 from deployments.load import Ema, decode_autoscaling_stats, replica_stats
 from deployments.messages import (
@@ -103,7 +103,7 @@ class DecodeServer:
         factory = engine_factory or default_engine_factory
         self.engine = factory(
             engine_config(self.cfg, "decode", model_dir),
-            EngineHooks("decode", kv_cache_allocator=allocator, cpu_affinity=cpus),
+            pool_hooks(self.cfg, "decode", cpus, kv_cache_allocator=allocator),
         )
         llm = self.engine.engine
         self.block_size: int = llm.block_size
@@ -330,6 +330,7 @@ class DecodeServer:
             pending_transfers=self.receiver.pending(),
             num_streams=self._open_streams,
             engine_cpus=list(getattr(self.engine, "cpu_affinity", ())),
+            helper_cpus=list(getattr(self.engine, "helper_cpus", ())),
         )
 
     def shutdown(self) -> None:

@@ -28,9 +28,23 @@ class EngineHooks:
     kv_cache_allocator: Any = None  # KVCacheAllocator: the decode pool's shared-memory pool
     kv_connector: KVConnector | None = None  # the prefill side's KV sender
     cpu_affinity: tuple[int, ...] = ()  # CPUs the engine thread binds to; () = unbound
+    helper_threads: int = 0  # OpenMP helpers on the process's other CPUs (bound engines)
+    helper_min_tokens: int = 32  # smallest step the helpers join
 
 
 EngineFactory = Callable[[EngineConfig, EngineHooks], Any]
+
+
+def pool_hooks(cfg: AppConfig, role: PoolRole, cpus: tuple[int, ...], **hooks: Any) -> EngineHooks:
+    """A pool's hooks: its role's pieces (``hooks``) plus the CPU settings of its config."""
+    pool = cfg.pool(role)
+    return EngineHooks(
+        role,
+        cpu_affinity=cpus,
+        helper_threads=pool.helper_threads,
+        helper_min_tokens=pool.helper_min_tokens,
+        **hooks,
+    )
 
 
 def default_engine_factory(config: EngineConfig, hooks: EngineHooks) -> Any:
@@ -40,7 +54,12 @@ def default_engine_factory(config: EngineConfig, hooks: EngineHooks) -> Any:
     llm = LLMEngine(
         config, kv_cache_allocator=hooks.kv_cache_allocator, kv_connector=hooks.kv_connector
     )
-    return AsyncLLMEngine(llm, cpu_affinity=hooks.cpu_affinity)
+    return AsyncLLMEngine(
+        llm,
+        cpu_affinity=hooks.cpu_affinity,
+        helper_threads=hooks.helper_threads,
+        helper_min_tokens=hooks.helper_min_tokens,
+    )
 
 
 def engine_config(cfg: AppConfig, role: PoolRole, model_dir: str) -> EngineConfig:

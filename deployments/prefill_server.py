@@ -22,10 +22,10 @@ from deployments import tracing
 from deployments.config import AppConfig
 from deployments.engine_factory import (
     EngineFactory,
-    EngineHooks,
     check_engine_integrity,
     default_engine_factory,
     engine_config,
+    pool_hooks,
 )
 from deployments.load import RateMeter, prefill_autoscaling_stats, replica_stats
 from deployments.messages import PrefillRequest, PrefillResponse
@@ -104,7 +104,7 @@ class PrefillServer:
         factory = engine_factory or default_engine_factory
         self.engine = factory(
             engine_config(self.cfg, "prefill", model_dir),
-            EngineHooks("prefill", kv_connector=late, cpu_affinity=cpus),
+            pool_hooks(self.cfg, "prefill", cpus, kv_connector=late),
         )
         llm = self.engine.engine
         self.layout = engine_layout(llm)
@@ -211,6 +211,7 @@ class PrefillServer:
             num_total_blocks=stats.num_total_blocks,
             pending_transfers=self.sender.open_handles(),
             engine_cpus=list(getattr(self.engine, "cpu_affinity", ())),
+            helper_cpus=list(getattr(self.engine, "helper_cpus", ())),
         )
 
     def actor_name(self) -> str | None:

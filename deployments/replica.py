@@ -34,6 +34,9 @@ class IntegrityReport(BaseModel):
     engine_cpus: list[int] = Field(
         default_factory=list, description="CPUs the engine thread is bound to; [] = unbound."
     )
+    helper_cpus: list[int] = Field(
+        default_factory=list, description="CPUs of the engine's helper threads; [] = none."
+    )
 
     @property
     def idle(self) -> bool:

@@ -15,6 +15,9 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Collection
+from dataclasses import dataclass
+
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -92,3 +95,25 @@ def current_thread_cpus() -> tuple[int, ...]:
     if hasattr(os, "sched_getaffinity"):
         return tuple(sorted(os.sched_getaffinity(0)))
     return tuple(range(os.cpu_count() or 1))
+
+
+# Niceness of helper threads: a serving thread of the shared CPUs that wakes up preempts
+# them at once, so they use only the time those CPUs would otherwise idle.
+HELPER_NICE = 10
+
+
+@dataclass
+class StepThreads:
+    """Intra-op threads per engine step: ``base`` (the bound CPUs' threads) for small
+    steps, ``total`` (with the helpers on the shared CPUs) for steps of at least
+    ``min_tokens`` tokens, where compute, not memory, sets the step's time."""
+
+    base: int
+    total: int
+    min_tokens: int
+
+    def apply(self, num_tokens: int) -> int:
+        want = self.total if num_tokens >= self.min_tokens else self.base
+        if torch.get_num_threads() != want:
+            torch.set_num_threads(want)
+        return want

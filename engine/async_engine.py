@@ -7,7 +7,10 @@ go back to each request's ``asyncio.Queue`` through ``loop.call_soon_threadsafe`
 
 With ``cpu_affinity`` the engine thread binds itself to those CPUs before its first step,
 so it and the OpenMP workers torch starts from it compute there, while the event loop and
-every other thread of the process stay where they were (``engine.affinity``).
+every other thread of the process stay where they were (``engine.affinity``). With
+``helper_threads`` as well, that many more OpenMP threads are bound to the process's other
+CPUs (the node's shared ones), niced, and join only steps of at least ``helper_min_tokens``
+tokens: on a small CPU node they put the serving CPUs' idle time into prefill.
 
 A consumer that stops iterating (client disconnect, task cancellation) aborts its request,
 which frees its KV blocks. If a step raises, every stream gets the error and later calls
@@ -26,7 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from engine.affinity import bind_current_thread
+import torch
+
+from engine.affinity import HELPER_NICE, StepThreads, bind_current_thread, current_thread_cpus
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput, TokenLogprob, merge_outputs
 from engine.sampling_params import SamplingParams
@@ -61,11 +66,25 @@ class _Stream:
 class AsyncLLMEngine:
     """Owns an LLMEngine and the thread that steps it."""
 
-    def __init__(self, engine: LLMEngine, *, cpu_affinity: Sequence[int] | None = None) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        *,
+        cpu_affinity: Sequence[int] | None = None,
+        helper_threads: int = 0,
+        helper_min_tokens: int = 32,
+    ) -> None:
+        if helper_threads < 0:
+            raise ValueError(f"helper_threads must be >= 0, got {helper_threads}")
+        if helper_min_tokens < 1:
+            raise ValueError(f"helper_min_tokens must be >= 1, got {helper_min_tokens}")
         self.engine = engine
         self._cpu_affinity = tuple(sorted(set(cpu_affinity))) if cpu_affinity else ()
+        self._helper_threads = helper_threads
+        self._helper_min_tokens = helper_min_tokens
         self._bound = threading.Event()  # set once the thread tried to bind (bound or not)
         self._bound_cpus: tuple[int, ...] = ()
+        self._helper_cpus: tuple[int, ...] = ()
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}  # touched only on the engine thread
         self._stats = engine.stats()
@@ -76,9 +95,20 @@ class AsyncLLMEngine:
 
     @classmethod
     def from_pretrained(
-        cls, model_dir: str | Path, *, cpu_affinity: Sequence[int] | None = None, **kwargs: Any
+        cls,
+        model_dir: str | Path,
+        *,
+        cpu_affinity: Sequence[int] | None = None,
+        helper_threads: int = 0,
+        helper_min_tokens: int = 32,
+        **kwargs: Any,
     ) -> AsyncLLMEngine:
-        return cls(LLMEngine.from_pretrained(model_dir, **kwargs), cpu_affinity=cpu_affinity)
+        return cls(
+            LLMEngine.from_pretrained(model_dir, **kwargs),
+            cpu_affinity=cpu_affinity,
+            helper_threads=helper_threads,
+            helper_min_tokens=helper_min_tokens,
+        )
 
     # ------------------------------------------------------------------ public API
     @property
@@ -94,6 +124,12 @@ class AsyncLLMEngine:
         """The CPUs the engine thread is bound to; () when unbound."""
         self._bound.wait(5.0)
         return self._bound_cpus
+
+    @property
+    def helper_cpus(self) -> tuple[int, ...]:
+        """The CPUs the helper threads are bound to; () when there are none."""
+        self._bound.wait(5.0)
+        return self._helper_cpus
 
     def stats(self) -> EngineStats:
         """The snapshot taken after the latest step or command (never blocks)."""
@@ -266,8 +302,11 @@ class AsyncLLMEngine:
             del self._streams[request_id]
 
     def _run(self) -> None:
+        process_cpus = current_thread_cpus()  # inherited: the process's (shared) CPUs
         if self._cpu_affinity and bind_current_thread(self._cpu_affinity):
             self._bound_cpus = self._cpu_affinity
+            if self._helper_threads:
+                self._start_helpers(process_cpus)
         self._bound.set()
         blocked = False  # the last step could schedule nothing: don't spin on it
         try:
@@ -289,6 +328,32 @@ class AsyncLLMEngine:
             logger.exception("engine loop died")
             self._error = exc
             self._fail_all(EngineDeadError(f"engine loop stopped: {exc!r}"))
+
+    def _start_helpers(self, process_cpus: tuple[int, ...]) -> None:
+        """Bind ``helper_threads`` OpenMP threads to the CPUs the engine thread gave up."""
+        from kernels import native
+
+        shared = tuple(c for c in process_cpus if c not in self._bound_cpus)
+        if not shared:
+            logger.info("no CPUs outside the engine's for helper threads; none started")
+            return
+        base = max(1, min(torch.get_num_threads(), len(self._bound_cpus)))
+        total = base + self._helper_threads
+        torch.set_num_threads(total)
+        sets = [self._bound_cpus] * base + [shared] * self._helper_threads
+        ok = native.bind_omp_team(sets, helper_nice=HELPER_NICE)
+        torch.set_num_threads(base)
+        if not ok:
+            logger.warning("could not bind helper threads (no native kernels?); none used")
+            return
+        self._helper_cpus = shared
+        self.engine.step_threads = StepThreads(base, total, self._helper_min_tokens)
+        logger.info(
+            "%d helper thread(s) on CPUs %s for steps of >= %d tokens",
+            self._helper_threads,
+            ",".join(map(str, shared)),
+            self._helper_min_tokens,
+        )
 
     def _run_commands(self, wait: float) -> None:
         """Run queued commands, waiting up to ``wait`` seconds for the first one."""

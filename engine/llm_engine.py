@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from engine.affinity import StepThreads
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_connector import KVConnector
@@ -89,6 +90,8 @@ class LLMEngine:
         # Tokens the latest step computed (0: the queue is blocked, e.g. waiting for blocks
         # held by remote reservations or in-flight KV sends).
         self.last_step_num_tokens = 0
+        # Set by AsyncLLMEngine when it starts helper threads: threads per step by its size.
+        self.step_threads: StepThreads | None = None
 
     @classmethod
     def from_pretrained(
@@ -250,6 +253,8 @@ class LLMEngine:
         sampled: dict[str, SampledTokenLike] = {}
         sends_done: list[str] = []
         if out.chunks:
+            if self.step_threads is not None:
+                self.step_threads.apply(out.num_batched_tokens)
             start = time.perf_counter()
             # The runner calls connector.begin_step(out.kv_sends) and layer_computed();
             # the engine collects finished sends after the forward pass.

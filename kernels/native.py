@@ -15,6 +15,9 @@ CPU ops where torch and its libraries have no good fit:
 - the row-wise ops of every layer (``csrc/layer_ops.cpp``): residual add + RMSNorm, rotary
   embedding of q and k, SiLU-and-mul; in torch each is a chain of kernels with a full pass
   over memory and a temporary per link (about 15% of a 2048-token bf16 prefill step).
+- binding an engine thread's OpenMP team thread by thread (``csrc/omp_team.cpp``): helper
+  threads on a node's shared CPUs (``engine.affinity.StepThreads``); torch can only set a
+  thread count, and OpenMP's places bind a whole process.
 
 The library is plain C ABI (no Python or torch headers), so it builds in about a second;
 the build is cached per source, compiler and CPU (``-march=native``) under
@@ -34,13 +37,14 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 import torch
 
 __all__ = [
     "available",
+    "bind_omp_team",
     "bf16_weight_linear",
     "bf16_linear",
     "bf16_linear_available",
@@ -57,7 +61,14 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [
-    _CSRC / n for n in ("paged_decode.cpp", "linear_bf16w.cpp", "linear_bf16.cpp", "layer_ops.cpp")
+    _CSRC / n
+    for n in (
+        "paged_decode.cpp",
+        "linear_bf16w.cpp",
+        "linear_bf16.cpp",
+        "layer_ops.cpp",
+        "omp_team.cpp",
+    )
 ]
 _HEADERS = [_CSRC / "cpu_math.h"]
 _ABI_VERSION = 1
@@ -176,6 +187,8 @@ def _load() -> ctypes.CDLL | None:
         for suffix in _SUFFIX.values():
             getattr(lib, f"{name}_{suffix}").argtypes = argtypes
             getattr(lib, f"{name}_{suffix}").restype = None
+    lib.pdserve_bind_omp_team.argtypes = [_I32, _P, _P, _I32]
+    lib.pdserve_bind_omp_team.restype = _I32
     return lib
 
 
@@ -192,6 +205,27 @@ def _library() -> ctypes.CDLL | None:
 def available() -> bool:
     """Whether the native kernels built and loaded on this machine (builds on first call)."""
     return _library() is not None
+
+
+def bind_omp_team(cpu_sets: Sequence[Collection[int]], helper_nice: int = 0) -> bool:
+    """Bind the OpenMP team of the calling thread: thread i of a team of ``len(cpu_sets)``
+    to ``cpu_sets[i]`` (thread 0 is the caller), threads 1.. niced to at least
+    ``helper_nice``. The team keeps its binding for later regions of any size, torch's
+    included. Returns whether every thread bound; False without the library or on another
+    OS. Call it after ``torch.set_num_threads(len(cpu_sets))``."""
+    if not cpu_sets or any(not cpus for cpus in cpu_sets):
+        raise ValueError(f"cpu_sets: every thread needs at least one CPU, got {cpu_sets!r}")
+    lib = _library()
+    if lib is None:
+        return False
+    flat = [c for cpus in cpu_sets for c in sorted(cpus)]
+    offsets = [0]
+    for cpus in cpu_sets:
+        offsets.append(offsets[-1] + len(cpus))
+    offs = (ctypes.c_int * len(offsets))(*offsets)
+    cpus_arr = (ctypes.c_int * len(flat))(*flat)
+    bound = lib.pdserve_bind_omp_team(len(cpu_sets), offs, cpus_arr, helper_nice)
+    return bound == len(cpu_sets)
 
 
 def paged_decode_attention(

@@ -169,7 +169,9 @@ extern "C" void pdserve_linear_bf16(const uint16_t* x, int64_t ldx, int64_t M, i
   int64_t block = std::max<int64_t>(12, (256 * 1024 / 2) / std::max<int64_t>(K, 1) / 12 * 12);
   block = std::min(block, M);
   const int64_t row_blocks = (M + block - 1) / block;
-#pragma omp parallel for collapse(2) schedule(static)
+  // Dynamic: a thread that is preempted (a helper on a shared CPU, engine.affinity)
+  // holds up the step by its current chunk of panel pairs, not by a static share.
+#pragma omp parallel for collapse(2) schedule(dynamic, 2)
   for (int64_t rb = 0; rb < row_blocks; ++rb) {
     for (int64_t u = 0; u < units; ++u) {
       const int64_t r0 = rb * block, rows = std::min(block, M - r0);

@@ -140,7 +140,9 @@ extern "C" void pdserve_linear_bf16w(const float* x, int64_t ldx, int64_t M, int
   int64_t block = std::max<int64_t>(6, (192 * 1024 / 4) / std::max<int64_t>(K, 1) / 6 * 6);
   block = std::min(block, M);
   const int64_t row_blocks = (M + block - 1) / block;
-#pragma omp parallel for collapse(2) schedule(static)
+  // Dynamic: a thread that is preempted (a helper on a shared CPU, engine.affinity)
+  // holds up the step by its current chunk of panels, not by a static share.
+#pragma omp parallel for collapse(2) schedule(dynamic, 4)
   for (int64_t rb = 0; rb < row_blocks; ++rb) {
     for (int64_t p = 0; p < panels; ++p) {
       const int64_t r0 = rb * block, rows = std::min(block, M - r0);

@@ -83,6 +83,15 @@ def test_cpu_bind_is_validated() -> None:
     assert cfg.decode.cpu_bind == "0-1" and cfg.prefill.cpu_bind == "auto"
 
 
+def test_helper_threads_are_validated() -> None:
+    cfg = AppConfig.from_dict({"decode": {"helper_threads": 1, "helper_min_tokens": 64}})
+    assert (cfg.decode.helper_threads, cfg.decode.helper_min_tokens) == (1, 64)
+    assert cfg.prefill.helper_threads == 0
+    for bad in ({"helper_threads": -1}, {"helper_min_tokens": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            AppConfig.from_dict({"decode": bad})
+
+
 def test_bound_replicas_run_one_torch_thread_per_cpu() -> None:
     code = (
         "import torch; from deployments.replica import set_torch_threads as s; "

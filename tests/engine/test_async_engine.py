@@ -4,12 +4,14 @@ event loop stays responsive, and the decode-role hooks work through the async AP
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine.async_engine import AsyncLLMEngine, EngineDeadError
 from engine.llm_engine import LLMEngine
@@ -281,3 +283,83 @@ def test_engine_thread_binds_to_its_cpus_and_nothing_else_moves(tiny_model_dir: 
         assert unbound.cpu_affinity == ()
     finally:
         unbound.shutdown()
+
+
+def _thread_cpus_and_nice() -> list[tuple[frozenset[int], int]]:
+    """Every thread of this process: its CPUs and niceness."""
+    found = []
+    for name in os.listdir("/proc/self/task"):
+        tid = int(name)
+        with contextlib.suppress(OSError):  # the thread ended meanwhile
+            found.append(
+                (frozenset(os.sched_getaffinity(tid)), os.getpriority(os.PRIO_PROCESS, tid))
+            )
+    return found
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="needs thread affinity and two CPUs",
+)
+def test_helper_threads_run_big_steps_on_the_other_cpus(tiny_model_dir: Path) -> None:
+    """The engine thread keeps its CPU; a niced helper goes to the process's other CPUs and
+    joins only steps of >= helper_min_tokens tokens; the tokens are those of an engine
+    without helpers (the linears' dynamic split changes no sum)."""
+    from engine.affinity import HELPER_NICE
+    from kernels import native
+
+    if not native.available():
+        pytest.skip("no native kernels")
+    torch_threads = torch.get_num_threads()
+    before = os.sched_getaffinity(0)
+    cpu = max(before)
+    others = frozenset(before - {cpu})
+    long_prompt = list(range(5, 5 + 100))
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    def run(eng: AsyncLLMEngine) -> list[int]:
+        async def collect() -> list[RequestOutput]:
+            return [o async for o in eng.generate("long", long_prompt, params)]
+
+        return asyncio.run(collect())[-1].token_ids
+
+    def fresh() -> LLMEngine:
+        return LLMEngine.from_pretrained(
+            tiny_model_dir, num_kv_blocks=32, block_size=16, max_model_len=256, device="cpu"
+        )
+
+    plain = AsyncLLMEngine(fresh(), cpu_affinity=[cpu])
+    try:
+        want = run(plain)
+        assert plain.helper_cpus == ()
+    finally:
+        plain.shutdown()
+    eng = AsyncLLMEngine(fresh(), cpu_affinity=[cpu], helper_threads=1, helper_min_tokens=64)
+    try:
+        assert eng.cpu_affinity == (cpu,)
+        assert eng.helper_cpus == tuple(sorted(others))
+        policy = eng.engine.step_threads
+        assert policy is not None and (policy.total, policy.min_tokens) == (policy.base + 1, 64)
+        assert policy.base == 1  # one thread per bound CPU
+        assert run(eng) == want
+        threads = _thread_cpus_and_nice()
+        assert any(cpus == others and nice >= HELPER_NICE for cpus, nice in threads)
+        assert os.sched_getaffinity(0) == before  # the caller's thread did not move
+    finally:
+        eng.shutdown()
+        torch.set_num_threads(torch_threads)
+    with pytest.raises(ValueError, match="helper_threads"):
+        AsyncLLMEngine(fresh(), helper_threads=-1)
+
+
+def test_step_threads_by_step_size() -> None:
+    from engine.affinity import StepThreads
+
+    saved = torch.get_num_threads()
+    try:
+        policy = StepThreads(base=1, total=2, min_tokens=32)
+        assert policy.apply(31) == 1 and torch.get_num_threads() == 1
+        assert policy.apply(32) == 2 and torch.get_num_threads() == 2
+        assert policy.apply(1) == 1 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(saved)

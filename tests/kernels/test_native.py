@@ -279,3 +279,10 @@ def test_layer_ops_torch_fallback_matches_reference(monkeypatch, dtype) -> None:
         assert torch.equal(got, want)
     g = torch.randn(9, 512).to(dtype)
     torch.testing.assert_close(cpu.silu_and_mul_cpu(g), R.silu_and_mul_ref(g))
+
+
+def test_bind_omp_team_needs_cpus_for_every_thread() -> None:
+    with pytest.raises(ValueError, match="cpu_sets"):
+        native.bind_omp_team([(0,), ()])
+    with pytest.raises(ValueError, match="cpu_sets"):
+        native.bind_omp_team([])
