@@ -339,10 +339,9 @@ class AsyncLLMEngine:
             return
         base = max(1, min(torch.get_num_threads(), len(self._bound_cpus)))
         total = base + self._helper_threads
-        torch.set_num_threads(total)
+        torch.set_num_threads(base)
         sets = [self._bound_cpus] * base + [shared] * self._helper_threads
         ok = native.bind_omp_team(sets, helper_nice=HELPER_NICE)
-        torch.set_num_threads(base)
         if not ok:
             logger.warning("could not bind helper threads (no native kernels?); none used")
             return

@@ -212,7 +212,7 @@ def bind_omp_team(cpu_sets: Sequence[Collection[int]], helper_nice: int = 0) -> 
     to ``cpu_sets[i]`` (thread 0 is the caller), threads 1.. niced to at least
     ``helper_nice``. The team keeps its binding for later regions of any size, torch's
     included. Returns whether every thread bound; False without the library or on another
-    OS. Call it after ``torch.set_num_threads(len(cpu_sets))``."""
+    OS. The region asks for its own team size: torch's thread count is left as it was."""
     if not cpu_sets or any(not cpus for cpus in cpu_sets):
         raise ValueError(f"cpu_sets: every thread needs at least one CPU, got {cpu_sets!r}")
     lib = _library()

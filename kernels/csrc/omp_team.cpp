@@ -31,19 +31,17 @@ extern "C" int pdserve_bind_omp_team(int n, const int* offsets, const int* cpus,
   {
     const int t = omp_get_thread_num();
     if (t == 0) size = omp_get_num_threads();
-    if (t < n) {
-      cpu_set_t set;
-      CPU_ZERO(&set);
-      for (int i = offsets[t]; i < offsets[t + 1]; ++i) CPU_SET(cpus[i], &set);
-      const bool ok = sched_setaffinity(0, sizeof set, &set) == 0;
-      if (ok && t > 0 && helper_nice > 0) {
-        const id_t tid = static_cast<id_t>(syscall(SYS_gettid));
-        errno = 0;
-        const int nice = getpriority(PRIO_PROCESS, tid);
-        if (errno == 0 && nice < helper_nice) setpriority(PRIO_PROCESS, tid, helper_nice);
-      }
-      bound += ok ? 1 : 0;
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    for (int i = offsets[t]; i < offsets[t + 1]; ++i) CPU_SET(cpus[i], &set);
+    const bool ok = sched_setaffinity(0, sizeof set, &set) == 0;
+    if (ok && t > 0 && helper_nice > 0) {
+      const id_t tid = static_cast<id_t>(syscall(SYS_gettid));
+      errno = 0;
+      const int nice = getpriority(PRIO_PROCESS, tid);
+      if (errno == 0 && nice < helper_nice) setpriority(PRIO_PROCESS, tid, helper_nice);
     }
+    bound += ok ? 1 : 0;
   }
   return size == n ? bound : -1;
 }
