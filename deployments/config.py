@@ -221,7 +221,13 @@ class TransportConfig(_Strict):
         ),
     )
     timeout_s: float = Field(
-        default=10.0, gt=0, description="Deadline of one transfer; past it decode recomputes."
+        default=10.0,
+        gt=0,
+        description=(
+            "Slack of a remote prefill past its predicted completion (queue ahead on the "
+            "prefill pool + compute + transfer, as the decode replica measures them); past "
+            "it decode recomputes the prompt locally."
+        ),
     )
     connect_timeout_s: float = Field(
         default=10.0, gt=0, description="Bound on connecting to a peer (incl. group setup)."

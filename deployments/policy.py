@@ -46,9 +46,11 @@ class Decision:
 class RemotePrefillEstimator:
     """Running estimate of a remote prefill's latency, from this replica's own calls.
 
-    latency(tokens) = overhead_s + (in_flight_tokens + tokens) / prefill_rate, where the
-    overhead (RPC, queueing at the router, transfer tail) and the prefill rate are
-    exponential moving averages of what ``observe`` was told.
+    latency(tokens) = overhead_s + (in_flight_tokens + tokens) / tokens_per_s: the prompts
+    this replica already sent ahead, then this one, at the prefill replicas' compute rate
+    (their engines' measured prefill tokens/s, reported with each answer); the overhead
+    (RPC, queueing behind other replicas' prompts, transfer tail) is what the observed
+    latencies add on top. Both are exponential moving averages.
     """
 
     def __init__(self, default_tokens_per_s: float, alpha: float = 0.3) -> None:
@@ -62,18 +64,27 @@ class RemotePrefillEstimator:
         self.in_flight_tokens = 0
         self.num_observed = 0
 
-    def started(self, num_tokens: int) -> None:
+    def started(self, num_tokens: int) -> int:
+        """Count a prompt as in flight; returns the tokens that were in flight before it."""
+        ahead = self.in_flight_tokens
         self.in_flight_tokens += num_tokens
+        return ahead
 
     def finished(self, num_tokens: int) -> None:
         self.in_flight_tokens = max(0, self.in_flight_tokens - num_tokens)
 
-    def observe(self, num_tokens: int, total_s: float, prefill_s: float) -> None:
-        """Record one completed remote prefill: end-to-end time and the replica's compute."""
+    def observe(
+        self, num_tokens: int, total_s: float, tokens_per_s: float = 0.0, ahead_tokens: int = 0
+    ) -> None:
+        """Record one remote prefill: its end-to-end time, the prefill replica's measured
+        compute rate (0 = unknown, e.g. the call failed) and the tokens ``started`` said
+        were ahead of it. The queue ahead is part of the prediction, so only what the
+        observed time adds beyond it counts as overhead."""
         a = self._alpha
-        if prefill_s > 0 and num_tokens > 0:
-            self.tokens_per_s = (1 - a) * self.tokens_per_s + a * (num_tokens / prefill_s)
-        overhead = max(0.0, total_s - prefill_s)
+        if tokens_per_s > 0:
+            self.tokens_per_s = (1 - a) * self.tokens_per_s + a * tokens_per_s
+        expected = (ahead_tokens + num_tokens) / self.tokens_per_s
+        overhead = max(0.0, total_s - expected)
         self.overhead_s = (
             overhead if self.num_observed == 0 else (1 - a) * self.overhead_s + a * overhead
         )

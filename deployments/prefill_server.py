@@ -176,6 +176,7 @@ class PrefillServer:
             transfer=result,
             num_cached_tokens=last.num_cached_tokens,
             prefill_seconds=time.perf_counter() - start,
+            prefill_tokens_per_s=self.engine.stats().prefill_tokens_per_s,
         )
 
     # ------------------------------------------------------------------ Serve hooks

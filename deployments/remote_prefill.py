@@ -97,7 +97,12 @@ class RemotePrefill:
                 async for out in local:
                     yield out
             return
-        deadline = time.time() + self.timeout_s
+        # The deadline is the predicted remote TTFT (queue ahead on the prefill pool + this
+        # prompt) plus ``timeout_s`` of slack: a prefill that is merely queued behind others
+        # is not a failure, and recomputing it here would stall every running decode (the
+        # very stall disaggregation exists to avoid). A dead replica fails its call at once;
+        # a stuck one or a broken transfer still falls back once the slack is spent.
+        deadline = time.time() + self.estimate.predict_s(len(ids)) + self.timeout_s
         try:
             target = self.receiver.expect(
                 rid, blocks[: math.ceil(len(ids) / self.block_size)], deadline
@@ -124,7 +129,7 @@ class RemotePrefill:
         """Run the remote prefill and hand its KV to the engine, or fall back to local."""
         rid, n = req.request_id, len(req.prompt_token_ids)
         began = time.perf_counter()
-        self.estimate.started(n)
+        ahead = self.estimate.started(n)
         try:
             with tracing.span("prefill_remote", self.model_name) as span:
                 try:
@@ -155,16 +160,18 @@ class RemotePrefill:
                     await self.engine.complete_remote_prefill(
                         rid, response.first_token_id, to_engine_logprob(response.first_logprobs)
                     )
-                    self.estimate.observe(n, time.perf_counter() - began, response.prefill_seconds)
+                    self.estimate.observe(
+                        n, time.perf_counter() - began, response.prefill_tokens_per_s, ahead
+                    )
                 except asyncio.CancelledError:
                     raise
                 except Exception as err:  # noqa: BLE001 - every failure falls back to local
                     span.set_attribute("pdserve.prefill.fallback", type(err).__name__)
-                    await self._fall_back(rid, n, began, err)
+                    await self._fall_back(rid, n, began, ahead, err)
         finally:
             self.estimate.finished(n)
 
-    async def _fall_back(self, rid: str, n: int, began: float, err: Exception) -> None:
+    async def _fall_back(self, rid: str, n: int, began: float, ahead: int, err: Exception) -> None:
         logger.warning(
             "remote prefill of %s failed (%s: %s); recomputing locally",
             rid,
@@ -173,7 +180,7 @@ class RemotePrefill:
         )
         await asyncio.to_thread(self.receiver.cancel, rid)
         # Count the failed attempt's time so a dead or slow pool stops attracting requests.
-        self.estimate.observe(n, time.perf_counter() - began, 0.0)
+        self.estimate.observe(n, time.perf_counter() - began, 0.0, ahead)
         self.fallbacks += 1
         self.placed[rid] = "fallback"
         self.metrics.prefill_fallbacks.inc()

@@ -87,10 +87,24 @@ def test_shed_only_when_configured_unreachable_and_interactive() -> None:
 
 def test_estimator_learns_rate_and_overhead_from_observations() -> None:
     est = RemotePrefillEstimator(default_tokens_per_s=1000.0, alpha=1.0)
-    est.observe(num_tokens=500, total_s=0.75, prefill_s=0.25)
+    # 500 tokens at the replica's measured 2000 tokens/s = 0.25 s of the 0.75 s observed.
+    est.observe(num_tokens=500, total_s=0.75, tokens_per_s=2000.0)
     assert est.tokens_per_s == pytest.approx(2000.0)
     assert est.overhead_s == pytest.approx(0.5)
     assert est.predict_s(1000) == pytest.approx(1.0)
+    # Prompts already in flight are part of the prediction...
+    assert est.started(1500) == 0 and est.started(500) == 1500
+    assert est.predict_s(1000) == pytest.approx(0.5 + 3000 / 2000)
+    # ...so a prompt that waited behind them adds no overhead for that wait (0.75 s queued
+    # + 0.25 s computing + the same 0.5 s as before), and the queue is not counted twice.
+    est.observe(num_tokens=500, total_s=1.5, tokens_per_s=2000.0, ahead_tokens=1500)
+    assert est.overhead_s == pytest.approx(0.5)
+    est.finished(1500)
+    est.finished(500)
+    assert est.predict_s(1000) == pytest.approx(1.0)
+    # A failed call reports no rate: the rate stays, its time raises the overhead.
+    est.observe(num_tokens=500, total_s=10.25, ahead_tokens=0)
+    assert (est.tokens_per_s, est.overhead_s) == (pytest.approx(2000.0), pytest.approx(10.0))
     with pytest.raises(ValueError, match="alpha"):
         RemotePrefillEstimator(1000.0, alpha=0.0)
     with pytest.raises(ValueError, match="num_prompt_tokens"):

@@ -157,6 +157,29 @@ def test_failed_remote_prefill_recomputes_locally(
         assert client.cancelled == 1  # the stalled call was cancelled, not left running
 
 
+def test_queued_remote_prefill_gets_its_predicted_time_before_any_fallback(
+    pd: Any, reference: Callable[[list[int]], list[int]]
+) -> None:
+    """A prefill pool that is merely busy answers later than ``timeout_s`` (3 s here); the
+    decode replica predicted that from its measured rate and waits instead of recomputing
+    the prompt itself (which would stall its decode batch)."""
+    decode, _, client = pd
+    estimate = decode.remote_estimate
+    saved = estimate.tokens_per_s
+    estimate.tokens_per_s = 10.0  # 50 tokens -> a predicted 5 s on the prefill pool
+    client.delay_s = 3.5  # past the 3 s slack alone, well inside prediction + slack
+    before = decode.counters()
+    prompt = long_prompt(9, 50)
+    try:
+        chunks = asyncio.run(collect(decode, request("queued", prompt)))
+    finally:
+        estimate.tokens_per_s = saved
+    assert tokens(chunks) == reference(prompt)
+    assert chunks[0].prefill_location == "remote"
+    after = decode.counters()
+    assert (after.fallbacks, after.remote) == (before.fallbacks, before.remote + 1)
+
+
 def test_client_disconnect_mid_stream_frees_blocks_on_both_sides(pd: Any) -> None:
     decode, _, _ = pd
 
