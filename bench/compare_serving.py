@@ -147,6 +147,9 @@ def measure(
                 flush=True,
             )
             server.stop()
+        except BaseException:  # SIGTERM (SystemExit) or Ctrl-C mid-start: leave nothing up
+            server.stop()
+            raise
     if url is None:
         return [Measurement(server.name, w.name, None, "did not start") for w in workloads], None
     startup = time.monotonic() - t0

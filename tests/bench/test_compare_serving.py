@@ -24,9 +24,12 @@ class ScriptedServer:
 
     log: list[str] = []  # start/stop events of every instance, in order
 
-    def __init__(self, name: str, fail_to_start: bool = False) -> None:
+    def __init__(
+        self, name: str, fail_to_start: bool = False, interrupt: BaseException | None = None
+    ) -> None:
         self.name = name
         self.fail_to_start = fail_to_start
+        self.interrupt = interrupt  # raised mid-start, as the SIGTERM handler's SystemExit
         self.fake = FakeOpenAI()
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
@@ -35,6 +38,8 @@ class ScriptedServer:
         ScriptedServer.log.append(f"start {self.name}")
         if self.fail_to_start:
             raise compare.ServerError(f"{self.name}: exited 1")
+        if self.interrupt is not None:
+            raise self.interrupt
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self._server = uvicorn.Server(uvicorn.Config(self.fake.app, log_level="warning"))
@@ -186,6 +191,21 @@ def test_one_run_measures_each_system_alone_and_writes_the_report(
     printed = capsys.readouterr().out
     assert "mixed-long" in printed and "did not start" in printed
     assert "targets (recommended: pdserve-disagg)" in printed
+
+
+@pytest.mark.parametrize("interrupt", [SystemExit(128 + 15), KeyboardInterrupt()])
+def test_a_signal_during_a_server_start_still_stops_that_server(
+    tmp_path: Path, monkeypatch, tiny_model_dir: Path, interrupt: BaseException
+) -> None:
+    """SIGTERM (the handler raises SystemExit) or Ctrl-C while a server is starting: the
+    half-started server is stopped before the benchmark exits, nothing is left running."""
+    ScriptedServer.log = []
+    servers = [ScriptedServer(compare.DISAGG, interrupt=interrupt), ScriptedServer(compare.VLLM)]
+    monkeypatch.setattr(compare, "build_servers", lambda args, model_dir, out_dir: servers)
+    argv = ["--model-dir", str(tiny_model_dir), "--out-dir", str(tmp_path), "--scale", "0.01"]
+    with pytest.raises(type(interrupt)):
+        compare.main(argv)
+    assert ScriptedServer.log == [f"start {compare.DISAGG}", f"stop {compare.DISAGG}"]
 
 
 @pytest.mark.skipif(
