@@ -224,9 +224,9 @@ class TransportConfig(_Strict):
         default=10.0,
         gt=0,
         description=(
-            "Slack of a remote prefill past its predicted completion (queue ahead on the "
-            "prefill pool + compute + transfer, as the decode replica measures them); past "
-            "it decode recomputes the prompt locally."
+            "Slack of a remote prefill past the compute the decode replica predicts for it "
+            "(the prompts it sent ahead and this one, at the prefill engine's measured "
+            "rate); past it decode recomputes the prompt locally."
         ),
     )
     connect_timeout_s: float = Field(

@@ -90,8 +90,12 @@ class RemotePrefillEstimator:
         )
         self.num_observed += 1
 
+    def compute_s(self, num_tokens: int) -> float:
+        """The prefill work ahead of a new prompt and its own, at the measured rate."""
+        return (self.in_flight_tokens + num_tokens) / self.tokens_per_s
+
     def predict_s(self, num_tokens: int) -> float:
-        return self.overhead_s + (self.in_flight_tokens + num_tokens) / self.tokens_per_s
+        return self.overhead_s + self.compute_s(num_tokens)
 
 
 class DisaggregationPolicy:

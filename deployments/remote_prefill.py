@@ -97,12 +97,14 @@ class RemotePrefill:
                 async for out in local:
                     yield out
             return
-        # The deadline is the predicted remote TTFT (queue ahead on the prefill pool + this
-        # prompt) plus ``timeout_s`` of slack: a prefill that is merely queued behind others
-        # is not a failure, and recomputing it here would stall every running decode (the
-        # very stall disaggregation exists to avoid). A dead replica fails its call at once;
-        # a stuck one or a broken transfer still falls back once the slack is spent.
-        deadline = time.time() + self.estimate.predict_s(len(ids)) + self.timeout_s
+        # The deadline: the prefill work queued ahead of this prompt and its own, at the
+        # prefill engine's measured rate, plus ``timeout_s`` of slack. A prefill that is
+        # merely queued behind others is not a failure, and recomputing it here would stall
+        # every running decode (the very stall disaggregation exists to avoid). A dead
+        # replica fails its call at once; a stuck one or a broken transfer still falls back
+        # once the slack is spent. (Not the full prediction: its overhead term grows with
+        # every timed-out call, and so would the time to detect a stuck replica.)
+        deadline = time.time() + self.estimate.compute_s(len(ids)) + self.timeout_s
         try:
             target = self.receiver.expect(
                 rid, blocks[: math.ceil(len(ids) / self.block_size)], deadline

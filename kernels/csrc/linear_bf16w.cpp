@@ -108,8 +108,8 @@ void panel_rows(const float* x, int64_t ldx, int64_t rows, const uint32_t* panel
     int64_t ahead_k = 0;  // stays inside this panel and the next one, when there is one
     if (t == 0) {
       const int64_t words = (has_next ? 2 : 1) * K * 8;  // from this panel's start
-      ahead = panel + kAheadWords;
       ahead_k = std::clamp<int64_t>((words - kAheadWords) / 8, 0, K);
+      if (ahead_k > 0) ahead = panel + kAheadWords;
     } else if (t == 1 && has_next) {
       ahead = panel + K * 8;
       ahead_k = K;

@@ -105,6 +105,10 @@ def test_estimator_learns_rate_and_overhead_from_observations() -> None:
     # A failed call reports no rate: the rate stays, its time raises the overhead.
     est.observe(num_tokens=500, total_s=10.25, ahead_tokens=0)
     assert (est.tokens_per_s, est.overhead_s) == (pytest.approx(2000.0), pytest.approx(10.0))
+    # The remote-prefill deadline counts only the compute (plus its slack), so timeouts do
+    # not lengthen the next deadline and the time to detect a stuck replica stays bounded.
+    assert est.compute_s(1000) == pytest.approx(0.5)
+    assert est.predict_s(1000) == pytest.approx(10.5)
     with pytest.raises(ValueError, match="alpha"):
         RemotePrefillEstimator(1000.0, alpha=0.0)
     with pytest.raises(ValueError, match="num_prompt_tokens"):
