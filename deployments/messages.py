@@ -153,9 +153,6 @@ class PrefillResponse(_Message):
     )
     transfer: TransferResult = Field(description="Sender's view of the KV push.")
     num_cached_tokens: int = Field(default=0, description="Prefix-cache hits on the prefill side.")
-    prefill_seconds: float = Field(
-        default=0.0, description="Prefill replica's wall time (its queue included)."
-    )
     prefill_tokens_per_s: float = Field(
         default=0.0, ge=0, description="The prefill engine's measured compute rate (0 = none)."
     )

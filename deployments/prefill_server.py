@@ -133,7 +133,6 @@ class PrefillServer:
         Raises on any failure (bad request, engine error, transfer failure or timeout): the
         caller recomputes locally. Cancelling the call aborts the request here.
         """
-        start = time.perf_counter()
         rid = req.request_id
         num_tokens = len(req.prompt_token_ids)
         self._arrivals.add(num_tokens)
@@ -175,7 +174,6 @@ class PrefillServer:
             first_logprobs=first_logprobs,
             transfer=result,
             num_cached_tokens=last.num_cached_tokens,
-            prefill_seconds=time.perf_counter() - start,
             prefill_tokens_per_s=self.engine.stats().prefill_tokens_per_s,
         )
 
