@@ -70,6 +70,7 @@ def build_application(
         name=INGRESS_DEPLOYMENT,
         num_replicas=cfg.ingress_replicas,
         ray_actor_options={"num_cpus": cfg.ingress_num_cpus},
+        graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
     ).bind(
         decode,
         model_dir,
@@ -88,7 +89,7 @@ def deployment_options(cfg: AppConfig, role: PoolRole) -> dict[str, Any]:
         "max_ongoing_requests": pool.max_ongoing_requests,
         "health_check_period_s": 2.0,
         "health_check_timeout_s": 30.0,
-        "graceful_shutdown_timeout_s": 5.0,
+        "graceful_shutdown_timeout_s": cfg.graceful_shutdown_timeout_s,
     }
     if cfg.router.enabled:
         options["request_router_config"] = router_config(cfg, role)

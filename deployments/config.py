@@ -33,8 +33,44 @@ class ModelSettings(_Strict):
     path: str | None = Field(
         default=None,
         description=(
-            "Local Hugging Face model directory (config.json, safetensors, tokenizer). "
-            "None = the deterministic 'small' test model, generated on first use."
+            "Local Hugging Face model directory (config.json, safetensors, tokenizer), e.g. "
+            "a mounted PVC. None (and no hf_id/uri) = the deterministic test model, "
+            "generated on first use."
+        ),
+    )
+    hf_id: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$",
+        description=(
+            "Hugging Face Hub repository ('org/name'), fetched into cache_dir before the "
+            "replicas load (the chart's init containers, or `python -m "
+            "pdserve.deployments.model_source fetch`); the engine never downloads. The "
+            "token comes from HF_TOKEN. Clients see this id unless name is set."
+        ),
+    )
+    revision: str | None = Field(
+        default=None,
+        min_length=1,
+        description=(
+            "Hub revision of hf_id (branch, tag or commit); None = 'main'. Pin a commit so "
+            "that every node serves the same weights."
+        ),
+    )
+    uri: str | None = Field(
+        default=None,
+        pattern=r"^[a-z][a-z0-9+.-]*://.+",
+        description=(
+            "Object-store prefix holding a model directory (s3://bucket/llama, gs://..., "
+            "az://...; any fsspec URL whose backend is installed), fetched into cache_dir "
+            "like hf_id; credentials from the environment."
+        ),
+    )
+    cache_dir: str = Field(
+        default="~/.cache/pdserve/models",
+        min_length=1,
+        description=(
+            "Where hf_id/uri models are fetched to, per node (the chart mounts its model "
+            "cache volume here)."
         ),
     )
     test_model: Literal["tiny", "small"] = Field(
@@ -56,11 +92,11 @@ class ModelSettings(_Strict):
     def resolve_path(self) -> str:
         """The model directory; generates the test model on first use (idempotent, safe to
         call from every replica: each node resolves the same deterministic model)."""
-        if self.path is not None:
-            if not Path(self.path).is_dir():
-                raise ValueError(f"model.path: {self.path!r} is not a directory")
-            return self.path
-        from engine.testmodel import ensure_test_model  # torch: only when needed
+        if self.path is not None or self.hf_id is not None or self.uri is not None:
+            from pdserve.deployments.model_source import resolve  # ModelSourceError names it
+
+            return str(resolve(self))
+        from pdserve.engine.testmodel import ensure_test_model  # torch: only when needed
 
         return str(ensure_test_model(self.test_model))
 
@@ -69,9 +105,28 @@ class ModelSettings(_Strict):
         model (its cache directory carries a content hash), else the directory's name."""
         if self.name:
             return self.name
+        if self.hf_id is not None:
+            return self.hf_id
+        if self.uri is not None:
+            return self.uri.rstrip("/").rsplit("/", 1)[-1]
         if self.path is None:
             return f"pdserve-{self.test_model}"
         return Path(resolved_path).name
+
+    @model_validator(mode="after")
+    def _check_source(self) -> ModelSettings:
+        if self.hf_id is not None and self.uri is not None:
+            raise ValueError("model: give one source, hf_id or uri, not both")
+        if self.revision is not None and self.hf_id is None:
+            raise ValueError("model.revision applies to hf_id only")
+        if self.path is not None and (self.hf_id is not None or self.uri is not None):
+            from pdserve.deployments.model_source import cache_path
+
+            # Allowed only as a pinned copy: a launcher that resolved the hub/uri model
+            # already may hand replicas its cache directory as path.
+            if Path(self.path) != cache_path(self):
+                raise ValueError("model: give one source, path or hf_id/uri, not both")
+        return self
 
 
 class EngineLimits(_Strict):
@@ -374,6 +429,16 @@ class AppConfig(_Strict):
     transport: TransportConfig = Field(default_factory=TransportConfig, description="KV transport.")
     router: RouterConfig = Field(default_factory=RouterConfig, description="Request routers.")
     policy: PolicyConfig = Field(default_factory=PolicyConfig, description="Disaggregation policy.")
+    graceful_shutdown_timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        description=(
+            "How long a stopping ingress, prefill or decode replica (scale-down, upgrade) "
+            "waits for its in-flight requests, streams included, before it is killed; size "
+            "it to the longest stream (max tokens x TPOT). The chart sets it from "
+            "drain.timeoutSeconds."
+        ),
+    )
     autoscaling: bool = Field(
         default=True,
         description="Attach pdserve's custom autoscaling policies (min != max pools scale).",
