@@ -3,7 +3,7 @@
 
 The chart's own keys are described here; the ``app`` section is ``AppConfig``'s JSON schema,
 so the Serve application args are checked against the same model the replicas load.
-``python -m cluster.helm_schema`` rewrites the file; a test keeps it in sync.
+``python -m pdserve.cluster.helm_schema`` rewrites the file; a test keeps it in sync.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from deployments.config import AppConfig
+from pdserve.deployments.config import AppConfig
 
 CHART_DIR = Path(__file__).resolve().parents[1] / "helm" / "pdserve"
 SCHEMA_FILE = CHART_DIR / "values.schema.json"
@@ -40,11 +40,13 @@ MAP = {"type": "object"}  # free-form Kubernetes fields (resources, nodeSelector
 LIST = {"type": "array"}
 
 
-def _pool() -> dict[str, Any]:
+def _pool(min_replicas: int) -> dict[str, Any]:
     return _obj(
         {
-            "minReplicas": INT,
+            # The decode pool serves every request: AppConfig requires one replica at least.
+            "minReplicas": {"type": "integer", "minimum": min_replicas},
             "maxReplicas": {"type": "integer", "minimum": 1},
+            # Per replica = per pod; more than one is refused by the templates (no TP).
             "gpus": INT,
             "cpus": {"type": "number", "exclusiveMinimum": 0},
             "gpuProduct": _string(),
@@ -55,6 +57,56 @@ def _pool() -> dict[str, Any]:
             "tolerations": LIST,
         },
         required=["minReplicas", "maxReplicas", "gpus", "cpus"],
+    )
+
+
+def _model_storage() -> dict[str, Any]:
+    abs_path = _string(pattern="^/")
+    return _obj(
+        {
+            "volume": _obj(
+                {
+                    "mountPath": abs_path,
+                    "persistentVolumeClaim": _obj(
+                        {"claimName": _string(minLength=1)}, required=["claimName"]
+                    ),
+                    "hostPath": _obj({"path": abs_path, "type": _string()}, required=["path"]),
+                    "inImage": {"type": "boolean"},
+                }
+            ),
+            "cache": _obj(
+                {"mountPath": abs_path, "hostPath": _string(), "sizeLimit": QUANTITY},
+                required=["mountPath"],
+            ),
+            "hfTokenSecret": _obj({"name": _string(), "key": _string(minLength=1)}),
+            "hfEndpoint": _string(),
+            "objectStoreSecret": _string(),
+            "downloader": _obj({"resources": MAP, "securityContext": MAP}),
+        }
+    )
+
+
+def _monitoring() -> dict[str, Any]:
+    share = {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1}
+    return _obj(
+        {
+            "podMonitor": _obj(
+                {"enabled": {"type": "boolean"}, "interval": _string(), "labels": MAP}
+            ),
+            "prometheusRule": _obj(
+                {
+                    "enabled": {"type": "boolean"},
+                    "labels": MAP,
+                    "ttftObjective": share,
+                    "fallbackRatio": share,
+                }
+            ),
+            "dashboard": _obj({"enabled": {"type": "boolean"}, "labels": MAP}),
+            "grafanaHost": _string(),
+            "grafanaIframeHost": _string(),
+            "prometheusHost": _string(),
+            "prometheusName": _string(),
+        }
     )
 
 
@@ -70,19 +122,31 @@ def values_schema() -> dict[str, Any]:
                 {
                     "repository": _string(minLength=1),
                     "tag": _string(),
+                    "variant": {"enum": ["cuda", "cpu"]},
                     "pullPolicy": {"enum": ["Always", "IfNotPresent", "Never"]},
                 }
             ),
             "imagePullSecrets": LIST,
             "rayVersion": _string(minLength=1),
             "upgradeStrategy": {"enum": ["NewCluster", "NewClusterWithIncrementalUpgrade", "None"]},
-            "serviceUnhealthySecondThreshold": INT,
-            "deploymentUnhealthySecondThreshold": INT,
+            "incrementalUpgrade": _obj(
+                {
+                    "gatewayClassName": _string(),
+                    "stepSizePercent": {"type": "integer", "minimum": 1, "maximum": 100},
+                    "intervalSeconds": {"type": "integer", "minimum": 1},
+                    "maxSurgePercent": {"type": "integer", "minimum": 1, "maximum": 100},
+                }
+            ),
+            "drain": _obj(
+                {"timeoutSeconds": {"type": "integer", "minimum": 1}, "extraSeconds": INT},
+                required=["timeoutSeconds", "extraSeconds"],
+            ),
             "autoscaling": _obj(
                 {
                     "enabled": {"type": "boolean"},
                     "idleTimeoutSeconds": INT,
                     "upscalingMode": {"enum": ["Default", "Conservative", "Aggressive"]},
+                    "resources": MAP,
                 }
             ),
             "ports": _obj(
@@ -96,7 +160,12 @@ def values_schema() -> dict[str, Any]:
                     "tolerations": LIST,
                 }
             ),
-            "pools": _obj({"prefill": _pool(), "decode": _pool()}, required=["prefill", "decode"]),
+            "pools": _obj(
+                {"prefill": _pool(min_replicas=0), "decode": _pool(min_replicas=1)},
+                required=["prefill", "decode"],
+            ),
+            "modelStorage": _model_storage(),
+            "monitoring": _monitoring(),
             "app": {"$ref": "#/$defs/AppConfig"},
             "extraVolumes": LIST,
             "extraVolumeMounts": LIST,

@@ -1,0 +1,103 @@
+{{/*
+Render-time checks for contradictions that values.schema.json cannot express: `helm install`
+fails with the message instead of deploying pods that can never become ready.
+*/}}
+
+{{/* A CPU quantity ("10", 10, "9500m", "0.5") in millicores. */}}
+{{- define "pdserve.cpuMillis" -}}
+{{- $q := toString . }}
+{{- if hasSuffix "m" $q }}
+{{- trimSuffix "m" $q | int }}
+{{- else }}
+{{- mulf (float64 $q) 1000 | int }}
+{{- end }}
+{{- end }}
+
+{{- define "pdserve.validate" -}}
+{{- $v := .Values }}
+{{- $app := $v.app }}
+{{- $anyGpu := false }}
+{{- range $role := list "prefill" "decode" }}
+{{- $pool := index $v.pools $role }}
+{{- $where := printf "pools.%s" $role }}
+{{- if gt (int $pool.minReplicas) (int $pool.maxReplicas) }}
+{{- fail (printf "%s: minReplicas (%v) exceeds maxReplicas (%v)" $where $pool.minReplicas $pool.maxReplicas) }}
+{{- end }}
+{{- /* The engine runs one model copy per GPU: no tensor parallelism (EngineLimits has no
+such field; tests/helm keeps this check in step with it). */}}
+{{- if gt (int $pool.gpus) 1 }}
+{{- fail (printf "%s.gpus=%v: a pdserve replica uses one GPU (the engine has no tensor parallelism); scale with maxReplicas instead" $where $pool.gpus) }}
+{{- end }}
+{{- if gt (int $pool.gpus) 0 }}
+{{- $anyGpu = true }}
+{{- else if or $pool.gpuProduct $pool.acceleratorType }}
+{{- fail (printf "%s: gpuProduct/acceleratorType set but gpus is 0" $where) }}
+{{- end }}
+{{- if and $pool.gpuProduct $pool.acceleratorType }}
+{{- $derived := include "pdserve.acceleratorFromProduct" $pool.gpuProduct }}
+{{- if ne $derived $pool.acceleratorType }}
+{{- fail (printf "%s: acceleratorType %q contradicts gpuProduct %q, whose Ray accelerator type is %q (leave acceleratorType empty to derive it)" $where $pool.acceleratorType $pool.gpuProduct $derived) }}
+{{- end }}
+{{- end }}
+{{- $resources := default dict $pool.resources }}
+{{- $cpuLimit := (default dict $resources.limits).cpu | default (default dict $resources.requests).cpu }}
+{{- if not $cpuLimit }}
+{{- fail (printf "%s.resources: set limits.cpu (Ray sizes the node from it; the replica needs cpus=%v)" $where $pool.cpus) }}
+{{- end }}
+{{- if gt (mulf $pool.cpus 1000 | int) (include "pdserve.cpuMillis" $cpuLimit | int) }}
+{{- fail (printf "%s.cpus=%v exceeds the pod's CPU limit %v: the replica could never be placed" $where $pool.cpus $cpuLimit) }}
+{{- end }}
+{{- $appPool := default dict (index $app $role) }}
+{{- range $key := list "min_replicas" "max_replicas" "num_gpus" "num_cpus" "accelerator_type" "node_labels" }}
+{{- if hasKey $appPool $key }}
+{{- fail (printf "app.%s.%s is set by the chart from %s (the worker group must match it); set it there" $role $key $where) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- if hasKey $app "graceful_shutdown_timeout_s" }}
+{{- fail "app.graceful_shutdown_timeout_s is set by the chart; set drain.timeoutSeconds" }}
+{{- end }}
+{{- $model := default dict $app.model }}
+{{- if and (eq (toString $model.device) "cuda") (not $anyGpu) }}
+{{- fail "app.model.device is cuda but no pool has GPUs (set pools.*.gpus, or device: cpu)" }}
+{{- end }}
+{{- if and $anyGpu (eq $v.image.variant "cpu") }}
+{{- fail "image.variant is cpu but a pool has GPUs: the CPU image has no CUDA" }}
+{{- end }}
+{{- $storage := $v.modelStorage }}
+{{- $source := include "pdserve.modelSource" . }}
+{{- if eq $source "path" }}
+{{- $volume := default dict $storage.volume }}
+{{- if not $volume.inImage }}
+{{- if not (or $volume.persistentVolumeClaim $volume.hostPath) }}
+{{- fail (printf "app.model.path %q: modelStorage.volume mounts nothing there; give a persistentVolumeClaim or hostPath (or inImage: true)" $model.path) }}
+{{- end }}
+{{- if and $volume.persistentVolumeClaim $volume.hostPath }}
+{{- fail "modelStorage.volume: give a persistentVolumeClaim or a hostPath, not both" }}
+{{- end }}
+{{- $mount := trimSuffix "/" (toString $volume.mountPath) }}
+{{- if not (or (eq $model.path $mount) (hasPrefix (printf "%s/" $mount) $model.path)) }}
+{{- fail (printf "app.model.path %q is not under modelStorage.volume.mountPath %q" $model.path $volume.mountPath) }}
+{{- end }}
+{{- end }}
+{{- else if and $storage.volume (not (eq $source "test")) }}
+{{- fail (printf "modelStorage.volume is set but app.model takes its weights from %s, not a path" $source) }}
+{{- end }}
+{{- if and $storage.hfTokenSecret.name (ne $source "hub") }}
+{{- fail "modelStorage.hfTokenSecret is set but app.model.hf_id is not" }}
+{{- end }}
+{{- if and $model.cache_dir (ne (toString $model.cache_dir) $storage.cache.mountPath) }}
+{{- fail (printf "app.model.cache_dir %q: the chart fetches into modelStorage.cache.mountPath %q; set that instead" $model.cache_dir $storage.cache.mountPath) }}
+{{- end }}
+{{- if eq $v.upgradeStrategy "NewClusterWithIncrementalUpgrade" }}
+{{- if not $v.autoscaling.enabled }}
+{{- fail "upgradeStrategy NewClusterWithIncrementalUpgrade needs autoscaling.enabled (KubeRay requires the autoscaler)" }}
+{{- end }}
+{{- if not $v.incrementalUpgrade.gatewayClassName }}
+{{- fail "upgradeStrategy NewClusterWithIncrementalUpgrade needs incrementalUpgrade.gatewayClassName (a Gateway API implementation)" }}
+{{- end }}
+{{- if gt (int $v.incrementalUpgrade.stepSizePercent) (int $v.incrementalUpgrade.maxSurgePercent) }}
+{{- fail "incrementalUpgrade.stepSizePercent must not exceed maxSurgePercent" }}
+{{- end }}
+{{- end }}
+{{- end }}
