@@ -10,7 +10,7 @@ STAMP_DEV := $(VENV)/.pdserve-dev-installed
 CONFIG ?=
 PYTEST_ARGS ?=
 
-.PHONY: install serve test lint clean
+.PHONY: install serve test lint clean image
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -46,3 +46,18 @@ lint: $(STAMP_DEV)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# The container image the Helm chart runs (see Dockerfile): VARIANT=cuda (default) or cpu;
+# the tag is the project's version (+ -cpu), as helm/pdserve's image values expect.
+DOCKER ?= docker
+IMAGE ?= ghcr.io/pdserve/pdserve
+VARIANT ?= cuda
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+IMAGE_TAG ?= $(VERSION)$(if $(filter cpu,$(VARIANT)),-cpu,)
+
+image:
+	@command -v $(DOCKER) >/dev/null 2>&1 || { \
+		echo "make image: '$(DOCKER)' not found; install Docker (or set DOCKER=podman) to build $(IMAGE):$(IMAGE_TAG)" >&2; exit 1; }
+	@$(DOCKER) info >/dev/null 2>&1 || { \
+		echo "make image: '$(DOCKER)' cannot reach a daemon (is dockerd running?); cannot build $(IMAGE):$(IMAGE_TAG)" >&2; exit 1; }
+	$(DOCKER) build --build-arg VARIANT=$(VARIANT) -t $(IMAGE):$(IMAGE_TAG) .
