@@ -10,8 +10,11 @@
 # Python and takes the CPU torch wheel, so no CUDA wheels are pulled. Both carry a C++
 # compiler: kernels/csrc is built on first use on each node (-march=native).
 ARG VARIANT=cuda
+# Base images, overridable for a registry mirror (--build-arg CUDA_BASE=...).
+ARG CUDA_BASE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
+ARG CPU_BASE=python:3.12-slim-bookworm
 
-FROM nvidia/cuda:12.8.1-runtime-ubuntu24.04 AS os-cuda
+FROM ${CUDA_BASE} AS os-cuda
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-venv python3-dev g++ \
         ca-certificates \
@@ -20,7 +23,7 @@ RUN apt-get update \
 ENV TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 \
     PDSERVE_EXTRAS="[cuda]"
 
-FROM python:3.12-slim-bookworm AS os-cpu
+FROM ${CPU_BASE} AS os-cpu
 RUN apt-get update \
     && apt-get install -y --no-install-recommends g++ ca-certificates \
     && rm -rf /var/lib/apt/lists/*

@@ -15,8 +15,6 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from engine.affinity import parse_cpu_list
-
 PoolRole = Literal["prefill", "decode"]
 POOL_LABEL_KEY = "pdserve.io/pool"
 ACCELERATOR_LABEL_KEY = "ray.io/accelerator-type"
@@ -221,6 +219,9 @@ class PoolConfig(_Strict):
     @classmethod
     def _check_cpu_bind(cls, value: str) -> str:
         if value not in ("auto", "none"):
+            # Imported here: engine.affinity imports torch, which this module must not.
+            from pdserve.engine.affinity import parse_cpu_list
+
             parse_cpu_list(value)  # ValueError naming the list
         return value
 

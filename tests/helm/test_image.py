@@ -49,10 +49,12 @@ def test_make_image_without_docker_fails_with_a_clear_message() -> None:
 
 def test_dockerfile_builds_both_variants_with_the_cuda_extra_on_cuda() -> None:
     text = (ROOT / "Dockerfile").read_text()
-    stages = dict(re.findall(r"^FROM (\S+) AS (os-\w+)$", text, re.M))
-    assert set(stages.values()) == {"os-cuda", "os-cpu"}
-    cuda_base = next(image for image, stage in stages.items() if stage == "os-cuda")
-    assert cuda_base.startswith("nvidia/cuda:12.")  # cupy-cuda12x (the cuda extra) needs 12.x
+    args = dict(re.findall(r"^ARG (\w+)=(\S+)$", text, re.M))
+    stages = {stage: base for base, stage in re.findall(r"^FROM (\S+) AS (os-\w+)$", text, re.M)}
+    assert stages == {"os-cuda": "${CUDA_BASE}", "os-cpu": "${CPU_BASE}"}
+    assert args["VARIANT"] == "cuda"
+    # cupy-cuda12x (the cuda extra) needs a CUDA 12 runtime, and torch is taken for it.
+    assert args["CUDA_BASE"].startswith("nvidia/cuda:12.8") and "/whl/cu128" in text
     assert 'PDSERVE_EXTRAS="[cuda]"' in text and '".${PDSERVE_EXTRAS}"' in text
     assert "download.pytorch.org/whl/cpu" in text  # the CPU image pulls no CUDA wheels
     assert re.search(r"^FROM os-\$\{VARIANT\}$", text, re.M)

@@ -222,3 +222,24 @@ def test_model_settings_take_one_source() -> None:
         pinned.resolve_path()
     with pytest.raises(ValueError, match="model.path '/nowhere' is not a directory"):
         ModelSettings(path="/nowhere").resolve_path()
+
+
+def test_config_and_model_source_import_without_torch_or_ray(tmp_path: Path) -> None:
+    """The init container and the Helm tests validate configs and resolve model sources
+    with neither torch nor Ray importable."""
+    code = (
+        "import sys\n"
+        "for name in ('torch', 'ray'): sys.modules[name] = None\n"
+        "from pdserve.deployments.config import AppConfig\n"
+        "from pdserve.deployments.model_source import ModelSourceError, main\n"
+        "cfg = AppConfig.from_dict({'model': {'hf_id': 'a/b', 'cache_dir': sys.argv[1]}})\n"
+        "try:\n"
+        "    cfg.model.resolve_path()\n"
+        "except ModelSourceError as err:\n"
+        "    print(err)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert "model.hf_id 'a/b'" in done.stdout and "not in the model cache" in done.stdout
