@@ -52,7 +52,13 @@ VALUE_SETS: dict[str, dict[str, Any] | None] = {
     },
     "cpu-only": {
         "image": {"variant": "cpu"},
-        "head": {"resources": {"limits": {"cpu": "2", "memory": "4Gi"}}, "sharedMemory": "1Gi"},
+        "head": {
+            "resources": {
+                "requests": {"cpu": "1", "memory": "4Gi"},
+                "limits": {"cpu": "2", "memory": "4Gi"},
+            },
+            "sharedMemory": "1Gi",
+        },
         "pools": {
             pool: {
                 "gpus": 0,

@@ -225,6 +225,9 @@ def test_metrics_service_selects_every_ray_pod() -> None:
 def test_value_set_renders_a_valid_rayservice(name: str, rayservice_schema: dict[str, Any]) -> None:
     from ray.serve.schema import ServeDeploySchema
 
+    report = helm_python.lint(str(CHART), VALUE_SETS[name], strict=True)
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
     svc = rayservice(VALUE_SETS[name])
     jsonschema.validate(svc, rayservice_schema)  # the CRD, no unknown field anywhere
     ServeDeploySchema.model_validate(yaml.safe_load(svc["spec"]["serveConfigV2"]))
@@ -406,15 +409,31 @@ def test_accelerator_type_without_gfd_labels_comes_from_the_value() -> None:
         ({"pools": {"decode": {"minReplicas": 0}}}, "/pools/decode/minReplicas"),
         ({"pools": {"prefill": {"cpus": 12}}}, "pools.prefill.cpus=12 exceeds the pod's CPU"),
         (
-            {"pools": {"decode": {"resources": {"limits": {"cpu": "7500m"}}}}},
+            {
+                "pools": {
+                    "decode": {
+                        "resources": {"requests": {"cpu": "7500m"}, "limits": {"cpu": "7500m"}}
+                    }
+                }
+            },
             "pools.decode.cpus=8 exceeds",
         ),
         ({"pools": {"decode": {"gpus": 2}}}, "no tensor parallelism"),
+        (
+            {"head": {"resources": {"limits": {"cpu": "2", "memory": "4Gi"}}}},
+            "head.resources: requests.cpu (4) exceeds limits.cpu (2)",
+        ),
+        (
+            {"pools": {"prefill": {"resources": {"requests": {"memory": "80Gi"}}}}},
+            "pools.prefill.resources: requests.memory (80Gi) exceeds limits.memory (64Gi)",
+        ),
+        ({"pools": {"prefill": {"resources": {"limits": {"cpu": "10x"}}}}}, "unknown suffix"),
         ({"pools": {"prefill": {"acceleratorType": "H200"}}}, "contradicts gpuProduct"),
         ({"pools": {"prefill": {"gpus": 0}}}, "gpuProduct/acceleratorType set but gpus is 0"),
         ({"pools": {"decode": {"minReplicas": 9}}}, "minReplicas (9) exceeds maxReplicas"),
         ({"app": {"decode": {"max_replicas": 3}}}, "app.decode.max_replicas is set by the chart"),
         ({"app": {"graceful_shutdown_timeout_s": 9}}, "drain.timeoutSeconds"),
+        ({"app": {"policy": {"mode": "always_local"}}}, "set it to 0"),
         ({"image": {"variant": "cpu"}}, "the CPU image has no CUDA"),
         (
             {"app": {"model": {"hf_id": None, "path": "/models/x"}}},

@@ -3,13 +3,28 @@ Render-time checks for contradictions that values.schema.json cannot express: `h
 fails with the message instead of deploying pods that can never become ready.
 */}}
 
-{{/* A CPU quantity ("10", 10, "9500m", "0.5") in millicores. */}}
-{{- define "pdserve.cpuMillis" -}}
+{{/* A Kubernetes quantity ("10", 10, "9500m", "64Gi", "1.5G") as a number of base units. */}}
+{{- define "pdserve.quantity" -}}
 {{- $q := toString . }}
-{{- if hasSuffix "m" $q }}
-{{- trimSuffix "m" $q | int }}
-{{- else }}
-{{- mulf (float64 $q) 1000 | int }}
+{{- $units := dict "m" 0.001 "k" 1e3 "M" 1e6 "G" 1e9 "T" 1e12 "Ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0 }}
+{{- $suffix := regexFind "[A-Za-z]+$" $q }}
+{{- if and $suffix (not (hasKey $units $suffix)) }}
+{{- fail (printf "resource quantity %q: unknown suffix %q" $q $suffix) }}
+{{- end }}
+{{- mulf (float64 (trimSuffix $suffix $q)) (get $units $suffix | default 1.0) }}
+{{- end }}
+
+{{/* Fail when a container's requests exceed its limits (the API server would refuse the pod). */}}
+{{- define "pdserve.checkRequests" -}}
+{{- $resources := default dict .resources }}
+{{- $requests := default dict $resources.requests }}
+{{- $limits := default dict $resources.limits }}
+{{- range $name := list "cpu" "memory" }}
+{{- if and (hasKey $requests $name) (hasKey $limits $name) }}
+{{- if gt (include "pdserve.quantity" (get $requests $name) | float64) (include "pdserve.quantity" (get $limits $name) | float64) }}
+{{- fail (printf "%s.resources: requests.%s (%v) exceeds limits.%s (%v)" $.where $name (get $requests $name) $name (get $limits $name)) }}
+{{- end }}
+{{- end }}
 {{- end }}
 {{- end }}
 
@@ -44,7 +59,8 @@ such field; tests/helm keeps this check in step with it). */}}
 {{- if not $cpuLimit }}
 {{- fail (printf "%s.resources: set limits.cpu (Ray sizes the node from it; the replica needs cpus=%v)" $where $pool.cpus) }}
 {{- end }}
-{{- if gt (mulf $pool.cpus 1000 | int) (include "pdserve.cpuMillis" $cpuLimit | int) }}
+{{- include "pdserve.checkRequests" (dict "resources" $resources "where" $where) }}
+{{- if gt (float64 $pool.cpus) (include "pdserve.quantity" $cpuLimit | float64) }}
 {{- fail (printf "%s.cpus=%v exceeds the pod's CPU limit %v: the replica could never be placed" $where $pool.cpus $cpuLimit) }}
 {{- end }}
 {{- $appPool := default dict (index $app $role) }}
@@ -54,6 +70,10 @@ such field; tests/helm keeps this check in step with it). */}}
 {{- end }}
 {{- end }}
 {{- end }}
+{{- if and (eq (toString ($app.policy).mode) "always_local") (gt (int $v.pools.prefill.minReplicas) 0) }}
+{{- fail "app.policy.mode is always_local (no prefill replicas) but pools.prefill.minReplicas keeps idle prefill pods: set it to 0" }}
+{{- end }}
+{{- include "pdserve.checkRequests" (dict "resources" $v.head.resources "where" "head") }}
 {{- if hasKey $app "graceful_shutdown_timeout_s" }}
 {{- fail "app.graceful_shutdown_timeout_s is set by the chart; set drain.timeoutSeconds" }}
 {{- end }}
