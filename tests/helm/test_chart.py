@@ -456,6 +456,10 @@ def test_accelerator_type_without_gfd_labels_comes_from_the_value() -> None:
         ),
         ({"app": {"model": {"cache_dir": "/tmp/x"}}}, "modelStorage.cache.mountPath"),
         (
+            {"app": {"model": {"uri": "s3://b/m"}}},
+            "app.model.hf_id and app.model.uri are set together",
+        ),
+        (
             {"upgradeStrategy": "NewClusterWithIncrementalUpgrade"},
             "needs incrementalUpgrade.gatewayClassName",
         ),

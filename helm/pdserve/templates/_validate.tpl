@@ -86,6 +86,15 @@ such field; tests/helm keeps this check in step with it). */}}
 {{- end }}
 {{- $storage := $v.modelStorage }}
 {{- $source := include "pdserve.modelSource" . }}
+{{- $given := list }}
+{{- range $key := list "path" "hf_id" "uri" }}
+{{- if index $model $key }}
+{{- $given = append $given (printf "app.model.%s" $key) }}
+{{- end }}
+{{- end }}
+{{- if gt (len $given) 1 }}
+{{- fail (printf "%s are set together: give one model source (the chart's default sets app.model.hf_id; set it to null to use another source)" (join " and " $given)) }}
+{{- end }}
 {{- if eq $source "path" }}
 {{- $volume := default dict $storage.volume }}
 {{- if not $volume.inImage }}
