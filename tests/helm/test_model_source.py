@@ -243,3 +243,36 @@ def test_config_and_model_source_import_without_torch_or_ray(tmp_path: Path) -> 
     )
     assert done.returncode == 0, done.stderr
     assert "model.hf_id 'a/b'" in done.stdout and "not in the model cache" in done.stdout
+
+
+def test_the_head_builds_the_serve_app_from_the_charts_config_after_its_fetch(
+    tmp_path: Path, tiny_model_files: dict[str, bytes]
+) -> None:
+    """What happens on the head pod: its init container fetches config and tokenizer, then
+    Serve imports pdserve.deployments.app:build_app with the rendered serveConfigV2's args."""
+    from ray.serve._private.build_app import build_app as serve_build_app
+    from ray.serve.schema import ServeDeploySchema
+
+    from pdserve.deployments.app import build_app
+    from tests.helm.rendering import groups, rayservice
+
+    svc = rayservice({"app": {"model": {"hf_id": REPO}}})
+    serve_config = ServeDeploySchema.model_validate(yaml.safe_load(svc["spec"]["serveConfigV2"]))
+    args = dict(serve_config.applications[0].args)
+    args["model"] = {**args["model"], "cache_dir": str(tmp_path / "cache")}  # the cache volume
+    with pytest.raises(ModelSourceError, match=f"model.hf_id '{REPO}'"):
+        build_app(args)  # before the init container ran
+    with serve_fake_hub({REPO: FakeRepo(tiny_model_files)}) as hub:
+        fetch(ModelSettings.model_validate(args["model"]), metadata_only=True, endpoint=hub.url)
+    deployments = {d.name: d for d in serve_build_app(build_app(args), name="pdserve").deployments}
+    assert set(deployments) == {"OpenAIIngress", "PrefillServer", "DecodeServer"}
+    group_labels = {name: g["labels"] for name, g in groups(svc).items()}
+    for role, name in (("prefill", "PrefillServer"), ("decode", "DecodeServer")):
+        deployment = deployments[name]
+        assert deployment.ray_actor_options["label_selector"] == group_labels[role]
+        assert deployment._deployment_config.graceful_shutdown_timeout_s == 300  # drain
+        assert str(cache_path(ModelSettings.model_validate(args["model"]))) in map(
+            str, deployment.init_args
+        )
+    ingress = deployments["OpenAIIngress"]
+    assert ingress._deployment_config.graceful_shutdown_timeout_s == 300
