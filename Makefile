@@ -37,8 +37,10 @@ install: $(STAMP_DEV)
 serve: $(STAMP)
 	$(VENV)/bin/pdserve run $(CONFIG)
 
+# The pytest script, not `python -m pytest`: -m would put the repository root on sys.path,
+# where its folders shadow same-named packages (Hugging Face's `kernels`).
 test: $(STAMP_DEV)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
 
 lint: $(STAMP_DEV)
 	$(VENV)/bin/ruff check .

@@ -1,8 +1,8 @@
 """pdserve disaggregated vs pdserve colocated vs vLLM's CPU server, one command, one run.
 
-``python -m bench.compare_serving`` serves the same model with each system in turn (never
+``python -m pdserve.bench.compare_serving`` serves the same model with each system in turn (never
 two at once: on a small machine they would fight for the same cores), runs the same seeded
-``bench.serve`` workloads against each (fixed concurrency 8 and 32, and a mix of long and
+``pdserve.bench.serve`` workloads against each (fixed concurrency 8 and 32, and a mix of long and
 short prompts), stops each server by pid and writes one combined table, ``compare.json``
 and ``compare.png`` under ``--out-dir``. It ends with the targets of a 2-core machine:
 pdserve (the recommended configuration) at least vLLM's output tokens/s at concurrency 8
@@ -32,10 +32,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.serve import Endpoint, RunOptions, run_endpoint
-from bench.serve_metrics import RequestRecord, Summary, summarize
-from bench.serve_workload import BenchRequest, LengthDist, build_workload
-from bench.serving_systems import (
+from pdserve.bench.serve import Endpoint, RunOptions, run_endpoint
+from pdserve.bench.serve_metrics import RequestRecord, Summary, summarize
+from pdserve.bench.serve_workload import BenchRequest, LengthDist, build_workload
+from pdserve.bench.serving_systems import (
     PdserveServer,
     Server,
     ServerError,
@@ -44,7 +44,7 @@ from bench.serving_systems import (
     pin_this_process,
     tree_cpu_seconds,
 )
-from engine.affinity import current_thread_cpus
+from pdserve.engine.affinity import current_thread_cpus
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DISAGG, COLOC, VLLM = "pdserve-disagg", "pdserve-coloc", "vllm"
@@ -53,7 +53,7 @@ BUSY_CORES = 0.25  # other users' load above which the report warns
 
 @dataclass(frozen=True)
 class Workload:
-    """One ``bench.serve`` run: the same requests go to every system."""
+    """One ``pdserve.bench.serve`` run: the same requests go to every system."""
 
     name: str
     num_requests: int
@@ -347,7 +347,7 @@ def write_plot(path: Path, results: list[Measurement], workloads: list[Workload]
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m bench.compare_serving",
+        prog="python -m pdserve.bench.compare_serving",
         description=__doc__.splitlines()[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -464,7 +464,7 @@ def compute_dtype(model_dir: str) -> str:
     """The dtype pdserve's engine computes in for ``model_dir`` on this CPU ('auto')."""
     import torch
 
-    from engine.loader import load_model_config, resolve_dtype
+    from pdserve.engine.loader import load_model_config, resolve_dtype
 
     ckpt = load_model_config(model_dir).checkpoint_dtype
     return str(resolve_dtype("auto", ckpt, torch.device("cpu"))).removeprefix("torch.")
@@ -514,12 +514,12 @@ def build_servers(args: argparse.Namespace, model_dir: str, out_dir: Path) -> li
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
-    from deployments.config import AppConfig
+    from pdserve.deployments.config import AppConfig
 
     for path in (args.disagg_config, args.coloc_config):
         AppConfig.from_yaml(path)  # a bad config fails before anything starts
     if args.model_dir is None:
-        from engine.testmodel import ensure_test_model
+        from pdserve.engine.testmodel import ensure_test_model
 
         args.model_dir = str(ensure_test_model("small"))
     out_dir = args.out_dir or Path(f"bench/results/compare-{time.strftime('%Y%m%d-%H%M%S')}")

@@ -1,6 +1,6 @@
 """Engine vs ``transformers.generate`` on the same model and prompts, two workloads.
 
-    python -m bench.engine [--model DIR | --size small] [--workload fixed|mixed|both]
+    python -m pdserve.bench.engine [--model DIR | --size small] [--workload fixed|mixed|both]
                            [--concurrency 1 8 32] [--prompt-len 128] [--max-tokens 32]
                            [--mixed-concurrency 8 32] [--mixed-prompt-len 16 256]
                            [--mixed-max-tokens 8 64] [--mixed-requests 32]
@@ -38,10 +38,10 @@ from pathlib import Path
 
 import torch
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.testmodel import SIZES, ensure_test_model
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.testmodel import SIZES, ensure_test_model
 
 
 @dataclass(frozen=True)

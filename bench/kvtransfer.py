@@ -1,6 +1,6 @@
 """KV-transfer benchmark: bandwidth of each CPU transport, and the hand-off's share of TTFT.
 
-    python -m bench.kvtransfer [--max-mib 1024] [--handoff-reps 2] [--skip-handoff]
+    python -m pdserve.bench.kvtransfer [--max-mib 1024] [--handoff-reps 2] [--skip-handoff]
 
 Part 1, bandwidth: payloads from ``--min-mib`` to ``--max-mib`` (powers of 4), each moved as
 one request's KV (one message per layer) from this process (prefill side) into a decode-side
@@ -38,8 +38,8 @@ from typing import Any
 
 import torch
 
-from kvtransfer import KVLayout, KVTarget, KVTransferConfig
-from kvtransfer.sender import KVSender
+from pdserve.kvtransfer import KVLayout, KVTarget, KVTransferConfig
+from pdserve.kvtransfer.sender import KVSender
 
 MIB = 1 << 20
 # A small-model-like layout: 8 layers, 8 KV heads of 64, 16-token blocks, fp16:
@@ -56,8 +56,8 @@ BLOCK_ALL_LAYERS = LAYOUT.num_layers * LAYOUT.block_bytes()
 def _decode_side(conn: Connection, num_threads: int) -> None:
     """Command loop of the decode-side process (receivers, raw socket sink, decode engine)."""
     torch.set_num_threads(num_threads)
-    from kvtransfer.receiver import KVReceiver
-    from kvtransfer.shm import SharedKVAllocator
+    from pdserve.kvtransfer.receiver import KVReceiver
+    from pdserve.kvtransfer.shm import SharedKVAllocator
 
     alloc = SharedKVAllocator()
     receivers: dict[str, KVReceiver] = {}
@@ -89,7 +89,7 @@ def _decode_side(conn: Connection, num_threads: int) -> None:
             conn.send("ok")
         elif cmd == "reserve":
             rid, prompt = args
-            from engine.sampling_params import SamplingParams
+            from pdserve.engine.sampling_params import SamplingParams
 
             params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
             target = handoff.reserve(rid, prompt, params, time.time() + 600)
@@ -129,10 +129,10 @@ def _socket_sink(conn: Connection, size: int) -> None:
 
 
 def _decode_engine(model_dir: str, num_blocks: int, transport: str) -> tuple[Any, Any]:
-    from engine.llm_engine import LLMEngine
-    from kvtransfer.connector import DecodeHandoff, engine_layout
-    from kvtransfer.receiver import KVReceiver
-    from kvtransfer.shm import SharedKVAllocator
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.kvtransfer.connector import DecodeHandoff, engine_layout
+    from pdserve.kvtransfer.receiver import KVReceiver
+    from pdserve.kvtransfer.shm import SharedKVAllocator
 
     alloc = SharedKVAllocator()
     engine = LLMEngine.from_pretrained(
@@ -291,10 +291,10 @@ class _LastLayerClock:
 def _handoff(
     conn: Connection, model: str, tokens: int, reps: int, transport: str
 ) -> dict[str, Any]:
-    from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
-    from engine.testmodel import ensure_test_model
-    from kvtransfer.connector import PrefillKVConnector, engine_layout
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.engine.testmodel import ensure_test_model
+    from pdserve.kvtransfer.connector import PrefillKVConnector, engine_layout
 
     model_dir = ensure_test_model(model)
     num_blocks = math.ceil(tokens / 16) + 8
@@ -450,9 +450,9 @@ def main(argv: list[str] | None = None) -> None:
             handoff_note = "skipped (--skip-handoff)"
         else:
             try:
-                import engine.llm_engine  # noqa: F401
+                import pdserve.engine.llm_engine  # noqa: F401
             except ImportError as exc:
-                handoff_note = f"needs the engine (engine.llm_engine): {exc}"
+                handoff_note = f"needs the engine (pdserve.engine.llm_engine): {exc}"
             else:
                 print(f"\nHand-off, {args.handoff_model} model, {args.handoff_tokens}-token prompt")
                 for transport in args.handoff_transports.split(","):

@@ -1,4 +1,4 @@
-"""Load generator for OpenAI-compatible endpoints: ``python -m bench.serve``.
+"""Load generator for OpenAI-compatible endpoints: ``python -m pdserve.bench.serve``.
 
 Sends the same seeded workload (prompts of exact token lengths built with a local
 tokenizer, fixed output lengths through ``ignore_eos``) to one or more endpoints in turn,
@@ -7,7 +7,7 @@ with Poisson arrivals (``--request-rate``) or a fixed number of clients
 TPOT, ITL (mean, p50/p90/p99), throughput and SLO attainment as a table, a JSON file and a
 PNG plot. Example, pdserve disaggregated vs colocated vs vLLM in one run::
 
-    python -m bench.serve --tokenizer models/pdserve-small-... \\
+    python -m pdserve.bench.serve --tokenizer models/pdserve-small-... \\
         --endpoint disagg=http://127.0.0.1:8000 --endpoint coloc=http://127.0.0.1:8001 \\
         --endpoint vllm=http://127.0.0.1:8002 --request-rate 4 --num-requests 200 \\
         --prompt-len mix:128:2048:0.1 --output-len fixed:128 --slo-ttft-ms 1000 --slo-tpot-ms 50
@@ -26,9 +26,9 @@ from typing import Any
 
 import httpx
 
-from bench.serve_metrics import RequestRecord, Summary, summarize
-from bench.serve_report import format_table, write_plot
-from bench.serve_workload import BenchRequest, LengthDist, build_workload
+from pdserve.bench.serve_metrics import RequestRecord, Summary, summarize
+from pdserve.bench.serve_report import format_table, write_plot
+from pdserve.bench.serve_workload import BenchRequest, LengthDist, build_workload
 
 
 @dataclass(frozen=True)
@@ -195,7 +195,7 @@ async def run_endpoint(
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m bench.serve", description=__doc__.splitlines()[0],
+        prog="python -m pdserve.bench.serve", description=__doc__.splitlines()[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )  # fmt: skip
     p.add_argument(

@@ -1,4 +1,4 @@
-"""What ``bench.serve`` measures and how it summarises it.
+"""What ``pdserve.bench.serve`` measures and how it summarises it.
 
 Definitions follow the common load tools (vLLM bench, guidellm): TTFT is the time to the
 first chunk with non-empty text; ITL the gaps between such chunks; TPOT

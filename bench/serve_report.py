@@ -1,11 +1,11 @@
-"""Reports of ``bench.serve``: the comparison table (metrics as rows, endpoints as columns)
+"""Reports of ``pdserve.bench.serve``: the comparison table (metrics as rows, endpoints as columns)
 and the PNG plot (TTFT, TPOT and ITL CDFs, output throughput with SLO attainment)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from bench.serve_metrics import RequestRecord, Summary
+from pdserve.bench.serve_metrics import RequestRecord, Summary
 
 
 def _ms(value: float | None) -> str:

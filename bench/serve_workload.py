@@ -1,4 +1,4 @@
-"""Workloads for ``bench.serve``: length distributions, prompts with exact token counts,
+"""Workloads for ``pdserve.bench.serve``: length distributions, prompts with exact token counts,
 and arrival schedules (Poisson or fixed concurrency). Everything is seeded, so every
 endpoint compared in one run gets the very same requests in the same order.
 """

@@ -1,4 +1,4 @@
-"""The servers ``bench.compare_serving`` measures, each started and stopped by this process.
+"""The servers ``pdserve.bench.compare_serving`` measures, each started and stopped by this process.
 
 ``PdserveServer`` brings up a local pdserve cluster of its own (``pdserve up`` with a state
 directory that only it uses, then ``pdserve serve CONFIG``) and takes it down with
@@ -23,8 +23,8 @@ from typing import Protocol
 
 import httpx
 
-from cluster.ports import free_port
-from engine.affinity import current_thread_cpus
+from pdserve.cluster.ports import free_port
+from pdserve.engine.affinity import current_thread_cpus
 
 HOST = "127.0.0.1"
 
@@ -167,7 +167,7 @@ def wait_for_models(
 
 @dataclass
 class PdserveServer:
-    """pdserve on a local cluster of its own (``python -m cluster.cli``)."""
+    """pdserve on a local cluster of its own (``python -m pdserve.cluster.cli``)."""
 
     name: str
     config: Path
@@ -179,7 +179,7 @@ class PdserveServer:
     _started: bool = False
 
     def _cli(self, *args: str, timeout_s: float) -> None:
-        cmd = [self.python, "-m", "cluster.cli", *args, "--state-dir", str(self.state_dir)]
+        cmd = [self.python, "-m", "pdserve.cluster.cli", *args, "--state-dir", str(self.state_dir)]
         with self.log_path.open("a") as log:
             log.write(f"$ {' '.join(f'{k}={v}' for k, v in self.env.items())} {shlex.join(cmd)}\n")
             log.flush()
@@ -198,7 +198,7 @@ class PdserveServer:
             )
 
     def start(self, timeout_s: float) -> str:
-        from cluster.state import load_state
+        from pdserve.cluster.state import load_state
 
         deadline = time.monotonic() + timeout_s
         self._started = True
@@ -215,13 +215,13 @@ class PdserveServer:
         return url
 
     def root_pids(self) -> list[int]:
-        from cluster.state import load_state
+        from pdserve.cluster.state import load_state
 
         state = load_state(self.state_dir)
         return [] if state is None else [node.pid for node in state.nodes]
 
     def engine_cpus(self) -> set[int]:
-        from cluster.state import load_state
+        from pdserve.cluster.state import load_state
 
         state = load_state(self.state_dir)
         return set() if state is None else {c for node in state.nodes for c in node.engine_cpus}

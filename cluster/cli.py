@@ -22,7 +22,7 @@ import threading
 from pathlib import Path
 from types import FrameType
 
-from cluster.state import ClusterState, default_state_dir, load_state, ray_client_env
+from pdserve.cluster.state import ClusterState, default_state_dir, load_state, ray_client_env
 
 STATE_DIR_ENV = "PDSERVE_STATE_DIR"
 EXIT_FAILURE, EXIT_USAGE = 1, 2
@@ -114,7 +114,7 @@ def resolve_state_dir(flag: Path | None) -> Path:
 
 
 def _cluster_spec(args: argparse.Namespace):  # -> ClusterSpec (import kept lazy)
-    from cluster.topology import ClusterSpec
+    from pdserve.cluster.topology import ClusterSpec
 
     return ClusterSpec.for_this_machine(
         head_cpus=args.head_cpus,
@@ -129,7 +129,7 @@ def _cluster_spec(args: argparse.Namespace):  # -> ClusterSpec (import kept lazy
 
 
 def _load_config(path: Path | None):  # -> AppConfig
-    from deployments.config import AppConfig
+    from pdserve.deployments.config import AppConfig
 
     if path is None:
         return AppConfig()
@@ -139,7 +139,7 @@ def _load_config(path: Path | None):  # -> AppConfig
 
 
 def cmd_up(args: argparse.Namespace, state_dir: Path) -> int:
-    from cluster.local import start_cluster
+    from pdserve.cluster.local import start_cluster
 
     state = start_cluster(
         _cluster_spec(args), state_dir, timeout_s=args.start_timeout, progress=_say
@@ -159,8 +159,8 @@ def _join(state_dir: Path) -> ClusterState:
 
 
 def cmd_serve(args: argparse.Namespace, state_dir: Path, config=None) -> int:
-    from cluster.serving import curl_example, deploy, grpc_example
-    from cluster.state import save_state
+    from pdserve.cluster.serving import curl_example, deploy, grpc_example
+    from pdserve.cluster.state import save_state
 
     state = _join(state_dir)
     config = config if config is not None else _load_config(args.config)
@@ -184,7 +184,7 @@ def cmd_status(args: argparse.Namespace, state_dir: Path) -> int:
     if args.json:
         print(state.model_dump_json(indent=2))
         return 0
-    from cluster.status import collect_status, format_status
+    from pdserve.cluster.status import collect_status, format_status
 
     status = collect_status(state)
     print(format_status(status), flush=True)
@@ -200,7 +200,7 @@ def cmd_env(args: argparse.Namespace, state_dir: Path) -> int:
 
 
 def cmd_down(args: argparse.Namespace, state_dir: Path) -> int:
-    from cluster.local import stop_cluster
+    from pdserve.cluster.local import stop_cluster
 
     report = stop_cluster(state_dir)
     if not report.stopped:
@@ -222,8 +222,8 @@ def _raise_stop(signum: int, _frame: FrameType | None) -> None:
 
 
 def cmd_run(args: argparse.Namespace, state_dir: Path) -> int:
-    from cluster.local import running_nodes, stop_cluster
-    from cluster.serving import prepare_model_in_background
+    from pdserve.cluster.local import running_nodes, stop_cluster
+    from pdserve.cluster.serving import prepare_model_in_background
 
     config = _load_config(args.config)  # fail on a bad config before starting anything
     previous = signal.signal(signal.SIGTERM, _raise_stop)

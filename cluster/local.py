@@ -1,10 +1,10 @@
 """Start and stop a local multi-node Ray cluster of real ``ray start`` processes on loopback.
 
-Each node (head, prefill pool, decode pool; see ``cluster.topology``) is one
+Each node (head, prefill pool, decode pool; see ``pdserve.cluster.topology``) is one
 ``ray start --block`` process in its own session, with its own ``--temp-dir``, OS-chosen
 ports, a capped object store, its ``--labels`` and, when the CPUs are pinned, the shared
 CPUs as its affinity and its engine CPUs in ``$PDSERVE_ENGINE_CPUS``. The pids, addresses
-and temp dirs go into the state file (``cluster.state``) so a later command can find and
+and temp dirs go into the state file (``pdserve.cluster.state``) so a later command can find and
 stop exactly these processes. This module never runs ``ray stop`` and never signals a
 process by name.
 """
@@ -22,9 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.ports import PortAllocator
-from cluster.procs import is_running, stop_sessions
-from cluster.state import (
+from pdserve.cluster.ports import PortAllocator
+from pdserve.cluster.procs import is_running, stop_sessions
+from pdserve.cluster.state import (
     ClusterState,
     NodeRecord,
     clear_state,
@@ -32,8 +32,8 @@ from cluster.state import (
     save_state,
     write_token,
 )
-from cluster.topology import ClusterSpec, NodeSpec, format_labels
-from engine.affinity import ENGINE_CPUS_ENV, format_cpu_list
+from pdserve.cluster.topology import ClusterSpec, NodeSpec, format_labels
+from pdserve.engine.affinity import ENGINE_CPUS_ENV, format_cpu_list
 
 READY_MARKER = "Ray runtime started"
 TOKEN_FILE = "auth_token"

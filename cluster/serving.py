@@ -2,7 +2,7 @@
 
 Connects a driver to the recorded cluster, starts Serve with one HTTP proxy and (unless the
 config turns it off) one gRPC proxy on the head, at the cluster's loopback address and
-OS-chosen ports, deploys ``deployments.app.build_app(config)`` and reports progress until
+OS-chosen ports, deploys ``pdserve.deployments.app.build_app(config)`` and reports progress until
 every replica runs. The application outlives this driver (Serve's controller is detached);
 ``pdserve down`` ends it.
 """
@@ -12,20 +12,21 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import signal
 import threading
 import time
 from typing import TYPE_CHECKING
 
-from cluster.local import Progress
-from cluster.ports import free_port, free_port_all_interfaces
-from cluster.state import ClusterState, ServeRecord
-from deployments.config import AppConfig
+from pdserve.cluster.local import Progress
+from pdserve.cluster.ports import free_port, free_port_all_interfaces
+from pdserve.cluster.state import ClusterState, ServeRecord
+from pdserve.deployments.config import AppConfig
 
 if TYPE_CHECKING:  # Ray is imported only when deploying
     from ray.serve.schema import ServeStatus
 
-GRPC_SERVICER = "deployments.grpc.pdserve_pb2_grpc.add_PDServeServicer_to_server"
+GRPC_SERVICER = "pdserve.deployments.grpc.pdserve_pb2_grpc.add_PDServeServicer_to_server"
 
 
 def resolve_model(config: AppConfig, progress: Progress) -> AppConfig:
@@ -99,7 +100,7 @@ def deploy(
     import ray
     from ray import serve
 
-    from deployments.app import build_app
+    from pdserve.deployments.app import build_app
 
     config = bind_front_door(resolve_model(config, progress), state.node_ip, state.serve)
     progress(f"connecting to the cluster at {state.gcs_address}")
@@ -107,12 +108,21 @@ def deploy(
         # ray.init replaces SIGINT/SIGTERM handlers with its own (which end the process at
         # once); the caller's handlers decide what a signal means here (`run` cleans up).
         handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-        ray.init(
-            address=state.gcs_address,
-            _node_ip_address=state.node_ip,
-            log_to_driver=False,
-            logging_level="WARNING",
-        )
+        # Ray puts the driver's working directory first on every worker's sys.path. In a
+        # checkout of pdserve that directory holds the source folders (`kernels`, `engine`,
+        # ...), which would shadow same-named packages in the replicas (transformers imports
+        # Hugging Face's `kernels`); so the driver connects from the cluster's own directory.
+        cwd = os.getcwd()
+        os.chdir(state.root_dir)
+        try:
+            ray.init(
+                address=state.gcs_address,
+                _node_ip_address=state.node_ip,
+                log_to_driver=False,
+                logging_level="WARNING",
+            )
+        finally:
+            os.chdir(cwd)
         for sig, handler in handlers.items():
             if handler is not None:
                 signal.signal(sig, handler)
@@ -176,6 +186,6 @@ def grpc_example(record: ServeRecord) -> str | None:
     if record.grpc_address is None:
         return None
     return (
-        f"python -m deployments.grpc.client --target {record.grpc_address} "
+        f"python -m pdserve.deployments.grpc.client --target {record.grpc_address} "
         f"--application {record.app_name} --max-tokens 32 'Hello!'"
     )

@@ -4,7 +4,7 @@ One JSON file per state directory (``cluster.json``): the node processes (pid = 
 group and session the node's processes live in), addresses, ports and temp dirs, and, once
 ``pdserve serve`` ran, the Serve endpoints. The state directory is per user
 (``$XDG_STATE_HOME/pdserve``, else ``~/.local/state/pdserve``); the CLI's ``--state-dir``
-flag and the ``PDSERVE_STATE_DIR`` variable (both read only in ``cluster.cli``) override it.
+flag and the ``PDSERVE_STATE_DIR`` variable (both read only in ``pdserve.cluster.cli``) override it.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from cluster.topology import NodeRole
+from pdserve.cluster.topology import NodeRole
 
 STATE_FILE = "cluster.json"
 

@@ -14,11 +14,11 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from cluster.procs import is_running
-from cluster.state import ClusterState, NodeRecord, auth_header
-from deployments.config import POOL_LABEL_KEY
-from deployments.metrics import PREFIX, exported_name
-from engine.affinity import format_cpu_list
+from pdserve.cluster.procs import is_running
+from pdserve.cluster.state import ClusterState, NodeRecord, auth_header
+from pdserve.deployments.config import POOL_LABEL_KEY
+from pdserve.deployments.metrics import PREFIX, exported_name
+from pdserve.engine.affinity import format_cpu_list
 
 if TYPE_CHECKING:  # Ray is imported only when status runs
     from ray.serve.schema import ApplicationDetails
@@ -193,7 +193,7 @@ def collect_status(state: ClusterState) -> ClusterStatus:
     """Ask the cluster; what cannot be asked is listed in ``problems``, not raised.
 
     Ray's state API reads the cluster's token from the environment
-    (``cluster.state.ray_client_env``), which the CLI sets before Ray is imported.
+    (``pdserve.cluster.state.ray_client_env``), which the CLI sets before Ray is imported.
     """
     problems: list[str] = []
     ray_nodes, reserved = _ray_nodes(state, problems)

@@ -3,7 +3,7 @@
 Usable three ways:
 - Python: ``serve.run(build_app(AppConfig(...)))``;
 - Serve config YAML (``serve run`` / ``serve deploy`` / KubeRay ``serveConfigV2``):
-  ``import_path: deployments.app:build_app`` with ``args:`` holding ``AppConfig`` fields;
+  ``import_path: pdserve.deployments.app:build_app`` with ``args:`` holding ``AppConfig`` fields;
 - tests: ``build_application(config, engine_factory=...)`` injects a different engine.
 
 Each pool gets its node-pool ``label_selector``, CPUs/GPUs, its request router
@@ -19,9 +19,9 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
-from deployments.autoscaling import POLICY_PATHS
-from deployments.config import AppConfig, PoolConfig, PoolRole
-from deployments.engine_factory import EngineFactory
+from pdserve.deployments.autoscaling import POLICY_PATHS
+from pdserve.deployments.config import AppConfig, PoolConfig, PoolRole
+from pdserve.deployments.engine_factory import EngineFactory
 
 PREFILL_DEPLOYMENT = "PrefillServer"
 DECODE_DEPLOYMENT = "DecodeServer"
@@ -45,8 +45,8 @@ def build_application(
     model_dir = cfg.model.resolve_path()
     cfg_data = cfg.model_dump(mode="json")  # replicas get plain data; they re-validate it
 
-    from deployments.decode_server import DecodeServer
-    from deployments.prefill_server import PrefillServer
+    from pdserve.deployments.decode_server import DecodeServer
+    from pdserve.deployments.prefill_server import PrefillServer
 
     prefill = None
     if cfg.policy.mode != "always_local":
@@ -63,7 +63,7 @@ def build_application(
     if not with_ingress:
         return decode
 
-    from deployments.ingress import OpenAIIngress
+    from pdserve.deployments.ingress import OpenAIIngress
 
     ready = [DECODE_DEPLOYMENT] + ([PREFILL_DEPLOYMENT] if prefill is not None else [])
     return OpenAIIngress.options(
@@ -109,7 +109,7 @@ def actor_options(pool: PoolConfig, role: PoolRole) -> dict[str, Any]:
 
 
 def router_config(cfg: AppConfig, role: PoolRole) -> RequestRouterConfig:
-    from deployments.routers import DecodeRequestRouter, PrefillRequestRouter
+    from pdserve.deployments.routers import DecodeRequestRouter, PrefillRequestRouter
 
     r = cfg.router
     if role == "prefill":

@@ -128,7 +128,7 @@ class ModelSettings(_Strict):
 
 
 class EngineLimits(_Strict):
-    """Per-replica engine sizing (maps onto ``engine.config.EngineConfig``)."""
+    """Per-replica engine sizing (maps onto ``pdserve.engine.config.EngineConfig``)."""
 
     num_kv_blocks: int | None = Field(
         default=None, ge=1, description="KV blocks per replica; None = profiled by the engine."
@@ -416,7 +416,7 @@ class GRPCOptions(_Strict):
 
 
 class AppConfig(_Strict):
-    """Everything a pdserve application needs: ``deployments.app.build_app(AppConfig)``."""
+    """Everything a pdserve application needs: ``pdserve.deployments.app.build_app(AppConfig)``."""
 
     name: str = Field(default="pdserve", description="Serve application name.")
     model: ModelSettings = Field(default_factory=ModelSettings, description="Model to serve.")

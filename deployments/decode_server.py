@@ -29,9 +29,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 from ray.serve.handle import DeploymentHandle
 
-from deployments import tracing
-from deployments.config import AppConfig
-from deployments.engine_factory import (
+from pdserve.deployments import tracing
+from pdserve.deployments.config import AppConfig
+from pdserve.deployments.engine_factory import (
     EngineFactory,
     cached_prefix_tokens,
     check_engine_integrity,
@@ -39,17 +39,22 @@ from deployments.engine_factory import (
     engine_config,
     pool_hooks,
 )
-from deployments.load import Ema, decode_autoscaling_stats, replica_stats
-from deployments.messages import (
+from pdserve.deployments.load import Ema, decode_autoscaling_stats, replica_stats
+from pdserve.deployments.messages import (
     ErrorInfo,
     GenerateChunk,
     GenerateRequest,
 )
-from deployments.metrics import ServingMetrics
-from deployments.outputs import chunk_from_output
-from deployments.policy import Decision, DisaggregationPolicy, LocalLoad, RemotePrefillEstimator
-from deployments.remote_prefill import PrefillClient, RemotePrefill, ServePrefillClient
-from deployments.replica import (
+from pdserve.deployments.metrics import ServingMetrics
+from pdserve.deployments.outputs import chunk_from_output
+from pdserve.deployments.policy import (
+    Decision,
+    DisaggregationPolicy,
+    LocalLoad,
+    RemotePrefillEstimator,
+)
+from pdserve.deployments.remote_prefill import PrefillClient, RemotePrefill, ServePrefillClient
+from pdserve.deployments.replica import (
     IntegrityReport,
     TransferMetricsObserver,
     configure_replica_cpus,
@@ -57,10 +62,10 @@ from deployments.replica import (
     replica_node_id,
     transfer_host,
 )
-from engine.outputs import RequestOutput
-from kvtransfer.config import KVTransferConfig
-from kvtransfer.connector import engine_layout
-from kvtransfer.receiver import KVReceiver
+from pdserve.engine.outputs import RequestOutput
+from pdserve.kvtransfer.config import KVTransferConfig
+from pdserve.kvtransfer.connector import engine_layout
+from pdserve.kvtransfer.receiver import KVReceiver
 
 logger = logging.getLogger("ray.serve")
 
@@ -361,6 +366,6 @@ def _shared_allocator(cfg: AppConfig) -> Any:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device != "cpu":
         return None
-    from kvtransfer.shm import SharedKVAllocator
+    from pdserve.kvtransfer.shm import SharedKVAllocator
 
     return SharedKVAllocator()

@@ -12,8 +12,8 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
-from deployments.messages import ErrorInfo, GenerateChunk, GenerateRequest
-from deployments.openai_protocol import OpenAIError, UsageInfo
+from pdserve.deployments.messages import ErrorInfo, GenerateChunk, GenerateRequest
+from pdserve.deployments.openai_protocol import OpenAIError, UsageInfo
 
 
 def error_from_info(info: ErrorInfo) -> OpenAIError:

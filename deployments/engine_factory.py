@@ -15,9 +15,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from deployments.config import AppConfig, PoolRole
-from engine.config import EngineConfig
-from engine.kv_connector import KVConnector
+from pdserve.deployments.config import AppConfig, PoolRole
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv_connector import KVConnector
 
 
 @dataclass(frozen=True)
@@ -48,8 +48,8 @@ def pool_hooks(cfg: AppConfig, role: PoolRole, cpus: tuple[int, ...], **hooks: A
 
 
 def default_engine_factory(config: EngineConfig, hooks: EngineHooks) -> Any:
-    from engine.async_engine import AsyncLLMEngine
-    from engine.llm_engine import LLMEngine
+    from pdserve.engine.async_engine import AsyncLLMEngine
+    from pdserve.engine.llm_engine import LLMEngine
 
     llm = LLMEngine(
         config, kv_cache_allocator=hooks.kv_cache_allocator, kv_connector=hooks.kv_connector
@@ -90,7 +90,7 @@ def cached_prefix_tokens(engine: Any, token_ids: Sequence[int]) -> int:
     manager = getattr(llm, "kv_cache_manager", None)
     if manager is None or not manager.enable_prefix_caching:
         return 0
-    from engine.block_pool import NO_PARENT_HASH, hash_block_tokens
+    from pdserve.engine.block_pool import NO_PARENT_HASH, hash_block_tokens
 
     bs = manager.block_size
     parent = NO_PARENT_HASH

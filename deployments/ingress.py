@@ -27,22 +27,22 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deployments.config import ObservabilityConfig
-from deployments.decode_stream import DecodeStream
-from deployments.grpc import pdserve_pb2 as pb2
-from deployments.ingress_telemetry import IngressTelemetry
-from deployments.messages import GenerateChunk, GenerateRequest, SLOClass
-from deployments.metrics import ServingMetrics
-from deployments.openai_protocol import (
+from pdserve.deployments.config import ObservabilityConfig
+from pdserve.deployments.decode_stream import DecodeStream
+from pdserve.deployments.grpc import pdserve_pb2 as pb2
+from pdserve.deployments.ingress_telemetry import IngressTelemetry
+from pdserve.deployments.messages import GenerateChunk, GenerateRequest, SLOClass
+from pdserve.deployments.metrics import ServingMetrics
+from pdserve.deployments.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIError,
     parse_json_body,
     validate_request,
 )
-from deployments.openai_serving import ModelInfo, OpenAIServing
-from deployments.tracing import setup_tracing
-from engine.loader import load_model_config, load_tokenizer
+from pdserve.deployments.openai_serving import ModelInfo, OpenAIServing
+from pdserve.deployments.tracing import setup_tracing
+from pdserve.engine.loader import load_model_config, load_tokenizer
 
 logger = logging.getLogger(__name__)
 

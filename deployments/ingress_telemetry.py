@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from deployments import tracing
-from deployments.metrics import ServingMetrics
+from pdserve.deployments import tracing
+from pdserve.deployments.metrics import ServingMetrics
 
 if TYPE_CHECKING:
-    from deployments.decode_stream import DecodeStream
+    from pdserve.deployments.decode_stream import DecodeStream
 
 
 class RequestTelemetry:

@@ -11,10 +11,10 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from deployments import autoscaling
-from deployments.config import PoolRole
-from deployments.messages import ReplicaStats
-from engine.stats import EngineStats
+from pdserve.deployments import autoscaling
+from pdserve.deployments.config import PoolRole
+from pdserve.deployments.messages import ReplicaStats
+from pdserve.engine.stats import EngineStats
 
 
 class RateMeter:

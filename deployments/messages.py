@@ -1,7 +1,7 @@
 """Typed messages between pdserve's deployments (ingress -> decode -> prefill).
 
 Every message crossing a process boundary is a pydantic model here, never a dict with
-string keys. This module imports neither Ray nor torch (``kvtransfer.types`` is pydantic
+string keys. This module imports neither Ray nor torch (``pdserve.kvtransfer.types`` is pydantic
 only), so the ingress can import it cheaply.
 
 Contract ingress -> decode: ``DecodeServer.generate(GenerateRequest)`` is a streaming method
@@ -17,8 +17,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engine.sampling_params import MAX_LOGPROBS, SamplingParams
-from kvtransfer.types import KVTarget, TransferResult
+from pdserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from pdserve.kvtransfer.types import KVTarget, TransferResult
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 SLOClass = Literal["interactive", "batch"]

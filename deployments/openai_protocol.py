@@ -24,7 +24,7 @@ from pydantic import (
     model_serializer,
 )
 
-MAX_LOGPROBS = 20  # the engine's limit (engine.sampling_params.MAX_LOGPROBS)
+MAX_LOGPROBS = 20  # the engine's limit (pdserve.engine.sampling_params.MAX_LOGPROBS)
 MAX_STOP_STRINGS = 16
 
 

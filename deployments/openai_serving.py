@@ -14,16 +14,16 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from deployments.decode_stream import DecodeStream
-from deployments.ingress_telemetry import IngressTelemetry
-from deployments.messages import (
+from pdserve.deployments.decode_stream import DecodeStream
+from pdserve.deployments.ingress_telemetry import IngressTelemetry
+from pdserve.deployments.messages import (
     GenerateChunk,
     GenerateRequest,
     SamplingOptions,
     SLOClass,
     TokenLogprob,
 )
-from deployments.openai_protocol import (
+from pdserve.deployments.openai_protocol import (
     SSE_DONE,
     ChatChoice,
     ChatChunkChoice,

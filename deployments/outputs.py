@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from deployments.messages import GenerateChunk, TokenLogprob, TopLogprob
-from engine.outputs import RequestOutput
-from engine.outputs import TokenLogprob as EngineLogprob
+from pdserve.deployments.messages import GenerateChunk, TokenLogprob, TopLogprob
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.outputs import TokenLogprob as EngineLogprob
 
 
 def token_text(tokenizer: Any, token_id: int) -> str:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from deployments.config import PolicyConfig, SLOConfig
+from pdserve.deployments.config import PolicyConfig, SLOConfig
 
 Location = Literal["local", "remote", "shed"]
 

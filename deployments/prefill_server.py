@@ -18,20 +18,20 @@ import logging
 import time
 from typing import Any
 
-from deployments import tracing
-from deployments.config import AppConfig
-from deployments.engine_factory import (
+from pdserve.deployments import tracing
+from pdserve.deployments.config import AppConfig
+from pdserve.deployments.engine_factory import (
     EngineFactory,
     check_engine_integrity,
     default_engine_factory,
     engine_config,
     pool_hooks,
 )
-from deployments.load import RateMeter, prefill_autoscaling_stats, replica_stats
-from deployments.messages import PrefillRequest, PrefillResponse
-from deployments.metrics import ServingMetrics
-from deployments.outputs import to_wire_logprob
-from deployments.replica import (
+from pdserve.deployments.load import RateMeter, prefill_autoscaling_stats, replica_stats
+from pdserve.deployments.messages import PrefillRequest, PrefillResponse
+from pdserve.deployments.metrics import ServingMetrics
+from pdserve.deployments.outputs import to_wire_logprob
+from pdserve.deployments.replica import (
     IntegrityReport,
     TransferMetricsObserver,
     configure_replica_cpus,
@@ -40,10 +40,10 @@ from deployments.replica import (
     replica_node_id,
     transfer_host,
 )
-from kvtransfer.config import KVTransferConfig
-from kvtransfer.connector import PrefillKVConnector, engine_layout
-from kvtransfer.sender import KVSender
-from kvtransfer.types import KVTransferError
+from pdserve.kvtransfer.config import KVTransferConfig
+from pdserve.kvtransfer.connector import PrefillKVConnector, engine_layout
+from pdserve.kvtransfer.sender import KVSender
+from pdserve.kvtransfer.types import KVTransferError
 
 logger = logging.getLogger("ray.serve")
 

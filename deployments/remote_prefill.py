@@ -17,15 +17,15 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from deployments import tracing
-from deployments.messages import GenerateRequest, PrefillRequest, PrefillResponse
-from deployments.metrics import ServingMetrics
-from deployments.outputs import to_engine_logprob
-from deployments.policy import RemotePrefillEstimator
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from kvtransfer.receiver import KVReceiver
-from kvtransfer.types import KVTarget
+from pdserve.deployments import tracing
+from pdserve.deployments.messages import GenerateRequest, PrefillRequest, PrefillResponse
+from pdserve.deployments.metrics import ServingMetrics
+from pdserve.deployments.outputs import to_engine_logprob
+from pdserve.deployments.policy import RemotePrefillEstimator
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kvtransfer.receiver import KVReceiver
+from pdserve.kvtransfer.types import KVTarget
 
 logger = logging.getLogger("ray.serve")
 

@@ -13,10 +13,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from deployments.config import PoolConfig
-from deployments.metrics import ServingMetrics
-from engine.affinity import ENGINE_CPUS_ENV, check_cpus_exist, parse_cpu_list
-from kvtransfer.types import TransferResult
+from pdserve.deployments.config import PoolConfig
+from pdserve.deployments.metrics import ServingMetrics
+from pdserve.engine.affinity import ENGINE_CPUS_ENV, check_cpus_exist, parse_cpu_list
+from pdserve.kvtransfer.types import TransferResult
 
 
 class IntegrityReport(BaseModel):

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from pydantic import ValidationError
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from deployments.messages import GenerateRequest, PrefillRequest, ReplicaStats
+from pdserve.deployments.messages import GenerateRequest, PrefillRequest, ReplicaStats
 
 logger = logging.getLogger("ray.serve")
 

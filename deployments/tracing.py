@@ -19,7 +19,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from deployments.config import ObservabilityConfig
+from pdserve.deployments.config import ObservabilityConfig
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 _LOCK = threading.Lock()

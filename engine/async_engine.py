@@ -7,7 +7,7 @@ go back to each request's ``asyncio.Queue`` through ``loop.call_soon_threadsafe`
 
 With ``cpu_affinity`` the engine thread binds itself to those CPUs before its first step,
 so it and the OpenMP workers torch starts from it compute there, while the event loop and
-every other thread of the process stay where they were (``engine.affinity``). With
+every other thread of the process stay where they were (``pdserve.engine.affinity``). With
 ``helper_threads`` as well, that many more OpenMP threads are bound to the process's other
 CPUs (the node's shared ones), niced, and join only steps of at least ``helper_min_tokens``
 tokens: on a small CPU node they put the serving CPUs' idle time into prefill.
@@ -31,11 +31,16 @@ from typing import Any, TypeVar
 
 import torch
 
-from engine.affinity import HELPER_NICE, StepThreads, bind_current_thread, current_thread_cpus
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput, TokenLogprob, merge_outputs
-from engine.sampling_params import SamplingParams
-from engine.stats import EngineStats
+from pdserve.engine.affinity import (
+    HELPER_NICE,
+    StepThreads,
+    bind_current_thread,
+    current_thread_cpus,
+)
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.outputs import RequestOutput, TokenLogprob, merge_outputs
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -331,7 +336,7 @@ class AsyncLLMEngine:
 
     def _start_helpers(self, process_cpus: tuple[int, ...]) -> None:
         """Bind ``helper_threads`` OpenMP threads to the CPUs the engine thread gave up."""
-        from kernels import native
+        from pdserve.kernels import native
 
         shared = tuple(c for c in process_cpus if c not in self._bound_cpus)
         if not shared:

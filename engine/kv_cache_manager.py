@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
-from engine.block_pool import NO_PARENT_HASH, BlockPool, hash_block_tokens
-from engine.request import Request
+from pdserve.engine.block_pool import NO_PARENT_HASH, BlockPool, hash_block_tokens
+from pdserve.engine.request import Request
 
 
 def cdiv(a: int, b: int) -> int:

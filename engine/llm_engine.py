@@ -15,16 +15,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from engine.affinity import StepThreads
-from engine.config import EngineConfig
-from engine.kv_cache_manager import KVCacheManager
-from engine.kv_connector import KVConnector
-from engine.outputs import RequestOutput, TokenLogprob
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import SampledTokenLike, Scheduler
-from engine.scheduler_output import SchedulerOutput
-from engine.stats import EngineStats, ThroughputMeter
+from pdserve.engine.affinity import StepThreads
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.kv_connector import KVConnector
+from pdserve.engine.outputs import RequestOutput, TokenLogprob
+from pdserve.engine.request import Request
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import SampledTokenLike, Scheduler
+from pdserve.engine.scheduler_output import SchedulerOutput
+from pdserve.engine.stats import EngineStats, ThroughputMeter
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunnerLike(Protocol):
-    """What the engine needs of engine.model_runner.ModelRunner."""
+    """What the engine needs of pdserve.engine.model_runner.ModelRunner."""
 
     model_config: Any
     tokenizer: Any
@@ -58,7 +58,7 @@ class LLMEngine:
     ) -> None:
         self.config = config
         if model_runner is None:
-            from engine.model_runner import ModelRunner  # torch and the model load here
+            from pdserve.engine.model_runner import ModelRunner  # torch and the model load here
 
             model_runner = ModelRunner(
                 config, kv_cache_allocator=kv_cache_allocator, kv_connector=kv_connector
@@ -207,7 +207,7 @@ class LLMEngine:
                 f"prompt has {len(prompt_ids)} tokens, more than max_model_len "
                 f"({self.max_model_len})"
             )
-        from engine.detokenizer import IncrementalDetokenizer
+        from pdserve.engine.detokenizer import IncrementalDetokenizer
 
         return Request(
             request_id=request_id,

@@ -17,22 +17,22 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.config import EngineConfig
-from engine.cpu_memory import keep_freed_memory
-from engine.kv_connector import KVConnector
-from engine.loader import (
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.cpu_memory import keep_freed_memory
+from pdserve.engine.kv_connector import KVConnector
+from pdserve.engine.loader import (
     ModelConfig,
     iter_weights,
     load_model_config,
     load_tokenizer,
     resolve_dtype,
 )
-from engine.models import build_model
-from engine.models.llama import AttentionMetadata
-from engine.sampler import SampledToken, Sampler, SamplingRow
-from engine.scheduler_output import SchedulerOutput
-from kernels import native
-from kernels.linear import pack_linears
+from pdserve.engine.models import build_model
+from pdserve.engine.models.llama import AttentionMetadata
+from pdserve.engine.sampler import SampledToken, Sampler, SamplingRow
+from pdserve.engine.scheduler_output import SchedulerOutput
+from pdserve.kernels import native
+from pdserve.kernels.linear import pack_linears
 
 logger = logging.getLogger(__name__)
 

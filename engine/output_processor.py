@@ -10,8 +10,8 @@ always a prefix of the final text. No tensors here.
 
 from __future__ import annotations
 
-from engine.outputs import RequestOutput
-from engine.request import Request, RequestStatus
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.request import Request, RequestStatus
 
 
 def check_stop(request: Request, token_id: int, max_model_len: int) -> RequestStatus | None:

@@ -16,12 +16,12 @@ import enum
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.outputs import FinishReason, TokenLogprob
-from engine.sampling_params import SamplingParams
+from pdserve.engine.outputs import FinishReason, TokenLogprob
+from pdserve.engine.sampling_params import SamplingParams
 
 
 class Detokenizer(Protocol):
-    """What the scheduler needs of engine.detokenizer.IncrementalDetokenizer."""
+    """What the scheduler needs of pdserve.engine.detokenizer.IncrementalDetokenizer."""
 
     def append(self, token_id: int) -> str: ...
 

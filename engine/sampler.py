@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 

@@ -25,12 +25,12 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
-from engine.kv_cache_manager import KVCacheManager
-from engine.kv_connector import PendingSend
-from engine.output_processor import check_stop, make_output
-from engine.outputs import RequestOutput, TokenLogprob
-from engine.request import Request, RequestStatus
-from engine.scheduler_output import ScheduledChunk, SchedulerOutput
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.kv_connector import PendingSend
+from pdserve.engine.output_processor import check_stop, make_output
+from pdserve.engine.outputs import RequestOutput, TokenLogprob
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 
 _FINISHED_STATES = (
     RequestStatus.FINISHED_STOPPED,
@@ -40,7 +40,7 @@ _FINISHED_STATES = (
 
 
 class SampledTokenLike(Protocol):
-    """engine.sampler.SampledToken, seen from here without importing torch."""
+    """pdserve.engine.sampler.SampledToken, seen from here without importing torch."""
 
     token_id: int
     logprob: float | None

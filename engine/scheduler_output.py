@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.kv_connector import PendingSend
-from engine.sampling_params import SamplingParams
+from pdserve.engine.kv_connector import PendingSend
+from pdserve.engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Deterministic test models: random weights from a seed, a tokenizer trained locally.
 
-``python -m engine.testmodel --size tiny|small OUT_DIR`` writes a Hugging Face model
+``python -m pdserve.engine.testmodel --size tiny|small OUT_DIR`` writes a Hugging Face model
 directory (config.json, model.safetensors, tokenizer.json, tokenizer_config.json with a chat
 template, generation_config.json) that both pdserve and ``transformers`` load. Nothing is
 downloaded: the byte-level BPE tokenizer is trained with ``tokenizers`` on the corpus shipped
@@ -273,9 +273,17 @@ def write_test_model(spec: TestModelSpec, out_dir: str | Path) -> Path:
 
 
 def default_cache_dir() -> Path:
-    """``$PDSERVE_MODEL_CACHE`` if set, else ``models/`` at the repository root (git-ignored)."""
+    """``$PDSERVE_MODEL_CACHE`` if set; else ``models/`` at the repository root (git-ignored)
+    when running from a checkout; else ``$XDG_CACHE_HOME/pdserve/models`` (an installed
+    package never writes into site-packages)."""
     env = os.environ.get(CACHE_ENV)
-    return Path(env) if env else Path(__file__).resolve().parents[1] / "models"
+    if env:
+        return Path(env)
+    checkout = Path(__file__).resolve().parents[1]
+    if (checkout / "pyproject.toml").is_file():
+        return checkout / "models"
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "pdserve" / "models"
 
 
 def ensure_test_model(name: str, root: str | Path | None = None) -> Path:

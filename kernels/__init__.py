@@ -1,4 +1,4 @@
 """Attention, KV-cache and norm/rotary kernels: Triton for CUDA, pure torch for CPU.
 
-Callers use ``kernels.ops`` only; ``kernels.reference`` holds the test oracles.
+Callers use ``pdserve.kernels.ops`` only; ``pdserve.kernels.reference`` holds the test oracles.
 """

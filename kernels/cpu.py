@@ -25,7 +25,7 @@ from typing import TypeVar
 import torch
 import torch.nn.functional as F
 
-from kernels import native, reference
+from pdserve.kernels import native, reference
 
 __all__ = [
     "apply_rotary_cpu",

@@ -1,6 +1,6 @@
-"""Check and time every Triton kernel on a CUDA GPU: ``python -m kernels.gpu_check``.
+"""Check and time every Triton kernel on a CUDA GPU: ``python -m pdserve.kernels.gpu_check``.
 
-Each kernel (through ``kernels.ops``, as the engine calls it) is compared with its torch
+Each kernel (through ``pdserve.kernels.ops``, as the engine calls it) is compared with its torch
 reference on the same device, then timed with ``triton.testing.do_bench``. Speeds are
 reported against ceilings measured in the same run, on the same GPU:
   - decode attention (batch 64, context 4k, bf16, Hq 32 / Hkv 8, D 128): bytes of K/V read
@@ -91,7 +91,7 @@ def _equal_error(ok: bool) -> float:
 
 def _rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """Max abs error relative to the largest |expected| (bf16 rounding scales with size)."""
-    from kernels.testing import max_abs_error
+    from pdserve.kernels.testing import max_abs_error
 
     return max_abs_error(actual, expected) / max(expected.abs().max().item(), 1e-6)
 
@@ -116,10 +116,10 @@ def _measure_ceilings(dev: torch.device, quick: bool) -> tuple[Ceilings, list[Ro
 
 def _check_attention(dev: torch.device) -> list[Row]:
     """Both attention kernels vs the reference over mixed batches, ratios, dtypes, splits."""
-    from kernels import ops
-    from kernels import reference as R
-    from kernels.testing import ATTN_TOL, make_batch, max_abs_error, random_lengths
-    from kernels.triton_decode import paged_decode_attention_triton
+    from pdserve.kernels import ops
+    from pdserve.kernels import reference as R
+    from pdserve.kernels.testing import ATTN_TOL, make_batch, max_abs_error, random_lengths
+    from pdserve.kernels.triton_decode import paged_decode_attention_triton
 
     rows: list[Row] = []
     cases = [
@@ -151,9 +151,9 @@ def _check_attention(dev: torch.device) -> list[Row]:
 
 
 def _bench_decode(dev: torch.device, quick: bool, ceil: Ceilings) -> Row:
-    from kernels import ops
-    from kernels import reference as R
-    from kernels.testing import ATTN_TOL, make_batch, max_abs_error
+    from pdserve.kernels import ops
+    from pdserve.kernels import reference as R
+    from pdserve.kernels.testing import ATTN_TOL, make_batch, max_abs_error
 
     num_seqs, ctx = (16, 1024) if quick else (64, 4096)
     args = make_batch(
@@ -178,9 +178,9 @@ def _bench_decode(dev: torch.device, quick: bool, ceil: Ceilings) -> Row:
 
 def _bench_prefill(dev: torch.device, quick: bool, ceil: Ceilings) -> list[Row]:
     """8k new tokens as one causal prompt, and as 4 chunks after a cached prefix each."""
-    from kernels import ops
-    from kernels import reference as R
-    from kernels.testing import ATTN_TOL, make_batch, max_abs_error
+    from pdserve.kernels import ops
+    from pdserve.kernels import reference as R
+    from pdserve.kernels.testing import ATTN_TOL, make_batch, max_abs_error
 
     total = 2048 if quick else 8192
     rows = []
@@ -218,7 +218,7 @@ def _bench_prefill(dev: torch.device, quick: bool, ceil: Ceilings) -> list[Row]:
     try:
         ms = _bench(lambda: sdpa(q, k, v, is_causal=True, enable_gqa=True))
     except RuntimeError as exc:  # no fused GQA kernel in this torch build
-        print(f"kernels.gpu_check: skipping the SDPA reference point: {exc}")
+        print(f"pdserve.kernels.gpu_check: skipping the SDPA reference point: {exc}")
         return rows
     tflops = 4 * (total * (total + 1) // 2) * D * HQ / ms / 1e9
     shape = f"dense prompt T={total} Hq={HQ} Hkv={HKV} D={D} bf16"
@@ -230,8 +230,8 @@ def _bench_prefill(dev: torch.device, quick: bool, ceil: Ceilings) -> list[Row]:
 
 def _bench_blocks(dev: torch.device, quick: bool, ceil: Ceilings) -> list[Row]:
     """Gather a quarter of the blocks of all layers (and of one layer), scatter them back."""
-    from kernels import ops
-    from kernels import reference as R
+    from pdserve.kernels import ops
+    from pdserve.kernels import reference as R
 
     copy = ceil.copy_gbs
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -271,8 +271,8 @@ def _bench_blocks(dev: torch.device, quick: bool, ceil: Ceilings) -> list[Row]:
 
 def _bench_elementwise(dev: torch.device, ceil: Ceilings) -> list[Row]:
     """KV write, RMSNorm with residual and rotary over a prefill's worth (8k) of tokens."""
-    from kernels import ops
-    from kernels import reference as R
+    from pdserve.kernels import ops
+    from pdserve.kernels import reference as R
 
     copy = ceil.copy_gbs
     gen = torch.Generator(device=dev).manual_seed(1)
@@ -346,16 +346,16 @@ def main(argv: list[str] | None = None) -> int:
 
     if not torch.cuda.is_available():
         print(
-            "kernels.gpu_check: CUDA is not available; nothing to check here "
+            "pdserve.kernels.gpu_check: CUDA is not available; nothing to check here "
             "(tests/kernels cover the CPU paths and the kernels in Triton's interpreter)."
         )
         return 0
     if os.environ.pop("TRITON_INTERPRET", None):  # must go before the kernels are imported
-        print("kernels.gpu_check: ignoring TRITON_INTERPRET to run the compiled kernels")
+        print("pdserve.kernels.gpu_check: ignoring TRITON_INTERPRET to run the compiled kernels")
     try:
         import triton
     except ImportError as exc:
-        print(f"kernels.gpu_check: triton is not importable ({exc})")
+        print(f"pdserve.kernels.gpu_check: triton is not importable ({exc})")
         return 1
     dev = torch.device("cuda")
     torch.manual_seed(0)

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from kernels import native
+from pdserve.kernels import native
 
 __all__ = [
     "Bf16Linear",
@@ -94,7 +94,7 @@ def _has_amx() -> bool:
 
 
 class _NativeLinear(nn.Module):
-    """A linear layer run by a native kernel of ``kernels.native`` on a packed weight."""
+    """A linear layer run by a native kernel of ``pdserve.kernels.native`` on a packed weight."""
 
     input_dtype: torch.dtype  # what the kernel takes and returns
     kind: str  # for repr

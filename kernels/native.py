@@ -16,7 +16,7 @@ CPU ops where torch and its libraries have no good fit:
   embedding of q and k, SiLU-and-mul; in torch each is a chain of kernels with a full pass
   over memory and a temporary per link (about 15% of a 2048-token bf16 prefill step).
 - binding an engine thread's OpenMP team thread by thread (``csrc/omp_team.cpp``): helper
-  threads on a node's shared CPUs (``engine.affinity.StepThreads``); torch can only set a
+  threads on a node's shared CPUs (``pdserve.engine.affinity.StepThreads``); torch can only set a
   thread count, and OpenMP's places bind a whole process.
 
 The library is plain C ABI (no Python or torch headers), so it builds in about a second;
@@ -238,7 +238,7 @@ def paged_decode_attention(
 ) -> torch.Tensor | None:  # [S, Hq, D], or None where the native kernel does not apply
     """Decode attention read in place from the paged caches, float32 math; None when the
     library is unavailable or the tensors are not CPU float32/bfloat16 with a contiguous
-    head dim (the caller then uses torch). Arguments are checked by ``kernels.ops``."""
+    head dim (the caller then uses torch). Arguments are checked by ``pdserve.kernels.ops``."""
     fn_name = _DECODE_FN.get(q.dtype)
     if (
         fn_name is None
@@ -361,7 +361,7 @@ def bf16_weight_linear(
     bias: torch.Tensor | None,  # [N] float32
 ) -> torch.Tensor:  # [M, N] float32
     """``x @ W^T + bias`` in float32 with the packed bf16 ``W``; arguments are checked by
-    ``kernels.linear.Bf16WeightLinear``, which owns the packed weight."""
+    ``pdserve.kernels.linear.Bf16WeightLinear``, which owns the packed weight."""
     return _linear("pdserve_linear_bf16w", x, packed, out_features, bias)
 
 
@@ -391,7 +391,7 @@ def bf16_linear(
     bias: torch.Tensor | None,  # [N] float32
 ) -> torch.Tensor:  # [M, N] bfloat16
     """``x @ W^T + bias`` with float32 sums rounded once to bf16; arguments are checked by
-    ``kernels.linear.Bf16Linear``, which owns the packed weight."""
+    ``pdserve.kernels.linear.Bf16Linear``, which owns the packed weight."""
     return _linear("pdserve_linear_bf16", x, packed, out_features, bias)
 
 
@@ -416,9 +416,9 @@ def rms_norm(
     eps: float,
     residual: torch.Tensor | None,  # [T, H]
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
-    """``kernels.reference.rms_norm_ref`` in one pass (the residual sum rounded to the
+    """``pdserve.kernels.reference.rms_norm_ref`` in one pass (the residual sum rounded to the
     dtype, the norm in float32); None where the native op does not apply (2-D inputs only).
-    Shapes are checked by ``kernels.ops``."""
+    Shapes are checked by ``pdserve.kernels.ops``."""
     if x.dim() != 2 or (residual is not None and residual.dim() != 2):
         return None
     fn = _layer_op("pdserve_rms_norm", x, weight, *([] if residual is None else [residual]))

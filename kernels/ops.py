@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kernels import cpu, reference
+from pdserve.kernels import cpu, reference
 
 __all__ = [
     "apply_rotary",
@@ -41,7 +41,7 @@ def _triton(name: str, tensor: torch.Tensor) -> ModuleType | None:
         return None
     if name not in _triton_modules:
         try:
-            _triton_modules[name] = importlib.import_module(f"kernels.{name}")
+            _triton_modules[name] = importlib.import_module(f"pdserve.kernels.{name}")
         except ImportError as exc:  # triton missing or broken: torch still works on CUDA
             logger.warning("Triton kernels unavailable (%s); using torch on CUDA", exc)
             _triton_modules[name] = None

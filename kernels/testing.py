@@ -1,4 +1,5 @@
-"""Random paged-attention batches for the kernel tests and ``kernels.gpu_check`` (fixed seeds).
+"""Random paged-attention batches (fixed seeds) for the kernel tests and
+``pdserve.kernels.gpu_check``.
 
 Not used by the serving path."""
 

@@ -1,6 +1,6 @@
 """Triton kernels that move KV rows and blocks: cache write, block gather and block scatter.
 
-Imported only for CUDA tensors (by ``kernels.ops``) or by the interpreter tests. All offsets
+Imported only for CUDA tensors (by ``pdserve.kernels.ops``) or by the interpreter tests. All offsets
 into the cache are computed in int64: a cache of a few GB holds more than 2**31 elements.
 """
 

@@ -4,8 +4,8 @@ Decode side: ``KVReceiver.expect`` -> ``KVTarget`` -> ``wait``/``cancel``. Prefi
 ``KVSender.open`` -> ``send_layer`` per computed layer -> ``finish``. Knows nothing of Ray.
 """
 
-from kvtransfer.config import KVTransferConfig
-from kvtransfer.types import (
+from pdserve.kvtransfer.config import KVTransferConfig
+from pdserve.kvtransfer.types import (
     KVLayout,
     KVLayoutMismatchError,
     KVTarget,

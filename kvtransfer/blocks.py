@@ -1,7 +1,7 @@
 """Moving a request's blocks of one layer: gather into one buffer, scatter out of one, or
 copy straight from one pool into another (shared memory / CUDA IPC).
 
-The block dimension is -4 (``[..., N, B, Hkv, D]``), as in kernels.ops. On CPU the pools are
+The block dimension is -4 (``[..., N, B, Hkv, D]``), as in pdserve.kernels.ops. On CPU the pools are
 seen as rows (one row = one block of one K or V plane), and a copy picks, per call:
 - few runs of consecutive ids on both sides: one memcpy per run (``_foreach_copy_``);
 - destination ids one run (a gather into a staging buffer): ``index_select(out=...)``;
@@ -10,7 +10,7 @@ seen as rows (one row = one block of one K or V plane), and a copy picks, per ca
 Both index kernels are parallel row memcpys; measured on 2 cores they run at 2-3x the
 per-row ``_foreach_copy_`` (a C++ loop of small copies on one thread). Rows are viewed as
 int64 where possible: torch's ``index_copy_`` is several times slower on bytes.
-On CUDA, gather and scatter go through ``kernels.ops`` (Triton) unless there are few runs.
+On CUDA, gather and scatter go through ``pdserve.kernels.ops`` (Triton) unless there are few runs.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import math
 
 import torch
 
-from kernels import ops
-from kvtransfer.staging import Scratch
-from kvtransfer.types import KVLayout
+from pdserve.kernels import ops
+from pdserve.kvtransfer.staging import Scratch
+from pdserve.kvtransfer.types import KVLayout
 
 
 def runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:

@@ -1,6 +1,6 @@
 """Engine integration: the prefill-side ``KVConnector`` and the decode-side hand-off glue.
 
-``PrefillKVConnector`` implements engine.kv_connector.KVConnector on top of a ``KVSender``:
+``PrefillKVConnector`` implements pdserve.engine.kv_connector.KVConnector on top of a ``KVSender``:
 the serving layer registers a ``KVTarget`` per request id before the request is added with
 ``prefill_only=True``; when the engine's step completes that prefill, the connector opens
 the transfer and enqueues each layer as the model computes it. A request without a target,
@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from kvtransfer.blocks import dtype_name
-from kvtransfer.receiver import KVReceiver
-from kvtransfer.sender import KVSender, SendHandle
-from kvtransfer.types import KVLayout, KVTarget, KVTransferError, TransferResult
+from pdserve.kvtransfer.blocks import dtype_name
+from pdserve.kvtransfer.receiver import KVReceiver
+from pdserve.kvtransfer.sender import KVSender, SendHandle
+from pdserve.kvtransfer.types import KVLayout, KVTarget, KVTransferError, TransferResult
 
 if TYPE_CHECKING:  # the engine's protocol types; kvtransfer does not import engine at runtime
-    from engine.kv_connector import PendingSend
+    from pdserve.engine.kv_connector import PendingSend
 
 
 _MAX_UNCLAIMED_RESULTS = 4096
@@ -49,7 +49,7 @@ def engine_layout(engine: Any) -> KVLayout:
 
 
 class PrefillKVConnector:
-    """engine.kv_connector.KVConnector that streams KV through a ``KVSender``."""
+    """pdserve.engine.kv_connector.KVConnector that streams KV through a ``KVSender``."""
 
     def __init__(self, sender: KVSender) -> None:
         self.sender = sender

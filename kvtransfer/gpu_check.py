@@ -1,4 +1,4 @@
-"""GPU transports check: ``python -m kvtransfer.gpu_check``.
+"""GPU transports check: ``python -m pdserve.kvtransfer.gpu_check``.
 
 1. CUDA IPC between two processes on one GPU: a decode-side process exports its pool, this
    process writes random blocks into it; the decode side checks they are byte-identical at
@@ -19,7 +19,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from kvtransfer import KVLayout, KVTarget, KVTransferConfig
+from pdserve.kvtransfer import KVLayout, KVTarget, KVTransferConfig
 
 LAYOUT = KVLayout(
     model="gpu-check", num_layers=8, num_kv_heads=8, head_dim=128, block_size=16, dtype="float16"
@@ -37,7 +37,7 @@ def _pool(device: str, seed: int | None) -> torch.Tensor:
 
 
 def _decode_side(conn: Connection, device: str, transport: str) -> None:
-    from kvtransfer.receiver import KVReceiver
+    from pdserve.kvtransfer.receiver import KVReceiver
 
     torch.cuda.set_device(device)
     pool = _pool(device, None)
@@ -61,7 +61,7 @@ def _decode_side(conn: Connection, device: str, transport: str) -> None:
 
 
 def _transfer_check(name: str, src_device: str, dst_device: str, transport: str) -> bool:
-    from kvtransfer.sender import KVSender
+    from pdserve.kvtransfer.sender import KVSender
 
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()

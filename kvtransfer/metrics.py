@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from kvtransfer.types import TransferResult
+from pdserve.kvtransfer.types import TransferResult
 
 Side = Literal["send", "recv"]
 log = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-from kvtransfer.types import TransportName
+from pdserve.kvtransfer.types import TransportName
 
 
 def local_node_id(override: str | None = None) -> str:

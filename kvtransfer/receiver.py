@@ -21,15 +21,15 @@ import time
 
 import torch
 
-from kvtransfer import blocks, torchdist, wire
-from kvtransfer.config import KVTransferConfig
-from kvtransfer.metrics import TransferObserver, notify
-from kvtransfer.node import local_node_id, receiver_offer
-from kvtransfer.receiver_state import PeerConn, Session
-from kvtransfer.shm import ShmSegment
-from kvtransfer.staging import BufferPool, typed_view
-from kvtransfer.threads import single_threaded_copies
-from kvtransfer.types import (
+from pdserve.kvtransfer import blocks, torchdist, wire
+from pdserve.kvtransfer.config import KVTransferConfig
+from pdserve.kvtransfer.metrics import TransferObserver, notify
+from pdserve.kvtransfer.node import local_node_id, receiver_offer
+from pdserve.kvtransfer.receiver_state import PeerConn, Session
+from pdserve.kvtransfer.shm import ShmSegment
+from pdserve.kvtransfer.staging import BufferPool, typed_view
+from pdserve.kvtransfer.threads import single_threaded_copies
+from pdserve.kvtransfer.types import (
     KVLayout,
     KVTarget,
     KVTransferError,
@@ -73,7 +73,7 @@ class KVReceiver:
         self._shm = shm_segment
         self._ipc_handle: str | None = None
         if self.transport == "cuda_ipc":
-            from kvtransfer import cuda_ipc  # cupy is imported lazily, only here
+            from pdserve.kvtransfer import cuda_ipc  # cupy is imported lazily, only here
 
             self._ipc_handle = cuda_ipc.export_handle(kv_cache)
         self._num_blocks = kv_cache.shape[2]

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from kvtransfer import wire
-from kvtransfer.staging import BufferPool
+from pdserve.kvtransfer import wire
+from pdserve.kvtransfer.staging import BufferPool
 
 
 @dataclass

@@ -16,11 +16,11 @@ import time
 
 import torch
 
-from kvtransfer.config import KVTransferConfig
-from kvtransfer.metrics import TransferObserver, notify
-from kvtransfer.node import local_node_id, sender_choice
-from kvtransfer.sender_peer import DecodePeer, SendHandle
-from kvtransfer.types import (
+from pdserve.kvtransfer.config import KVTransferConfig
+from pdserve.kvtransfer.metrics import TransferObserver, notify
+from pdserve.kvtransfer.node import local_node_id, sender_choice
+from pdserve.kvtransfer.sender_peer import DecodePeer, SendHandle
+from pdserve.kvtransfer.types import (
     KVLayout,
     KVTarget,
     KVTransferError,

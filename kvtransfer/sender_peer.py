@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvtransfer import blocks, torchdist, wire
-from kvtransfer.shm import ShmSegment
-from kvtransfer.staging import BufferPool, Scratch, typed_view
-from kvtransfer.threads import single_threaded_copies
-from kvtransfer.types import (
+from pdserve.kvtransfer import blocks, torchdist, wire
+from pdserve.kvtransfer.shm import ShmSegment
+from pdserve.kvtransfer.staging import BufferPool, Scratch, typed_view
+from pdserve.kvtransfer.threads import single_threaded_copies
+from pdserve.kvtransfer.types import (
     KVLayoutMismatchError,
     KVTarget,
     KVTransferError,
@@ -35,7 +35,7 @@ from kvtransfer.types import (
 )
 
 if TYPE_CHECKING:
-    from kvtransfer.sender import KVSender
+    from pdserve.kvtransfer.sender import KVSender
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +183,7 @@ class DecodePeer:
             self.mapping = seg
             self.pool = seg.tensor(reply.pool_shape, getattr(torch, reply.pool_dtype))
         elif reply.transport == "cuda_ipc":
-            from kvtransfer import cuda_ipc
+            from pdserve.kvtransfer import cuda_ipc
 
             assert reply.ipc_handle is not None
             self.mapping = cuda_ipc.open_pool(

@@ -16,7 +16,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from kvtransfer.types import KVLayout
+from pdserve.kvtransfer.types import KVLayout
 
 _LEN = struct.Struct("!I")
 MAX_MESSAGE_BYTES = 1 << 20

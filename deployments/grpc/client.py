@@ -1,7 +1,7 @@
 """A small client for pdserve's gRPC API (through Ray Serve's gRPC proxy).
 
-    python -m deployments.grpc.client --target 127.0.0.1:9000 "Once upon a time"
-    python -m deployments.grpc.client --target 127.0.0.1:9000 --chat --no-stream "Hi!"
+    python -m pdserve.deployments.grpc.client --target 127.0.0.1:9000 "Once upon a time"
+    python -m pdserve.deployments.grpc.client --target 127.0.0.1:9000 --chat --no-stream "Hi!"
 
 Streams the text to stdout as it arrives, then prints the usage to stderr. As a library:
 ``PDServeClient(target).generate(prompt=...)`` yields ``CompletionChunk``s and
@@ -18,8 +18,8 @@ from typing import Any
 
 import grpc
 
-from deployments.grpc import pdserve_pb2 as pb2
-from deployments.grpc import pdserve_pb2_grpc as pb2_grpc
+from pdserve.deployments.grpc import pdserve_pb2 as pb2
+from pdserve.deployments.grpc import pdserve_pb2_grpc as pb2_grpc
 
 SERVE_HEALTHZ = "/ray.serve.RayServeAPIService/Healthz"
 
@@ -75,7 +75,9 @@ class PDServeClient:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m deployments.grpc.client", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="python -m pdserve.deployments.grpc.client", description=__doc__
+    )
     p.add_argument("prompt", help="the prompt (with --chat: the user message)")
     p.add_argument("--target", required=True, help="HOST:PORT of Serve's gRPC proxy")
     p.add_argument("--application", default=None, help="Serve application name")

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from deployments.grpc import pdserve_pb2 as deployments_dot_grpc_dot_pdserve__pb2
+from pdserve.deployments.grpc import pdserve_pb2 as deployments_dot_grpc_dot_pdserve__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from engine.loader import SUPPORTED_ARCHITECTURES, ModelConfig
-from engine.models.llama import LlamaForCausalLM
+from pdserve.engine.loader import SUPPORTED_ARCHITECTURES, ModelConfig
+from pdserve.engine.models.llama import LlamaForCausalLM
 
 _REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,

@@ -4,7 +4,7 @@ The model works on a *flattened* batch: the new tokens of every scheduled reques
 concatenated into one ``[T]`` vector (prefill chunks and decode tokens mixed), and
 ``AttentionMetadata`` says where each request's tokens sit, which cache slots they write
 and which blocks hold their context. Attention, KV writes, RMSNorm and RoPE go through
-``kernels.ops`` (Triton on CUDA, torch on CPU). The variants differ only in config:
+``pdserve.kernels.ops`` (Triton on CUDA, torch on CPU). The variants differ only in config:
 GQA/MQA head counts, qkv bias (Qwen2), tied embeddings, RoPE scaling (llama3, linear).
 
 Parameter names follow the Hugging Face checkpoints except that q/k/v and gate/up are fused
@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from engine.loader import ModelConfig
-from kernels import ops
+from pdserve.engine.loader import ModelConfig
+from pdserve.kernels import ops
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
-    from engine.kv_connector import KVConnector
+    from pdserve.engine.kv_connector import KVConnector
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""``bench.compare_serving``: one run measures every system in turn, one at a time, stops
+"""``pdserve.bench.compare_serving``: one run measures every system in turn, one at a time, stops
 each one, and reports the table, the JSON, the PNG and the targets; scripted OpenAI servers
 stand in for pdserve and vLLM (the real servers are too heavy for a unit test)."""
 
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import uvicorn
 
-import bench.compare_serving as compare
-from bench.serve_metrics import Distribution, Summary
+import pdserve.bench.compare_serving as compare
+from pdserve.bench.serve_metrics import Distribution, Summary
 from tests.bench.test_serve_bench import FakeOpenAI
 
 
@@ -216,7 +216,7 @@ def test_engine_cpus_are_found_and_the_load_generator_moved_off_them() -> None:
     import subprocess
     import sys
 
-    from bench.serving_systems import pin_this_process, pinned_thread_cpus
+    from pdserve.bench.serving_systems import pin_this_process, pinned_thread_cpus
 
     last = max(os.sched_getaffinity(0))
     # A stand-in server whose compute thread pins itself, as vLLM's OpenMP threads do.

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.cli import _cluster_spec, build_parser
-from deployments.config import AppConfig
+from pdserve.cluster.cli import _cluster_spec, build_parser
+from pdserve.deployments.config import AppConfig
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 SHIPPED = sorted(CONFIG_DIR.glob("*.yaml"))
@@ -50,7 +50,7 @@ def test_replicas_fit_on_the_cluster_the_config_documents(path: Path) -> None:
 
 
 def test_compare_serving_starts_the_clusters_the_configs_document() -> None:
-    from bench.compare_serving import parse_args
+    from pdserve.bench.compare_serving import parse_args
 
     args = parse_args([])
     assert args.disagg_config.name == "local-2core-disagg.yaml"
@@ -66,7 +66,7 @@ def test_colocated_config_has_no_prefill_pool() -> None:
 
 
 def test_disaggregated_config_sends_long_prompts_to_the_prefill_pool() -> None:
-    from deployments.policy import DisaggregationPolicy, LocalLoad, RemotePrefillEstimator
+    from pdserve.deployments.policy import DisaggregationPolicy, LocalLoad, RemotePrefillEstimator
 
     cfg = AppConfig.from_yaml(CONFIG_DIR / "local-2core-disagg.yaml")
     assert cfg.prefill.min_replicas >= 1 and cfg.policy.mode == "auto"

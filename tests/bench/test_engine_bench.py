@@ -1,8 +1,8 @@
-"""bench.engine's agreement measure."""
+"""pdserve.bench.engine's agreement measure."""
 
 from __future__ import annotations
 
-from bench.engine import _agreement
+from pdserve.bench.engine import _agreement
 
 
 def test_agreement_counts_tokens_before_the_first_difference() -> None:

@@ -1,4 +1,4 @@
-"""``bench.serve`` against a scripted OpenAI-compatible server (a real HTTP server on
+"""``pdserve.bench.serve`` against a scripted OpenAI-compatible server (a real HTTP server on
 127.0.0.1 streaming SSE with known delays), and its statistics on known numbers."""
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from bench.serve import Endpoint, RunOptions, main, run_endpoint, send_request
-from bench.serve_metrics import RequestRecord, summarize
-from bench.serve_workload import LengthDist, PromptBuilder, build_workload
-from engine.loader import load_tokenizer
-from engine.testmodel import ensure_test_model
+from pdserve.bench.serve import Endpoint, RunOptions, main, run_endpoint, send_request
+from pdserve.bench.serve_metrics import RequestRecord, summarize
+from pdserve.bench.serve_workload import LengthDist, PromptBuilder, build_workload
+from pdserve.engine.loader import load_tokenizer
+from pdserve.engine.testmodel import ensure_test_model
 
 TTFT_S = 0.10
 ITL_S = 0.03

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from cluster import cli
-from cluster.procs import is_running, session_members, stop_sessions
-from cluster.serving import bind_front_door, curl_example, grpc_example, resolve_model
-from cluster.state import ClusterState, NodeRecord, ServeRecord, load_state, save_state
-from cluster.topology import ClusterSpec, format_labels
-from deployments.config import AppConfig
+from pdserve.cluster import cli
+from pdserve.cluster.procs import is_running, session_members, stop_sessions
+from pdserve.cluster.serving import bind_front_door, curl_example, grpc_example, resolve_model
+from pdserve.cluster.state import ClusterState, NodeRecord, ServeRecord, load_state, save_state
+from pdserve.cluster.topology import ClusterSpec, format_labels
+from pdserve.deployments.config import AppConfig
 
 
 def test_run_parses_config_and_cluster_flags(tmp_path: Path) -> None:
@@ -129,7 +129,7 @@ def test_cpu_plan_gives_engines_cpus_of_their_own() -> None:
 
 
 def test_pinned_nodes_start_on_the_shared_cpus_with_their_reservation(tmp_path: Path) -> None:
-    from cluster.local import _affinity_setter, _node_env
+    from pdserve.cluster.local import _affinity_setter, _node_env
 
     spec = ClusterSpec(prefill_cpus=1, decode_cpus=1, machine_cpus=(0, 1))
     head, prefill, decode = spec.nodes()
@@ -164,7 +164,7 @@ def test_front_door_binds_cluster_address_unless_configured() -> None:
     assert running.http_url == "http://127.0.0.2:40001"
     assert curl_example(running).startswith("curl -s http://127.0.0.2:40001/v1/chat/completions ")
     assert grpc_example(running) == (
-        "python -m deployments.grpc.client --target 127.0.0.2:40002 "
+        "python -m pdserve.deployments.grpc.client --target 127.0.0.2:40002 "
         "--application pdserve --max-tokens 32 'Hello!'"
     )
     assert grpc_example(running.model_copy(update={"grpc_port": None})) is None
@@ -219,7 +219,10 @@ def test_stop_sessions_kills_whole_session_even_if_sigterm_is_ignored() -> None:
 
 def test_console_script_entry_point_runs() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "--help"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "pdserve.cluster.cli", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert out.returncode == 0
     for command in ("up", "serve", "status", "down", "run"):

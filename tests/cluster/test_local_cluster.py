@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.procs import is_running, session_members
+from pdserve.cluster.procs import is_running, session_members
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 REPO = Path(__file__).resolve().parents[2]
@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def pdserve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "cluster.cli", *args],
+        [sys.executable, "-m", "pdserve.cluster.cli", *args],
         cwd=REPO,
         capture_output=True,
         text=True,

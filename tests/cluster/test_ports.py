@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import socket
 
-from cluster.ports import PortAllocator, free_port_all_interfaces
+from pdserve.cluster.ports import PortAllocator, free_port_all_interfaces
 
 
 def test_allocator_never_repeats_a_port(monkeypatch) -> None:
     # The OS may hand a just-released port out again; simulate it doing so every time.
     handed = iter([5001, 5001, 5002, 5001, 5002, 5003])
-    monkeypatch.setattr("cluster.ports.free_port", lambda host: next(handed))
+    monkeypatch.setattr("pdserve.cluster.ports.free_port", lambda host: next(handed))
     ports = PortAllocator("127.0.0.2")
     assert [ports.take(), ports.take(), ports.take()] == [5001, 5002, 5003]
 

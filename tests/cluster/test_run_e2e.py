@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cluster.procs import is_running, session_members
+from pdserve.cluster.procs import is_running, session_members
 from tests.cluster.telemetry_scrape import node_samples, spans_by_trace
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(480)]
@@ -95,7 +95,15 @@ def test_run_serves_until_sigterm(tmp_path: Path) -> None:
     config.write_text(CONFIG)
     state_dir = tmp_path / "state"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "run", str(config), "--state-dir", str(state_dir)],
+        [
+            sys.executable,
+            "-m",
+            "pdserve.cluster.cli",
+            "run",
+            str(config),
+            "--state-dir",
+            str(state_dir),
+        ],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -153,7 +161,7 @@ def test_run_serves_until_sigterm(tmp_path: Path) -> None:
         _check_trace(Path(state["root_dir"]), remote.json()["id"], model["id"])
 
         status = subprocess.run(
-            [sys.executable, "-m", "cluster.cli", "status", "--state-dir", str(state_dir)],
+            [sys.executable, "-m", "pdserve.cluster.cli", "status", "--state-dir", str(state_dir)],
             cwd=REPO,
             capture_output=True,
             text=True,
@@ -176,7 +184,14 @@ def test_run_serves_until_sigterm(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             subprocess.run(
-                [sys.executable, "-m", "cluster.cli", "down", "--state-dir", str(state_dir)],
+                [
+                    sys.executable,
+                    "-m",
+                    "pdserve.cluster.cli",
+                    "down",
+                    "--state-dir",
+                    str(state_dir),
+                ],
                 cwd=REPO,
                 timeout=120,
             )

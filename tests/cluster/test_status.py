@@ -8,8 +8,8 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
-from cluster.state import ClusterState, NodeRecord, ServeRecord
-from cluster.status import (
+from pdserve.cluster.state import ClusterState, NodeRecord, ServeRecord
+from pdserve.cluster.status import (
     ClusterStatus,
     NodeStatus,
     ReplicaStatus,

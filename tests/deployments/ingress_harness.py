@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-GRPC_SERVICER = "deployments.grpc.pdserve_pb2_grpc.add_PDServeServicer_to_server"
+GRPC_SERVICER = "pdserve.deployments.grpc.pdserve_pb2_grpc.add_PDServeServicer_to_server"
 APP_NAME = "pdserve"
 MAX_MODEL_LEN = 1024
 
@@ -36,7 +36,7 @@ class ServeApp:
     def decode_handle(self) -> Any:
         from ray import serve
 
-        from deployments.app import DECODE_DEPLOYMENT
+        from pdserve.deployments.app import DECODE_DEPLOYMENT
 
         return serve.get_deployment_handle(DECODE_DEPLOYMENT, APP_NAME)
 
@@ -60,9 +60,9 @@ def running_app() -> Iterator[ServeApp]:
     import ray
     from ray import serve
 
-    from deployments.app import build_app
-    from deployments.config import AppConfig
-    from engine.testmodel import ensure_test_model
+    from pdserve.deployments.app import build_app
+    from pdserve.deployments.config import AppConfig
+    from pdserve.engine.testmodel import ensure_test_model
 
     model_dir = str(ensure_test_model("tiny"))
     http_port, grpc_port = free_port(), free_port()

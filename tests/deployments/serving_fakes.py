@@ -6,7 +6,7 @@ import asyncio
 import time
 from typing import Any
 
-from kvtransfer.types import KVLayout, KVTarget
+from pdserve.kvtransfer.types import KVLayout, KVTarget
 
 TINY_LAYOUT = KVLayout(
     model="fake", num_layers=2, num_kv_heads=2, head_dim=8, block_size=16, dtype="float32"

@@ -12,10 +12,10 @@ from ray.serve._private.build_app import build_app as serve_build_app
 from ray.serve.config import AutoscalingConfig
 from ray.serve.schema import ServeDeploySchema
 
-from deployments.app import build_app, deployment_options
-from deployments.autoscaling import DecodeAutoscalingPolicy, PrefillAutoscalingPolicy
-from deployments.config import AppConfig
-from deployments.routers import DecodeRequestRouter, PrefillRequestRouter
+from pdserve.deployments.app import build_app, deployment_options
+from pdserve.deployments.autoscaling import DecodeAutoscalingPolicy, PrefillAutoscalingPolicy
+from pdserve.deployments.config import AppConfig
+from pdserve.deployments.routers import DecodeRequestRouter, PrefillRequestRouter
 
 TINY = {"test_model": "tiny", "dtype": "float32", "device": "cpu"}
 
@@ -77,7 +77,7 @@ def test_serve_config_yaml_builds_the_app(tmp_path: Any) -> None:
 applications:
   - name: pdserve
     route_prefix: /
-    import_path: deployments.app:build_app
+    import_path: pdserve.deployments.app:build_app
     args:
       model: {TINY}
       prefill: {{min_replicas: 1, max_replicas: 2}}

@@ -24,9 +24,9 @@ ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from deployments.app import DECODE_DEPLOYMENT, PREFILL_DEPLOYMENT, build_application  # noqa: E402
-from deployments.config import AppConfig  # noqa: E402
-from deployments.messages import GenerateChunk, GenerateRequest, SamplingOptions  # noqa: E402
+from pdserve.deployments.app import DECODE_DEPLOYMENT, PREFILL_DEPLOYMENT, build_application  # noqa: E402
+from pdserve.deployments.config import AppConfig  # noqa: E402
+from pdserve.deployments.messages import GenerateChunk, GenerateRequest, SamplingOptions  # noqa: E402
 
 pytestmark = pytest.mark.cluster
 
@@ -103,8 +103,8 @@ def pd() -> Iterator[PD]:
 
 @pytest.fixture(scope="module")
 def reference() -> Callable[[list[int]], list[int]]:
-    from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.sampling_params import SamplingParams
 
     model_dir = app_config().model.resolve_path()
     engine = LLMEngine.from_pretrained(model_dir, dtype="float32", device="cpu", num_kv_blocks=256)

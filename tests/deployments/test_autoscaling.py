@@ -6,7 +6,7 @@ import pytest
 from ray.serve._private.common import DeploymentID
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
-from deployments.autoscaling import (
+from pdserve.deployments.autoscaling import (
     DecodeAutoscalingPolicy,
     DecodeSizing,
     PrefillAutoscalingPolicy,
@@ -95,7 +95,7 @@ def test_without_reports_the_pool_holds_its_size(policy: object) -> None:
 
 
 def test_load_meters_feed_the_policies_sensible_numbers() -> None:
-    from deployments.load import Ema, RateMeter
+    from pdserve.deployments.load import Ema, RateMeter
 
     now = [0.0]
     meter = RateMeter(window_s=10.0, clock=lambda: now[0])

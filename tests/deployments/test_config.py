@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from deployments.config import AppConfig
+from pdserve.deployments.config import AppConfig
 
 
 def write(tmp_path: Path, text: str) -> Path:

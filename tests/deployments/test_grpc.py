@@ -9,8 +9,8 @@ import grpc
 import httpx
 import pytest
 
-from deployments.grpc.client import PDServeClient, main
-from engine.loader import load_tokenizer
+from pdserve.deployments.grpc.client import PDServeClient, main
+from pdserve.engine.loader import load_tokenizer
 from tests.deployments.ingress_harness import APP_NAME, ServeApp, running_app
 
 pytestmark = pytest.mark.timeout(600)

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from engine.loader import load_tokenizer
+from pdserve.engine.loader import load_tokenizer
 from tests.deployments.ingress_harness import MAX_MODEL_LEN, ServeApp, running_app
 
 pytestmark = pytest.mark.timeout(600)
@@ -39,8 +39,8 @@ def tokenizer(app: ServeApp):
 @pytest.fixture(scope="module")
 def reference_text(app: ServeApp, tokenizer) -> str:
     """What the engine itself generates for PROMPT greedily (12 tokens), outside Serve."""
-    from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.sampling_params import SamplingParams
 
     engine = LLMEngine.from_pretrained(app.model_dir, num_kv_blocks=64, max_model_len=256)
     ids = tokenizer(PROMPT)["input_ids"]
@@ -81,7 +81,7 @@ def assert_openai_error(response: httpx.Response, status: int, param: str | None
 def test_readiness_needs_a_running_replica_in_every_pool() -> None:
     from types import SimpleNamespace
 
-    from deployments.ingress import pools_ready
+    from pdserve.deployments.ingress import pools_ready
 
     def app_status(**running: int) -> SimpleNamespace:
         deployments = {

@@ -19,10 +19,10 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from deployments import tracing
-from deployments.config import AppConfig
-from deployments.messages import GenerateRequest, PrefillRequest, SamplingOptions
-from deployments.metrics import ServingMetrics, exported_name
+from pdserve.deployments import tracing
+from pdserve.deployments.config import AppConfig
+from pdserve.deployments.messages import GenerateRequest, PrefillRequest, SamplingOptions
+from pdserve.deployments.metrics import ServingMetrics, exported_name
 
 # OpenTelemetry's instrument-name rule (Ray 2.60 records through OpenTelemetry) and
 # Prometheus's metric-name rule without the ':' it reserves for recording rules.
@@ -83,8 +83,8 @@ class OtherProcessPrefill:
 
 @pytest.fixture(scope="module")
 def servers() -> Iterator[Any]:
-    from deployments.decode_server import DecodeServer
-    from deployments.prefill_server import PrefillServer
+    from pdserve.deployments.decode_server import DecodeServer
+    from pdserve.deployments.prefill_server import PrefillServer
 
     cfg = AppConfig.from_dict(
         {

@@ -8,8 +8,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from deployments import tracing
-from deployments.metrics import ServingMetrics
+from pdserve.deployments import tracing
+from pdserve.deployments.metrics import ServingMetrics
 
 
 @pytest.fixture(scope="module")

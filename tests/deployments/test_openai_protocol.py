@@ -12,18 +12,18 @@ from collections.abc import AsyncGenerator
 
 import pytest
 
-from deployments.ingress_telemetry import IngressTelemetry
-from deployments.messages import ErrorInfo, GenerateChunk, GenerateRequest, TokenLogprob
-from deployments.openai_protocol import (
+from pdserve.deployments.ingress_telemetry import IngressTelemetry
+from pdserve.deployments.messages import ErrorInfo, GenerateChunk, GenerateRequest, TokenLogprob
+from pdserve.deployments.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIError,
     parse_json_body,
     validate_request,
 )
-from deployments.openai_serving import ModelInfo, OpenAIServing
-from engine.loader import load_tokenizer
-from engine.testmodel import ensure_test_model
+from pdserve.deployments.openai_serving import ModelInfo, OpenAIServing
+from pdserve.engine.loader import load_tokenizer
+from pdserve.engine.testmodel import ensure_test_model
 
 # ----------------------------------------------------------------------------- schema
 
@@ -417,7 +417,7 @@ def test_root_span_is_parent_of_the_decode_side_and_records_usage(tokenizer) -> 
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from deployments.metrics import ServingMetrics
+    from pdserve.deployments.metrics import ServingMetrics
 
     exporter = InMemorySpanExporter()
     provider = TracerProvider()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from deployments.config import PolicyConfig, SLOConfig
-from deployments.policy import DisaggregationPolicy, LocalLoad, RemotePrefillEstimator
+from pdserve.deployments.config import PolicyConfig, SLOConfig
+from pdserve.deployments.policy import DisaggregationPolicy, LocalLoad, RemotePrefillEstimator
 
 IDLE = LocalLoad(
     queued_prefill_tokens=0, prefill_tokens_per_s=1000.0, num_running=0, max_num_seqs=8

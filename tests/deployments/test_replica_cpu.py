@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from deployments.config import AppConfig
+from pdserve.deployments.config import AppConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
 CHILD = textwrap.dedent(
     """
     import os, threading
-    from deployments.replica import lower_cpu_priority, set_torch_threads
+    from pdserve.deployments.replica import lower_cpu_priority, set_torch_threads
     import torch
 
     before = threading.Thread(target=lambda: threading.Event().wait(2), daemon=True)
@@ -60,7 +60,7 @@ def test_nice_is_validated() -> None:
 
 
 def test_engine_cpus_follow_cpu_bind_and_the_node_reservation() -> None:
-    from deployments.replica import engine_cpus
+    from pdserve.deployments.replica import engine_cpus
 
     env = {"PDSERVE_ENGINE_CPUS": "0"}
     assert engine_cpus("auto", env) == (0,)  # the node's reservation
@@ -94,7 +94,7 @@ def test_helper_threads_are_validated() -> None:
 
 def test_bound_replicas_run_one_torch_thread_per_cpu() -> None:
     code = (
-        "import torch; from deployments.replica import set_torch_threads as s; "
+        "import torch; from pdserve.deployments.replica import set_torch_threads as s; "
         "print(s(4, (0, 1)), torch.get_num_threads(), s(1, (0, 1)), s(3))"
     )
     out = subprocess.run(

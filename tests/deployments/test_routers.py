@@ -10,8 +10,13 @@ import pytest
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
 from ray.serve.request_router import PendingRequest
 
-from deployments.messages import GenerateRequest, PrefillRequest, ReplicaStats, SamplingOptions
-from deployments.routers import (
+from pdserve.deployments.messages import (
+    GenerateRequest,
+    PrefillRequest,
+    ReplicaStats,
+    SamplingOptions,
+)
+from pdserve.deployments.routers import (
     DecodeRequestRouter,
     DecodeRouterParams,
     PrefillRequestRouter,

@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
-from deployments.config import AppConfig
-from deployments.decode_server import DecodeServer
-from deployments.messages import GenerateChunk, GenerateRequest, SamplingOptions
-from deployments.prefill_server import PrefillServer
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from pdserve.deployments.config import AppConfig
+from pdserve.deployments.decode_server import DecodeServer
+from pdserve.deployments.messages import GenerateChunk, GenerateRequest, SamplingOptions
+from pdserve.deployments.prefill_server import PrefillServer
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
 from tests.deployments.serving_fakes import InProcessPrefill
 
 SHORT = [11, 12, 13, 14, 15, 16, 17]  # 7 tokens: local

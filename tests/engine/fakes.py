@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.kv_cache_manager import KVCacheManager
-from engine.kv_connector import PendingSend
-from engine.outputs import RequestOutput
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.scheduler_output import SchedulerOutput
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.kv_connector import PendingSend
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.request import Request
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.scheduler_output import SchedulerOutput
 
 VOCAB = 50
 

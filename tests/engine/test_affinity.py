@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from engine.affinity import (
+from pdserve.engine.affinity import (
     bind_current_thread,
     check_cpus_exist,
     current_thread_cpus,

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.async_engine import AsyncLLMEngine, EngineDeadError
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from pdserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
 
 PROMPT = [11, 22, 33, 44, 55, 66, 77, 88, 99, 111, 222, 333]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -250,7 +250,7 @@ def test_engine_error_reaches_streams_and_later_calls(tiny_model_dir: Path) -> N
 
 
 def test_merge_outputs_refuses_two_requests() -> None:
-    from engine.outputs import merge_outputs
+    from pdserve.engine.outputs import merge_outputs
 
     def out(rid: str, tok: int) -> RequestOutput:
         return RequestOutput(rid, [1], [tok], [tok], "a", "a", None, False, None, 0, 0.0)
@@ -305,8 +305,8 @@ def test_helper_threads_run_big_steps_on_the_other_cpus(tiny_model_dir: Path) ->
     """The engine thread keeps its CPU; a niced helper goes to the process's other CPUs and
     joins only steps of >= helper_min_tokens tokens; the tokens are those of an engine
     without helpers (the linears' dynamic split changes no sum)."""
-    from engine.affinity import HELPER_NICE
-    from kernels import native
+    from pdserve.engine.affinity import HELPER_NICE
+    from pdserve.kernels import native
 
     if not native.available():
         pytest.skip("no native kernels")
@@ -353,7 +353,7 @@ def test_helper_threads_run_big_steps_on_the_other_cpus(tiny_model_dir: Path) ->
 
 
 def test_step_threads_by_step_size() -> None:
-    from engine.affinity import StepThreads
+    from pdserve.engine.affinity import StepThreads
 
     saved = torch.get_num_threads()
     try:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_pool import NO_PARENT_HASH, BlockPool, hash_block_tokens
-from engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.block_pool import NO_PARENT_HASH, BlockPool, hash_block_tokens
+from pdserve.engine.kv_cache_manager import KVCacheManager
 from tests.engine.fakes import make_request
 
 

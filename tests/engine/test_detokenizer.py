@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.loader import load_tokenizer
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.loader import load_tokenizer
 
 TEXT = "Hello Léa, 東京の朝 🙂 def foo(x):\n  return 😀😀 naïve — Łódź 😀!"
 

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
 from tests.engine.fakes import RecordingConnector
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.loader import load_model_config
-from engine.model_runner import ModelRunner
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.scheduler_output import ScheduledChunk, SchedulerOutput
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.loader import load_model_config
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
 
 VARIANTS = ["llama3-gqa", "qwen2", "mqa"]
 ATOL = 1e-4
@@ -175,8 +175,8 @@ def test_bfloat16_checkpoint_in_float32_matches_transformers(bf16_variant) -> No
     """A bf16 checkpoint served in float32 (what dtype 'auto' does on a CPU without native
     bf16): where the native kernel runs, every linear keeps its weights as bf16 and computes
     in float32, and tokens and logprobs are still transformers' float32 ones."""
-    from kernels import native
-    from kernels.linear import Bf16WeightLinear
+    from pdserve.kernels import native
+    from pdserve.kernels.linear import Bf16WeightLinear
 
     model_dir, ref = bf16_variant
     engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32"))
@@ -337,7 +337,7 @@ class RecordingConnector:
 
 
 def test_kv_connector_sees_each_layer_right_after_its_kv_write(tiny_model_dir: Path) -> None:
-    from engine.kv_connector import PendingSend
+    from pdserve.engine.kv_connector import PendingSend
 
     block_size = 4
     prompt = list(range(10, 19))  # 9 tokens in blocks [2, 5, 7]

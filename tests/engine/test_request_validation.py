@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize(

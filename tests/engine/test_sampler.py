@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from engine.sampler import Sampler, SamplingRow, seed_for_step
-from engine.sampling_params import SamplingParams
+from pdserve.engine.sampler import Sampler, SamplingRow, seed_for_step
+from pdserve.engine.sampling_params import SamplingParams
 
 EOS = 1
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.outputs import TokenLogprob
-from engine.request import RequestStatus
+from pdserve.engine.outputs import TokenLogprob
+from pdserve.engine.request import RequestStatus
 from tests.engine.fakes import (
     PIECES,
     Harness,
@@ -437,7 +437,8 @@ def test_scheduler_and_cache_manager_never_import_torch() -> None:
     import sys
 
     code = (
-        "import sys, engine.scheduler, engine.kv_cache_manager, engine.output_processor; "
+        "import sys, pdserve.engine.scheduler, pdserve.engine.kv_cache_manager, "
+        "pdserve.engine.output_processor; "
         "sys.exit('torch' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

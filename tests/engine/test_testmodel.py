@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.loader import load_model_config
-from engine.testmodel import SIZES, ensure_test_model, main
+from pdserve.engine.loader import load_model_config
+from pdserve.engine.testmodel import SIZES, ensure_test_model, main
 
 
 def digests(d: Path) -> dict[str, str]:

@@ -18,7 +18,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels import triton_decode, triton_kv, triton_norm, triton_prefill, triton_rotary  # noqa: E402
+from pdserve.kernels import triton_decode, triton_kv, triton_norm, triton_prefill, triton_rotary  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 # Shared memory per block on an H100/H200 (227 KB).

@@ -1,10 +1,10 @@
-"""Test helpers for the kernel tests; batch builders live in ``kernels.testing``."""
+"""Test helpers for the kernel tests; batch builders live in ``pdserve.kernels.testing``."""
 
 from __future__ import annotations
 
 import torch
 
-from kernels.testing import ATTN_TOL, PagedBatch, make_batch, max_abs_error, random_lengths
+from pdserve.kernels.testing import ATTN_TOL, PagedBatch, make_batch, max_abs_error, random_lengths
 
 __all__ = [
     "ATTN_TOL",

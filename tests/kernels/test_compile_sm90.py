@@ -19,7 +19,10 @@ def test_kernels_compile_for_sm90() -> None:
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     if not ptxas.exists():
         pytest.skip("this triton build ships no ptxas")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # PYTHONSAFEPATH would keep `tests` (found from cwd) off sys.path.
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTHONSAFEPATH")
+    }
     result = subprocess.run(
         [sys.executable, "-m", "tests.kernels.aot_compile"],
         cwd=REPO,

@@ -9,11 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.cpu_memory import keep_freed_memory
-from engine.loader import resolve_dtype
-from kernels import native, ops
-from kernels import reference as R
-from kernels.linear import (
+from pdserve.engine.cpu_memory import keep_freed_memory
+from pdserve.engine.loader import resolve_dtype
+from pdserve.kernels import native, ops
+from pdserve.kernels import reference as R
+from pdserve.kernels.linear import (
     Bf16Linear,
     Bf16WeightLinear,
     PackedLinear,

@@ -1,4 +1,4 @@
-"""kernels.ops on CPU tensors (the engine's CPU path) against kernels.reference."""
+"""pdserve.kernels.ops on CPU tensors (the engine's CPU path) against pdserve.kernels.reference."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import ops
-from kernels import reference as R
+from pdserve.kernels import ops
+from pdserve.kernels import reference as R
 from tests.kernels.cases import ATTN_TOL, ELEMENTWISE_TOL, assert_close, make_batch, random_lengths
 
 REPO = Path(__file__).resolve().parents[2]
@@ -186,8 +186,8 @@ class _NoTriton:
             raise ImportError("triton blocked for this test")
 sys.meta_path.insert(0, _NoTriton())
 import torch
-from kernels import ops
-from kernels.testing import make_batch
+from pdserve.kernels import ops
+from pdserve.kernels.testing import make_batch
 b = make_batch(0, [1, 5], [9, 20], num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=16,
                dtype=torch.float32)
 out = ops.paged_attention(*b.attention_args())

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import cpu, native, ops
-from kernels import reference as R
+from pdserve.kernels import cpu, native, ops
+from pdserve.kernels import reference as R
 from tests.kernels.cases import ATTN_TOL, assert_close, make_batch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -114,7 +114,7 @@ def test_torch_fallback_matches_reference(monkeypatch, dtype) -> None:
 
 
 def _probe(env: dict[str, str]) -> str:
-    code = "from kernels import native; print(native.available())"
+    code = "from pdserve.kernels import native; print(native.available())"
     done = subprocess.run(
         [sys.executable, "-c", code],
         cwd=REPO,
@@ -148,7 +148,7 @@ def test_a_failing_compiler_leaves_the_torch_path(tmp_path: Path) -> None:
 
 def test_without_the_library_float32_linears_stay_on_torch(tmp_path: Path) -> None:
     code = (
-        "import torch; from torch import nn; from kernels import native, linear\n"
+        "import torch; from torch import nn; from pdserve.kernels import native, linear\n"
         "m = nn.Sequential(nn.Linear(16, 16))\n"
         "m[0].weight.data = m[0].weight.data.to(torch.bfloat16).float()\n"
         "print(native.bf16_weight_linear_available(), linear.pack_linears(m), type(m[0]).__name__)"

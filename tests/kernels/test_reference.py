@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from kernels import reference as R
+from pdserve.kernels import reference as R
 from tests.kernels.cases import assert_close, make_batch
 
 

@@ -12,10 +12,10 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from kvtransfer import KVLayout, KVTarget, KVTransferConfig
-from kvtransfer.receiver import KVReceiver
-from kvtransfer.sender import KVSender
-from kvtransfer.shm import SharedKVAllocator
+from pdserve.kvtransfer import KVLayout, KVTarget, KVTransferConfig
+from pdserve.kvtransfer.receiver import KVReceiver
+from pdserve.kvtransfer.sender import KVSender
+from pdserve.kvtransfer.shm import SharedKVAllocator
 
 LAYOUT = KVLayout(
     model="tiny-test", num_layers=4, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32"
@@ -85,9 +85,9 @@ def prefill_engine_main(conn: Connection, model_dir: str, num_kv_blocks: int) ->
     add the requests ``prefill_only`` with their targets, step until every send ended, and
     answer [(request_id, first_token_id, transfer_result_json)]. ``None`` ends the loop."""
     torch.set_num_threads(1)
-    from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
-    from kvtransfer.connector import PrefillKVConnector, engine_layout
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.kvtransfer.connector import PrefillKVConnector, engine_layout
 
     connector: PrefillKVConnector | None = None
     engine = None

@@ -9,14 +9,14 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kvtransfer import (
+from pdserve.kvtransfer import (
     KVLayoutMismatchError,
     KVTransferConfig,
     KVTransferRefusedError,
 )
-from kvtransfer.receiver import KVReceiver
-from kvtransfer.sender import KVSender
-from kvtransfer.shm import SharedKVAllocator
+from pdserve.kvtransfer.receiver import KVReceiver
+from pdserve.kvtransfer.sender import KVSender
+from pdserve.kvtransfer.shm import SharedKVAllocator
 from tests.kvtransfer.procs import LAYOUT, make_receiver, source_pool
 
 

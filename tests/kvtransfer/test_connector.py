@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import time
 
-from engine.kv_connector import KVConnector, PendingSend
-from kvtransfer.connector import PrefillKVConnector
-from kvtransfer.sender import KVSender
+from pdserve.engine.kv_connector import KVConnector, PendingSend
+from pdserve.kvtransfer.connector import PrefillKVConnector
+from pdserve.kvtransfer.sender import KVSender
 from tests.kvtransfer.procs import LAYOUT, make_receiver, source_pool
 
 

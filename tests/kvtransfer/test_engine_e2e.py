@@ -14,15 +14,15 @@ from typing import Any
 import pytest
 import torch
 
-from kvtransfer import KVTransferConfig
-from kvtransfer.connector import DecodeHandoff, PrefillKVConnector, engine_layout
-from kvtransfer.receiver import KVReceiver
-from kvtransfer.sender import KVSender
-from kvtransfer.shm import SharedKVAllocator, list_segments
+from pdserve.kvtransfer import KVTransferConfig
+from pdserve.kvtransfer.connector import DecodeHandoff, PrefillKVConnector, engine_layout
+from pdserve.kvtransfer.receiver import KVReceiver
+from pdserve.kvtransfer.sender import KVSender
+from pdserve.kvtransfer.shm import SharedKVAllocator, list_segments
 from tests.kvtransfer.procs import prefill_engine_main
 
-engine_mod = pytest.importorskip("engine.llm_engine")
-from engine.sampling_params import SamplingParams  # noqa: E402
+engine_mod = pytest.importorskip("pdserve.engine.llm_engine")
+from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
 
 NUM_NEW = 10
 BLOCKS = 64

@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
-from kvtransfer import KVTarget, KVTransferError, KVTransferTimeoutError
-from kvtransfer.sender import KVSender
-from kvtransfer.shm import list_segments
+from pdserve.kvtransfer import KVTarget, KVTransferError, KVTransferTimeoutError
+from pdserve.kvtransfer.sender import KVSender
+from pdserve.kvtransfer.shm import list_segments
 from tests.kvtransfer.procs import LAYOUT, make_receiver, receiver_main, sender_main, source_pool
 
 # Bound from the issue: a receiver raises within 2 s past its deadline.

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtransfer.threads import single_threaded_copies
+from pdserve.kvtransfer.threads import single_threaded_copies
 from tests.kvtransfer.procs import LAYOUT, make_receiver, source_pool
 
 
@@ -44,7 +44,7 @@ def test_limits_only_the_calling_thread() -> None:
 
 
 def test_a_transfer_leaves_the_engines_thread_count_alone() -> None:
-    from kvtransfer.sender import KVSender
+    from pdserve.kvtransfer.sender import KVSender
 
     before = torch.get_num_threads()
     torch.set_num_threads(2)

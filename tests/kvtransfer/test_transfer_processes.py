@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from kvtransfer.shm import list_segments
+from pdserve.kvtransfer.shm import list_segments
 from tests.kvtransfer.procs import LAYOUT, make_receiver, sender_main, source_pool
 
 SRC_BLOCKS = 48

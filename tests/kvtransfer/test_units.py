@@ -12,11 +12,11 @@ import pydantic
 import pytest
 import torch
 
-from kvtransfer import KVLayout, KVTransferConfig, blocks, wire
-from kvtransfer.metrics import TransferStats
-from kvtransfer.node import receiver_offer, sender_choice
-from kvtransfer.sender import KVSender
-from kvtransfer.staging import Scratch
+from pdserve.kvtransfer import KVLayout, KVTransferConfig, blocks, wire
+from pdserve.kvtransfer.metrics import TransferStats
+from pdserve.kvtransfer.node import receiver_offer, sender_choice
+from pdserve.kvtransfer.sender import KVSender
+from pdserve.kvtransfer.staging import Scratch
 from tests.kvtransfer.procs import LAYOUT, make_receiver, source_pool
 
 
@@ -142,7 +142,12 @@ def test_stale_segments_are_swept_and_live_ones_kept() -> None:
     import _posixshmem
     import os
 
-    from kvtransfer.shm import SEGMENT_PREFIX, ShmSegment, list_segments, sweep_stale_segments
+    from pdserve.kvtransfer.shm import (
+        SEGMENT_PREFIX,
+        ShmSegment,
+        list_segments,
+        sweep_stale_segments,
+    )
 
     dead = f"{SEGMENT_PREFIX}{2**22 + 7}-1-feedfacecafe"  # above Linux's pid_max: never alive
     recycled = f"{SEGMENT_PREFIX}{os.getpid()}-1-feedfacecafe"  # our pid, wrong start time
@@ -162,7 +167,7 @@ def test_stale_segments_are_swept_and_live_ones_kept() -> None:
 def test_guardian_unlinks_when_terminated() -> None:
     import signal
 
-    from kvtransfer.shm import ShmSegment, list_segments
+    from pdserve.kvtransfer.shm import ShmSegment, list_segments
 
     seg = ShmSegment.create(4096)
     assert seg._guardian is not None
