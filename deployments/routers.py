@@ -8,7 +8,8 @@ when several routers share a pool).
 
 The scoring functions are pure (``predict_prefill_ttft_s``, ``decode_load_score``) and the
 ``rank_*`` helpers take any objects with ``replica_id`` and ``routing_stats``, so they are
-unit-tested with fakes; the ``RequestRouter`` subclasses only glue them to Serve.
+unit-tested with fakes, and the per-router books are ``InflightLoad``; the ``RequestRouter``
+subclasses only glue them to Serve (the simulator in ``pdserve.sim`` calls the same code).
 """
 
 from __future__ import annotations
@@ -131,13 +132,46 @@ def _request_arg(pending_request: PendingRequest | None) -> Any:
     return pending_request.args[0]
 
 
+class InflightLoad:
+    """Per replica, the load (a weight per request) one router sent and has not seen
+    complete. Plain Python, so the cluster simulator (``pdserve.sim``) keeps the very same
+    books as the Serve routers."""
+
+    def __init__(self) -> None:
+        self.by_replica: dict[Any, int] = {}
+        self._by_request: dict[str, tuple[Any, int]] = {}
+
+    def routed(self, request_id: str, replica_id: Any, weight: int) -> None:
+        self._by_request[request_id] = (replica_id, weight)
+        self.by_replica[replica_id] = self.by_replica.get(replica_id, 0) + weight
+
+    def completed(self, request_id: str) -> None:
+        entry = self._by_request.pop(request_id, None)
+        if entry is None:
+            return
+        rid, weight = entry
+        left = self.by_replica.get(rid, 0) - weight
+        if left > 0:
+            self.by_replica[rid] = left
+        else:
+            self.by_replica.pop(rid, None)
+
+    def replica_died(self, replica_id: Any) -> None:
+        self.by_replica.pop(replica_id, None)
+
+
+def decode_blocks_needed(prompt_tokens: int, max_tokens: int, block_size: int) -> int:
+    """KV blocks a request holds at its longest (prompt + every output token)."""
+    return -(-(prompt_tokens + max_tokens) // block_size)
+
+
 class _TrackingRouter(RequestRouter):
     """Counts, per replica, the load this router sent that has not completed yet."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._inflight: dict[ReplicaID, int] = {}
-        self._by_request: dict[str, tuple[ReplicaID, int]] = {}
+        self._load = InflightLoad()
+        self._inflight: dict[ReplicaID, int] = self._load.by_replica
 
     def _weight(self, pending_request: PendingRequest) -> int:
         return 1
@@ -146,23 +180,14 @@ class _TrackingRouter(RequestRouter):
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
     ) -> None:
         weight = self._weight(pending_request)
-        self._by_request[pending_request.metadata.internal_request_id] = (replica_id, weight)
-        self._inflight[replica_id] = self._inflight.get(replica_id, 0) + weight
+        self._load.routed(pending_request.metadata.internal_request_id, replica_id, weight)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        entry = self._by_request.pop(internal_request_id, None)
-        if entry is None:
-            return
-        rid, weight = entry
-        left = self._inflight.get(rid, 0) - weight
-        if left > 0:
-            self._inflight[rid] = left
-        else:
-            self._inflight.pop(rid, None)
+        self._load.completed(internal_request_id)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
-        self._inflight.pop(replica_id, None)
+        self._load.replica_died(replica_id)
 
 
 class PrefillRequestRouter(_TrackingRouter):
@@ -209,9 +234,9 @@ class DecodeRequestRouter(_TrackingRouter):
         req = _request_arg(pending_request)
         blocks_needed = 0
         if isinstance(req, GenerateRequest):
-            block_size = _block_size(candidate_replicas)
-            tokens = len(req.prompt_token_ids) + req.sampling.max_tokens
-            blocks_needed = -(-tokens // block_size)
+            blocks_needed = decode_blocks_needed(
+                len(req.prompt_token_ids), req.sampling.max_tokens, _block_size(candidate_replicas)
+            )
         params = getattr(self, "_params", DecodeRouterParams())
         return rank_decode(candidate_replicas, blocks_needed, self._inflight, params)
 
