@@ -25,6 +25,7 @@ from types import FrameType
 from pdserve.cluster.state import ClusterState, default_state_dir, load_state, ray_client_env
 
 STATE_DIR_ENV = "PDSERVE_STATE_DIR"
+API_KEYS_ENV = "PDSERVE_API_KEYS"
 EXIT_FAILURE, EXIT_USAGE = 1, 2
 
 
@@ -85,6 +86,15 @@ def build_parser() -> argparse.ArgumentParser:
         "config", nargs="?", type=Path, default=None, help="AppConfig YAML (default: built-in)"
     )
     serve_flags.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help=(
+            f"require this API key (repeatable; also ${API_KEYS_ENV}, comma-separated, and "
+            "the config's api.api_keys)"
+        ),
+    )
+    serve_flags.add_argument(
         "--deploy-timeout",
         type=_positive_float,
         default=600.0,
@@ -128,14 +138,24 @@ def _cluster_spec(args: argparse.Namespace):  # -> ClusterSpec (import kept lazy
     )
 
 
-def _load_config(path: Path | None):  # -> AppConfig
+def _load_config(path: Path | None, api_keys: list[str] | None = None):  # -> AppConfig
+    """The config file (or the defaults) with the keys from --api-key and $PDSERVE_API_KEYS
+    added to ``api.api_keys``: the environment is read here, at the edge, once."""
     from pdserve.deployments.config import AppConfig
 
     if path is None:
-        return AppConfig()
-    if not path.is_file():
+        config = AppConfig()
+    elif not path.is_file():
         raise ValueError(f"config file {path} does not exist")
-    return AppConfig.from_yaml(path)
+    else:
+        config = AppConfig.from_yaml(path)
+    env_keys = [k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
+    extra = [k for k in [*(api_keys or []), *env_keys] if k not in config.api.api_keys]
+    if not extra:
+        return config
+    data = config.model_dump(mode="json")
+    data["api"]["api_keys"] = [*config.api.api_keys, *extra]
+    return AppConfig.from_dict(data)
 
 
 def cmd_up(args: argparse.Namespace, state_dir: Path) -> int:
@@ -163,7 +183,7 @@ def cmd_serve(args: argparse.Namespace, state_dir: Path, config=None) -> int:
     from pdserve.cluster.state import save_state
 
     state = _join(state_dir)
-    config = config if config is not None else _load_config(args.config)
+    config = config if config is not None else _load_config(args.config, args.api_key)
     record = deploy(state, config, timeout_s=args.deploy_timeout, progress=_say)
     save_state(state_dir, state.model_copy(update={"serve": record}))
     print(f"\npdserve is ready: model {record.model_name!r}", flush=True)
@@ -225,7 +245,8 @@ def cmd_run(args: argparse.Namespace, state_dir: Path) -> int:
     from pdserve.cluster.local import running_nodes, stop_cluster
     from pdserve.cluster.serving import prepare_model_in_background
 
-    config = _load_config(args.config)  # fail on a bad config before starting anything
+    # Fail on a bad config before starting anything.
+    config = _load_config(args.config, args.api_key)
     previous = signal.signal(signal.SIGTERM, _raise_stop)
     try:
         model_ready = prepare_model_in_background(config)  # overlaps with the nodes' start

@@ -78,6 +78,7 @@ def build_application(
         max_model_len=cfg.decode.engine.max_model_len,
         ready_deployments=ready,
         observability=cfg.observability,
+        api=cfg.api,
     )
 
 

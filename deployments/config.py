@@ -392,6 +392,70 @@ class ObservabilityConfig(_Strict):
     )
 
 
+class APIConfig(_Strict):
+    """The API's edge: who may call it and how much one request or one key may ask for.
+
+    Keys also come from ``pdserve serve/run --api-key`` and the ``PDSERVE_API_KEYS``
+    environment variable (comma-separated), which the CLI reads once and merges here.
+    Limits are enforced per ingress replica (each keeps its own rate buckets).
+    """
+
+    api_keys: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Bearer keys accepted on every route (`Authorization: Bearer <key>`, or "
+            "`x-api-key`); empty = no authentication. Compared in constant time."
+        ),
+    )
+    chat_template: str | None = Field(
+        default=None,
+        description=(
+            "Jinja chat template for a model whose tokenizer has none; None = chat "
+            "requests to such a model get 400 (completions still work)."
+        ),
+    )
+    open_health: bool = Field(
+        default=True, description="Serve /health, /ready and /version without a key."
+    )
+    open_metrics: bool = Field(default=True, description="Serve /metrics without a key.")
+    max_body_bytes: int = Field(
+        default=4 * 2**20, ge=1024, description="Largest request body; larger gets 413."
+    )
+    max_prompt_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="Most prompt tokens per request (400 past it); None = the context length.",
+    )
+    max_messages: int = Field(
+        default=512, ge=1, description="Most chat messages per request; more gets 400."
+    )
+    max_stop_strings: int = Field(
+        default=16, ge=0, le=16, description="Most stop strings per request; more gets 400."
+    )
+    rate_limit_per_minute: float | None = Field(
+        default=None,
+        gt=0,
+        description=(
+            "Requests per minute per API key (per client address without keys), as a "
+            "token bucket; past it 429 with Retry-After. None = unlimited."
+        ),
+    )
+    rate_limit_burst: int = Field(
+        default=10, ge=1, description="Requests a key may send at once before the rate applies."
+    )
+
+    @field_validator("api_keys")
+    @classmethod
+    def _check_keys(cls, keys: list[str]) -> list[str]:
+        for key in keys:
+            if len(key) < 8 or not key.isascii() or not key.isprintable() or " " in key:
+                raise ValueError(
+                    "api_keys: each key must be at least 8 printable ASCII characters "
+                    f"without spaces (one key is not, length {len(key)}; not echoed: secret)"
+                )
+        return keys
+
+
 class HTTPOptions(_Strict):
     """Serve's HTTP proxy."""
 
@@ -448,6 +512,9 @@ class AppConfig(_Strict):
         default_factory=ObservabilityConfig, description="Tracing and metrics."
     )
     http: HTTPOptions = Field(default_factory=HTTPOptions, description="HTTP front door.")
+    api: APIConfig = Field(
+        default_factory=APIConfig, description="API keys, request size and rate limits."
+    )
     grpc: GRPCOptions = Field(default_factory=GRPCOptions, description="gRPC front door.")
 
     @model_validator(mode="after")

@@ -4,9 +4,13 @@ and pdserve's gRPC API (through Serve's gRPC proxy) on top of the decode pool.
 It validates and tokenizes requests, sends a ``GenerateRequest`` to the decode deployment
 and streams the ``GenerateChunk``s back. It never runs a model and never reaches the
 prefill pool directly. Routes: POST /v1/completions, POST /v1/chat/completions,
-GET /v1/models, GET /v1/models/{id}, GET /health (liveness), GET /ready (readiness: every
-deployment in ``ready_deployments`` has a running replica). The request header
-``x-pdserve-slo-class: batch`` marks a request that must never be shed for its TTFT.
+GET /v1/models, GET /v1/models/{id}, POST /tokenize, POST /detokenize (vLLM's shapes),
+GET /health (503 while a deployment in ``ready_deployments`` has no running replica),
+GET /ready (the same, with the reason as JSON), GET /version, GET /metrics (Prometheus text
+of the ingress's own registry). Every route first passes ``APIGuard`` (API keys, rate
+limits; /health and /metrics can stay open) and bodies past ``api.max_body_bytes`` get 413.
+The request header ``x-pdserve-slo-class: batch`` marks a request that must never be shed
+for its TTFT.
 gRPC: ``PDServe.Generate`` (server streaming) and ``PDServe.Complete`` (unary) from
 ``deployments/grpc/pdserve.proto``, through Serve's gRPC proxy.
 """
@@ -14,7 +18,8 @@ gRPC: ``PDServe.Generate`` (server streaming) and ``PDServe.Complete`` (unary) f
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from importlib.metadata import version as package_version
 from pathlib import Path
 from typing import Any
 
@@ -27,20 +32,33 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pdserve.deployments.config import ObservabilityConfig
+from pdserve.deployments.api_guard import APIGuard, read_body
+from pdserve.deployments.config import APIConfig, ObservabilityConfig
 from pdserve.deployments.decode_stream import DecodeStream
 from pdserve.deployments.grpc import pdserve_pb2 as pb2
 from pdserve.deployments.ingress_telemetry import IngressTelemetry
 from pdserve.deployments.messages import GenerateChunk, GenerateRequest, SLOClass
-from pdserve.deployments.metrics import ServingMetrics
+from pdserve.deployments.metrics import APIMetrics, ServingMetrics
 from pdserve.deployments.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     OpenAIError,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    ignored_fields_header,
     parse_json_body,
     validate_request,
 )
-from pdserve.deployments.openai_serving import ModelInfo, OpenAIServing
+from pdserve.deployments.openai_serving import ModelInfo, OpenAIServing, RequestLimits
+from pdserve.deployments.openapi_schema import (
+    CHAT_SCHEMA,
+    COMPLETION_SCHEMA,
+    DETOKENIZE_SCHEMA,
+    TOKENIZE_SCHEMA,
+    install_openapi,
+    request_body,
+)
 from pdserve.deployments.tracing import setup_tracing
 from pdserve.engine.loader import load_model_config, load_tokenizer
 
@@ -50,7 +68,14 @@ SLO_CLASS_HEADER = "x-pdserve-slo-class"
 READY_CACHE_S = 1.0
 RETRY_AFTER_S = 1.0
 
+PDSERVE_VERSION = package_version("pdserve")
+
 app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
+install_openapi(app)
+
+
+async def _json(body: dict[str, Any]) -> Response:
+    return JSONResponse(body)
 
 
 def error_response(err: OpenAIError) -> JSONResponse:
@@ -81,11 +106,11 @@ def _slo_class(value: str | None) -> SLOClass:
     )
 
 
-def _sse(events: AsyncIterator[str]) -> StreamingResponse:
+def _sse(events: AsyncIterator[str], headers: dict[str, str]) -> StreamingResponse:
     return StreamingResponse(
         events,
         media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
     )
 
 
@@ -183,6 +208,7 @@ class OpenAIIngress:
         ready_deployments: deployments of this app that must each have a running replica
             for GET /ready to answer 200 (the prefill and decode pools); empty = always ready.
         observability: tracing exporter and metrics switch; None = defaults (no tracing).
+        api: API keys, request size and rate limits; None = defaults (no keys).
     """
 
     def __init__(
@@ -193,8 +219,11 @@ class OpenAIIngress:
         max_model_len: int | None = None,
         ready_deployments: list[str] | None = None,
         observability: ObservabilityConfig | dict[str, Any] | None = None,
+        api: APIConfig | dict[str, Any] | None = None,
     ) -> None:
         observability = ObservabilityConfig.model_validate(observability or {})
+        self._api = APIConfig.model_validate(api or {})
+        self._guard = APIGuard(self._api)
         setup_tracing(observability)
         self._decode = decode
         info = ModelInfo(
@@ -208,9 +237,20 @@ class OpenAIIngress:
             replica=serve.get_replica_context().replica_tag,
             enabled=observability.metrics_enabled,
         )
-        self.serving = OpenAIServing(
-            load_tokenizer(model_dir), info, self._generate, IngressTelemetry(info.name, metrics)
+        limits = RequestLimits(
+            max_prompt_tokens=self._api.max_prompt_tokens,
+            max_messages=self._api.max_messages,
+            max_stop_strings=self._api.max_stop_strings,
+            chat_template=self._api.chat_template,
         )
+        self.serving = OpenAIServing(
+            load_tokenizer(model_dir),
+            info,
+            self._generate,
+            IngressTelemetry(info.name, metrics),
+            limits,
+        )
+        self._api_metrics = APIMetrics(info.name)
         self._ready_deployments = list(ready_deployments or [])
         self._ready_cache: tuple[float, bool, str] = (0.0, False, "")
 
@@ -236,42 +276,120 @@ class OpenAIIngress:
                 response.cancel()
 
     # ------------------------------------------------------------------ HTTP
+    async def _serve(
+        self, request: Request, route: str, answer: Callable[[], Awaitable[Response]]
+    ) -> Response:
+        """Admit the caller (key, rate), run ``answer`` and count the response."""
+        start = time.monotonic()
+        try:
+            client = request.client.host if request.client else None
+            self._guard.caller(route, request.headers, client)
+            response = await answer()
+        except OpenAIError as err:
+            response = error_response(err)
+        self._api_metrics.record_request(route, response.status_code, time.monotonic() - start)
+        return response
+
+    async def _json_body(self, request: Request) -> dict[str, Any]:
+        raw = await read_body(
+            request.stream(), request.headers.get("content-length"), self._api.max_body_bytes
+        )
+        return parse_json_body(raw)
+
     @app.get("/health")
-    async def health(self) -> Response:
-        return Response(status_code=200)
+    async def health(self, request: Request) -> Response:
+        return await self._serve(request, "/health", self._health)
+
+    async def _health(self) -> Response:
+        ok, detail = await self._check_ready()
+        if ok:
+            return Response(status_code=200)
+        raise OpenAIError(detail, status_code=503, type="service_unavailable")
 
     @app.get("/ready")
-    async def ready(self) -> JSONResponse:
+    async def ready(self, request: Request) -> Response:
+        return await self._serve(request, "/ready", self._ready)
+
+    async def _ready(self) -> Response:
         ok, detail = await self._check_ready()
         return JSONResponse({"ready": ok, "detail": detail}, status_code=200 if ok else 503)
 
+    @app.get("/version")
+    async def version(self, request: Request) -> Response:
+        return await self._serve(request, "/version", lambda: _json({"version": PDSERVE_VERSION}))
+
+    @app.get("/metrics")
+    async def metrics(self, request: Request) -> Response:
+        return await self._serve(request, "/metrics", self._metrics)
+
+    async def _metrics(self) -> Response:
+        self._api_metrics.record_ready((await self._check_ready())[0])
+        body, content_type = self._api_metrics.render()
+        return Response(body, media_type=content_type)
+
     @app.get("/v1/models")
-    async def list_models(self) -> JSONResponse:
-        return JSONResponse(self.serving.models().model_dump())
+    async def list_models(self, request: Request) -> Response:
+        return await self._serve(
+            request, "/v1/models", lambda: _json(self.serving.models().model_dump())
+        )
 
     @app.get("/v1/models/{model_id:path}")
-    async def get_model(self, model_id: str) -> JSONResponse:
-        return JSONResponse(self.serving.model_card(model_id).model_dump())
+    async def get_model(self, request: Request, model_id: str) -> Response:
+        return await self._serve(
+            request,
+            "/v1/models/{id}",
+            lambda: _json(self.serving.model_card(model_id).model_dump()),
+        )
 
-    @app.post("/v1/completions")
+    @app.post("/tokenize", openapi_extra=request_body(TOKENIZE_SCHEMA))
+    async def tokenize(self, request: Request) -> Response:
+        return await self._serve(request, "/tokenize", lambda: self._tokenize(request))
+
+    async def _tokenize(self, request: Request) -> Response:
+        data = await self._json_body(request)
+        kind = TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest
+        req = validate_request(kind, data)
+        body = self.serving.tokenize(req).model_dump()
+        return JSONResponse(body, headers=ignored_fields_header(req.ignored_fields()))
+
+    @app.post("/detokenize", openapi_extra=request_body(DETOKENIZE_SCHEMA))
+    async def detokenize(self, request: Request) -> Response:
+        return await self._serve(request, "/detokenize", lambda: self._detokenize(request))
+
+    async def _detokenize(self, request: Request) -> Response:
+        req = validate_request(DetokenizeRequest, await self._json_body(request))
+        body = self.serving.detokenize(req).model_dump()
+        return JSONResponse(body, headers=ignored_fields_header(req.ignored_fields()))
+
+    @app.post("/v1/completions", openapi_extra=request_body(COMPLETION_SCHEMA))
     async def completions(self, request: Request) -> Response:
-        req = validate_request(CompletionRequest, parse_json_body(await request.body()))
-        slo_class = _slo_class(request.headers.get(SLO_CLASS_HEADER))
-        stream = await self.serving.start(req, slo_class=slo_class)
-        created = int(time.time())
-        if req.stream:
-            return _sse(self.serving.completion_events(req, stream, created))
-        return JSONResponse((await self.serving.completion(req, stream, created)).model_dump())
+        return await self._serve(request, "/v1/completions", lambda: self._completions(request))
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(self, request: Request) -> Response:
-        req = validate_request(ChatCompletionRequest, parse_json_body(await request.body()))
+    async def _completions(self, request: Request) -> Response:
+        req = validate_request(CompletionRequest, await self._json_body(request))
         slo_class = _slo_class(request.headers.get(SLO_CLASS_HEADER))
         stream = await self.serving.start(req, slo_class=slo_class)
         created = int(time.time())
+        headers = ignored_fields_header(req.ignored_fields())
         if req.stream:
-            return _sse(self.serving.chat_events(req, stream, created))
-        return JSONResponse((await self.serving.chat(req, stream, created)).model_dump())
+            return _sse(self.serving.completion_events(req, stream, created), headers)
+        body = (await self.serving.completion(req, stream, created)).model_dump()
+        return JSONResponse(body, headers=headers)
+
+    @app.post("/v1/chat/completions", openapi_extra=request_body(CHAT_SCHEMA))
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._serve(request, "/v1/chat/completions", lambda: self._chat(request))
+
+    async def _chat(self, request: Request) -> Response:
+        req = validate_request(ChatCompletionRequest, await self._json_body(request))
+        slo_class = _slo_class(request.headers.get(SLO_CLASS_HEADER))
+        stream = await self.serving.start(req, slo_class=slo_class)
+        created = int(time.time())
+        headers = ignored_fields_header(req.ignored_fields())
+        if req.stream:
+            return _sse(self.serving.chat_events(req, stream, created), headers)
+        body = (await self.serving.chat(req, stream, created)).model_dump()
+        return JSONResponse(body, headers=headers)
 
     async def _check_ready(self) -> tuple[bool, str]:
         now = time.monotonic()

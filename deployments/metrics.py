@@ -159,3 +159,47 @@ class ServingMetrics:
         metric = Gauge(PREFIX + name, description, tag_keys=BASE_TAGS)
         metric.set_default_tags(self._tags)
         return metric
+
+
+class APIMetrics:
+    """The ingress's own Prometheus registry, served as text on the API port (GET /metrics)
+    so that a scraper pointed at the API sees requests by route and status and the pools'
+    readiness without going through Ray's metrics agent (which keeps ``ServingMetrics``)."""
+
+    def __init__(self, model_name: str) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = CollectorRegistry()
+        self._model = model_name
+        self._requests = Counter(
+            f"{PREFIX}api_requests",
+            "HTTP requests answered by the ingress, by route and status code.",
+            ("model_name", "route", "status"),
+            registry=self.registry,
+        )
+        self._latency = Histogram(
+            f"{PREFIX}api_request_duration_seconds",
+            "Time until the response headers were sent (streams: until the first byte).",
+            ("model_name", "route"),
+            buckets=LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
+        self._ready = Gauge(
+            f"{PREFIX}api_pools_ready",
+            "1 when every pool has a running replica (what /health answers), else 0.",
+            ("model_name",),
+            registry=self.registry,
+        )
+
+    def record_request(self, route: str, status: int, seconds: float) -> None:
+        self._requests.labels(self._model, route, str(status)).inc()
+        self._latency.labels(self._model, route).observe(seconds)
+
+    def record_ready(self, ready: bool) -> None:
+        self._ready.labels(self._model).set(1.0 if ready else 0.0)
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text and its content type."""
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

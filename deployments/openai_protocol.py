@@ -1,9 +1,12 @@
 """The OpenAI-compatible HTTP schema: request models, response/chunk models and the error body.
 
-Requests are validated strictly: unknown fields, wrong JSON types and out-of-range values
-raise ``OpenAIError`` (HTTP 400 with ``{"error": {message, type, param, code}}``), never get
-silently dropped or coerced. Fields that OpenAI defines but pdserve does not implement
-(penalties, ``logit_bias``, ``best_of``, tools...) are accepted only at their no-op value.
+Requests are validated strictly: wrong JSON types, out-of-range values and lone UTF-16
+surrogates raise ``OpenAIError`` (HTTP 400 with ``{"error": {message, type, param, code}}``),
+never get coerced. Unknown top-level and message fields are ignored and named back to the
+client (``ignored_fields``, sent as a ``Warning`` header), as vLLM does, so that clients
+replaying another server's messages keep working; unknown fields that would change the output
+(``OUTPUT_CHANGING_FIELDS``) are a 400, never silently dropped. Fields that OpenAI defines
+but pdserve does not implement (tools...) are accepted only at their no-op value.
 This module imports neither Ray nor torch nor the engine: it is pure schema.
 """
 
@@ -18,6 +21,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     SerializerFunctionWrapHandler,
     ValidationError,
     field_validator,
@@ -26,6 +30,38 @@ from pydantic import (
 
 MAX_LOGPROBS = 20  # the engine's limit (pdserve.engine.sampling_params.MAX_LOGPROBS)
 MAX_STOP_STRINGS = 16
+MAX_NAMED_IGNORED_FIELDS = 20
+
+# Fields other OpenAI-compatible servers (OpenAI, vLLM) accept that pdserve does not
+# implement and that would change the output: ignoring them would return an answer the
+# client did not ask for, so they are a 400.
+OUTPUT_CHANGING_FIELDS = frozenset(
+    {
+        "functions",
+        "function_call",
+        "audio",
+        "modalities",
+        "prediction",
+        "web_search_options",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+        "structured_outputs",
+        "logits_processors",
+        "bad_words",
+        "allowed_token_ids",
+        "prompt_logprobs",
+        "include_stop_str_in_output",
+        "use_beam_search",
+        "length_penalty",
+        "truncate_prompt_tokens",
+        "continue_final_message",
+        "chat_template",
+        "chat_template_kwargs",
+        "documents",
+    }
+)
 
 
 class OpenAIError(Exception):
@@ -103,7 +139,44 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
         ) from None
     if not isinstance(data, dict):
         raise OpenAIError("The request body must be a JSON object.", code="invalid_json")
+    path = _lone_surrogate_path(data, "")
+    if path is not None:
+        # JSON allows "\\ud800", but such a string is not Unicode: it cannot be tokenized or
+        # echoed back in a UTF-8 response, so it is refused here, before anything uses it.
+        raise OpenAIError(
+            f"Invalid value for '{path or 'body'}': a lone UTF-16 surrogate is not valid text",
+            param=path or None,
+            code="invalid_value",
+        )
     return data
+
+
+def _lone_surrogate_path(value: Any, path: str) -> str | None:
+    """The dotted path of the first string (key or value) holding a lone surrogate."""
+    if isinstance(value, str):
+        return path if _has_surrogate(value) else None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            sub = f"{path}.{key}" if path else str(key)
+            if _has_surrogate(key):
+                return path  # "" (the body) for a top-level key
+            found = _lone_surrogate_path(item, sub)
+            if found is not None:
+                return found
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _lone_surrogate_path(item, f"{path}.{i}" if path else str(i))
+            if found is not None:
+                return found
+    return None
+
+
+def _has_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def random_id(prefix: str) -> str:
@@ -116,6 +189,11 @@ def random_id(prefix: str) -> str:
 class _Request(BaseModel):
     # strict: "10" is not an int and 1 is not a bool; ints are still accepted for floats.
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    # Unknown fields validate_request dropped, as "field" or "messages.0.field".
+    _ignored: tuple[str, ...] = PrivateAttr(default=())
+
+    def ignored_fields(self) -> tuple[str, ...]:
+        return self._ignored
 
 
 class StreamOptions(_Request):
@@ -271,6 +349,11 @@ class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    # History fields other servers' replies carry; they describe past turns, so replaying
+    # them is harmless (the chat template sees the content only).
+    refusal: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -321,12 +404,79 @@ class ChatCompletionRequest(_SamplingFields):
         return self.top_logprobs or 0
 
 
+class TokenizeCompletionRequest(_Request):
+    """POST /tokenize with a prompt (vLLM's shape)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(_Request):
+    """POST /tokenize with chat messages (vLLM's shape): the chat template is applied."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+
+
+class DetokenizeRequest(_Request):
+    """POST /detokenize (vLLM's shape)."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
 def validate_request(model: type[_Request], data: dict[str, Any]) -> Any:
-    """``model.model_validate(data)`` with pydantic errors turned into a 400."""
+    """``model.model_validate(data)`` with pydantic errors turned into a 400; unknown fields
+    are dropped (and listed in ``ignored_fields()``) unless they would change the output."""
+    data, ignored = _drop_unknown(model, data, "")
+    messages = data.get("messages")
+    if isinstance(messages, list):
+        kept = []
+        for i, message in enumerate(messages):
+            if isinstance(message, dict):
+                message, dropped = _drop_unknown(ChatMessage, message, f"messages.{i}.")
+                ignored.extend(dropped)
+            kept.append(message)
+        data = {**data, "messages": kept}
     try:
-        return model.model_validate(data)
+        req = model.model_validate(data)
     except ValidationError as err:
         raise from_validation_error(err) from None
+    req._ignored = tuple(ignored)
+    return req
+
+
+def _drop_unknown(
+    model: type[_Request], data: dict[str, Any], prefix: str
+) -> tuple[dict[str, Any], list[str]]:
+    unknown = [key for key in data if key not in model.model_fields]
+    for key in unknown:
+        # Message fields describe past turns; only top-level fields steer the output.
+        if not prefix and key in OUTPUT_CHANGING_FIELDS:
+            raise OpenAIError(
+                f"Unsupported request argument: {prefix}{key} (pdserve does not implement it, "
+                "and ignoring it would change the output)",
+                param=f"{prefix}{key}",
+                code="unsupported_parameter",
+            )
+    if not unknown:
+        return data, []
+    return {k: v for k, v in data.items() if k not in unknown}, [prefix + k for k in unknown]
+
+
+def ignored_fields_header(fields: tuple[str, ...]) -> dict[str, str]:
+    """The ``Warning`` header (RFC 7234 code 299, persistent) naming ignored fields."""
+    if not fields:
+        return {}
+    # Field names are client text: JSON-escape them so the header stays printable ASCII.
+    names = ", ".join(json.dumps(f)[1:-1] for f in fields[:MAX_NAMED_IGNORED_FIELDS])
+    more = len(fields) - MAX_NAMED_IGNORED_FIELDS
+    if more > 0:
+        names += f" and {more} more"
+    return {"Warning": f'299 pdserve "Unrecognized request arguments ignored: {names}"'}
 
 
 # ----------------------------------------------------------------------------- responses
@@ -444,6 +594,17 @@ class ChatCompletionChunk(_Response):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
+
+
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
 
 
 class ModelCard(_Response):

@@ -38,9 +38,14 @@ from pdserve.deployments.openai_protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
     OpenAIError,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
     TopLogprob,
     UsageInfo,
     invalid_param,
@@ -50,14 +55,16 @@ from pdserve.deployments.openai_protocol import (
 
 GenerateFn = Callable[[GenerateRequest], AsyncGenerator[GenerateChunk, None]]
 
-# Used only when the model's tokenizer has no chat template of its own (ChatML, the format
-# most open chat models use); a model with a template always gets its own.
-FALLBACK_CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Per-request size limits of the API (``APIConfig``); past them a 400 names the field."""
+
+    max_prompt_tokens: int | None = None
+    max_messages: int = 512
+    max_stop_strings: int = 16
+    # For tokenizers without a chat template of their own; None = chat gets a 400.
+    chat_template: str | None = None
 
 
 @dataclass(frozen=True)
@@ -84,9 +91,11 @@ class OpenAIServing:
         model: ModelInfo,
         generate: GenerateFn,
         telemetry: IngressTelemetry | None = None,
+        limits: RequestLimits | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.model = model
+        self.limits = limits or RequestLimits()
         self._generate = generate
         self._vocab_size = len(tokenizer)
         self.telemetry = telemetry or IngressTelemetry.disabled(model.name)
@@ -107,6 +116,31 @@ class OpenAIServing:
                 param="model",
                 code="model_not_found",
             )
+
+    # ------------------------------------------------------------------ tokenizer routes
+    def tokenize(self, req: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+        self.check_model(req.model)
+        if isinstance(req, TokenizeChatRequest):
+            self._check_messages(len(req.messages))
+            ids = self.apply_chat_template(
+                [{"role": m.role, "content": m.text()} for m in req.messages],
+                add_generation_prompt=req.add_generation_prompt,
+            )
+            if req.add_special_tokens and self.tokenizer.bos_token_id is not None:
+                ids = [self.tokenizer.bos_token_id, *ids]
+        else:
+            ids = self.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = list(ids["input_ids"])
+        return TokenizeResponse(count=len(ids), max_model_len=self.model.max_model_len, tokens=ids)
+
+    def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+        self.check_model(req.model)
+        bad = [t for t in req.tokens if not 0 <= t < self._vocab_size]
+        if bad:
+            raise invalid_param(
+                "tokens", f"token id {bad[0]} is out of range [0, {self._vocab_size})"
+            )
+        return DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
 
     # ------------------------------------------------------------------ starting requests
     async def start(
@@ -185,6 +219,7 @@ class OpenAIServing:
         self.check_model(req.model)
         req.check_stream_options()
         logprobs = req.num_logprobs()
+        self._check_messages(len(req.messages))
         prompt_ids = self.apply_chat_template(
             [{"role": m.role, "content": m.text()} for m in req.messages],
             add_generation_prompt=req.add_generation_prompt,
@@ -193,12 +228,27 @@ class OpenAIServing:
             request_id, prompt_ids, req, req.output_limit(), logprobs, slo_class, trace_carrier
         )
 
+    def _check_messages(self, count: int) -> None:
+        if count > self.limits.max_messages:
+            raise invalid_param(
+                "messages", f"at most {self.limits.max_messages} messages are allowed, got {count}"
+            )
+
     def apply_chat_template(
         self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True
     ) -> list[int]:
-        template = (
-            None if getattr(self.tokenizer, "chat_template", None) else (FALLBACK_CHAT_TEMPLATE)
-        )
+        template = None  # the tokenizer's own
+        if not getattr(self.tokenizer, "chat_template", None):
+            # Guessing a format (e.g. ChatML) would silently give a model prompts it was
+            # never trained on: without a template, chat is a clear 400.
+            if self.limits.chat_template is None:
+                raise OpenAIError(
+                    f"The model `{self.model.name}` has no chat template; use "
+                    "/v1/completions, or configure api.chat_template.",
+                    param="messages",
+                    code="chat_template_missing",
+                )
+            template = self.limits.chat_template
         try:
             text = self.tokenizer.apply_chat_template(
                 messages,
@@ -222,11 +272,21 @@ class OpenAIServing:
         trace_carrier: dict[str, str] | None,
     ) -> GenerateRequest:
         limit = self.model.max_model_len
+        field = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
         if not prompt_ids:
             raise invalid_param("prompt", "the prompt is empty after tokenization")
+        most = self.limits.max_prompt_tokens
+        if most is not None and len(prompt_ids) > most:
+            raise invalid_param(
+                field, f"the prompt has {len(prompt_ids)} tokens; at most {most} are allowed"
+            )
+        if len(req.stop_list()) > self.limits.max_stop_strings:
+            raise invalid_param(
+                "stop", f"at most {self.limits.max_stop_strings} stop strings are allowed"
+            )
         if len(prompt_ids) >= limit:
             raise invalid_param(
-                "messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+                field,
                 f"This model's maximum context length is {limit} tokens. However, your "
                 f"prompt has {len(prompt_ids)} tokens, leaving no room for output.",
             )

@@ -18,6 +18,7 @@ from pdserve.deployments.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIError,
+    ignored_fields_header,
     parse_json_body,
     validate_request,
 )
@@ -51,7 +52,8 @@ from pdserve.engine.testmodel import ensure_test_model
         ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
         ({"prompt": "x", "best_of": 3}, "best_of"),
         ({"prompt": "x", "echo": True}, "echo"),
-        ({"prompt": "x", "frobnicate": True}, "frobnicate"),
+        ({"prompt": "x", "guided_json": {"type": "object"}}, "guided_json"),
+        ({"prompt": "x", "logits_processors": ["x"]}, "logits_processors"),
         ({"prompt": "x", "stream_options": {"include_usage": "yes"}}, "stream_options"),
         ({"prompt": ""}, "prompt"),
         ({"prompt": ["a", "b"]}, "prompt"),
@@ -140,6 +142,56 @@ def test_top_logprobs_without_logprobs_is_rejected() -> None:
     )
     with pytest.raises(OpenAIError, match="top_logprobs"):
         chat.num_logprobs()
+
+
+def test_unknown_fields_are_ignored_and_named_in_a_warning_header() -> None:
+    body = {
+        "model": "tiny",
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": None, "refusal": "no", "tool_calls": []},
+            {"role": "user", "content": "again", "audio": {"id": "a"}},
+        ],
+        "store": True,
+        "metadata": {"k": "v"},
+        "parallel_tool_calls": False,
+        "reasoning_effort": "low",
+        "service_tier": "auto",
+        "na\u00efve\n": 1,
+    }
+    chat = validate_request(ChatCompletionRequest, body)
+    assert chat.messages[1].refusal == "no"
+    assert chat.ignored_fields() == (
+        "store",
+        "metadata",
+        "reasoning_effort",
+        "service_tier",
+        "na\u00efve\n",
+        "messages.2.audio",
+    )
+    header = ignored_fields_header(chat.ignored_fields())["Warning"]
+    assert header.isascii() and header.isprintable() and "service_tier" in header
+    assert validate_request(CompletionRequest, {"prompt": "x"}).ignored_fields() == ()
+    assert ignored_fields_header(()) == {}
+
+
+@pytest.mark.parametrize(
+    ("raw", "param"),
+    [
+        (b'{"model": "\\ud800", "prompt": "x"}', "model"),
+        (b'{"prompt": ["\\udfff"]}', "prompt.0"),
+        (b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages.0.content"),
+        (b'{"\\ud800": 1}', None),
+    ],
+)
+def test_lone_surrogates_anywhere_are_a_400(raw: bytes, param: str | None) -> None:
+    with pytest.raises(OpenAIError) as info:
+        parse_json_body(raw)
+    assert info.value.status_code == 400 and info.value.param == param
+    # The error body itself must be encodable: that was the 500.
+    json.dumps(info.value.body(), ensure_ascii=False).encode("utf-8")
+    # A valid surrogate pair is ordinary text.
+    assert parse_json_body(b'{"prompt": "\\ud83d\\ude00"}') == {"prompt": "\U0001f600"}
 
 
 @pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b"\xff\xfe", b""])
