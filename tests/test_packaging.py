@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCE_FOLDERS = ("engine", "kernels", "kvtransfer", "deployments", "cluster", "bench")
+SOURCE_FOLDERS = ("engine", "kernels", "kvtransfer", "deployments", "cluster", "bench", "sim")
 
 
 def _run_python(code: str, cwd: Path) -> subprocess.CompletedProcess[str]:

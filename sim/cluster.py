@@ -1,0 +1,468 @@
+"""The simulated cluster: an ingress, a decode pool and a prefill pool of ``SimEngine``
+replicas, wired by pdserve's LIVE decision code.
+
+Called unchanged, as the Serve app calls it:
+- decode routing: ``routers.rank_decode`` over the replicas' published ``ReplicaStats``
+  (refreshed every ``router.stats_period_s``, so as stale as in Serve) and the ingress
+  router's own ``InflightLoad``;
+- local / remote / shed: ``DisaggregationPolicy.decide`` with the decode replica's
+  ``LocalLoad`` and its own ``RemotePrefillEstimator`` (started / observe / finished around
+  each remote prefill, the deadline of ``RemotePrefill``: predicted compute + timeout);
+- prefill routing: ``routers.rank_prefill`` with each decode replica's own router books;
+- load reports: ``load.replica_stats`` and ``RateMeter``;
+- autoscaling: the policy classes of ``autoscaling.py`` built from ``app.autoscaling_config``
+  and called with an ``AutoscalingContext``-shaped object; Serve's up/down-scale delays and
+  bounds are applied around them as Serve does;
+- admission: an optional ``Admission`` callable asked before the policy (issue 18's
+  admission control plugs in here).
+
+What is modelled, not run: the engines (``SimEngine`` over a cost model), the network
+(``SimSettings.rpc_s`` per hop) and the KV transfer (the cost model's transfer time, of
+which only the last layer's share shows after the prefill when the link keeps pace).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+from pdserve.deployments import autoscaling as live_autoscaling
+from pdserve.deployments.app import autoscaling_config
+from pdserve.deployments.config import AppConfig, PoolRole
+from pdserve.deployments.load import Ema, RateMeter, replica_stats
+from pdserve.deployments.policy import DisaggregationPolicy, LocalLoad, RemotePrefillEstimator
+from pdserve.deployments.routers import (
+    DecodeRouterParams,
+    InflightLoad,
+    PrefillRouterParams,
+    decode_blocks_needed,
+    rank_decode,
+    rank_prefill,
+)
+from pdserve.sim.config import SimSettings
+from pdserve.sim.cost import CostModel
+from pdserve.sim.engine import EngineShape, Seq, SimEngine
+from pdserve.sim.events import Event, EventLoop
+from pdserve.sim.request import SimRequest
+
+
+@dataclass(frozen=True)
+class AdmissionQuery:
+    """What an admission function sees of a request and the decode replica it reached."""
+
+    request: SimRequest
+    now: float
+    decode_load: LocalLoad
+    decode_stats: dict[str, Any]  # the replica's current ReplicaStats, as published
+    ongoing: int  # requests the replica holds (Serve's ongoing count)
+
+
+Admission = Callable[[AdmissionQuery], bool]  # True = admit
+
+
+class SimReplica:
+    """One replica as the routers see it (``replica_id``, ``routing_stats``) and its engine."""
+
+    def __init__(
+        self, replica_id: str, role: PoolRole, engine: SimEngine, gpus: int, now: float
+    ) -> None:
+        self.replica_id = replica_id
+        self.role = role
+        self.engine = engine
+        self.gpus = gpus
+        self.routing_stats: dict[str, Any] = {}
+        self.started_at = now
+        self.ready = False
+        self.draining = False
+        self.stopped_at: float | None = None
+        self.ongoing = 0
+        self.itl = Ema()
+        # Decode replicas: their router to the prefill pool and their remote estimator.
+        self.prefill_books = InflightLoad()
+        self.estimate: RemotePrefillEstimator | None = None
+        self.arrivals: RateMeter | None = None
+
+
+@dataclass
+class _Remote:
+    decode: SimReplica
+    prefill: SimReplica
+    seq_d: Seq
+    seq_p: Seq
+    began: float
+    ahead: int
+    deadline: Event
+
+
+class SimCluster:
+    def __init__(
+        self,
+        app: AppConfig,
+        prefill_cost: CostModel,
+        decode_cost: CostModel,
+        settings: SimSettings | None = None,
+        admission: Admission | None = None,
+    ) -> None:
+        self.app = app
+        self.s = settings or SimSettings()
+        self.costs = {"prefill": prefill_cost, "decode": decode_cost}
+        self.admission = admission
+        self.loop = EventLoop()
+        self.pools: dict[str, list[SimReplica]] = {"prefill": [], "decode": []}
+        self.retired: list[SimReplica] = []
+        self.ingress_books = InflightLoad()
+        self.backlog: deque[SimRequest] = deque()
+        r = app.router
+        self.prefill_params = PrefillRouterParams(
+            default_prefill_tokens_per_s=r.default_prefill_tokens_per_s,
+            transfer_bytes_per_s=r.transfer_bytes_per_s,
+            kv_bytes_per_token=r.kv_bytes_per_token,
+        )
+        self.decode_params = DecodeRouterParams(
+            kv_weight=r.decode_kv_weight, batch_weight=r.decode_batch_weight
+        )
+        self.policy = DisaggregationPolicy(app.policy, app.slo, r.default_prefill_tokens_per_s)
+        self.shapes = {role: self._shape(role) for role in ("prefill", "decode")}
+        self._remote: dict[int, _Remote] = {}
+        self._open = 0
+        self._next_id = 0
+        self.timeline: list[tuple[float, int, int]] = []
+        self.counts = {"local": 0, "remote": 0, "fallback": 0, "shed": 0, "failed": 0}
+        self._scalers = {role: self._scaler(role) for role in ("prefill", "decode")}
+        self._want: dict[str, tuple[int, float]] = {}
+        for role in ("prefill", "decode"):
+            for _ in range(app.pool(role).start_replicas):
+                self._start_replica(role, ready_in=0.0)  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ setup
+    def _shape(self, role: str) -> EngineShape:
+        limits = self.app.pool(role).engine  # type: ignore[arg-type]
+        cost = self.costs[role]
+        blocks = limits.num_kv_blocks or max(1, cost.kv_capacity_tokens // limits.block_size)
+        return EngineShape(
+            limits.max_num_batched_tokens, limits.max_num_seqs, limits.block_size, blocks
+        )
+
+    def _scaler(self, role: str) -> Any:
+        pool = self.app.pool(role)  # type: ignore[arg-type]
+        if not self.app.autoscaling or pool.min_replicas == pool.max_replicas:
+            return None
+        policy = autoscaling_config(self.app, role)["policy"]  # type: ignore[arg-type]
+        module, _, name = policy["policy_function"].partition(":")
+        return getattr(importlib.import_module(module), name)(**policy["policy_kwargs"])
+
+    def _start_replica(self, role: PoolRole, ready_in: float) -> SimReplica:
+        self._next_id += 1
+        gpus = (
+            self.s.gpus_per_prefill_replica if role == "prefill" else self.s.gpus_per_decode_replica
+        )
+        replica = SimReplica(f"{role}-{self._next_id}", role, None, gpus, self.loop.now)  # type: ignore[arg-type]
+        if role == "prefill":
+            replica.engine = SimEngine(
+                self.loop,
+                self.costs[role],
+                self.shapes[role],
+                on_finish=lambda seq, t: self._prefill_done(replica, seq, t),
+                macro_steps=self.s.macro_steps,
+            )
+            replica.arrivals = RateMeter(clock=lambda: self.loop.now)
+        else:
+            replica.engine = SimEngine(
+                self.loop,
+                self.costs[role],
+                self.shapes[role],
+                on_first_token=self._first_token,
+                on_finish=lambda seq, t: self._finished(replica, seq, t),
+                macro_steps=self.s.macro_steps,
+            )
+            replica.estimate = RemotePrefillEstimator(self.app.router.default_prefill_tokens_per_s)
+        self.pools[role].append(replica)
+        self.loop.after(ready_in, self._ready, replica)
+        return replica
+
+    def _ready(self, replica: SimReplica) -> None:
+        replica.ready = True
+        self._publish(replica)
+        self._drain_backlog()
+
+    # ------------------------------------------------------------------ run
+    def run(self, requests: list[SimRequest], until: float | None = None) -> list[SimRequest]:
+        """Simulate ``requests`` (arrival-ordered) to completion; returns them, filled in."""
+        self._open = len(requests)
+        for req in requests:
+            self.loop.at(req.arrival, self._arrive, req)
+        self.loop.after(0.0, self._publish_all)
+        if any(self._scalers.values()):
+            self.loop.after(0.0, self._autoscale)
+        last = requests[-1].arrival if requests else 0.0
+        self.loop.run(until=until if until is not None else last + self.s.max_queue_s)
+        end = self.loop.now
+        for req in requests:
+            if req.finished_at is None and req.placement != "shed":
+                self.counts["failed"] += 1
+        for replica in self.pools["prefill"] + self.pools["decode"]:
+            replica.stopped_at = end
+        return requests
+
+    def gpu_seconds(self) -> float:
+        end = self.loop.now
+        return sum(
+            ((r.stopped_at if r.stopped_at is not None else end) - r.started_at) * r.gpus
+            for r in self.retired + self.pools["prefill"] + self.pools["decode"]
+        )
+
+    def _done(self) -> None:
+        self._open -= 1
+
+    # ------------------------------------------------------------------ stats (live code)
+    def _publish(self, replica: SimReplica) -> None:
+        cost = self.costs[replica.role]
+        replica.routing_stats = replica_stats(
+            replica.role,
+            replica.engine.stats(),
+            max_num_seqs=self.shapes[replica.role].max_num_seqs,
+            kv_bytes_per_token=cost.kv_bytes_per_token,
+            prompt_tokens_per_s=replica.arrivals.rate() if replica.arrivals else 0.0,
+        ).model_dump()
+
+    def _publish_all(self) -> None:
+        for replica in self.pools["prefill"] + self.pools["decode"]:
+            if replica.ready:
+                self._publish(replica)
+        if self._open > 0:
+            self.loop.after(self.app.router.stats_period_s, self._publish_all)
+
+    # ------------------------------------------------------------------ request path
+    def _arrive(self, req: SimRequest) -> None:
+        self.loop.after(self.s.ingress_s, self._route_decode, req)
+
+    def _route_decode(self, req: SimRequest) -> bool:
+        candidates = [r for r in self.pools["decode"] if r.ready and not r.draining]
+        shape = self.shapes["decode"]
+        blocks = decode_blocks_needed(req.prompt_tokens, req.output_tokens, shape.block_size)
+        cap = self.app.decode.max_ongoing_requests
+        for (replica,) in rank_decode(
+            candidates, blocks, self.ingress_books.by_replica, self.decode_params
+        ):
+            if replica.ongoing < cap:
+                self.ingress_books.routed(str(req.rid), replica.replica_id, 1)
+                replica.ongoing += 1
+                self.loop.after(self.s.rpc_s, self._on_decode, replica, req)
+                return True
+        self.backlog.append(req)  # Serve queues it until a replica has room
+        return False
+
+    def _drain_backlog(self) -> None:
+        while self.backlog:
+            req = self.backlog.popleft()
+            if self.loop.now - req.arrival > self.s.max_queue_s:
+                self._done()
+                continue
+            if not self._route_decode(req):
+                self.backlog.pop()
+                self.backlog.appendleft(req)
+                return
+
+    def _local_load(self, replica: SimReplica) -> LocalLoad:
+        engine = replica.engine
+        return LocalLoad(
+            queued_prefill_tokens=engine.queued_prefill_tokens(),
+            prefill_tokens_per_s=engine.prefill_meter.rate,
+            num_running=len(engine.running),
+            max_num_seqs=self.shapes["decode"].max_num_seqs,
+        )
+
+    def _on_decode(self, replica: SimReplica, req: SimRequest) -> None:
+        load = self._local_load(replica)
+        if self.admission is not None and not self.admission(
+            AdmissionQuery(req, self.loop.now, load, replica.routing_stats, replica.ongoing)
+        ):
+            self._shed(replica, req)
+            return
+        prefill_pool = [r for r in self.pools["prefill"] if r.ready and not r.draining]
+        decision = self.policy.decide(
+            num_prompt_tokens=req.prompt_tokens,
+            num_cached_tokens=0,  # simulated prompts share no prefix
+            load=load,
+            remote=replica.estimate if prefill_pool else None,
+            sheddable=True,
+        )
+        if decision.location == "shed":
+            self._shed(replica, req)
+            return
+        seq = Seq(req)
+        if decision.location == "remote" and replica.engine.reserve_remote(seq):
+            self._prefill_remotely(replica, seq, prefill_pool)
+            return
+        req.placement = "local"
+        self.counts["local"] += 1
+        replica.engine.add(seq)
+
+    def _shed(self, replica: SimReplica, req: SimRequest) -> None:
+        req.placement = "shed"
+        self.counts["shed"] += 1
+        self._release_decode(replica, req)
+        self._done()
+
+    def _prefill_remotely(self, replica: SimReplica, seq: Seq, pool: list[SimReplica]) -> None:
+        req, est = seq.req, replica.estimate
+        assert est is not None
+        n = req.prompt_tokens
+        deadline_at = self.loop.now + est.compute_s(n) + self.app.transport.timeout_s
+        ahead = est.started(n)
+        ((target,), *_) = rank_prefill(
+            pool, n, replica.prefill_books.by_replica, self.prefill_params
+        )
+        replica.prefill_books.routed(str(req.rid), target.replica_id, n)
+        req.placement = "remote"
+        self.counts["remote"] += 1
+        seq_p = Seq(req, prefill_only=True)
+        deadline = self.loop.at(deadline_at, self._fall_back, req.rid)
+        self._remote[req.rid] = _Remote(replica, target, seq, seq_p, self.loop.now, ahead, deadline)
+        self.loop.after(self.s.rpc_s, self._on_prefill, target, seq_p)
+
+    def _on_prefill(self, target: SimReplica, seq_p: Seq) -> None:
+        if seq_p.req.rid not in self._remote:
+            return  # the decode side gave up before the call arrived
+        assert target.arrivals is not None
+        target.arrivals.add(seq_p.req.prompt_tokens)
+        target.engine.add(seq_p)
+
+    def _prefill_done(self, replica: SimReplica, seq_p: Seq, t: float) -> None:
+        """Last layer computed; the KV lands after the transfer's tail."""
+        cost = self.costs["prefill"]
+        n = seq_p.req.prompt_tokens
+        transfer = cost.transfer_s(n)
+        compute = n / max(replica.engine.prefill_meter.rate, 1e-9)
+        tail = max(transfer / max(getattr(cost, "num_layers", 1), 1), transfer - compute)
+        self.loop.after(tail, self._release_prefill, replica, seq_p)
+        self.loop.after(tail + self.s.rpc_s, self._landed, seq_p.req.rid)
+
+    def _release_prefill(self, replica: SimReplica, seq_p: Seq) -> None:
+        replica.engine.release(seq_p)
+        if replica.draining and replica.engine.idle:
+            self._retire(replica)
+
+    def _landed(self, rid: int) -> None:
+        remote = self._remote.pop(rid, None)
+        if remote is None:
+            return  # already fell back
+        remote.deadline.cancel()
+        n = remote.seq_d.req.prompt_tokens
+        est = remote.decode.estimate
+        assert est is not None
+        est.observe(
+            n, self.loop.now - remote.began, remote.prefill.engine.prefill_meter.rate, remote.ahead
+        )
+        est.finished(n)
+        remote.decode.prefill_books.completed(str(rid))
+        remote.decode.engine.complete_remote(remote.seq_d)
+
+    def _fall_back(self, rid: int) -> None:
+        remote = self._remote.pop(rid)
+        remote.prefill.engine.abort(remote.seq_p)
+        n = remote.seq_d.req.prompt_tokens
+        est = remote.decode.estimate
+        assert est is not None
+        est.observe(n, self.loop.now - remote.began, 0.0, remote.ahead)
+        est.finished(n)
+        remote.decode.prefill_books.completed(str(rid))
+        remote.seq_d.req.placement = "fallback"
+        self.counts["fallback"] += 1
+        remote.decode.engine.fail_remote(remote.seq_d)
+
+    def _first_token(self, seq: Seq, t: float) -> None:
+        seq.req.first_token_at = t + self.s.rpc_s
+
+    def _finished(self, replica: SimReplica, seq: Seq, t: float) -> None:
+        req = seq.req
+        req.finished_at = t + self.s.rpc_s
+        if req.tpot is not None:
+            replica.itl.add(req.tpot)
+        self._release_decode(replica, req)
+        self._done()
+
+    def _release_decode(self, replica: SimReplica, req: SimRequest) -> None:
+        replica.ongoing -= 1
+        self.ingress_books.completed(str(req.rid))
+        if replica.draining and replica.ongoing == 0 and replica.engine.idle:
+            self._retire(replica)
+        if self.backlog:
+            self._drain_backlog()
+
+    # ------------------------------------------------------------------ autoscaling (live)
+    def _metrics(self, role: str, names: tuple[str, ...]) -> dict[str, dict[str, float]]:
+        out: dict[str, dict[str, float]] = {name: {} for name in names}
+        for r in self.pools[role]:
+            if not r.ready:
+                continue
+            st = r.engine.stats()
+            values = {
+                live_autoscaling.PROMPT_TOKENS_PER_S: r.arrivals.rate() if r.arrivals else 0.0,
+                live_autoscaling.PREFILL_TOKENS_PER_S: st.prefill_tokens_per_s,
+                live_autoscaling.QUEUED_PREFILL_TOKENS: float(st.queued_prefill_tokens),
+                live_autoscaling.KV_USAGE: st.kv_usage,
+                live_autoscaling.TPOT_S: r.itl.value,
+                live_autoscaling.NUM_WAITING: float(st.num_waiting),
+            }
+            for name in names:
+                out[name][r.replica_id] = values[name]
+        return out
+
+    def _autoscale(self) -> None:
+        now = self.loop.now
+        for role, scaler in self._scalers.items():
+            if scaler is None:
+                continue
+            pool = self.app.pool(role)  # type: ignore[arg-type]
+            live = [r for r in self.pools[role] if not r.draining]
+            names = (
+                live_autoscaling.PREFILL_METRICS
+                if role == "prefill"
+                else live_autoscaling.DECODE_METRICS
+            )
+            ctx = SimpleNamespace(
+                aggregated_metrics=self._metrics(role, names),
+                current_num_replicas=sum(r.ready for r in live),
+                target_num_replicas=len(live),
+                policy_state={},
+            )
+            wanted, _ = scaler(ctx)
+            wanted = min(max(wanted, pool.min_replicas), pool.max_replicas)
+            self._apply(role, pool, live, wanted, now)
+        self.timeline.append(
+            (now, *(sum(not r.draining for r in self.pools[p]) for p in ("prefill", "decode")))
+        )
+        if self._open > 0:
+            self.loop.after(self.s.autoscale_period_s, self._autoscale)
+
+    def _apply(self, role: str, pool: Any, live: list[SimReplica], wanted: int, now: float) -> None:
+        """Serve's delays: a new target holds for upscale/downscale_delay_s before it acts."""
+        if wanted == len(live):
+            self._want.pop(role, None)
+            return
+        target, since = self._want.get(role, (wanted, now))
+        if (target > len(live)) != (wanted > len(live)):
+            since = now
+        self._want[role] = (wanted, since)
+        delay = pool.upscale_delay_s if wanted > len(live) else pool.downscale_delay_s
+        if now - since < delay:
+            return
+        self._want.pop(role, None)
+        for _ in range(wanted - len(live)):
+            self._start_replica(role, ready_in=self.s.replica_startup_s)  # type: ignore[arg-type]
+        for replica in sorted(live, key=lambda r: r.ongoing)[: max(0, len(live) - wanted)]:
+            replica.draining = True
+            if replica.ongoing == 0 and replica.engine.idle:
+                self._retire(replica)
+
+    def _retire(self, replica: SimReplica) -> None:
+        if replica not in self.pools[replica.role]:
+            return
+        self.pools[replica.role].remove(replica)
+        replica.stopped_at = self.loop.now
+        self.retired.append(replica)

@@ -1,0 +1,55 @@
+"""What the simulator adds to a pdserve ``AppConfig``: the hardware under each pool and the
+timings a real cluster has but a config does not state.
+
+The cluster itself (pool sizes and bounds, engine limits, SLOs, policy, routers, transport
+timeout, autoscaling delays) comes from the very ``AppConfig`` the real cluster deploys, so
+a YAML under ``configs/`` simulates as it serves.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class SimSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    gpus_per_prefill_replica: int = Field(
+        default=1, ge=1, description="GPUs (tensor-parallel degree) of one prefill replica."
+    )
+    gpus_per_decode_replica: int = Field(
+        default=1, ge=1, description="GPUs (tensor-parallel degree) of one decode replica."
+    )
+    rpc_s: float = Field(
+        default=0.001,
+        ge=0,
+        description=(
+            "One hop between processes (ingress -> decode, decode -> prefill and back): "
+            "Serve's handle call, serialisation, the network."
+        ),
+    )
+    ingress_s: float = Field(
+        default=0.002,
+        ge=0,
+        description="Ingress work before a request reaches a decode replica (parse, tokenize).",
+    )
+    replica_startup_s: float = Field(
+        default=60.0,
+        ge=0,
+        description="From an autoscaler's scale-up to the new replica serving (weights load).",
+    )
+    autoscale_period_s: float = Field(
+        default=1.0, gt=0, description="How often the autoscaling policies are asked."
+    )
+    look_back_s: float = Field(
+        default=10.0, gt=0, description="Window the autoscaling metrics average over."
+    )
+    macro_steps: bool = Field(
+        default=True,
+        description="Advance decode-only batches many steps per event (exact; much faster).",
+    )
+    max_queue_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="A request not placed on a decode replica after this long fails.",
+    )
