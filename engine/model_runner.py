@@ -243,7 +243,10 @@ class ModelRunner:
             if chunk.sample:
                 sample_rows.append(cu[-1] - 1)
                 sample_ids.append(chunk.request_id)
-                sampling.append(SamplingRow(chunk.sampling_params, chunk.num_output_tokens))
+                history = chunk.history or ((), ())
+                sampling.append(
+                    SamplingRow(chunk.sampling_params, chunk.num_output_tokens, *history)
+                )
         width = max(len(t) for t in tables)
         # Padding entries are never read (seq_lens bounds every sequence); 0 is a valid id.
         padded = [t + [0] * (width - len(t)) for t in tables]

@@ -4,7 +4,8 @@ Each row is sampled independently of the others in the batch. A request with a s
 its randomness from a generator derived from ``(seed, num_output_tokens)``, so it gets the
 same tokens whatever else is batched with it and after a preemption recomputes it.
 Logprobs are the log-softmax of the raw logits (vLLM's default), taken before
-temperature, top-k/top-p and the min_tokens mask. This module never touches the KV cache.
+logit bias, penalties, temperature, min_p, top-k/top-p and the min_tokens mask (see
+``logit_adjust`` for the adjustments). This module never touches the KV cache.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.logit_adjust import adjust_logits, apply_min_p
 from pdserve.engine.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -34,6 +36,9 @@ class SamplingRow:
 
     params: SamplingParams
     num_output_tokens: int  # tokens generated before this one
+    # The request's tokens so far, read by the penalties only (empty when it has none).
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
 
 
 def seed_for_step(seed: int, num_output_tokens: int) -> int:
@@ -69,6 +74,12 @@ class Sampler:
             return []
         logits = logits.float()
         raw = logits
+        if any(r.params.adjusts_logits for r in rows):
+            logits = adjust_logits(
+                logits.clone(),
+                [r.params for r in rows],
+                [(r.prompt_token_ids, r.output_token_ids) for r in rows],
+            )
         logits = self._mask_min_tokens(logits, rows)
         token_ids = self._pick(logits, rows)
         return self._with_logprobs(raw, token_ids, rows)
@@ -100,7 +111,8 @@ class Sampler:
         temps = torch.tensor(
             [rows[i].params.temperature for i in random_rows], device=sub.device
         ).unsqueeze(1)
-        probs = _top_k_top_p(sub / temps, [rows[i].params for i in random_rows]).softmax(dim=-1)
+        scaled = apply_min_p(sub / temps, [rows[i].params.min_p for i in random_rows])
+        probs = _top_k_top_p(scaled, [rows[i].params for i in random_rows]).softmax(dim=-1)
         # Sample with the exponential race: argmax(p / E), E ~ Exp(1), one draw per row from
         # that row's own generator when it has a seed.
         noise = torch.empty_like(probs)

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MAX_LOGPROBS = 20
+MAX_PENALTY = 2.0  # OpenAI's range for presence/frequency penalties: [-2, 2]
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 
 
 def _is_int(value: Any) -> bool:
@@ -25,7 +27,11 @@ class SamplingParams:
     """How to pick tokens and when to stop.
 
     ``stop`` accepts a single string or a list of strings (normalised to a list).
-    ``top_k=0`` disables top-k; ``temperature=0`` means greedy.
+    ``top_k=0`` disables top-k; ``temperature=0`` means greedy. Penalties follow OpenAI
+    (presence/frequency over the generated tokens) and vLLM/transformers (repetition over
+    prompt and output); ``logit_bias`` (token id -> bias, a mapping or pairs) is stored as
+    sorted pairs so the params stay hashable; ``min_p`` drops tokens whose probability is
+    below ``min_p`` times the most likely one's.
     """
 
     max_tokens: int = 16
@@ -39,6 +45,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Any = ()  # tuple[tuple[int, float], ...] after validation
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -71,6 +82,29 @@ class SamplingParams:
             raise ValueError(
                 f"skip_special_tokens must be a bool, got {self.skip_special_tokens!r}"
             )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        if not _is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 10.0:
+            raise ValueError(
+                f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}"
+            )
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        object.__setattr__(self, "logit_bias", _normalise_logit_bias(self.logit_bias))
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether sampling reads the request's earlier tokens (the penalties do)."""
+        return bool(self.presence_penalty or self.frequency_penalty) or (
+            self.repetition_penalty != 1.0
+        )
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether any penalty, bias or min_p changes this request's logits."""
+        return self.needs_history or bool(self.logit_bias) or self.min_p > 0.0
 
     @property
     def greedy(self) -> bool:
@@ -90,6 +124,25 @@ def _normalise_stop(stop: Any) -> list[str]:
         if not s:
             raise ValueError("stop must not contain empty strings")
     return list(stop)
+
+
+def _normalise_logit_bias(bias: Any) -> tuple[tuple[int, float], ...]:
+    if bias is None:
+        return ()
+    items = bias.items() if isinstance(bias, dict) else bias
+    if not isinstance(items, (list, tuple)) and not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must map token ids to numbers, got {type(bias).__name__}")
+    pairs: dict[int, float] = {}
+    for entry in items:
+        if not isinstance(entry, (list, tuple)) or len(entry) != 2:
+            raise ValueError(f"logit_bias entries must be (token id, bias), got {entry!r}")
+        token, value = entry
+        if not _is_int(token) or token < 0:
+            raise ValueError(f"logit_bias keys must be token ids >= 0, got {token!r}")
+        if not _is_number(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {value!r}")
+        pairs[token] = float(value)
+    return tuple(sorted(pairs.items()))
 
 
 def _normalise_stop_token_ids(ids: Any) -> list[int]:

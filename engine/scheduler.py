@@ -219,6 +219,11 @@ class Scheduler:
                 sample=sample,
                 sampling_params=request.params,
                 num_output_tokens=request.num_output_tokens,
+                history=(
+                    (request.prompt_token_ids, request.output_token_ids)
+                    if request.params.needs_history
+                    else None
+                ),
             )
             chunks.append(chunk)
             if request.prefill_only and sample and self.has_kv_connector:

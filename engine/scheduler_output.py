@@ -28,6 +28,9 @@ class ScheduledChunk:
     sampling_params: SamplingParams
     # Tokens generated so far; seeded sampling derives its generator from (seed, this).
     num_output_tokens: int
+    # (prompt ids, output ids) of the request, by reference, for the sampler's penalties;
+    # None when its sampling does not read them (no copy per step for the common case).
+    history: tuple[list[int], list[int]] | None = None
 
     @property
     def num_tokens(self) -> int:
