@@ -1,7 +1,10 @@
 """Moves paged KV blocks from a prefill engine to a decode engine.
 
 Decode side: ``KVReceiver.expect`` -> ``KVTarget`` -> ``wait``/``cancel``. Prefill side:
-``KVSender.open`` -> ``send_layer`` per computed layer -> ``finish``. Knows nothing of Ray.
+``KVSender.open`` -> ``send_layer`` per computed layer -> ``finish``. The bytes move through
+one of three transports behind one interface (``transport``: shared memory and CUDA IPC in
+``transport_direct``, torch.distributed in ``transport_torchdist``), chosen in ``node`` from
+where the two peers are. Knows nothing of Ray.
 """
 
 from pdserve.kvtransfer.config import KVTransferConfig

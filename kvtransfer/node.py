@@ -1,10 +1,21 @@
-"""Where this process runs: node identity and the automatic transport choice."""
+"""Where this process runs: node identity, and the one place a transport is chosen (from
+where the two peers are) and built.
+
+``receiver_offer`` is what a decode pool advertises in its ``KVTarget``; ``sender_choice``
+what a prefill side uses for a target; ``send_transport`` / ``receive_transports`` build the
+``pdserve.kvtransfer.transport`` implementations. Nothing else names a transport.
+"""
 
 from __future__ import annotations
 
 import socket
 from pathlib import Path
 
+from pdserve.kvtransfer.config import KVTransferConfig
+from pdserve.kvtransfer.shm import ShmSegment
+from pdserve.kvtransfer.transport import LandingSite, ReceiveTransport, SendTransport
+from pdserve.kvtransfer.transport_direct import CudaIpcReceive, CudaIpcSend, ShmReceive, ShmSend
+from pdserve.kvtransfer.transport_torchdist import TorchDistReceive, TorchDistSend
 from pdserve.kvtransfer.types import TransportName
 
 
@@ -43,3 +54,28 @@ def sender_choice(
     if offered == "cuda_ipc" and device != "cuda":
         return "torch_dist"
     return offered
+
+
+def send_transport(name: str, config: KVTransferConfig) -> SendTransport:
+    """The prefill side of a new connection using transport ``name`` (not yet opened)."""
+    if name == "shm":
+        return ShmSend()
+    if name == "cuda_ipc":
+        return CudaIpcSend()
+    if name == "torch_dist":
+        return TorchDistSend(config)
+    raise ValueError(f"transport: unknown {name!r}; expected 'shm', 'cuda_ipc' or 'torch_dist'")
+
+
+def receive_transports(
+    site: LandingSite, shm_segment: ShmSegment | None, offered: TransportName
+) -> dict[str, ReceiveTransport]:
+    """Every transport a receiver serves, by name: a peer may use another than the offered
+    one (torch_dist from another node, or forced). The pool is exported over CUDA IPC only
+    when that is the offer (CuPy is imported then, and only then)."""
+    transports: list[ReceiveTransport] = [
+        ShmReceive(site, shm_segment),
+        CudaIpcReceive(site, export_pool=offered == "cuda_ipc"),
+        TorchDistReceive(site),
+    ]
+    return {t.name: t for t in transports}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import logging
+import math
 import secrets
 import socket
 import threading
@@ -21,14 +22,14 @@ import time
 
 import torch
 
-from pdserve.kvtransfer import blocks, torchdist, wire
+from pdserve.kvtransfer import blocks, wire
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.metrics import TransferObserver, notify
-from pdserve.kvtransfer.node import local_node_id, receiver_offer
+from pdserve.kvtransfer.node import local_node_id, receive_transports, receiver_offer
 from pdserve.kvtransfer.receiver_state import PeerConn, Session
 from pdserve.kvtransfer.shm import ShmSegment
-from pdserve.kvtransfer.staging import BufferPool, typed_view
 from pdserve.kvtransfer.threads import single_threaded_copies
+from pdserve.kvtransfer.transport import TransportUnavailableError
 from pdserve.kvtransfer.types import (
     KVLayout,
     KVTarget,
@@ -70,12 +71,9 @@ class KVReceiver:
             raise ValueError("transport: 'shm' needs the pool's shm_segment (SharedKVAllocator)")
         if self.transport == "shm" and self._device != "cpu":
             raise ValueError("transport: 'shm' needs a CPU pool")
-        self._shm = shm_segment
-        self._ipc_handle: str | None = None
-        if self.transport == "cuda_ipc":
-            from pdserve.kvtransfer import cuda_ipc  # cupy is imported lazily, only here
-
-            self._ipc_handle = cuda_ipc.export_handle(kv_cache)
+        # Every transport a peer may ask for; the pool is exported over CUDA IPC only when
+        # this receiver offers it (that is the one place CuPy gets imported).
+        self._transports = receive_transports(self, shm_segment, self.transport)
         self._num_blocks = kv_cache.shape[2]
         self._lock = threading.Lock()
         self._sessions: dict[str, Session] = {}
@@ -92,11 +90,23 @@ class KVReceiver:
     # ------------------------------------------------------------------ public API
 
     def expect(
-        self, request_id: str, block_ids: list[int] | tuple[int, ...], deadline: float | None = None
+        self,
+        request_id: str,
+        block_ids: list[int] | tuple[int, ...],
+        deadline: float | None = None,
+        *,
+        num_tokens: int | None = None,
     ) -> KVTarget:
-        """Register a request whose KV will be written into ``block_ids`` (prompt order)."""
+        """Register a request whose KV will be written into ``block_ids`` (prompt order).
+
+        With ``num_tokens`` only the blocks holding that many tokens are expected: an
+        engine's reservation may also hold room for the tokens it will generate."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id: must be a non-empty string")
+        if num_tokens is not None:
+            if num_tokens <= 0:
+                raise ValueError(f"num_tokens: must be positive, got {num_tokens}")
+            block_ids = block_ids[: math.ceil(num_tokens / self.layout.block_size)]
         ids = tuple(int(b) for b in block_ids)
         if not ids:
             raise ValueError("block_ids: must not be empty")
@@ -200,9 +210,8 @@ class KVReceiver:
         self._accept_thread.join(timeout=5)
         # Threads that outlive the interpreter would release tensors during its shutdown.
         for conn in conns:
-            for thread in (conn.thread, conn.lander):
-                if thread is not None:
-                    thread.join(timeout=5)
+            if conn.thread is not None:  # it ends the connection's transport state on exit
+                conn.thread.join(timeout=5)
 
     # ------------------------------------------------------------------ internals
 
@@ -227,30 +236,15 @@ class KVReceiver:
             bytes=session.bytes,
             seconds=max(0.0, time.perf_counter() - start),
             error=session.error,
-            transport=conn.transport if conn is not None else self.transport,
+            transport=conn.transport_name if conn is not None else self.transport,
         )
         notify(self._observer, "recv", result)
         return result
 
     def _fence(self, conn: PeerConn, request_id: str) -> None:
-        # torch_dist writes happen on our own handler thread under the session lock, which
-        # already re-checks the state; direct-write transports need the sender's word.
-        if conn.transport == "torch_dist":
-            conn.send(wire.Cancel(request_id=request_id))
-            return
-        acked = conn.ack_event(request_id)
-        if conn.send(wire.Cancel(request_id=request_id)) and not acked.wait(
-            self.config.cancel_fence_s
-        ):
-            log.warning(
-                "prefill peer %s did not confirm it stopped writing %s; dropping it",
-                conn.channel.peer,
-                request_id,
-            )
-            conn.channel.close()
-        conn.drop_ack(request_id)
+        conn.transport.fence(conn, request_id)
 
-    def _bind_device(self) -> None:
+    def bind_device(self) -> None:
         """Set up an I/O thread: copies on this thread only; the CUDA device is per thread,
         point it at the pool's GPU."""
         single_threaded_copies()
@@ -275,7 +269,7 @@ class KVReceiver:
             conn.thread.start()
 
     def _serve(self, conn: PeerConn) -> None:
-        self._bind_device()
+        self.bind_device()
         try:
             if self._handshake(conn):
                 self._serve_messages(conn)
@@ -298,46 +292,25 @@ class KVReceiver:
                 )
             )
             return False
-        ok = wire.HelloOk(
-            transport=hello.transport,
-            pool_shape=tuple(self.kv_cache.shape),
-            pool_dtype=self.layout.dtype,
-        )
-        if hello.transport == "shm":
-            if self._shm is None:
-                conn.send(wire.Error(code="transport", message="this pool is not in shm"))
-                return False
-            ok = ok.model_copy(update={"shm_name": self._shm.name})
-        elif hello.transport == "cuda_ipc":
-            if self._ipc_handle is None:
-                conn.send(wire.Error(code="transport", message="this pool is not exported"))
-                return False
-            ok = ok.model_copy(update={"ipc_handle": self._ipc_handle})
-        elif hello.transport == "torch_dist":
-            backend = torchdist.backend_for(hello.device, self._device)
-            conn.store = torchdist.store_master(self.config.host, self.config.connect_timeout_s)
-            ok = ok.model_copy(update={"store_port": conn.store.port, "backend": backend})
-        else:
+        transport = self._transports.get(hello.transport)
+        if transport is None:
             conn.send(wire.Error(code="transport", message=f"unknown {hello.transport!r}"))
             return False
-        conn.transport = hello.transport
-        conn.send(ok)
-        if conn.transport == "torch_dist":
-            assert conn.store is not None and ok.backend is not None
-            conn.backend = ok.backend
-            conn.group = torchdist.pair_group(
-                conn.store,
-                torchdist.RECEIVER_RANK,
-                ok.backend,
-                self.config.host,
-                self.config.connect_timeout_s,
+        try:
+            reach = transport.export(conn, hello)
+        except TransportUnavailableError as exc:
+            conn.send(wire.Error(code="transport", message=str(exc)))
+            return False
+        conn.transport = transport
+        conn.send(
+            wire.HelloOk(
+                transport=hello.transport,
+                pool_shape=tuple(self.kv_cache.shape),
+                pool_dtype=self.layout.dtype,
+                **reach,
             )
-            staging_device = self.kv_cache.device if ok.backend == "nccl" else "cpu"
-            conn.staging = BufferPool(2, staging_device)
-            conn.lander = threading.Thread(
-                target=self._land, args=(conn,), name=f"kv-land-{conn.channel.peer}", daemon=True
-            )
-            conn.lander.start()
+        )
+        transport.accept(conn)
         return True
 
     def _serve_messages(self, conn: PeerConn) -> None:
@@ -384,74 +357,13 @@ class KVReceiver:
         with self._lock:
             session = self._sessions.get(msg.request_id)
         problem = self._layer_problem(conn, session, msg)
-        if conn.transport == "torch_dist":
-            # The tensor is already on its way: always receive it to keep the pair in step,
-            # and write it only if the header was valid and the request is still open.
-            assert conn.group is not None and conn.staging is not None
-            max_bytes = self._num_blocks * self.layout.block_bytes()
-            if not 0 < msg.nbytes <= max_bytes:
-                raise KVTransferError(f"layer message of {msg.nbytes} bytes from a peer")
-            timeout = self.config.connect_timeout_s
-            if problem is None:
-                assert session is not None
-                session.announced.add(msg.layer)
-                timeout = max(1.0, session.deadline - time.time())
-            # Post the receive and hand it to the landing thread, which waits for it and
-            # scatters: the next layer's receive is posted while this one is in flight.
-            flat = conn.staging.take(msg.nbytes, timeout)
-            work = conn.group.recv(
-                [flat[: msg.nbytes]], torchdist.SENDER_RANK, torchdist.tag_of(msg.seq)
-            )
-            conn.landing.put((session if problem is None else None, msg, flat, work, timeout))
-        elif problem is None:
-            assert session is not None
-            with session.lock:
-                session.announced.add(msg.layer)
-                if session.state == "open":
-                    self._record_layer(conn, session, msg)
+        conn.transport.land(conn, session if problem is None else None, msg)
         if problem is not None:
             conn.send(wire.Error(code="refused", message=problem, request_id=msg.request_id))
             if session is not None and session.conn is conn:
                 with session.lock:
                     if session.state == "open":
                         self._set_final(session, "failed", problem)
-
-    def _land(self, conn: PeerConn) -> None:
-        """torch_dist: scatter received layers into the pool, in arrival order."""
-        assert conn.staging is not None
-        self._bind_device()
-        while True:
-            item = conn.landing.get()
-            if item is None:
-                return
-            session, msg, flat, work, timeout = item
-            try:
-                torchdist.wait(work, timeout)
-            except Exception as exc:  # noqa: BLE001 - the pair is broken: drop the peer
-                log.warning("receive from KV peer %s failed: %s", conn.channel.peer, exc)
-                conn.staging.give(flat)
-                conn.channel.close()  # the handler sees EOF and fails the open requests
-                continue
-            if session is None:  # a refused layer, drained to keep the pair in step
-                conn.staging.give(flat)
-                continue
-            try:
-                with session.lock:
-                    if session.state == "open":
-                        n = len(session.block_ids)
-                        shape = (2, n, *self.kv_cache.shape[3:])
-                        buf = typed_view(flat, shape, self.kv_cache.dtype)
-                        blocks.scatter(
-                            buf.to(self.kv_cache.device), self.kv_cache[msg.layer],
-                            session.block_index,
-                        )  # fmt: skip
-                        self._record_layer(conn, session, msg)
-            except Exception as exc:  # noqa: BLE001 - fail the request, keep the peer
-                with session.lock:
-                    if session.state == "open":
-                        self._set_final(session, "failed", f"writing layer failed: {exc}")
-            finally:
-                conn.staging.give(flat)
 
     def _layer_problem(
         self, conn: PeerConn, session: Session | None, msg: wire.Layer
@@ -470,20 +382,24 @@ class KVReceiver:
             return f"layer {msg.layer} of request {msg.request_id!r} arrived past the deadline"
         return None
 
-    def _record_layer(self, conn: PeerConn, session: Session, msg: wire.Layer) -> None:
-        """Caller holds ``session.lock``."""
+    def record_layer(self, conn: PeerConn, session: Session, msg: wire.Layer) -> None:
+        """Count a landed layer; the last one completes the session. Caller holds
+        ``session.lock``."""
         session.layers.add(msg.layer)
         session.bytes += msg.nbytes
         if len(session.layers) == self.layout.num_layers:
             self._set_final(session, "done", None)
             conn.send(wire.Done(request_id=session.request_id, ok=True, bytes=session.bytes))
 
+    def fail_session(self, session: Session, error: str) -> None:
+        """Caller holds ``session.lock``."""
+        self._set_final(session, "failed", error)
+
     def _on_disconnect(self, conn: PeerConn) -> None:
         conn.alive = False
         conn.channel.close()
-        if conn.lander is not None:  # layers already received still land
-            conn.landing.put(None)
-            conn.lander.join(timeout=self.config.connect_timeout_s)
+        if conn.transport is not None:  # layers already received still land first
+            conn.transport.disconnect(conn)
         with self._lock:
             self._conns.discard(conn)
             sessions = [s for s in self._sessions.values() if s.conn is conn]
@@ -496,6 +412,3 @@ class KVReceiver:
                         f"prefill peer {conn.channel.peer} went away after "
                         f"{len(session.layers)}/{self.layout.num_layers} layers",
                     )
-        torchdist.shutdown(conn.group, conn.backend)
-        conn.group = None
-        conn.store = None

@@ -4,7 +4,6 @@ a session's fields change only under ``Session.lock``."""
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -13,7 +12,6 @@ from typing import Any
 import torch
 
 from pdserve.kvtransfer import wire
-from pdserve.kvtransfer.staging import BufferPool
 
 
 @dataclass
@@ -37,26 +35,22 @@ class Session:
 
 
 class PeerConn:
-    """One prefill peer's control connection and, for torch_dist, its pair group."""
+    """One prefill peer's control connection and its transport's per-connection state."""
 
     def __init__(self, channel: wire.Channel) -> None:
         self.channel = channel
-        self.transport = ""
-        self.backend = ""
-        self.group: torch.distributed.ProcessGroup | None = None
-        self.store: torch.distributed.TCPStore | None = None
+        # The transport.ReceiveTransport the handshake agreed on (Any: transport.py types
+        # its methods with this class, and the two modules must not import each other).
+        self.transport: Any = None
+        self.link: Any = None  # the transport's state for this connection (torch_dist: its pair)
         self.alive = True
-        # torch_dist: received layers are scattered on their own thread, so the next layer
-        # is already being received while the previous one is written into the pool.
-        self.staging: BufferPool | None = None
         self.thread: threading.Thread | None = None  # serves the control connection
-        self.lander: threading.Thread | None = None
-        # (session or None for a refused layer, header, staging buffer, recv work, timeout)
-        self.landing: queue.Queue[
-            tuple[Session | None, wire.Layer, torch.Tensor, Any, float] | None
-        ] = queue.Queue()
         self._acks: dict[str, threading.Event] = {}
         self._lock = threading.Lock()
+
+    @property
+    def transport_name(self) -> str:
+        return self.transport.name if self.transport is not None else ""
 
     def send(self, msg: wire._Msg) -> bool:
         try:

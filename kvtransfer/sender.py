@@ -18,8 +18,9 @@ import torch
 
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.metrics import TransferObserver, notify
-from pdserve.kvtransfer.node import local_node_id, sender_choice
-from pdserve.kvtransfer.sender_peer import DecodePeer, SendHandle
+from pdserve.kvtransfer.node import local_node_id, send_transport, sender_choice
+from pdserve.kvtransfer.send_handle import SendHandle
+from pdserve.kvtransfer.sender_peer import DecodePeer
 from pdserve.kvtransfer.types import (
     KVLayout,
     KVTarget,
@@ -56,7 +57,6 @@ class KVSender:
         self._lock = threading.Lock()
         self._peers: dict[tuple[str, str], DecodePeer] = {}
         self._retired: list[DecodePeer] = []
-        self._index_cache: dict[tuple[tuple[int, ...], str], torch.Tensor] = {}
 
     def open(self, target: KVTarget, src_block_ids: list[int]) -> SendHandle:
         """Start a transfer of the request's KV from ``src_block_ids`` (prompt order; only
@@ -77,7 +77,7 @@ class KVSender:
             key = (target.address, transport)
             peer = self._peers.get(key)
             if peer is None or peer.dead is not None:
-                peer = DecodePeer(self, target.address, transport)
+                peer = DecodePeer(self, target.address, send_transport(transport, self.config))
                 self._peers[key] = peer
             if target.request_id in peer.handles:
                 raise ValueError(f"request_id: {target.request_id!r} is already being sent")
@@ -93,7 +93,7 @@ class KVSender:
             return
         src = kv_cache[layer_idx] if kv_cache.dim() == 6 else kv_cache
         if max(handle.src_block_ids) >= src.shape[1]:
-            self._fail(
+            self.fail(
                 handle,
                 KVTransferRefusedError(
                     f"src_block_ids: {max(handle.src_block_ids)} out of range for a pool of "
@@ -116,7 +116,7 @@ class KVSender:
         # The decode side gives up at the deadline too; waiting longer frees nothing sooner.
         remaining = handle.target.deadline - time.time()
         if not handle.finished.wait(max(0.0, remaining)):
-            self._fail(
+            self.fail(
                 handle,
                 KVTransferTimeoutError(
                     f"request {handle.request_id!r}: no confirmation by the deadline "
@@ -138,7 +138,7 @@ class KVSender:
         with self._lock:
             peers, self._peers = list(self._peers.values()), {}
         for peer in peers:
-            self._drop_peer(peer, KVTransferError("sender closed"))
+            self.drop_peer(peer, KVTransferError("sender closed"))
         with self._lock:
             retired, self._retired = self._retired, []
         for peer in retired:
@@ -146,19 +146,11 @@ class KVSender:
 
     # ------------------------------------------------------------- internals
 
-    def index(self, ids: list[int], device: torch.device) -> torch.Tensor:
-        key = (tuple(ids), str(device))
-        idx = self._index_cache.get(key)
-        if idx is None:
-            if len(self._index_cache) > 1024:
-                self._index_cache.clear()
-            idx = self._index_cache[key] = torch.tensor(ids, dtype=torch.int64, device=device)
-        return idx
-
-    def _succeed(self, handle: SendHandle, nbytes: int) -> None:
+    # The three below are called by the peers' threads (sender_peer.PeerOwner).
+    def succeed(self, handle: SendHandle, nbytes: int) -> None:
         self._settle(handle, None, nbytes)
 
-    def _fail(self, handle: SendHandle, error: KVTransferError) -> None:
+    def fail(self, handle: SendHandle, error: KVTransferError) -> None:
         self._settle(handle, error, handle.bytes_sent)
 
     def _settle(self, handle: SendHandle, error: KVTransferError | None, nbytes: int) -> None:
@@ -172,7 +164,7 @@ class KVSender:
                 bytes=nbytes,
                 seconds=time.perf_counter() - handle.started,
                 error=None if error is None else str(error),
-                transport=handle.peer.transport if handle.peer else "",
+                transport=handle.peer.transport.name if handle.peer else "",
             )
             handle.opened.set()
             handle.finished.set()
@@ -182,7 +174,7 @@ class KVSender:
                     del handle.peer.handles[handle.request_id]
         notify(self._observer, "send", handle.result)
 
-    def _drop_peer(self, peer: DecodePeer, error: KVTransferError) -> None:
+    def drop_peer(self, peer: DecodePeer, error: KVTransferError) -> None:
         """The peer is gone (or unusable): fail its transfers and tear its state down."""
         with self._lock:
             if peer.dead is None:
@@ -194,5 +186,5 @@ class KVSender:
                 self._retired = [p for p in self._retired if p.worker.is_alive()] + [peer]
             handles = list(peer.handles.values())
         for handle in handles:
-            self._fail(handle, error)
+            self.fail(handle, error)
         peer.close()

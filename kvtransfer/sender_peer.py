@@ -1,78 +1,64 @@
-"""One decode peer as seen from the prefill side, and the handle of one request's send.
+"""One decode peer as seen from the prefill side.
 
-A ``DecodePeer`` owns the control connection to one decode endpoint plus the transport state
-(mapped shared-memory or CUDA IPC pool, or a torch.distributed pair group), a worker thread
-that performs the queued opens and layer writes in order, and a reader thread that applies
-the peer's answers (grants, completions, cancels, refusals) to the handles. Outcomes are
-settled through the owning ``KVSender``.
+A ``DecodePeer`` owns the control connection to one decode endpoint plus its transport
+(a ``pdserve.kvtransfer.transport.SendTransport``: a mapped shared-memory or CUDA IPC pool,
+or a torch.distributed pair group), a worker thread that performs the queued opens and layer
+writes in order, and a reader thread that applies the peer's answers (grants, completions,
+cancels, refusals) to the handles. Outcomes are settled through its ``PeerOwner`` (the
+``KVSender``), which this module knows only by that protocol.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
-import math
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-from pdserve.kvtransfer import blocks, torchdist, wire
-from pdserve.kvtransfer.shm import ShmSegment
-from pdserve.kvtransfer.staging import BufferPool, Scratch, typed_view
+from pdserve.kvtransfer import wire
+from pdserve.kvtransfer.config import KVTransferConfig
+from pdserve.kvtransfer.send_handle import SendHandle
 from pdserve.kvtransfer.threads import single_threaded_copies
+from pdserve.kvtransfer.transport import SendTransport
 from pdserve.kvtransfer.types import (
+    KVLayout,
     KVLayoutMismatchError,
-    KVTarget,
     KVTransferError,
     KVTransferRefusedError,
     KVTransferTimeoutError,
-    TransferResult,
 )
-
-if TYPE_CHECKING:
-    from pdserve.kvtransfer.sender import KVSender
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class SendHandle:
-    """One request's transfer on the prefill side."""
+class PeerOwner(Protocol):
+    """What a ``DecodePeer`` needs of the sender that owns it."""
 
-    target: KVTarget
-    src_block_ids: list[int]
-    started: float = field(default_factory=time.perf_counter)
-    dst_block_ids: list[int] = field(default_factory=list)
-    bytes_sent: int = 0
-    layers_sent: int = 0
-    result: TransferResult | None = None
-    error: KVTransferError | None = None
-    opened: threading.Event = field(default_factory=threading.Event)
-    finished: threading.Event = field(default_factory=threading.Event)
-    # Held while bytes are written straight into the peer's pool; a Cancel takes it, so
-    # once the peer has our CancelAck no write for this request is in flight or to come.
-    write_lock: threading.Lock = field(default_factory=threading.Lock)
-    _state_lock: threading.Lock = field(default_factory=threading.Lock)
-    peer: DecodePeer | None = None
+    config: KVTransferConfig
+    layout: KVLayout
+    node_id: str
+    device: str  # 'cpu' or 'cuda': the prefill pool's device type
+    torch_device: torch.device
 
-    @property
-    def request_id(self) -> str:
-        return self.target.request_id
+    def succeed(self, handle: SendHandle, nbytes: int) -> None:
+        """The decode side confirmed every layer of the handle."""
 
-    def done(self) -> bool:
-        return self.finished.is_set()
+    def fail(self, handle: SendHandle, error: KVTransferError) -> None:
+        """The handle's transfer failed (no-op if it already ended)."""
+
+    def drop_peer(self, peer: DecodePeer, error: KVTransferError) -> None:
+        """The peer is unusable: fail its transfers and close it."""
 
 
 class DecodePeer:
     """One decode peer: control channel, transport state, worker and reader threads."""
 
-    def __init__(self, sender: KVSender, address: str, transport: str) -> None:
-        self.sender = sender
+    def __init__(self, owner: PeerOwner, address: str, transport: SendTransport) -> None:
+        self.owner = owner
         self.address = address
         self.transport = transport
         self.jobs: queue.Queue[tuple[str, SendHandle, Any] | None] = queue.Queue()
@@ -80,15 +66,6 @@ class DecodePeer:
         self.lock = threading.Lock()
         self.dead: KVTransferError | None = None
         self.channel: wire.Channel | None = None
-        self.group: torch.distributed.ProcessGroup | None = None
-        self.store: torch.distributed.TCPStore | None = None
-        self.backend = ""
-        self.pool: torch.Tensor | None = None  # the peer's pool, mapped (shm / CUDA IPC)
-        self.mapping: Any = None  # ShmSegment or cuda_ipc mapping, kept alive with ``pool``
-        self.seq = 0
-        self.inflight: collections.deque[tuple[Any, torch.Tensor, SendHandle]] = collections.deque()
-        self.staging: BufferPool | None = None
-        self.scratch = Scratch()  # worker thread only
         self.closed = False
         self.reader: threading.Thread | None = None
         self.worker = threading.Thread(target=self._work, name=f"kv-send-{address}", daemon=True)
@@ -98,7 +75,7 @@ class DecodePeer:
 
     def _work(self) -> None:
         single_threaded_copies()
-        device = self.sender.torch_device
+        device = self.owner.torch_device
         if device.type == "cuda" and device.index is not None:  # the device is per thread
             torch.cuda.set_device(device)
         while True:
@@ -123,16 +100,16 @@ class DecodePeer:
                 else:
                     self._send_layer(handle, *arg)
             except KVTransferError as exc:
-                self.sender._fail(handle, exc)
+                self.owner.fail(handle, exc)
                 if self.dead is not None or self.channel is None:
-                    self.sender._drop_peer(self, exc)
+                    self.owner.drop_peer(self, exc)
             except Exception as exc:  # noqa: BLE001 - socket/gloo errors end this peer
                 err = KVTransferError(f"KV transfer to {self.address} failed: {exc}")
-                self.sender._fail(handle, err)
-                self.sender._drop_peer(self, err)
+                self.owner.fail(handle, err)
+                self.owner.drop_peer(self, err)
 
     def _connect(self) -> None:
-        cfg = self.sender.config
+        cfg = self.owner.config
         try:
             channel = wire.connect(self.address, cfg.connect_timeout_s)
         except OSError as exc:
@@ -140,10 +117,10 @@ class DecodePeer:
             raise self.dead from exc
         channel.send(
             wire.Hello(
-                layout=self.sender.layout,
-                node_id=self.sender.node_id,
-                transport=self.transport,
-                device=self.sender.device,
+                layout=self.owner.layout,
+                node_id=self.owner.node_id,
+                transport=self.transport.name,
+                device=self.owner.device,
             )
         )
         channel.sock.settimeout(cfg.connect_timeout_s)
@@ -159,7 +136,7 @@ class DecodePeer:
             self.dead = KVTransferError(f"decode peer {self.address} did not answer hello")
             raise self.dead
         try:
-            self._setup_transport(reply)
+            self.transport.open(reply, wire.parse_address(self.address)[0])
         except Exception as exc:
             channel.close()
             self.dead = KVTransferError(
@@ -171,36 +148,6 @@ class DecodePeer:
             target=self._read, name=f"kv-send-read-{self.address}", daemon=True
         )
         self.reader.start()
-
-    def _setup_transport(self, reply: wire.HelloOk) -> None:
-        """Map the peer's pool (shm, CUDA IPC) or build the pair's group (torch_dist)."""
-        cfg = self.sender.config
-        host = wire.parse_address(self.address)[0]
-        if reply.transport == "shm":
-            assert reply.shm_name is not None
-            size = math.prod(reply.pool_shape) * self._elem_size(reply.pool_dtype)
-            seg = ShmSegment.attach(reply.shm_name, size)
-            self.mapping = seg
-            self.pool = seg.tensor(reply.pool_shape, getattr(torch, reply.pool_dtype))
-        elif reply.transport == "cuda_ipc":
-            from pdserve.kvtransfer import cuda_ipc
-
-            assert reply.ipc_handle is not None
-            self.mapping = cuda_ipc.open_pool(
-                reply.ipc_handle, reply.pool_shape, getattr(torch, reply.pool_dtype)
-            )
-            self.pool = self.mapping.tensor
-        elif reply.transport == "torch_dist":
-            assert reply.store_port is not None and reply.backend is not None
-            self.backend = reply.backend
-            self.store = torchdist.store_client(host, reply.store_port, cfg.connect_timeout_s)
-            self.group = torchdist.pair_group(
-                self.store, torchdist.SENDER_RANK, reply.backend, cfg.host, cfg.connect_timeout_s
-            )
-
-    @staticmethod
-    def _elem_size(dtype: str) -> int:
-        return torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
     def _open(self, handle: SendHandle) -> None:
         assert self.channel is not None
@@ -221,72 +168,17 @@ class DecodePeer:
             raise KVTransferTimeoutError(
                 f"request {t.request_id!r}: deadline passed before layer {layer}"
             )
-        nbytes = len(handle.src_block_ids) * t.layout.block_bytes()
-        if self.transport == "torch_dist":
-            assert self.group is not None
-            if ready is not None:  # a CUDA event recorded when the layer was computed
-                torch.cuda.current_stream(src.device).wait_event(ready)
-            # At most two layers in flight per peer: gather the next while one is on the wire.
-            while len(self.inflight) >= 2:
-                self._reap_oldest()
-            staging = self.staging or BufferPool(2, "cpu" if self.backend == "gloo" else src.device)
-            self.staging = staging
-            flat = staging.take(nbytes, timeout=1.0)
-            n = len(handle.src_block_ids)
-            buf = typed_view(flat, (*src.shape[:-4], n, *src.shape[-3:]), src.dtype)
-            if src.device == buf.device:
-                blocks.copy_blocks(src, handle.src_block_ids, buf, list(range(n)))
-            else:  # CUDA pool over gloo: gather on the GPU, then one copy to the host
-                buf.copy_(blocks.gather(src, self.sender.index(handle.src_block_ids, src.device)))
-            self.seq += 1
-            self.channel.send(
-                wire.Layer(request_id=t.request_id, layer=layer, nbytes=nbytes, seq=self.seq)
-            )
-            work = self.group.send([buf], torchdist.RECEIVER_RANK, torchdist.tag_of(self.seq))
-            self.inflight.append((work, flat, handle))
-        else:
-            assert self.pool is not None
-            with handle.write_lock:
-                if handle.done():  # cancelled while we waited for the lock
-                    return
-                if ready is None:
-                    blocks.copy_blocks(
-                        src,
-                        handle.src_block_ids,
-                        self.pool[layer],
-                        handle.dst_block_ids,
-                        self.scratch,
-                    )
-                else:  # CUDA IPC: copy on a side stream once the layer is computed
-                    stream = self.mapping.copy_stream
-                    with torch.cuda.stream(stream):
-                        stream.wait_event(ready)
-                        blocks.copy_blocks(
-                            src, handle.src_block_ids, self.pool[layer], handle.dst_block_ids
-                        )
-                    stream.synchronize()
-            self.channel.send(wire.Layer(request_id=t.request_id, layer=layer, nbytes=nbytes))
-        handle.bytes_sent += nbytes
-        handle.layers_sent += 1
-
-    def _reap_oldest(self) -> None:
-        work, flat, handle = self.inflight.popleft()
-        try:
-            torchdist.wait(work, max(1.0, handle.target.deadline - time.time()))
-        finally:
-            assert self.staging is not None
-            self.staging.give(flat)
+        if self.transport.write_layer(handle, layer, src, ready, self.channel):
+            handle.bytes_sent += len(handle.src_block_ids) * t.layout.block_bytes()
+            handle.layers_sent += 1
 
     def _drain_inflight(self) -> None:
-        while self.inflight:
-            handle = self.inflight[0][2]
-            try:
-                self._reap_oldest()
-            except Exception as exc:  # noqa: BLE001 - the pair is broken: end this peer
-                err = KVTransferError(f"KV transfer to {self.address} failed: {exc}")
-                self.sender._fail(handle, err)
-                self.sender._drop_peer(self, err)
-                self.inflight.clear()
+        try:
+            self.transport.drain()
+        except Exception as exc:  # noqa: BLE001 - the pair is broken: end this peer
+            self.owner.drop_peer(
+                self, KVTransferError(f"KV transfer to {self.address} failed: {exc}")
+            )
 
     # ------------------------------------------------------------- reader thread
 
@@ -300,9 +192,7 @@ class DecodePeer:
                 msg = None
                 log.warning("bad message from decode peer %s: %s", self.address, exc)
             if msg is None:
-                self.sender._drop_peer(
-                    self, KVTransferError(f"decode peer {self.address} went away")
-                )
+                self.owner.drop_peer(self, KVTransferError(f"decode peer {self.address} went away"))
                 return
             handle = self.handles.get(getattr(msg, "request_id", None) or "")
             if isinstance(msg, wire.OpenOk) and handle is not None:
@@ -310,13 +200,13 @@ class DecodePeer:
                 handle.opened.set()
             elif isinstance(msg, wire.Done) and handle is not None:
                 if msg.ok:
-                    self.sender._succeed(handle, msg.bytes)
+                    self.owner.succeed(handle, msg.bytes)
                 else:
-                    self.sender._fail(handle, KVTransferError(msg.error or "transfer failed"))
+                    self.owner.fail(handle, KVTransferError(msg.error or "transfer failed"))
             elif isinstance(msg, wire.Cancel):
                 if handle is not None:
                     with handle.write_lock:
-                        self.sender._fail(
+                        self.owner.fail(
                             handle, KVTransferError("transfer cancelled by the decode side")
                         )
                 with contextlib.suppress(OSError):
@@ -324,10 +214,10 @@ class DecodePeer:
             elif isinstance(msg, wire.Error):
                 err = KVTransferRefusedError(msg.message)
                 if msg.request_id is None:
-                    self.sender._drop_peer(self, err)
+                    self.owner.drop_peer(self, err)
                     return
                 if handle is not None:
-                    self.sender._fail(handle, err)
+                    self.owner.fail(handle, err)
 
     def join(self, timeout: float) -> None:
         """Wait for the worker and reader threads to end (after ``close``). Threads that
@@ -340,15 +230,10 @@ class DecodePeer:
         """Idempotent; may race between the reader thread and ``KVSender.close``."""
         with self.lock:
             channel, self.channel = self.channel, None
-            group, self.group, self.store = self.group, None, None
-            mapping, self.mapping, self.pool = self.mapping, None, None
             first = not self.closed
             self.closed = True
         if channel is not None:
             channel.close()
         if first:
             self.jobs.put(None)
-        torchdist.shutdown(group, self.backend)
-        # Attached shm segments are never unlinked by an attacher; CUDA IPC maps are closed.
-        if mapping is not None and not isinstance(mapping, ShmSegment):
-            mapping.close()
+            self.transport.close()

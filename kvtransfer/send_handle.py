@@ -1,0 +1,39 @@
+"""The prefill side's handle of one request's send (state shared by the sender, the peer's
+worker and reader threads, and the transport that writes the bytes)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.kvtransfer.types import KVTarget, KVTransferError, TransferResult
+
+
+@dataclass
+class SendHandle:
+    """One request's transfer on the prefill side."""
+
+    target: KVTarget
+    src_block_ids: list[int]
+    started: float = field(default_factory=time.perf_counter)
+    dst_block_ids: list[int] = field(default_factory=list)
+    bytes_sent: int = 0
+    layers_sent: int = 0
+    result: TransferResult | None = None
+    error: KVTransferError | None = None
+    opened: threading.Event = field(default_factory=threading.Event)
+    finished: threading.Event = field(default_factory=threading.Event)
+    # Held while bytes are written straight into the peer's pool; a Cancel takes it, so
+    # once the peer has our CancelAck no write for this request is in flight or to come.
+    write_lock: threading.Lock = field(default_factory=threading.Lock)
+    _state_lock: threading.Lock = field(default_factory=threading.Lock)
+    peer: Any = None  # the sender_peer.DecodePeer carrying it (typed loosely: no import cycle)
+
+    @property
+    def request_id(self) -> str:
+        return self.target.request_id
+
+    def done(self) -> bool:
+        return self.finished.is_set()

@@ -1,0 +1,163 @@
+"""Direct-write transports for two engines on one node: shared memory (CPU pools) and CUDA
+IPC (GPU pools, through CuPy, imported only when this transport is used).
+
+The decode side exports its whole pool once; the prefill side maps it and copies a
+request's blocks straight into the reserved ones, then announces the layer. A cancel is
+fenced: the receiver waits for the sender's ``CancelAck``, which the sender sends only once
+it holds the request's ``write_lock`` (so no copy for it is running or will start).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+
+from pdserve.kvtransfer import blocks, wire
+from pdserve.kvtransfer.receiver_state import PeerConn, Session
+from pdserve.kvtransfer.send_handle import SendHandle
+from pdserve.kvtransfer.shm import ShmSegment
+from pdserve.kvtransfer.staging import Scratch
+from pdserve.kvtransfer.transport import (
+    LandingSite,
+    ReceiveTransport,
+    SendTransport,
+    TransportUnavailableError,
+)
+
+log = logging.getLogger(__name__)
+
+
+class _DirectSend(SendTransport):
+    """Copies into the peer's mapped pool; subclasses say how the pool is mapped."""
+
+    def __init__(self) -> None:
+        self.pool: torch.Tensor | None = None  # the peer's pool, mapped into this process
+        self.mapping: Any = None  # keeps the mapping alive as long as ``pool``
+        self.scratch = Scratch()  # worker thread only
+
+    def write_layer(
+        self,
+        handle: SendHandle,
+        layer: int,
+        src: torch.Tensor,
+        ready: Any | None,
+        channel: wire.Channel,
+    ) -> bool:
+        pool = self.pool
+        assert pool is not None
+        t = handle.target
+        with handle.write_lock:
+            if handle.done():  # cancelled while we waited for the lock
+                return False
+            if ready is None:
+                blocks.copy_blocks(
+                    src, handle.src_block_ids, pool[layer], handle.dst_block_ids, self.scratch
+                )
+            else:  # CUDA IPC: copy on a side stream once the layer is computed
+                stream = self.mapping.copy_stream
+                with torch.cuda.stream(stream):
+                    stream.wait_event(ready)
+                    blocks.copy_blocks(src, handle.src_block_ids, pool[layer], handle.dst_block_ids)
+                stream.synchronize()
+        nbytes = len(handle.src_block_ids) * t.layout.block_bytes()
+        channel.send(wire.Layer(request_id=t.request_id, layer=layer, nbytes=nbytes))
+        return True
+
+
+class ShmSend(_DirectSend):
+    name = "shm"
+
+    def open(self, reply: wire.HelloOk, peer_host: str) -> None:
+        assert reply.shm_name is not None
+        elem = torch.empty((), dtype=getattr(torch, reply.pool_dtype)).element_size()
+        seg = ShmSegment.attach(reply.shm_name, math.prod(reply.pool_shape) * elem)
+        self.mapping = seg
+        self.pool = seg.tensor(reply.pool_shape, getattr(torch, reply.pool_dtype))
+
+    def close(self) -> None:
+        # An attacher never unlinks the segment; the mapping goes with the last view.
+        self.mapping, self.pool = None, None
+
+
+class CudaIpcSend(_DirectSend):
+    name = "cuda_ipc"
+
+    def open(self, reply: wire.HelloOk, peer_host: str) -> None:
+        from pdserve.kvtransfer import cuda_ipc  # cupy is imported lazily, only here
+
+        assert reply.ipc_handle is not None
+        self.mapping = cuda_ipc.open_pool(
+            reply.ipc_handle, reply.pool_shape, getattr(torch, reply.pool_dtype)
+        )
+        self.pool = self.mapping.tensor
+
+    def close(self) -> None:
+        mapping, self.mapping, self.pool = self.mapping, None, None
+        if mapping is not None:
+            mapping.close()
+
+
+class _DirectReceive(ReceiveTransport):
+    """Layers are already in the pool when their header arrives: count them."""
+
+    def __init__(self, site: LandingSite) -> None:
+        self.site = site
+
+    def land(self, conn: PeerConn, session: Session | None, msg: wire.Layer) -> None:
+        if session is None:
+            return
+        with session.lock:
+            session.announced.add(msg.layer)
+            if session.state == "open":
+                self.site.record_layer(conn, session, msg)
+
+    def fence(self, conn: PeerConn, request_id: str) -> None:
+        # The sender writes straight into our blocks: only its word says it has stopped.
+        acked = conn.ack_event(request_id)
+        if conn.send(wire.Cancel(request_id=request_id)) and not acked.wait(
+            self.site.config.cancel_fence_s
+        ):
+            log.warning(
+                "prefill peer %s did not confirm it stopped writing %s; dropping it",
+                conn.channel.peer,
+                request_id,
+            )
+            conn.channel.close()
+        conn.drop_ack(request_id)
+
+
+class ShmReceive(_DirectReceive):
+    """Offers the pool's shared-memory segment (None: the pool is not in one)."""
+
+    name = "shm"
+
+    def __init__(self, site: LandingSite, segment: ShmSegment | None) -> None:
+        super().__init__(site)
+        self.segment = segment
+
+    def export(self, conn: PeerConn, hello: wire.Hello) -> dict[str, Any]:
+        if self.segment is None:
+            raise TransportUnavailableError("this pool is not in shm")
+        return {"shm_name": self.segment.name}
+
+
+class CudaIpcReceive(_DirectReceive):
+    """Offers the pool's CUDA IPC handle (exported once, when the pool offers cuda_ipc)."""
+
+    name = "cuda_ipc"
+
+    def __init__(self, site: LandingSite, export_pool: bool) -> None:
+        super().__init__(site)
+        self.handle: str | None = None
+        if export_pool:
+            from pdserve.kvtransfer import cuda_ipc  # cupy is imported lazily, only here
+
+            self.handle = cuda_ipc.export_handle(site.kv_cache)
+
+    def export(self, conn: PeerConn, hello: wire.Hello) -> dict[str, Any]:
+        if self.handle is None:
+            raise TransportUnavailableError("this pool is not exported")
+        return {"ipc_handle": self.handle}
