@@ -59,6 +59,7 @@ from pdserve.deployments.openapi_schema import (
     install_openapi,
     request_body,
 )
+from pdserve.deployments.sampling_defaults import SamplingDefaults
 from pdserve.deployments.tracing import setup_tracing
 from pdserve.engine.loader import load_model_config, load_tokenizer
 
@@ -249,6 +250,7 @@ class OpenAIIngress:
             self._generate,
             IngressTelemetry(info.name, metrics),
             limits,
+            SamplingDefaults.from_model_dir(model_dir),
         )
         self._api_metrics = APIMetrics(info.name)
         self._ready_deployments = list(ready_deployments or [])

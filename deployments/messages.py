@@ -47,6 +47,13 @@ class SamplingOptions(_Message):
         default=None, description=f"Top-n logprobs per token (0..{MAX_LOGPROBS}); None = off."
     )
     skip_special_tokens: bool = Field(default=True, description="Drop special tokens in text.")
+    presence_penalty: float = Field(default=0.0, description="OpenAI presence penalty [-2, 2].")
+    frequency_penalty: float = Field(default=0.0, description="OpenAI frequency penalty [-2, 2].")
+    repetition_penalty: float = Field(default=1.0, description="Over prompt + output; 1 = off.")
+    logit_bias: dict[int, float] = Field(
+        default_factory=dict, description="Token id -> bias added to its logit ([-100, 100])."
+    )
+    min_p: float = Field(default=0.0, description="Min probability relative to the top token.")
 
     @model_validator(mode="after")
     def _validate_with_engine_rules(self) -> SamplingOptions:
@@ -70,6 +77,11 @@ class SamplingOptions(_Message):
             ignore_eos=params.ignore_eos,
             logprobs=params.logprobs,
             skip_special_tokens=params.skip_special_tokens,
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
+            repetition_penalty=params.repetition_penalty,
+            logit_bias=dict(params.logit_bias),
+            min_p=params.min_p,
         )
 
 

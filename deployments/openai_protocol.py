@@ -6,7 +6,7 @@ never get coerced. Unknown top-level and message fields are ignored and named ba
 client (``ignored_fields``, sent as a ``Warning`` header), as vLLM does, so that clients
 replaying another server's messages keep working; unknown fields that would change the output
 (``OUTPUT_CHANGING_FIELDS``) are a 400, never silently dropped. Fields that OpenAI defines
-but pdserve does not implement (tools...) are accepted only at their no-op value.
+but pdserve does not implement (tools, n > 1...) are accepted only at their no-op value.
 This module imports neither Ray nor torch nor the engine: it is pure schema.
 """
 
@@ -219,11 +219,12 @@ class _SamplingFields(_Request):
     min_tokens: int = Field(default=0, ge=0)
     skip_special_tokens: bool = True
     user: str | None = None
-    # OpenAI fields pdserve accepts only at their no-op value (validated below).
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    repetition_penalty: float | None = None
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
+    # JSON object keys are strings: token ids as decimal strings, as OpenAI sends them.
     logit_bias: dict[str, float] | None = None
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
 
     @field_validator("n")
     @classmethod
@@ -249,26 +250,18 @@ class _SamplingFields(_Request):
             raise ValueError("token ids must be >= 0")
         return ids
 
-    @field_validator("frequency_penalty", "presence_penalty")
-    @classmethod
-    def _no_penalty(cls, value: float | None) -> float | None:
-        if value not in (None, 0, 0.0):
-            raise ValueError("penalties are not supported; send 0 or omit the field")
-        return value
-
-    @field_validator("repetition_penalty")
-    @classmethod
-    def _no_repetition_penalty(cls, value: float | None) -> float | None:
-        if value not in (None, 1, 1.0):
-            raise ValueError("repetition_penalty is not supported; send 1.0 or omit the field")
-        return value
-
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise ValueError("logit_bias is not supported")
-        return value
+    def _check_logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key, value in (bias or {}).items():
+            if not key.isdigit() or not key.isascii():
+                raise ValueError(f"keys must be token ids (decimal strings), got {key!r}")
+            if not -100.0 <= value <= 100.0:
+                raise ValueError(f"values must be in [-100, 100], got {value!r} for {key}")
+        return bias
+
+    def logit_bias_ids(self) -> dict[int, float]:
+        return {int(k): v for k, v in (self.logit_bias or {}).items()}
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

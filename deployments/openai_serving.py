@@ -52,6 +52,7 @@ from pdserve.deployments.openai_protocol import (
     random_id,
     sse_event,
 )
+from pdserve.deployments.sampling_defaults import SamplingDefaults
 
 GenerateFn = Callable[[GenerateRequest], AsyncGenerator[GenerateChunk, None]]
 
@@ -92,10 +93,12 @@ class OpenAIServing:
         generate: GenerateFn,
         telemetry: IngressTelemetry | None = None,
         limits: RequestLimits | None = None,
+        defaults: SamplingDefaults | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.model = model
         self.limits = limits or RequestLimits()
+        self.defaults = defaults or SamplingDefaults()
         self._generate = generate
         self._vocab_size = len(tokenizer)
         self.telemetry = telemetry or IngressTelemetry.disabled(model.name)
@@ -299,20 +302,36 @@ class OpenAIServing:
                 f"requested {len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the "
                 f"prompt, {max_tokens} for the completion).",
             )
-        top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
+        d = self.defaults
+        top_k = d.top_k if req.top_k is None else max(req.top_k, 0)
+        logit_bias = req.logit_bias_ids()
+        bad = [t for t in logit_bias if t >= self._vocab_size]
+        if bad:
+            raise invalid_param(
+                "logit_bias", f"token id {bad[0]} is out of range [0, {self._vocab_size})"
+            )
         try:
             sampling = SamplingOptions(
                 max_tokens=max_tokens,
                 min_tokens=req.min_tokens,
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
+                temperature=d.temperature if req.temperature is None else req.temperature,
+                top_p=d.top_p if req.top_p is None else req.top_p,
                 top_k=top_k,
+                min_p=d.min_p if req.min_p is None else req.min_p,
                 seed=req.seed,
                 stop=req.stop_list(),
                 stop_token_ids=list(req.stop_token_ids or []),
                 ignore_eos=req.ignore_eos,
                 logprobs=logprobs,
                 skip_special_tokens=req.skip_special_tokens,
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=(
+                    d.repetition_penalty
+                    if req.repetition_penalty is None
+                    else req.repetition_penalty
+                ),
+                logit_bias=logit_bias,
             )
         except ValueError as err:  # the engine's own rules (e.g. min_tokens > max_tokens)
             message = str(err.errors()[0]["msg"]) if hasattr(err, "errors") else str(err)

@@ -41,8 +41,9 @@ class ServeApp:
         return serve.get_deployment_handle(DECODE_DEPLOYMENT, APP_NAME)
 
 
-def app_config(model_dir: str) -> dict[str, Any]:
+def app_config(model_dir: str, api: dict[str, Any] | None = None) -> dict[str, Any]:
     return {
+        "api": api or {},
         "name": APP_NAME,
         "model": {"path": model_dir, "name": "tiny"},
         "policy": {"mode": "always_local"},
@@ -56,7 +57,8 @@ def app_config(model_dir: str) -> dict[str, Any]:
 
 
 @contextmanager
-def running_app() -> Iterator[ServeApp]:
+def running_app(api: dict[str, Any] | None = None) -> Iterator[ServeApp]:
+    """The app, with ``api`` as its ``APIConfig`` (keys, limits; None = defaults)."""
     import ray
     from ray import serve
 
@@ -83,7 +85,7 @@ def running_app() -> Iterator[ServeApp]:
             http_options={"host": "127.0.0.1", "port": http_port},
             grpc_options={"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]},
         )
-        config = AppConfig.from_dict(app_config(model_dir))
+        config = AppConfig.from_dict(app_config(model_dir, api))
         serve.run(build_app(config), name=APP_NAME, route_prefix="/")
         app = ServeApp(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", model_dir, "tiny")
         wait_ready(app.http_url)

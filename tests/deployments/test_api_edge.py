@@ -147,3 +147,43 @@ def test_tokenize_and_detokenize_round_trip(tokenizer) -> None:
     with pytest.raises(OpenAIError) as info:
         s.detokenize(validate_request(DetokenizeRequest, {"tokens": [len(tokenizer)]}))
     assert info.value.param == "tokens"
+
+
+def test_sampling_fields_and_generation_config_defaults_reach_the_engine(
+    tokenizer, tmp_path
+) -> None:
+    from pdserve.deployments.sampling_defaults import SamplingDefaults
+
+    (tmp_path / "generation_config.json").write_text(
+        '{"temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.1}'
+    )
+    s = OpenAIServing(
+        tokenizer,
+        ModelInfo("tiny", 256),
+        _never,
+        defaults=SamplingDefaults.from_model_dir(tmp_path),
+    )
+    unset = s.completion_request(
+        validate_request(CompletionRequest, {"prompt": "x"}), request_id="a"
+    )
+    params = unset.sampling.to_params()
+    assert (params.temperature, params.top_p, params.top_k) == (0.6, 0.9, 20)
+    assert params.repetition_penalty == 1.1 and params.min_p == 0.0
+    body = {
+        "prompt": "x",
+        "temperature": 0,
+        "presence_penalty": 0.5,
+        "frequency_penalty": -1,
+        "repetition_penalty": 1.3,
+        "logit_bias": {"7": -100, "11": 2.5},
+        "min_p": 0.1,
+    }
+    sent = s.completion_request(validate_request(CompletionRequest, body), request_id="b")
+    params = sent.sampling.to_params()
+    assert params.temperature == 0.0 and params.repetition_penalty == 1.3
+    assert (params.presence_penalty, params.frequency_penalty, params.min_p) == (0.5, -1.0, 0.1)
+    assert params.logit_bias == ((7, -100.0), (11, 2.5))
+    oov = validate_request(CompletionRequest, {"prompt": "x", "logit_bias": {"99999": 1}})
+    with pytest.raises(OpenAIError) as info:
+        s.completion_request(oov, request_id="c")
+    assert info.value.param == "logit_bias"

@@ -1,0 +1,78 @@
+"""A real Serve app with API keys and limits: the edge's answers over HTTP, then a bounded
+property-based fuzz of its published OpenAPI document (no 5xx, OpenAI error bodies), and the
+engine idle afterwards."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.deployments.ingress_harness import ServeApp, running_app
+from tests.deployments.openapi_fuzz import fuzz
+
+pytestmark = pytest.mark.timeout(600)
+
+KEY = "sk-fuzz-test-key-1"
+AUTH = {"authorization": f"Bearer {KEY}"}
+MAX_BODY = 64 * 1024
+
+
+@pytest.fixture(scope="module")
+def app() -> Iterator[ServeApp]:
+    with running_app(api={"api_keys": [KEY], "max_body_bytes": MAX_BODY}) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def http(app: ServeApp) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=app.http_url, timeout=120) as client:
+        yield client
+
+
+def test_edge_answers_over_http(http: httpx.Client) -> None:
+    body = {"prompt": "hello", "max_tokens": 2}
+    denied = http.post("/v1/completions", json=body)
+    assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
+    assert http.get("/health").status_code == 200  # open by default
+    assert http.get("/version").json()["version"]
+    # The lone surrogate that was a 500, in the model and deep in a message.
+    for raw in (
+        b'{"model": "\\ud800", "prompt": "x"}',
+        b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}]}',
+    ):
+        path = "/v1/chat/completions" if b"messages" in raw else "/v1/completions"
+        bad = http.post(path, content=raw, headers={**AUTH, "content-type": "application/json"})
+        assert bad.status_code == 400 and "surrogate" in bad.json()["error"]["message"]
+    ok = http.post("/v1/completions", json={**body, "store": True, "metadata": {}}, headers=AUTH)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+    assert "store, metadata" in ok.headers["warning"]
+    big = http.post("/v1/completions", json={"prompt": "x" * MAX_BODY}, headers=AUTH)
+    assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+    tokens = http.post("/tokenize", json={"prompt": "hello world"}, headers=AUTH).json()
+    assert tokens["count"] == len(tokens["tokens"]) > 0
+    text = http.post("/detokenize", json={"tokens": tokens["tokens"]}, headers=AUTH).json()
+    assert "hello world" in text["prompt"]
+    metrics = http.get("/metrics")
+    assert metrics.status_code == 200
+    assert 'pdserve_api_requests_total{model_name="tiny",route="/v1/completions",status="401"}' in (
+        metrics.text
+    )
+    assert 'pdserve_api_pools_ready{model_name="tiny"} 1.0' in metrics.text
+
+
+def test_fuzzed_requests_never_get_a_server_error(app: ServeApp, http: httpx.Client) -> None:
+    report = fuzz(app.http_url, headers=AUTH, requests=300, time_budget_s=40.0, timeout_s=60.0)
+    print(json.dumps(dict(report.statuses)))
+    assert report.total >= 100, report.statuses
+    assert not report.failures, "\n".join(report.failures[:10])
+    assert any(400 <= s < 500 for s in report.statuses) and 200 in report.statuses
+    # Every fuzzed request has finished: the decode replica holds no request and no block.
+    deadline = time.monotonic() + 30
+    while not (report := app.decode_handle().check_integrity.remote().result()).idle:
+        assert time.monotonic() < deadline, report
+        time.sleep(0.5)
+    assert report.num_free_blocks == report.num_total_blocks
