@@ -131,6 +131,8 @@ class SimCluster:
         self._open = 0
         self._next_id = 0
         self.timeline: list[tuple[float, int, int]] = []
+        # Where each request went: (decode replica, prefill replica or None).
+        self.routes: dict[int, tuple[str, str | None]] = {}
         self.counts = {"local": 0, "remote": 0, "fallback": 0, "shed": 0, "failed": 0}
         self._scalers = {role: self._scaler(role) for role in ("prefill", "decode")}
         self._want: dict[str, tuple[int, float]] = {}
@@ -300,6 +302,7 @@ class SimCluster:
             return
         req.placement = "local"
         self.counts["local"] += 1
+        self.routes[req.rid] = (replica.replica_id, None)
         replica.engine.add(seq)
 
     def _shed(self, replica: SimReplica, req: SimRequest) -> None:
@@ -318,6 +321,7 @@ class SimCluster:
             pool, n, replica.prefill_books.by_replica, self.prefill_params
         )
         replica.prefill_books.routed(str(req.rid), target.replica_id, n)
+        self.routes[req.rid] = (replica.replica_id, target.replica_id)
         req.placement = "remote"
         self.counts["remote"] += 1
         seq_p = Seq(req, prefill_only=True)

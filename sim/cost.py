@@ -74,6 +74,7 @@ class RooflineCost:
         self.link = link or LINKS["nvlink"]
         self.eff = eff or Efficiency()
         self.kv_bytes_per_token = model.kv_bytes_per_token
+        self.num_layers = model.num_layers
         free = (
             gpu.memory_bytes * self.eff.memory_utilization - self.eff.activation_reserve_bytes
         ) * tp - model.weight_bytes
@@ -152,6 +153,7 @@ class StepProfile:
     kv_capacity_tokens: int
     transfer_bytes_per_s: float
     transfer_latency_s: float
+    num_layers: int = 1  # the KV goes layer by layer: the last layer's share shows after
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -163,6 +165,7 @@ class StepProfile:
     @classmethod
     def load(cls, path: str | Path) -> StepProfile:
         data = json.loads(Path(path).read_text())
+        data.pop("raw", None)  # the measurements behind the fit, kept for people
         data["token_points"] = tuple(data["token_points"])
         data["token_seconds"] = tuple(data["token_seconds"])
         return cls(**data)
@@ -176,6 +179,7 @@ class ProfileCost:
         self.profile = profile
         self.kv_bytes_per_token = profile.kv_bytes_per_token
         self.kv_capacity_tokens = profile.kv_capacity_tokens
+        self.num_layers = profile.num_layers
         self._x = list(profile.token_points)
         self._y = list(profile.token_seconds)
 

@@ -127,9 +127,19 @@ class SimEngine:
         del self.remote[seq.req.rid]
         seq.computed = seq.req.prompt_tokens
         seq.outputs = 1
+        if seq.req.output_tokens <= 1:
+            # Done with its first token: out with the next step's outputs (now, if idle).
+            end = self._step_end.time if self._step_end is not None else self.loop.now
+            self.loop.at(end, self._finish_landed, seq)
+            return
         seq.first_pending = True
         self.waiting.appendleft(seq)
         self._poke()
+
+    def _finish_landed(self, seq: Seq) -> None:
+        self._free(seq)
+        self.on_first_token(seq, self.loop.now)
+        self.on_finish(seq, self.loop.now)
 
     def fail_remote(self, seq: Seq) -> None:
         """Recompute the prompt here, into the reserved blocks."""
@@ -270,7 +280,13 @@ class SimEngine:
                 prefill += n
                 attn += n * (seq.computed + n / 2)
         k = 1
-        if self.macro_steps and batch and not self.waiting and tokens == decode_seqs:
+        if (
+            self.macro_steps
+            and batch
+            and not self.waiting
+            and tokens == decode_seqs
+            and not any(s.first_pending for s, _ in batch)  # a first token ends the step
+        ):
             k = self._macro_length(batch)
         t0 = self.cost.step_s(tokens, attn, decode_seqs, decode_ctx)
         self._k, self._t0 = k, t0

@@ -1,0 +1,113 @@
+"""The simulated cluster drives pdserve's live routers, policy and autoscaling policies.
+
+The first test is small enough to compute by hand: two prefill replicas behind the live
+TTFT-aware router, one decode replica, 1 ms per token, no network. Stats are published
+only at t=0 (all zeros), so the router ranks by its own in-flight books alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.deployments.config import AppConfig
+from pdserve.sim.cluster import AdmissionQuery, SimCluster
+from pdserve.sim.config import SimSettings
+from pdserve.sim.cost import roofline
+from pdserve.sim.request import SimRequest
+from pdserve.sim.scenario import gpu_app, simulate
+from pdserve.sim.workload import generate
+from tests.sim.fakes import LinearCost
+
+NO_NETWORK = SimSettings(rpc_s=0.0, ingress_s=0.0)
+
+
+def _app(**over: object) -> AppConfig:
+    base: dict[str, object] = {
+        "prefill": {
+            "min_replicas": 2,
+            "max_replicas": 2,
+            "engine": {"max_num_batched_tokens": 2048},
+        },
+        "decode": {"min_replicas": 1, "max_replicas": 1},
+        "policy": {"mode": "always_remote"},
+        "router": {"stats_period_s": 1000.0, "default_prefill_tokens_per_s": 1000.0},
+        "autoscaling": False,
+    }
+    return AppConfig.from_dict(base | over)
+
+
+def test_live_prefill_router_places_by_its_inflight_tokens_hand_computed() -> None:
+    a = SimRequest(0, 0.00, prompt_tokens=1000, output_tokens=2)
+    b = SimRequest(1, 0.10, prompt_tokens=100, output_tokens=2)
+    c = SimRequest(2, 0.15, prompt_tokens=100, output_tokens=2)
+    cluster = SimCluster(_app(), LinearCost(0.001), LinearCost(0.001), NO_NETWORK)
+    cluster.run([a, b, c])
+    # a: both replicas predict 1000/1000 s: a tie keeps the input order -> prefill-1.
+    # b: prefill-1 has 1000 tokens in flight (1.1 s) vs prefill-2's 0.1 s -> prefill-2.
+    # c: prefill-1 1.1 s vs prefill-2 (b's 100 in flight + 100) 0.2 s -> prefill-2.
+    assert [cluster.routes[r.rid] for r in (a, b, c)] == [
+        ("decode-3", "prefill-1"),
+        ("decode-3", "prefill-2"),
+        ("decode-3", "prefill-2"),
+    ]
+    # b prefills 0.10-0.20 on prefill-2, c queues behind it: 0.20-0.30. Each lands on the
+    # decode replica, whose next step (one decode, 1 ms) carries its first token out.
+    # a prefills 0.0-1.0 on prefill-1.
+    assert b.ttft == pytest.approx(0.101, abs=1e-12)
+    assert c.ttft == pytest.approx(0.151, abs=1e-12)
+    assert a.ttft == pytest.approx(1.001, abs=1e-12)
+    assert [r.placement for r in (a, b, c)] == ["remote"] * 3
+    # Every book the live code keeps is balanced again.
+    assert cluster.ingress_books.by_replica == {}
+    decode = cluster.pools["decode"][0]
+    assert decode.prefill_books.by_replica == {}
+    assert decode.estimate is not None and decode.estimate.in_flight_tokens == 0
+    assert all(r.engine.idle and r.engine.used_blocks == 0 for r in cluster.pools["prefill"])
+
+
+def test_the_live_policy_sheds_when_no_placement_can_meet_the_slo() -> None:
+    app = _app(
+        prefill={"min_replicas": 0, "max_replicas": 1},
+        policy={"mode": "always_local", "on_slo_miss": "shed", "shed_ttft_factor": 1.0},
+        slo={"ttft_ms": 150.0, "tpot_ms": 100.0},
+        router={"default_prefill_tokens_per_s": 1000.0},
+    )
+    reqs = [SimRequest(i, 0.0, prompt_tokens=100, output_tokens=2) for i in range(3)]
+    cluster = SimCluster(app, LinearCost(0.001), LinearCost(0.001), NO_NETWORK)
+    cluster.run(reqs)
+    # The policy predicts (queued + 100) / 1000 tokens/s: 0.1 s, 0.2 s, 0.3 s.
+    assert [r.placement for r in reqs] == ["local", "shed", "shed"]
+
+
+def test_an_admission_function_plugs_in_before_the_policy() -> None:
+    seen: list[AdmissionQuery] = []
+
+    def admit_two(q: AdmissionQuery) -> bool:
+        seen.append(q)
+        return q.ongoing <= 2
+
+    reqs = [SimRequest(i, i * 0.001, prompt_tokens=50, output_tokens=4) for i in range(4)]
+    cluster = SimCluster(
+        _app(policy={"mode": "always_local"}), LinearCost(), LinearCost(), NO_NETWORK, admit_two
+    )
+    cluster.run(reqs)
+    assert [r.placement for r in reqs] == ["local", "local", "shed", "shed"]
+    # Each arrives while the ones before are still running (Serve counts them ongoing).
+    assert [q.ongoing for q in seen] == [1, 2, 3, 3]
+
+
+def test_live_autoscaling_grows_the_pools_under_load() -> None:
+    cost = roofline("llama-3-8b", "h100")
+    app = gpu_app(1, 1, ttft_ms=300, tpot_ms=40, cost=cost, autoscale_to=(8, 8))
+    app = app.model_copy(
+        update={
+            "prefill": app.prefill.model_copy(update={"upscale_delay_s": 2.0}),
+            "decode": app.decode.model_copy(update={"upscale_delay_s": 2.0}),
+        }
+    )
+    settings = SimSettings(replica_startup_s=5.0)
+    report, cluster = simulate(app, generate("chat", 60, 3000, seed=0), cost, cost, settings)
+    peak_p = max(p for _, p, _ in report.timeline)
+    assert peak_p > 1  # the prefill policy asked for more replicas and got them
+    assert report.completed == 3000
+    assert report.gpu_seconds > 0
