@@ -61,7 +61,7 @@ def _decode_side(conn: Connection, num_threads: int) -> None:
 
     alloc = SharedKVAllocator()
     receivers: dict[str, KVReceiver] = {}
-    engine = handoff = None
+    engine = decode_receiver = None  # part 2: the decode engine and its KVReceiver
     while True:
         cmd, *args = conn.recv()
         if cmd == "pool":
@@ -85,26 +85,28 @@ def _decode_side(conn: Connection, num_threads: int) -> None:
             (size,) = args
             _socket_sink(conn, size)
         elif cmd == "engine":
-            engine, handoff = _decode_engine(*args)
+            engine, decode_receiver = _decode_engine(*args)
             conn.send("ok")
         elif cmd == "reserve":
             rid, prompt = args
             from pdserve.engine.sampling_params import SamplingParams
 
             params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-            target = handoff.reserve(rid, prompt, params, time.time() + 600)
+            blocks = engine.reserve_remote_prefill(rid, prompt, params)
+            assert blocks is not None, "the decode pool has no room for the prompt"
+            target = decode_receiver.expect(rid, blocks, time.time() + 600, num_tokens=len(prompt))
             conn.send(target.model_dump_json())
         elif cmd == "handoff_wait":
             (rid,) = args
-            result = handoff.receiver.wait(rid)
+            result = decode_receiver.wait(rid)
             ready = time.time()
             engine.abort(rid)
             conn.send((ready, result.ok, result.bytes))
         elif cmd == "quit":
             for r in receivers.values():
                 r.close()
-            if handoff is not None:
-                handoff.receiver.close()
+            if decode_receiver is not None:
+                decode_receiver.close()
             alloc.close()
             conn.send("bye")
             return
@@ -130,7 +132,7 @@ def _socket_sink(conn: Connection, size: int) -> None:
 
 def _decode_engine(model_dir: str, num_blocks: int, transport: str) -> tuple[Any, Any]:
     from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.kvtransfer.connector import DecodeHandoff, engine_layout
+    from pdserve.kvtransfer.blocks import pool_layout
     from pdserve.kvtransfer.receiver import KVReceiver
     from pdserve.kvtransfer.shm import SharedKVAllocator
 
@@ -140,11 +142,11 @@ def _decode_engine(model_dir: str, num_blocks: int, transport: str) -> tuple[Any
     )
     receiver = KVReceiver(
         engine.kv_cache,
-        engine_layout(engine),
+        pool_layout(engine.kv_cache, engine.model_config.model_name),
         KVTransferConfig(transport=transport),
         shm_segment=alloc.segment_for(engine.kv_cache),
     )
-    return engine, DecodeHandoff(engine, receiver)
+    return engine, receiver
 
 
 # --------------------------------------------------------------------------- measurements
@@ -268,9 +270,9 @@ def _bandwidth(conn: Connection, sizes: list[int], min_seconds: float) -> list[d
 class _LastLayerClock:
     """Wraps a connector to note when the last layer of a step was computed."""
 
-    def __init__(self, inner: Any, num_layers: int) -> None:
+    def __init__(self, inner: Any) -> None:
         self.inner = inner
-        self.num_layers = num_layers
+        self.num_layers = 0  # known once the engine registers its pool
         self.last_layer_time = 0.0
 
     def begin_step(self, sends: list[Any]) -> None:
@@ -280,6 +282,10 @@ class _LastLayerClock:
         self.inner.layer_computed(layer_idx, kv_cache)
         if layer_idx == self.num_layers - 1:
             self.last_layer_time = time.time()
+
+    def register_kv_caches(self, kv_cache: torch.Tensor, model_name: str) -> None:
+        self.inner.register_kv_caches(kv_cache, model_name)
+        self.num_layers = kv_cache.shape[0]
 
     def end_step(self) -> list[str]:
         return self.inner.end_step()
@@ -294,20 +300,19 @@ def _handoff(
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.engine.sampling_params import SamplingParams
     from pdserve.engine.testmodel import ensure_test_model
-    from pdserve.kvtransfer.connector import PrefillKVConnector, engine_layout
+    from pdserve.kvtransfer.connector import PrefillKVConnector
 
     model_dir = ensure_test_model(model)
     num_blocks = math.ceil(tokens / 16) + 8
     conn.send(("engine", str(model_dir), num_blocks, transport))
     assert conn.recv() == "ok"
-    connector = PrefillKVConnector(None)  # type: ignore[arg-type]
-    clock = _LastLayerClock(connector, 0)
+    connector = PrefillKVConnector()
+    clock = _LastLayerClock(connector)
+    # The engine registers its pool: the connector builds its sender, the clock learns L.
     engine = LLMEngine.from_pretrained(
         model_dir, kv_connector=clock, num_kv_blocks=num_blocks, enable_prefix_caching=False
     )
-    layout = engine_layout(engine)
-    clock.num_layers = layout.num_layers
-    connector.sender = KVSender(layout)
+    layout = connector.sender.layout
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     rng = random.Random(1)
     samples = []

@@ -4,11 +4,11 @@ class, built by ``app.py``).
 For every ``GenerateRequest`` it asks the disaggregation policy where to prefill:
 - local: the engine computes the prompt itself (short prompt, cached prefix, prefill pool
   saturated, or no prefill pool);
-- remote: reserve KV blocks, ``KVReceiver.expect`` them (-> ``KVTarget``), call the prefill
-  pool (through its TTFT-aware router) with a ``PrefillRequest``, wait for the KV, then
-  ``complete_remote_prefill`` and decode here. If the prefill replica dies or the transfer
-  misses its deadline, ``fail_remote_prefill`` recomputes locally into the same blocks: the
-  client sees a slower first token, never an error (``remote_prefill.RemotePrefill``);
+- remote: ``remote_prefill.RemotePrefill``, the one owner of this side of the hand-off:
+  reserve KV blocks, expect the KV (-> ``KVTarget``), call the prefill pool (through its
+  TTFT-aware router) with a ``PrefillRequest``, wait for the KV, then decode here. If the
+  prefill replica dies or the transfer misses its deadline, it recomputes locally into the
+  same blocks: the client sees a slower first token, never an error;
 - shed: only with ``policy.on_slo_miss: shed`` when no placement can meet the TTFT SLO.
 
 Tokens stream back as ``GenerateChunk``s. If the consumer goes away (client disconnect:
@@ -33,8 +33,6 @@ from pdserve.deployments import tracing
 from pdserve.deployments.config import AppConfig
 from pdserve.deployments.engine_factory import (
     EngineFactory,
-    cached_prefix_tokens,
-    check_engine_integrity,
     default_engine_factory,
     engine_config,
     pool_hooks,
@@ -46,7 +44,6 @@ from pdserve.deployments.messages import (
     GenerateRequest,
 )
 from pdserve.deployments.metrics import ServingMetrics
-from pdserve.deployments.outputs import chunk_from_output
 from pdserve.deployments.policy import (
     Decision,
     DisaggregationPolicy,
@@ -63,9 +60,8 @@ from pdserve.deployments.replica import (
     transfer_host,
 )
 from pdserve.engine.outputs import RequestOutput
+from pdserve.kvtransfer.blocks import pool_layout
 from pdserve.kvtransfer.config import KVTransferConfig
-from pdserve.kvtransfer.connector import engine_layout
-from pdserve.kvtransfer.receiver import KVReceiver
 
 logger = logging.getLogger("ray.serve")
 
@@ -110,25 +106,16 @@ class DecodeServer:
             engine_config(self.cfg, "decode", model_dir),
             pool_hooks(self.cfg, "decode", cpus, kv_cache_allocator=allocator),
         )
-        llm = self.engine.engine
-        self.block_size: int = llm.block_size
+        self.block_size: int = self.engine.block_size
         self.max_num_seqs = self.cfg.decode.engine.max_num_seqs
-        layout = engine_layout(llm)
+        kv_cache = self.engine.kv_cache
+        layout = pool_layout(kv_cache, self.engine.model_config.model_name)
         self.kv_bytes_per_token = layout.block_bytes() * layout.num_layers // layout.block_size
         t = self.cfg.transport
         self.transfer_observer = TransferMetricsObserver(self.metrics)
-        self.receiver = KVReceiver(
-            llm.kv_cache,
-            layout,
-            KVTransferConfig(
-                transport=t.kind, host=transfer_host(t.host), connect_timeout_s=t.connect_timeout_s
-            ),
-            shm_segment=allocator.segment_for(llm.kv_cache) if allocator is not None else None,
-            observer=self.transfer_observer,
-        )
         self._allocator = allocator
         # Serve injects a DeploymentHandle to PrefillServer; tests may pass a PrefillClient.
-        self.prefill_client: PrefillClient | None = (
+        client: PrefillClient | None = (
             ServePrefillClient(prefill) if isinstance(prefill, DeploymentHandle) else prefill
         )
         self.policy = DisaggregationPolicy(
@@ -138,16 +125,22 @@ class DecodeServer:
         self.remote = (
             RemotePrefill(
                 engine=self.engine,
-                receiver=self.receiver,
-                client=self.prefill_client,
+                client=client,
+                layout=layout,
+                transfer=KVTransferConfig(
+                    transport=t.kind,
+                    host=transfer_host(t.host),
+                    connect_timeout_s=t.connect_timeout_s,
+                ),
+                shm_segment=allocator.segment_for(kv_cache) if allocator is not None else None,
+                observer=self.transfer_observer,
                 estimate=self.remote_estimate,
-                block_size=self.block_size,
-                timeout_s=self.cfg.transport.timeout_s,
+                timeout_s=t.timeout_s,
                 model_name=self.model_name,
                 metrics=self.metrics,
             )
-            if self.prefill_client is not None
-            else None
+            if client is not None
+            else None  # no prefill pool: every prompt is prefilled here
         )
         self._counts = {"local": 0, "remote": 0, "shed": 0}
         self._open_streams = 0
@@ -180,7 +173,7 @@ class DecodeServer:
         finally:
             self._open_streams -= 1
             if self.remote is not None:
-                self.remote.placed.pop(req.request_id, None)
+                self.remote.forget(req.request_id)
 
     def _decide(self, req: GenerateRequest) -> Decision:
         ids = req.prompt_token_ids
@@ -194,7 +187,7 @@ class DecodeServer:
         short = len(ids) <= self.cfg.policy.local_prefill_max_tokens
         decision = self.policy.decide(
             num_prompt_tokens=len(ids),
-            num_cached_tokens=0 if short else cached_prefix_tokens(self.engine, ids),
+            num_cached_tokens=0 if short else self.engine.cached_prefix_tokens(ids),
             load=load,
             remote=self.remote_estimate if self.remote is not None else None,
             sheddable=req.slo_class == "interactive",
@@ -252,7 +245,7 @@ class DecodeServer:
                             self._itl.add(gap)
                         last_at = now
                     extra = {} if sent_any else {"prefill_location": self._location(req, location)}
-                    chunk = chunk_from_output(out, self.engine.tokenizer, **extra)
+                    chunk = GenerateChunk.from_output(out, self.engine.tokenizer, **extra)
                     sent_any = True
                     if out.finished:
                         self._finish_metrics(out, start, first_at, now, span)
@@ -270,7 +263,7 @@ class DecodeServer:
     def _location(self, req: GenerateRequest, planned: str) -> str:
         if self.remote is None:
             return planned
-        return self.remote.placed.get(req.request_id, planned)
+        return self.remote.location(req.request_id, planned)
 
     def _finish_metrics(
         self, out: RequestOutput, start: float, first_at: float | None, now: float, span: Any
@@ -288,7 +281,6 @@ class DecodeServer:
         span.set_attribute(tracing.USAGE_OUTPUT_TOKENS, n_out)
         span.set_attribute(tracing.RESPONSE_FINISH_REASONS, [out.finish_reason or "unknown"])
 
-    # ------------------------------------------------------------------ remote prefill
     # ------------------------------------------------------------------ Serve hooks
     def record_routing_stats(self) -> dict[str, Any]:
         stats = self.engine.stats()
@@ -324,7 +316,7 @@ class DecodeServer:
 
     async def check_integrity(self) -> IntegrityReport:
         """Engine queues and block ref counts consistent; reports what is still held."""
-        await check_engine_integrity(self.engine)
+        await self.engine.check_integrity()
         stats = self.engine.stats()
         return IntegrityReport(
             role="decode",
@@ -332,7 +324,7 @@ class DecodeServer:
             num_unfinished=stats.num_running + stats.num_waiting + stats.num_waiting_remote_kv,
             num_free_blocks=stats.num_free_blocks,
             num_total_blocks=stats.num_total_blocks,
-            pending_transfers=self.receiver.pending(),
+            pending_transfers=self.remote.pending() if self.remote is not None else [],
             num_streams=self._open_streams,
             engine_cpus=list(getattr(self.engine, "cpu_affinity", ())),
             helper_cpus=list(getattr(self.engine, "helper_cpus", ())),
@@ -347,7 +339,8 @@ class DecodeServer:
         """
         if self._allocator is not None:
             self._allocator.close()
-        self.receiver.close()
+        if self.remote is not None:
+            self.remote.close()
         self.engine.shutdown()
 
     def __del__(self) -> None:  # Serve calls this when it stops the replica

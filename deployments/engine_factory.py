@@ -4,14 +4,11 @@
 KV connector) and returns an ``AsyncLLMEngine``-compatible object. The default builds the
 real engine. Factories are sent to replicas by value (cloudpickle), so a test can define
 one in the test module and run a real Serve app with it.
-
-Also here: the few read-only engine queries the servers need that ``AsyncLLMEngine`` does
-not wrap (prefix-cache lookup, the integrity check on the engine thread).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,38 +74,3 @@ def engine_config(cfg: AppConfig, role: PoolRole, model_dir: str) -> EngineConfi
         max_model_len=limits.max_model_len,
         enable_prefix_caching=limits.enable_prefix_caching,
     )
-
-
-def cached_prefix_tokens(engine: Any, token_ids: Sequence[int]) -> int:
-    """Prompt tokens whose KV the engine's prefix cache holds right now (full blocks).
-
-    Read-only and lock-free on purpose: it runs on the event loop while the engine thread
-    steps; a stale answer only makes the placement heuristic slightly off, never wrong
-    output (the scheduler does its own lookup when it admits the request).
-    """
-    llm = getattr(engine, "engine", None)
-    manager = getattr(llm, "kv_cache_manager", None)
-    if manager is None or not manager.enable_prefix_caching:
-        return 0
-    from pdserve.engine.block_pool import NO_PARENT_HASH, hash_block_tokens
-
-    bs = manager.block_size
-    parent = NO_PARENT_HASH
-    cached = 0
-    for i in range((len(token_ids) - 1) // bs):  # the last token is always computed
-        parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs])
-        if manager.pool.lookup(parent) is None:
-            break
-        cached += bs
-    return cached
-
-
-async def check_engine_integrity(engine: Any) -> None:
-    """Run the engine's ``check_integrity`` between steps (raises AssertionError if off)."""
-    llm = getattr(engine, "engine", None)
-    if llm is None:  # a test double: it checks itself
-        engine.check_integrity()
-        return
-    # AsyncLLMEngine runs every engine call as a command on its thread; the integrity
-    # check must too (it walks the scheduler's queues).
-    await engine._call(llm.check_integrity)

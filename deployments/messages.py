@@ -2,7 +2,9 @@
 
 Every message crossing a process boundary is a pydantic model here, never a dict with
 string keys. This module imports neither Ray nor torch (``pdserve.kvtransfer.types`` is pydantic
-only), so the ingress can import it cheaply.
+only; ``pdserve.engine.outputs`` plain dataclasses), so the ingress can import it cheaply.
+The conversions between the engine's outputs and these messages live here too, next to the
+models they build (``TokenLogprob.from_engine`` / ``to_engine``, ``GenerateChunk.from_output``).
 
 Contract ingress -> decode: ``DecodeServer.generate(GenerateRequest)`` is a streaming method
 yielding ``GenerateChunk``s; call it with ``handle.options(stream=True).generate.remote(req)``.
@@ -13,10 +15,12 @@ tokens before it means the request was rejected (``error.code`` 429/503 with
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.outputs import TokenLogprob as EngineLogprob
 from pdserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from pdserve.kvtransfer.types import KVTarget, TransferResult
 
@@ -116,6 +120,31 @@ class TokenLogprob(_Message):
     logprob: float
     top_logprobs: list[TopLogprob] = Field(default_factory=list)
 
+    @classmethod
+    def from_engine(cls, lp: EngineLogprob, tokenizer: Any) -> TokenLogprob:
+        """The engine's record with each token's text (``tokenizer`` decodes ids)."""
+        return cls(
+            token_id=lp.token_id,
+            token=_token_text(tokenizer, lp.token_id),
+            logprob=lp.logprob,
+            top_logprobs=[
+                TopLogprob(token_id=t, token=_token_text(tokenizer, t), logprob=v)
+                for t, v in (lp.top_logprobs or [])
+            ],
+        )
+
+    def to_engine(self) -> EngineLogprob:
+        """Back to the engine's record (the texts are dropped; the engine keeps ids)."""
+        return EngineLogprob(
+            token_id=self.token_id,
+            logprob=self.logprob,
+            top_logprobs=[(t.token_id, t.logprob) for t in self.top_logprobs] or None,
+        )
+
+
+def _token_text(tokenizer: Any, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
 
 class ErrorInfo(_Message):
     """Why a request failed; ``code`` follows HTTP status semantics."""
@@ -143,6 +172,27 @@ class GenerateChunk(_Message):
         default=None, description="Where the prompt was prefilled (first chunk only)."
     )
     error: ErrorInfo | None = Field(default=None, description="Set when the request failed.")
+
+    @classmethod
+    def from_output(cls, out: RequestOutput, tokenizer: Any, **extra: Any) -> GenerateChunk:
+        """The chunk streaming the engine output ``out``'s new tokens; ``extra`` sets
+        further fields (e.g. ``prefill_location`` on the first chunk)."""
+        logprobs = (
+            [TokenLogprob.from_engine(lp, tokenizer) for lp in out.logprobs]
+            if out.logprobs
+            else None
+        )
+        return cls(
+            request_id=out.request_id,
+            token_ids=list(out.new_token_ids),
+            text=out.text_delta,
+            logprobs=logprobs,
+            finish_reason=out.finish_reason if out.finished else None,
+            num_prompt_tokens=out.num_prompt_tokens,
+            num_cached_tokens=out.num_cached_tokens,
+            num_output_tokens=out.num_output_tokens,
+            **extra,
+        )
 
 
 class PrefillRequest(_Message):

@@ -2,9 +2,11 @@
 
 It runs an engine in the prefill role: each ``PrefillRequest`` is computed with
 ``prefill_only=True`` while the engine's KV connector pushes every layer's KV into the decode
-replica's reserved blocks (``kvtransfer``). It answers with the first token once the decode
-side confirmed the whole KV landed; a failed transfer raises, which the decode server turns
-into a local recompute. It never decodes past the first token and never talks to clients.
+replica's reserved blocks (``kvtransfer``; the engine registers its pool with the connector
+once allocated, which builds the connector's sender). It answers with the first token once
+the decode side confirmed the whole KV landed; a failed transfer raises, which the decode
+server turns into a local recompute. It never decodes past the first token and never talks
+to clients.
 
 The class is plain Python: ``app.py`` wraps it with ``serve.deployment``; tests may also
 construct it directly (no Ray needed) with an injected engine factory.
@@ -22,15 +24,13 @@ from pdserve.deployments import tracing
 from pdserve.deployments.config import AppConfig
 from pdserve.deployments.engine_factory import (
     EngineFactory,
-    check_engine_integrity,
     default_engine_factory,
     engine_config,
     pool_hooks,
 )
 from pdserve.deployments.load import RateMeter, prefill_autoscaling_stats, replica_stats
-from pdserve.deployments.messages import PrefillRequest, PrefillResponse
+from pdserve.deployments.messages import PrefillRequest, PrefillResponse, TokenLogprob
 from pdserve.deployments.metrics import ServingMetrics
-from pdserve.deployments.outputs import to_wire_logprob
 from pdserve.deployments.replica import (
     IntegrityReport,
     TransferMetricsObserver,
@@ -41,8 +41,7 @@ from pdserve.deployments.replica import (
     transfer_host,
 )
 from pdserve.kvtransfer.config import KVTransferConfig
-from pdserve.kvtransfer.connector import PrefillKVConnector, engine_layout
-from pdserve.kvtransfer.sender import KVSender
+from pdserve.kvtransfer.connector import PrefillKVConnector
 from pdserve.kvtransfer.types import KVTransferError
 
 logger = logging.getLogger("ray.serve")
@@ -50,35 +49,6 @@ logger = logging.getLogger("ray.serve")
 # Extra time, past the KV deadline, to wait for the sender's verdict (it is bounded by
 # the deadline itself; this only absorbs scheduling jitter).
 RESULT_GRACE_S = 2.0
-
-
-class _LateConnector:
-    """KVConnector forwarding to a ``PrefillKVConnector`` bound after the engine exists.
-
-    The sender needs the engine's KV layout (known once the engine allocated its pool) and
-    the engine needs its connector at construction; this breaks the cycle.
-
-    """
-
-    def __init__(self) -> None:
-        self.target: PrefillKVConnector | None = None
-
-    def _bound(self) -> PrefillKVConnector:
-        if self.target is None:
-            raise RuntimeError("KV connector used before the sender was bound")
-        return self.target
-
-    def begin_step(self, sends: list[Any]) -> None:
-        self._bound().begin_step(sends)
-
-    def layer_computed(self, layer_idx: int, kv_cache: Any) -> None:
-        self._bound().layer_computed(layer_idx, kv_cache)
-
-    def end_step(self) -> list[str]:
-        return self._bound().end_step()
-
-    def poll_finished(self) -> list[str]:
-        return self._bound().poll_finished()
 
 
 class PrefillServer:
@@ -100,27 +70,23 @@ class PrefillServer:
             replica=replica_name(),
             enabled=self.cfg.observability.metrics_enabled,
         )
-        late = _LateConnector()
-        factory = engine_factory or default_engine_factory
-        self.engine = factory(
-            engine_config(self.cfg, "prefill", model_dir),
-            pool_hooks(self.cfg, "prefill", cpus, kv_connector=late),
-        )
-        llm = self.engine.engine
-        self.layout = engine_layout(llm)
         t = self.cfg.transport
-        self.sender = KVSender(
-            self.layout,
+        self.connector = PrefillKVConnector(
             KVTransferConfig(
                 transport=t.kind,
                 host=transfer_host(t.host),
                 connect_timeout_s=t.connect_timeout_s,
             ),
-            device=llm.kv_cache.device.type,
             observer=TransferMetricsObserver(self.metrics),
         )
-        self.connector = PrefillKVConnector(self.sender)
-        late.target = self.connector
+        factory = engine_factory or default_engine_factory
+        self.engine = factory(
+            engine_config(self.cfg, "prefill", model_dir),
+            pool_hooks(self.cfg, "prefill", cpus, kv_connector=self.connector),
+        )
+        # The engine registered its pool with the connector, which built the sender.
+        self.sender = self.connector.sender
+        self.layout = self.sender.layout
         self.kv_bytes_per_token = (
             self.layout.block_bytes() * self.layout.num_layers // max(self.layout.block_size, 1)
         )
@@ -166,7 +132,9 @@ class PrefillServer:
             if not result.ok:
                 raise KVTransferError(f"KV transfer of {rid!r} failed: {result.error}")
         first_logprobs = (
-            to_wire_logprob(last.logprobs[0], self.engine.tokenizer) if last.logprobs else None
+            TokenLogprob.from_engine(last.logprobs[0], self.engine.tokenizer)
+            if last.logprobs
+            else None
         )
         return PrefillResponse(
             request_id=rid,
@@ -200,7 +168,7 @@ class PrefillServer:
     # ------------------------------------------------------------------ test/ops hooks
     async def check_integrity(self) -> IntegrityReport:
         """Engine queues and block ref counts consistent; reports what is still held."""
-        await check_engine_integrity(self.engine)
+        await self.engine.check_integrity()
         stats = self.engine.stats()
         return IntegrityReport(
             role="prefill",

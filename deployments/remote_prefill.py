@@ -1,7 +1,9 @@
-"""Remote prefill, decode side: reserve blocks, expect the KV, call the prefill pool, hand
-the KV to the engine, and fall back to a local recompute on any failure.
+"""Remote prefill, decode side: the one owner of a decode replica's half of the hand-off.
 
-Used by ``DecodeServer`` for every request its policy sends to the prefill pool. The
+``RemotePrefill`` reserves the prompt's KV blocks in the engine, expects the transfer (it
+owns the replica's ``KVReceiver``), calls the prefill pool, waits for the KV, hands it to
+the engine with the first token, and falls back to a local recompute on any failure.
+``DecodeServer`` uses it for every request its policy sends to the prefill pool. The
 invariant it keeps: when it returns (or is cancelled) no prefill peer is still writing into
 the request's blocks, and the engine request is either decoding, recomputing locally, or
 aborted (its blocks freed), never left waiting for KV that will not come.
@@ -12,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
@@ -20,12 +21,14 @@ from typing import Any, Protocol
 from pdserve.deployments import tracing
 from pdserve.deployments.messages import GenerateRequest, PrefillRequest, PrefillResponse
 from pdserve.deployments.metrics import ServingMetrics
-from pdserve.deployments.outputs import to_engine_logprob
 from pdserve.deployments.policy import RemotePrefillEstimator
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kvtransfer.config import KVTransferConfig
+from pdserve.kvtransfer.metrics import TransferObserver
 from pdserve.kvtransfer.receiver import KVReceiver
-from pdserve.kvtransfer.types import KVTarget
+from pdserve.kvtransfer.shm import ShmSegment
+from pdserve.kvtransfer.types import KVLayout, KVTarget
 
 logger = logging.getLogger("ray.serve")
 
@@ -56,33 +59,38 @@ class ServePrefillClient:
 
 
 class RemotePrefill:
-    """Runs remote prefills for one decode replica (its engine, receiver and client)."""
+    """Runs remote prefills for one decode replica: its engine (an ``AsyncLLMEngine``), the
+    ``KVReceiver`` over the engine's pool, and the client of the prefill pool."""
 
     def __init__(
         self,
         *,
         engine: Any,
-        receiver: KVReceiver,
         client: PrefillClient,
+        layout: KVLayout,
+        transfer: KVTransferConfig,
+        shm_segment: ShmSegment | None,
+        observer: TransferObserver,
         estimate: RemotePrefillEstimator,
-        block_size: int,
         timeout_s: float,
         model_name: str,
         metrics: ServingMetrics,
     ) -> None:
         self.engine = engine
-        self.receiver = receiver
+        self.receiver = KVReceiver(
+            engine.kv_cache, layout, transfer, shm_segment=shm_segment, observer=observer
+        )
         self.client = client
         self.estimate = estimate
-        self.block_size = block_size
         self.timeout_s = timeout_s
         self.model_name = model_name
         self.metrics = metrics
         self.fallbacks = 0
         # Where a request's prompt really got prefilled when it differs from "remote"
         # (no room to reserve -> "local"; the remote prefill failed -> "fallback").
-        self.placed: dict[str, str] = {}
+        self._placed: dict[str, str] = {}
 
+    # ------------------------------------------------------------------ the request path
     async def outputs(
         self, req: GenerateRequest, params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
@@ -92,7 +100,7 @@ class RemotePrefill:
         blocks = await self.engine.reserve_remote_prefill(rid, ids, params)
         if blocks is None:
             # No room for the whole prompt now: the local scheduler queues it instead.
-            self.placed[rid] = "local"
+            self._placed[rid] = "local"
             async with contextlib.aclosing(self.engine.generate(rid, ids, params)) as local:
                 async for out in local:
                     yield out
@@ -106,9 +114,7 @@ class RemotePrefill:
         # every timed-out call, and so would the time to detect a stuck replica.)
         deadline = time.time() + self.estimate.compute_s(len(ids)) + self.timeout_s
         try:
-            target = self.receiver.expect(
-                rid, blocks[: math.ceil(len(ids) / self.block_size)], deadline
-            )
+            target = self.receiver.expect(rid, blocks, deadline, num_tokens=len(ids))
         except BaseException:
             await self.engine.abort(rid)
             raise
@@ -159,8 +165,9 @@ class RemotePrefill:
                             "pdserve.kv_transfer.transport": result.transport,
                         },
                     )
+                    first = response.first_logprobs
                     await self.engine.complete_remote_prefill(
-                        rid, response.first_token_id, to_engine_logprob(response.first_logprobs)
+                        rid, response.first_token_id, first.to_engine() if first else None
                     )
                     self.estimate.observe(
                         n, time.perf_counter() - began, response.prefill_tokens_per_s, ahead
@@ -184,10 +191,27 @@ class RemotePrefill:
         # Count the failed attempt's time so a dead or slow pool stops attracting requests.
         self.estimate.observe(n, time.perf_counter() - began, 0.0, ahead)
         self.fallbacks += 1
-        self.placed[rid] = "fallback"
+        self._placed[rid] = "fallback"
         self.metrics.prefill_fallbacks.inc()
         try:
             await self.engine.fail_remote_prefill(rid)
         except Exception:  # noqa: BLE001 - e.g. the request was aborted meanwhile
             logger.exception("local recompute of %s could not start; aborting it", rid)
             await self.engine.abort(rid)  # ends the stream instead of leaving it waiting
+
+    # ------------------------------------------------------------------ bookkeeping
+    def location(self, request_id: str, planned: str) -> str:
+        """Where the request's prompt was really prefilled ("local", "remote", "fallback")."""
+        return self._placed.get(request_id, planned)
+
+    def forget(self, request_id: str) -> None:
+        """The request's stream ended: drop what was noted about it."""
+        self._placed.pop(request_id, None)
+
+    def pending(self) -> list[str]:
+        """Request ids whose KV is still expected (for leak checks)."""
+        return self.receiver.pending()
+
+    def close(self) -> None:
+        """Stop receiving KV: drop every prefill peer and fail what is still expected."""
+        self.receiver.close()

@@ -37,6 +37,7 @@ from pdserve.engine.affinity import (
     bind_current_thread,
     current_thread_cpus,
 )
+from pdserve.engine.block_pool import NO_PARENT_HASH, hash_block_tokens
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput, TokenLogprob, merge_outputs
 from pdserve.engine.sampling_params import SamplingParams
@@ -139,6 +140,44 @@ class AsyncLLMEngine:
     def stats(self) -> EngineStats:
         """The snapshot taken after the latest step or command (never blocks)."""
         return self._stats
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        """The KV pool ``[L, 2, N, B, Hkv, D]``, allocated once with the engine: for a KV
+        receiver to export it and write reserved blocks. Never read it on the event loop."""
+        return self.engine.kv_cache
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block."""
+        return self.engine.block_size
+
+    def cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
+        """Prompt tokens whose KV the prefix cache holds right now (full blocks; the last
+        token is always computed, so it never counts).
+
+        Unlike the commands it does not wait for the engine thread, on purpose: placement
+        asks before every request and must not wait out a step. It only looks hashes up (a
+        dict read the GIL keeps whole); a stale answer makes the placement heuristic
+        slightly off, never the output wrong (the scheduler looks up again on admission).
+        """
+        manager = self.engine.kv_cache_manager
+        if not manager.enable_prefix_caching:
+            return 0
+        bs = manager.block_size
+        parent = NO_PARENT_HASH
+        cached = 0
+        for i in range((len(token_ids) - 1) // bs):
+            parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs])
+            if manager.pool.lookup(parent) is None:
+                break
+            cached += bs
+        return cached
+
+    async def check_integrity(self) -> None:
+        """Check queues, request states and block ref counts between steps (on the engine
+        thread, which owns them); raises AssertionError if they disagree."""
+        await self._call(self.engine.check_integrity)
 
     def check_health(self) -> None:
         if self._error is not None:

@@ -32,10 +32,16 @@ class PendingSend:
 class KVConnector(Protocol):
     """What the engine calls on the prefill side, in this order, once per step.
 
-    Side effects: ``begin_step`` starts sends (the connector may read the blocks of the
-    listed requests from ``layer_computed`` onwards); the engine does not free or reuse
-    those blocks until the request id came back from ``end_step`` or ``poll_finished``.
+    Side effects: ``register_kv_caches`` comes first, once, when the engine has allocated
+    its pool (as in vLLM v1, the connector exists before the pool and learns it then);
+    ``begin_step`` starts sends (the connector may read the blocks of the listed requests
+    from ``layer_computed`` onwards); the engine does not free or reuse those blocks until
+    the request id came back from ``end_step`` or ``poll_finished``.
     """
+
+    def register_kv_caches(self, kv_cache: torch.Tensor, model_name: str) -> None:
+        """The engine's KV pool ``[L, 2, N, B, Hkv, D]`` and the identity of the model that
+        fills it (part of the layout both ends of a transfer must agree on)."""
 
     def begin_step(self, sends: list[PendingSend]) -> None:
         """Announce the requests whose prefill completes in this step (may be empty)."""

@@ -74,6 +74,8 @@ class LLMEngine:
         num_blocks = config.num_kv_blocks or model_runner.profile_num_blocks()
         self.max_model_len = self._resolve_max_model_len(num_blocks)
         self.kv_cache = model_runner.allocate_kv_cache(num_blocks)
+        if kv_connector is not None:
+            kv_connector.register_kv_caches(self.kv_cache, self.model_config.model_name)
         self.kv_cache_manager = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching
         )

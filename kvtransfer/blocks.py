@@ -147,6 +147,21 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def pool_layout(kv_cache: torch.Tensor, model: str) -> KVLayout:
+    """The layout of an engine's pool ``[L, 2, N, B, H, D]`` filled by model ``model``."""
+    if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
+        raise ValueError(f"kv_cache: shape {tuple(kv_cache.shape)} is not [L, 2, N, B, H, D]")
+    num_layers, _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    return KVLayout(
+        model=model,
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype_name(kv_cache.dtype),
+    )
+
+
 def check_pool(kv_cache: torch.Tensor, layout: KVLayout) -> None:
     """Raise ValueError unless ``kv_cache`` is a [L, 2, N, B, H, D] pool matching ``layout``."""
     want = (layout.num_layers, 2, None, layout.block_size, layout.num_kv_heads, layout.head_dim)

@@ -1,15 +1,16 @@
-"""Engine integration: the prefill-side ``KVConnector`` and the decode-side hand-off glue.
+"""Engine integration, prefill side: ``PrefillKVConnector``.
 
-``PrefillKVConnector`` implements pdserve.engine.kv_connector.KVConnector on top of a ``KVSender``:
-the serving layer registers a ``KVTarget`` per request id before the request is added with
-``prefill_only=True``; when the engine's step completes that prefill, the connector opens
-the transfer and enqueues each layer as the model computes it. A request without a target,
-or whose transfer fails, is still reported finished so the engine frees its blocks; its
-``TransferResult`` says what went wrong.
+It implements pdserve.engine.kv_connector.KVConnector on top of a ``KVSender``. As in vLLM
+v1, the connector is built before the engine and the engine registers its KV pool with it
+once allocated (``register_kv_caches``): that is when the sender, which needs the pool's
+layout and device, is created. The serving layer registers a ``KVTarget`` per request id
+before the request is added with ``prefill_only=True``; when the engine's step completes
+that prefill, the connector opens the transfer and enqueues each layer as the model computes
+it. A request without a target, or whose transfer fails, is still reported finished so the
+engine frees its blocks; its ``TransferResult`` says what went wrong.
 
-``DecodeHandoff`` drives a decode-role engine: reserve blocks, ``expect`` them, (the
-prefill happens elsewhere), ``wait``, then ``complete_remote_prefill`` — or
-``fail_remote_prefill`` (local recompute into the same blocks) on any failure.
+The decode side of a hand-off is driven by the serving layer
+(``pdserve.deployments.remote_prefill``) straight on ``KVReceiver``; it has no glue here.
 """
 
 from __future__ import annotations
@@ -18,15 +19,16 @@ import collections
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
-from pdserve.kvtransfer.blocks import dtype_name
-from pdserve.kvtransfer.receiver import KVReceiver
-from pdserve.kvtransfer.sender import KVSender, SendHandle
-from pdserve.kvtransfer.types import KVLayout, KVTarget, KVTransferError, TransferResult
+from pdserve.kvtransfer.blocks import pool_layout
+from pdserve.kvtransfer.config import KVTransferConfig
+from pdserve.kvtransfer.metrics import TransferObserver
+from pdserve.kvtransfer.send_handle import SendHandle
+from pdserve.kvtransfer.sender import KVSender
+from pdserve.kvtransfer.types import KVTarget, KVTransferError, TransferResult
 
 if TYPE_CHECKING:  # the engine's protocol types; kvtransfer does not import engine at runtime
     from pdserve.engine.kv_connector import PendingSend
@@ -35,24 +37,18 @@ if TYPE_CHECKING:  # the engine's protocol types; kvtransfer does not import eng
 _MAX_UNCLAIMED_RESULTS = 4096
 
 
-def engine_layout(engine: Any) -> KVLayout:
-    """The KV layout of an ``LLMEngine`` (model identity, shape and dtype of its pool)."""
-    mc = engine.model_config
-    return KVLayout(
-        model=str(mc.model_name),
-        num_layers=int(mc.num_layers),
-        num_kv_heads=int(mc.num_kv_heads),
-        head_dim=int(mc.head_dim),
-        block_size=int(engine.block_size),
-        dtype=dtype_name(engine.kv_cache.dtype),
-    )
-
-
 class PrefillKVConnector:
     """pdserve.engine.kv_connector.KVConnector that streams KV through a ``KVSender``."""
 
-    def __init__(self, sender: KVSender) -> None:
-        self.sender = sender
+    def __init__(
+        self,
+        config: KVTransferConfig | None = None,
+        *,
+        observer: TransferObserver | None = None,
+    ) -> None:
+        self.config = config
+        self.observer = observer
+        self._sender: KVSender | None = None
         self._lock = threading.Lock()
         self._targets: dict[str, KVTarget] = {}
         self._active: dict[str, SendHandle] = {}
@@ -63,6 +59,13 @@ class PrefillKVConnector:
         self._results: collections.OrderedDict[str, TransferResult] = collections.OrderedDict()
         self._finished: list[str] = []
         self._result_ready = threading.Condition(self._lock)
+
+    @property
+    def sender(self) -> KVSender:
+        """The sender streaming the registered pool (exists once the pool is registered)."""
+        if self._sender is None:
+            raise RuntimeError("no KV pool registered with the connector yet")
+        return self._sender
 
     # ---- serving-layer side
     def register_target(self, request_id: str, target: KVTarget) -> None:
@@ -90,6 +93,16 @@ class PrefillKVConnector:
             return self._results.pop(request_id)
 
     # ---- engine side (KVConnector protocol)
+    def register_kv_caches(self, kv_cache: torch.Tensor, model_name: str) -> None:
+        if self._sender is not None:
+            raise RuntimeError("a KV pool is already registered with this connector")
+        self._sender = KVSender(
+            pool_layout(kv_cache, model_name),
+            self.config,
+            device=kv_cache.device.type,
+            observer=self.observer,
+        )
+
     def begin_step(self, sends: list[PendingSend]) -> None:
         handles: list[SendHandle] = []
         for send in sends:
@@ -162,96 +175,3 @@ class PrefillKVConnector:
                 self._results.popitem(last=False)
             self._finished.append(request_id)
             self._result_ready.notify_all()
-
-
-class RemotePrefillEngine(Protocol):
-    """What ``DecodeHandoff`` needs of a decode-role engine (``LLMEngine`` has it)."""
-
-    block_size: int
-
-    def reserve_remote_prefill(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: Any = None
-    ) -> list[int] | None: ...
-
-    def complete_remote_prefill(
-        self, request_id: str, first_token_id: int, first_logprobs: Any = None
-    ) -> None: ...
-
-    def fail_remote_prefill(self, request_id: str) -> None: ...
-
-    def abort(self, request_id: str) -> Any: ...
-
-
-class DecodeHandoff:
-    """Decode-side glue between an engine in decode role and a ``KVReceiver``.
-
-    Not thread-safe with respect to the engine: call it from the thread that drives the
-    engine (or wrap the engine calls, as AsyncLLMEngine does).
-    """
-
-    def __init__(self, engine: RemotePrefillEngine, receiver: KVReceiver) -> None:
-        self.engine = engine
-        self.receiver = receiver
-
-    def reserve(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        params: Any = None,
-        deadline: float | None = None,
-    ) -> KVTarget | None:
-        """Reserve blocks and return where the prefill side must write; None if no room."""
-        block_ids = self.engine.reserve_remote_prefill(request_id, prompt_token_ids, params)
-        if block_ids is None:
-            return None
-        needed = math.ceil(len(prompt_token_ids) / self.engine.block_size)
-        try:
-            return self.receiver.expect(request_id, block_ids[:needed], deadline)
-        except Exception:
-            self.engine.abort(request_id)
-            raise
-
-    def complete(
-        self, request_id: str, first_token_id: int | None, first_logprobs: Any = None
-    ) -> TransferResult:
-        """Wait for the KV; then start decoding with ``first_token_id``. On any failure
-        (``first_token_id`` None: the prefill side failed) recompute locally instead."""
-        if first_token_id is None:
-            self.receiver.cancel(request_id)
-            self.engine.fail_remote_prefill(request_id)
-            return TransferResult(
-                request_id=request_id, ok=False, bytes=0, seconds=0.0, error="prefill failed"
-            )
-        try:
-            result = self.receiver.wait(request_id)
-        except KVTransferError as exc:
-            self.engine.fail_remote_prefill(request_id)
-            return TransferResult(
-                request_id=request_id, ok=False, bytes=0, seconds=0.0, error=str(exc)
-            )
-        self.engine.complete_remote_prefill(request_id, first_token_id, first_logprobs)
-        return result
-
-    def run(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        params: Any,
-        prefill: Callable[[KVTarget], int | None],
-        deadline: float | None = None,
-    ) -> TransferResult | None:
-        """reserve -> ``prefill(target)`` (returns the first token id, or None/raises on
-        failure) -> complete. None when the pool had no room (nothing held)."""
-        target = self.reserve(request_id, prompt_token_ids, params, deadline)
-        if target is None:
-            return None
-        try:
-            first = prefill(target)
-        except Exception:  # noqa: BLE001 - any prefill failure falls back to local compute
-            first = None
-        return self.complete(request_id, first)
-
-    def abort(self, request_id: str) -> None:
-        """Give up on the request: stop expecting its KV and free its blocks."""
-        self.receiver.cancel(request_id)
-        self.engine.abort(request_id)

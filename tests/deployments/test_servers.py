@@ -206,14 +206,14 @@ def test_cancel_while_prefill_is_in_flight(pd: Any) -> None:
         prompt = long_prompt(6, 60)
         task = asyncio.create_task(collect(decode, request("cancel-prefill", prompt)))
         await asyncio.sleep(0.2)
-        assert decode.receiver.pending() == ["cancel-prefill"]
+        assert decode.remote.receiver.pending() == ["cancel-prefill"]
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
 
     asyncio.run(run())
     assert client.cancelled == 1
-    assert decode.receiver.pending() == []
+    assert decode.remote.receiver.pending() == []
 
 
 def test_invalid_request_gets_an_error_chunk(pd: Any) -> None:

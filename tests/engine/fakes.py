@@ -75,12 +75,16 @@ class RecordingConnector:
     """Engine-side KVConnector double: records sends; completes them when told to."""
 
     def __init__(self, complete_in_step: bool = False) -> None:
+        self.registered: list[tuple[object, str]] = []  # (KV pool, model name)
         self.begun: list[PendingSend] = []
         self.layers: list[int] = []
         self.done: list[str] = []
         self.num_steps = 0
         # Report each send finished from the end_step() of the step that began it.
         self.complete_in_step = complete_in_step
+
+    def register_kv_caches(self, kv_cache: object, model_name: str) -> None:
+        self.registered.append((kv_cache, model_name))
 
     def begin_step(self, sends: list[PendingSend]) -> None:
         self.num_steps += 1

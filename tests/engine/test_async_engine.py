@@ -203,6 +203,27 @@ def test_remote_prefill_hooks_through_async_api(async_engine: AsyncLLMEngine) ->
     assert remote[-1].finish_reason == "length"
 
 
+def test_queries_the_servers_ask_without_reaching_into_the_engine(
+    async_engine: AsyncLLMEngine,
+) -> None:
+    """The pool a KV receiver exports, the prefix cache as placement sees it (full blocks,
+    never the last token), and the integrity check, run on the engine thread."""
+    assert async_engine.kv_cache is async_engine.engine.kv_cache
+    assert async_engine.block_size == 16 == async_engine.kv_cache.shape[3]
+    prompt = list(range(300, 340))  # two full blocks and 8 tokens
+
+    async def main() -> tuple[int, int]:
+        before = async_engine.cached_prefix_tokens(prompt)
+        outs = [o async for o in async_engine.generate("cache-me", prompt, GREEDY)]
+        assert outs[-1].finished
+        await async_engine.check_integrity()
+        await _wait_idle(async_engine)
+        return before, async_engine.cached_prefix_tokens(prompt)
+
+    assert asyncio.run(main()) == (0, 32)
+    assert async_engine.cached_prefix_tokens(prompt[:32]) == 16  # its last token is computed
+
+
 def test_remote_stream_left_early_waits_for_explicit_abort(
     async_engine: AsyncLLMEngine,
 ) -> None:

@@ -178,6 +178,9 @@ def test_prefill_to_decode_handoff_matches_local_generation(
 
     connector = RecordingConnector()
     prefill = _engine(tiny_model_dir, kv_connector=connector, max_num_batched_tokens=16)
+    # The engine registered its pool, once allocated, with the model's identity.
+    ((pool, model_name),) = connector.registered
+    assert pool is prefill.kv_cache and model_name == tiny_model_dir.name
     decode = _engine(tiny_model_dir)
     dst = decode.reserve_remote_prefill("r", prompt, params)
     assert dst is not None and len(dst) == 3

@@ -87,7 +87,7 @@ def prefill_engine_main(conn: Connection, model_dir: str, num_kv_blocks: int) ->
     torch.set_num_threads(1)
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.engine.sampling_params import SamplingParams
-    from pdserve.kvtransfer.connector import PrefillKVConnector, engine_layout
+    from pdserve.kvtransfer.connector import PrefillKVConnector
 
     connector: PrefillKVConnector | None = None
     engine = None
@@ -96,12 +96,11 @@ def prefill_engine_main(conn: Connection, model_dir: str, num_kv_blocks: int) ->
         if batch is None:
             break
         if engine is None:
-            # The connector needs the layout, the layout needs the engine: late-bind the sender.
-            connector = PrefillKVConnector(None)  # type: ignore[arg-type]
+            # The engine registers its pool with the connector, which builds its sender.
+            connector = PrefillKVConnector()
             engine = LLMEngine.from_pretrained(
                 model_dir, kv_connector=connector, num_kv_blocks=num_kv_blocks
             )
-            connector.sender = KVSender(engine_layout(engine))
         assert connector is not None
         firsts: dict[str, int] = {}
         for rid, prompt, max_tokens, target_json in batch:

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from pdserve.engine.kv_connector import KVConnector, PendingSend
 from pdserve.kvtransfer.connector import PrefillKVConnector
-from pdserve.kvtransfer.sender import KVSender
 from tests.kvtransfer.procs import LAYOUT, make_receiver, source_pool
 
 
@@ -22,10 +23,12 @@ def _poll_until(connector: PrefillKVConnector, rid: str, timeout: float = 20) ->
 
 def test_connector_streams_layers_and_reports_after_the_step() -> None:
     receiver, pool, alloc = make_receiver(LAYOUT, "shm", 16)
-    connector = PrefillKVConnector(KVSender(LAYOUT))
+    connector = PrefillKVConnector()
     assert isinstance(connector, KVConnector)
+    src = source_pool(LAYOUT, 8, 9)
+    connector.register_kv_caches(src, LAYOUT.model)  # what the engine does after allocating
+    assert connector.sender.layout == LAYOUT
     try:
-        src = source_pool(LAYOUT, 8, 9)
         tokens = 2 * LAYOUT.block_size + 1  # 3 blocks, the last one partly filled
         target = receiver.expect("a", [9, 2, 14], time.time() + 20)
         connector.register_target("a", target)
@@ -54,7 +57,8 @@ def test_connector_streams_layers_and_reports_after_the_step() -> None:
 
 def test_connector_refuses_a_target_sized_for_another_prompt() -> None:
     receiver, _pool, alloc = make_receiver(LAYOUT, "shm", 16)
-    connector = PrefillKVConnector(KVSender(LAYOUT))
+    connector = PrefillKVConnector()
+    connector.register_kv_caches(source_pool(LAYOUT, 4, 0), LAYOUT.model)
     try:
         connector.register_target("a", receiver.expect("a", [1, 2], time.time() + 20))
         connector.begin_step([PendingSend("a", [0, 1, 2], 3 * LAYOUT.block_size)])
@@ -77,7 +81,8 @@ def test_connector_gives_blocks_back_when_the_peer_never_answers() -> None:
     silent = socket.create_server(("127.0.0.1", 0))
     host, port = silent.getsockname()[:2]
     receiver, _pool, alloc = make_receiver(LAYOUT, "shm", 4)
-    connector = PrefillKVConnector(KVSender(LAYOUT))
+    connector = PrefillKVConnector()
+    connector.register_kv_caches(source_pool(LAYOUT, 2, 0), LAYOUT.model)
     try:
         target = receiver.expect("a", [1], time.time() + 1.0)
         receiver.cancel("a")
@@ -97,3 +102,17 @@ def test_connector_gives_blocks_back_when_the_peer_never_answers() -> None:
         receiver.close()
         alloc.close()
         silent.close()
+
+
+def test_connector_has_a_sender_only_once_one_pool_is_registered() -> None:
+    connector = PrefillKVConnector()
+    with pytest.raises(RuntimeError, match="no KV pool registered"):
+        connector.sender  # noqa: B018 - the property raises
+    connector.register_kv_caches(source_pool(LAYOUT, 2, 0), LAYOUT.model)
+    try:
+        with pytest.raises(RuntimeError, match="already registered"):
+            connector.register_kv_caches(source_pool(LAYOUT, 2, 0), LAYOUT.model)
+        with pytest.raises(ValueError, match="kv_cache: shape"):
+            PrefillKVConnector().register_kv_caches(source_pool(LAYOUT, 2, 0)[0], "m")
+    finally:
+        connector.sender.close()

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import torch
 
-from pdserve.kvtransfer import KVTransferConfig
-from pdserve.kvtransfer.connector import DecodeHandoff, PrefillKVConnector, engine_layout
+from pdserve.kvtransfer import KVTarget, KVTransferConfig, KVTransferTimeoutError
+from pdserve.kvtransfer.blocks import pool_layout
+from pdserve.kvtransfer.connector import PrefillKVConnector
 from pdserve.kvtransfer.receiver import KVReceiver
-from pdserve.kvtransfer.sender import KVSender
 from pdserve.kvtransfer.shm import SharedKVAllocator, list_segments
 from tests.kvtransfer.procs import prefill_engine_main
 
@@ -39,11 +39,22 @@ def _decode_engine(model_dir: Path, transport: str) -> tuple[Any, KVReceiver, Sh
     )
     receiver = KVReceiver(
         engine.kv_cache,
-        engine_layout(engine),
+        pool_layout(engine.kv_cache, engine.model_config.model_name),
         KVTransferConfig(transport=transport),
         shm_segment=alloc.segment_for(engine.kv_cache),
     )
     return engine, receiver, alloc
+
+
+def _reserve(
+    engine: Any, receiver: KVReceiver, rid: str, prompt: list[int], deadline: float | None = None
+) -> KVTarget | None:
+    """The decode side of a hand-off, with the primitives: reserve blocks for the prompt,
+    expect its KV in them. None when the pool has no room."""
+    blocks = engine.reserve_remote_prefill(rid, prompt, _params())
+    if blocks is None:
+        return None
+    return receiver.expect(rid, blocks, deadline, num_tokens=len(prompt))
 
 
 def _decode_all(engine: Any) -> dict[str, list[int]]:
@@ -100,12 +111,11 @@ def test_prefill_process_streams_kv_to_decode_engines(
         batch, handoffs = [], {}
         for i, (transport, p) in enumerate(plan):
             engine, receiver, _ = decoders[transport]
-            handoff = DecodeHandoff(engine, receiver)
             rid = f"{transport}-{i}"
-            target = handoff.reserve(rid, list(prompts[p]), _params(), time.time() + 90)
+            target = _reserve(engine, receiver, rid, list(prompts[p]), time.time() + 90)
             assert target is not None and target.transport == transport
             batch.append((rid, list(prompts[p]), NUM_NEW, target.model_dump_json()))
-            handoffs[rid] = (handoff, prompts[p])
+            handoffs[rid] = (transport, prompts[p])
         parent.send(batch)
         assert parent.poll(120), "prefill process did not answer"
         answers, prefill_leaked = parent.recv()
@@ -113,8 +123,9 @@ def test_prefill_process_streams_kv_to_decode_engines(
         for rid, first, result_json in answers:
             assert first is not None and result_json is not None
             assert '"ok":true' in result_json, result_json
-            handoff, _ = handoffs[rid]
-            result = handoff.complete(rid, first)
+            engine, receiver, _ = decoders[handoffs[rid][0]]
+            result = receiver.wait(rid)  # the KV landed: decoding starts from ``first``
+            engine.complete_remote_prefill(rid, first)
             assert result.ok and result.bytes > 0
         for transport, (engine, receiver, _) in decoders.items():
             final = _decode_all(engine)
@@ -144,11 +155,11 @@ def test_lost_prefill_falls_back_to_local_compute(
     engine, receiver, alloc = _decode_engine(tiny_model_dir, "shm")
     try:
         prompt = next(iter(references))
-        handoff = DecodeHandoff(engine, receiver)
-        assert handoff.reserve("lost", list(prompt), _params(), time.time() + 0.5) is not None
+        assert _reserve(engine, receiver, "lost", list(prompt), time.time() + 0.5) is not None
         start = time.time()
-        result = handoff.complete("lost", first_token_id=references[prompt][0])
-        assert not result.ok and "deadline" in (result.error or "")
+        with pytest.raises(KVTransferTimeoutError, match="deadline"):
+            receiver.wait("lost")
+        engine.fail_remote_prefill("lost")  # recompute the prompt into the reserved blocks
         assert time.time() - start < 0.5 + 2.0
         assert _decode_all(engine)["lost"] == references[prompt]
         _assert_no_leak(engine)
@@ -163,12 +174,12 @@ def test_prefill_frees_blocks_when_the_decode_side_is_gone(tiny_model_dir: Path)
     its transfer result says what failed, and all its blocks come back."""
     dec_engine, receiver, alloc = _decode_engine(tiny_model_dir, "torch_dist")
     prompt = list(range(3, 40))
-    target = DecodeHandoff(dec_engine, receiver).reserve("gone", prompt, _params())
+    target = _reserve(dec_engine, receiver, "gone", prompt)
     assert target is not None
     receiver.close()
     alloc.close()
 
-    connector = PrefillKVConnector(KVSender(engine_layout(dec_engine)))
+    connector = PrefillKVConnector()  # the engine registers its pool: the sender is built
     engine = engine_mod.LLMEngine.from_pretrained(
         tiny_model_dir, kv_connector=connector, num_kv_blocks=BLOCKS
     )
