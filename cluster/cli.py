@@ -6,6 +6,7 @@
   pdserve env                `export` lines that point ray/serve CLIs at the cluster
   pdserve down               stop everything `up` started, by pid; remove its temp dirs
   pdserve run [CONFIG]       up + serve, wait for Ctrl-C / SIGTERM, then down
+  pdserve plan               prefill/decode replica counts for a rate and SLOs (simulated)
 
 What `up` started is recorded in a state directory: --state-dir, else $PDSERVE_STATE_DIR,
 else $XDG_STATE_HOME/pdserve (~/.local/state/pdserve). Both are read here, once.
@@ -113,7 +114,35 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "run", parents=[common, cluster_flags, serve_flags], help="up + serve, wait, down"
     )
+    _add_plan_parser(sub)
     return parser
+
+
+def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    plan = sub.add_parser(
+        "plan",
+        help="recommend prefill and decode replica counts (simulated with pdserve's own router)",
+        description=(
+            "Simulate candidate clusters (pdserve.sim, roofline GPU model) on a Poisson "
+            "workload and recommend the fewest GPUs whose SLO attainment meets --target, "
+            "disaggregated (P:D) and colocated."
+        ),
+    )
+    plan.add_argument("--model", required=True, help="llama-3-8b or llama-3-70b")
+    plan.add_argument("--gpu", required=True, help="h100, h200, a100 or l4")
+    plan.add_argument("--rate", type=_positive_float, required=True, help="requests per second")
+    plan.add_argument("--ttft-ms", type=_positive_float, required=True, help="TTFT SLO")
+    plan.add_argument("--tpot-ms", type=_positive_float, required=True, help="TPOT SLO")
+    plan.add_argument(
+        "--prompt", default="chat", help="chat|summarisation|code, N, or lognormal:MEDIAN:SIGMA"
+    )
+    plan.add_argument("--output", default="chat", help="same forms as --prompt")
+    plan.add_argument("--tp", type=int, default=0, help="GPUs per replica (0 = smallest fit)")
+    plan.add_argument("--link", default="nvlink", help="KV link: nvlink, infiniband, ethernet")
+    plan.add_argument("--target", type=float, default=0.9, help="attainment to meet (0.9)")
+    plan.add_argument("--requests", type=int, default=1200, help="simulated requests per run")
+    plan.add_argument("--seed", type=int, default=0)
+    plan.set_defaults(state_dir=None)  # plans need no cluster
 
 
 def resolve_state_dir(flag: Path | None) -> Path:
@@ -290,6 +319,33 @@ def _disconnect() -> None:
             ray.shutdown()
 
 
+def cmd_plan(args: argparse.Namespace, state_dir: Path) -> int:
+    # Imported here: the simulator pulls in the routers (Ray's router API) and numpy,
+    # which the rest of the CLI must not need.
+    from pdserve.sim.plan import PlanRequest, format_plan, plan
+
+    if not 0 < args.target <= 1:
+        raise ValueError(f"--target must be in (0, 1], got {args.target}")
+    if args.requests < 10:
+        raise ValueError(f"--requests must be >= 10, got {args.requests}")
+    request = PlanRequest(
+        model=args.model,
+        gpu=args.gpu,
+        rate=args.rate,
+        ttft_ms=args.ttft_ms,
+        tpot_ms=args.tpot_ms,
+        prompt=args.prompt,
+        output=args.output,
+        tp=args.tp,
+        link=args.link,
+        target=args.target,
+        num_requests=args.requests,
+        seed=args.seed,
+    )
+    print(format_plan(request, plan(request)), flush=True)
+    return 0
+
+
 COMMANDS = {
     "up": cmd_up,
     "serve": cmd_serve,
@@ -297,6 +353,7 @@ COMMANDS = {
     "env": cmd_env,
     "down": cmd_down,
     "run": cmd_run,
+    "plan": cmd_plan,
 }
 
 
