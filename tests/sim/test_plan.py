@@ -11,7 +11,7 @@ from pdserve.sim.plan import PlanRequest, parse_lengths, plan
 def test_plan_recommends_the_fewest_gpus_that_meet_the_target() -> None:
     req = PlanRequest(
         "llama-3-8b", "h100", rate=20, ttft_ms=500, tpot_ms=50, prompt="summarisation",
-        output="chat", num_requests=600,
+        output="chat", num_requests=1200,
     )  # fmt: skip
     result = plan(req)
     for best in (result.colocated, result.disaggregated):
