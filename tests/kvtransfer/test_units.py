@@ -81,6 +81,44 @@ def test_transport_choice() -> None:
         sender_choice("cuda_ipc", "shm", same_node=True, device="cpu")
 
 
+def test_each_transport_is_built_behind_one_interface() -> None:
+    """node.py builds every transport; a CPU receiver serves all three by name, exports its
+    pool over CUDA IPC only when that is its offer, and never imports CuPy otherwise."""
+    import sys
+
+    from pdserve.kvtransfer.node import send_transport
+    from pdserve.kvtransfer.transport import ReceiveTransport, SendTransport
+
+    for name in ("shm", "cuda_ipc", "torch_dist"):
+        assert send_transport(name, KVTransferConfig()).name == name
+        assert isinstance(send_transport(name, KVTransferConfig()), SendTransport)
+    with pytest.raises(ValueError, match="transport: unknown 'nvlink'"):
+        send_transport("nvlink", KVTransferConfig())
+    receiver, _pool, alloc = make_receiver(LAYOUT, "shm", 4)
+    try:
+        served = receiver._transports
+        assert sorted(served) == ["cuda_ipc", "shm", "torch_dist"]
+        assert all(isinstance(t, ReceiveTransport) for t in served.values())
+        assert served["cuda_ipc"].handle is None
+    finally:
+        receiver.close()
+        alloc.close()
+    assert "cupy" not in sys.modules
+
+
+def test_sender_and_its_peers_do_not_import_each_other() -> None:
+    """Not even for typing: a peer knows its sender through the PeerOwner protocol."""
+    import ast
+    import inspect
+
+    from pdserve.kvtransfer import sender_peer, transport, transport_direct, transport_torchdist
+
+    for module in (sender_peer, transport, transport_direct, transport_torchdist):
+        tree = ast.parse(inspect.getsource(module))
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        assert "pdserve.kvtransfer.sender" not in imported, module.__name__
+
+
 def test_layout_mismatch_names_both_values() -> None:
     other = LAYOUT.model_copy(update={"block_size": 16, "model": "other"})
     msg = LAYOUT.mismatch(other)
