@@ -8,7 +8,7 @@
 # VARIANT=cuda starts from NVIDIA's CUDA runtime (what cupy-cuda12x, the `cuda` extra, links
 # against) and takes torch built for the same CUDA; VARIANT=cpu starts from Debian's slim
 # Python and takes the CPU torch wheel, so no CUDA wheels are pulled. Both carry a C++
-# compiler: kernels/csrc is built on first use on each node (-march=native).
+# compiler: kernels/cpu/csrc is built on first use on each node (-march=native).
 ARG VARIANT=cuda
 # Base images, overridable for a registry mirror (--build-arg CUDA_BASE=...).
 ARG CUDA_BASE=nvidia/cuda:12.8.1-runtime-ubuntu24.04

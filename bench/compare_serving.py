@@ -44,7 +44,7 @@ from pdserve.bench.serving_systems import (
     pin_this_process,
     tree_cpu_seconds,
 )
-from pdserve.engine.affinity import current_thread_cpus
+from pdserve.kernels.cpu.cpus import current_thread_cpus
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DISAGG, COLOC, VLLM = "pdserve-disagg", "pdserve-coloc", "vllm"

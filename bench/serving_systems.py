@@ -24,7 +24,7 @@ from typing import Protocol
 import httpx
 
 from pdserve.cluster.ports import free_port
-from pdserve.engine.affinity import current_thread_cpus
+from pdserve.kernels.cpu.cpus import current_thread_cpus
 
 HOST = "127.0.0.1"
 

@@ -33,7 +33,7 @@ from pdserve.cluster.state import (
     write_token,
 )
 from pdserve.cluster.topology import ClusterSpec, NodeSpec, format_labels
-from pdserve.engine.affinity import ENGINE_CPUS_ENV, format_cpu_list
+from pdserve.kernels.cpu.cpus import ENGINE_CPUS_ENV, format_cpu_list
 
 READY_MARKER = "Ray runtime started"
 TOKEN_FILE = "auth_token"

@@ -18,7 +18,7 @@ from pdserve.cluster.procs import is_running
 from pdserve.cluster.state import ClusterState, NodeRecord, auth_header
 from pdserve.deployments.config import POOL_LABEL_KEY
 from pdserve.deployments.metrics import PREFIX, exported_name
-from pdserve.engine.affinity import format_cpu_list
+from pdserve.kernels.cpu.cpus import format_cpu_list
 
 if TYPE_CHECKING:  # Ray is imported only when status runs
     from ray.serve.schema import ApplicationDetails

@@ -14,7 +14,7 @@ Logical CPUs only count; where processes actually run is the CPU plan (``CpuPlan
 machine has enough), and everything else (the head's processes, the raylets, the replicas'
 serving threads, prefill engines without CPUs of their own) runs on the remaining "shared"
 CPUs. Each pool node tells its replicas their engine CPUs in ``$PDSERVE_ENGINE_CPUS``; a
-replica binds only its engine thread there (``PoolConfig.cpu_bind``). On 2 cores: decode
+replica binds only its engine thread there (``PoolConfig.cpu.cpu_bind``). On 2 cores: decode
 engine on CPU 1, the rest on CPU 0. An engine that shares its core with the serving threads
 waits behind their bursts every step: with ``pdserve.bench.compare_serving`` on 2 cores the pinned
 colocated server served 133-138 tok/s at concurrency 8 where the unpinned one served 110.
@@ -30,7 +30,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pdserve.deployments.config import POOL_LABEL_KEY
-from pdserve.engine.affinity import current_thread_cpus
+from pdserve.kernels.cpu.cpus import current_thread_cpus
 
 NodeRole = Literal["head", "prefill", "decode"]
 LOOPBACK_NODE_IP = "127.0.0.2"  # Ray rewrites 127.0.0.1 to the host's address; 127.0.0.2 stays.

@@ -15,6 +15,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from pdserve.kernels.cpu.cpus import parse_cpu_list
+
 PoolRole = Literal["prefill", "decode"]
 POOL_LABEL_KEY = "pdserve.io/pool"
 ACCELERATOR_LABEL_KEY = "ray.io/accelerator-type"
@@ -146,6 +148,55 @@ class EngineLimits(_Strict):
     )
 
 
+class CpuSettings(_Strict):
+    """How a CPU engine replica uses its node's CPUs (the CPU runtime of ``pdserve.kernels``).
+
+    Ignored, with one log line, by replicas whose engine runs on a GPU.
+    """
+
+    nice: int = Field(
+        default=0,
+        ge=0,
+        le=19,
+        description=(
+            "Niceness added to the replica's process (0 = unchanged). Where the pools share "
+            "CPUs, a niced prefill pool lets decode steps win the cores: steady TPOT while "
+            "long prompts are prefilled next door."
+        ),
+    )
+    cpu_bind: str = Field(
+        default="auto",
+        description=(
+            "CPUs the replica's engine threads are bound to: 'auto' = the engine CPUs the "
+            "node reserved in $PDSERVE_ENGINE_CPUS (`pdserve up` sets it; unbound when "
+            "unset; replicas of one node share them), 'none' = never bind, or a CPU list "
+            "such as '2-3'. Bound replicas run at most one torch thread per CPU."
+        ),
+    )
+    helper_threads: int = Field(
+        default=0,
+        ge=0,
+        description=(
+            "Engines bound to their CPUs: OpenMP threads added on the process's other "
+            "(shared) CPUs, niced, for steps of at least helper_min_tokens tokens. On a "
+            "small node they turn the serving CPUs' idle time into prefill compute; the "
+            "linears hand out work dynamically, so a preempted helper costs little. 0 = none."
+        ),
+    )
+    helper_min_tokens: int = Field(
+        default=32,
+        ge=1,
+        description="Smallest step (in tokens) that the helper threads join.",
+    )
+
+    @field_validator("cpu_bind")
+    @classmethod
+    def _check_cpu_bind(cls, value: str) -> str:
+        if value not in ("auto", "none"):
+            parse_cpu_list(value)  # ValueError naming the list
+        return value
+
+
 class PoolConfig(_Strict):
     """One replica pool (prefill or decode): size, placement, resources, engine limits."""
 
@@ -169,39 +220,9 @@ class PoolConfig(_Strict):
         default=1.0, gt=0, description="CPUs per replica; also the replica's torch threads."
     )
     num_gpus: float = Field(default=0.0, ge=0, description="GPUs per replica.")
-    nice: int = Field(
-        default=0,
-        ge=0,
-        le=19,
-        description=(
-            "Niceness added to the replica's process (0 = unchanged). Where the pools share "
-            "CPUs, a niced prefill pool lets decode steps win the cores: steady TPOT while "
-            "long prompts are prefilled next door."
-        ),
-    )
-    cpu_bind: str = Field(
-        default="auto",
-        description=(
-            "CPUs the replica's engine threads are bound to (CPU engines): 'auto' = the "
-            "engine CPUs the node reserved in $PDSERVE_ENGINE_CPUS (`pdserve up` sets it; "
-            "unbound when unset; replicas of one node share them), 'none' = never bind, or "
-            "a CPU list such as '2-3'. Bound replicas run at most one torch thread per CPU."
-        ),
-    )
-    helper_threads: int = Field(
-        default=0,
-        ge=0,
-        description=(
-            "CPU engines bound to their CPUs: OpenMP threads added on the process's other "
-            "(shared) CPUs, niced, for steps of at least helper_min_tokens tokens. On a "
-            "small node they turn the serving CPUs' idle time into prefill compute; the "
-            "linears hand out work dynamically, so a preempted helper costs little. 0 = none."
-        ),
-    )
-    helper_min_tokens: int = Field(
-        default=32,
-        ge=1,
-        description="Smallest step (in tokens) that the helper threads join.",
+    cpu: CpuSettings = Field(
+        default_factory=CpuSettings,
+        description="CPU engines: niceness, CPU binding, helper threads (ignored on a GPU).",
     )
     max_ongoing_requests: int = Field(
         default=64, ge=1, description="Serve's per-replica cap on in-flight requests."
@@ -214,16 +235,6 @@ class PoolConfig(_Strict):
     engine: EngineLimits = Field(
         default_factory=EngineLimits, description="Engine limits of each replica."
     )
-
-    @field_validator("cpu_bind")
-    @classmethod
-    def _check_cpu_bind(cls, value: str) -> str:
-        if value not in ("auto", "none"):
-            # Imported here: engine.affinity imports torch, which this module must not.
-            from pdserve.engine.affinity import parse_cpu_list
-
-            parse_cpu_list(value)  # ValueError naming the list
-        return value
 
     @model_validator(mode="after")
     def _check_bounds(self) -> PoolConfig:

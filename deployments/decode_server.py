@@ -54,9 +54,9 @@ from pdserve.deployments.remote_prefill import PrefillClient, RemotePrefill, Ser
 from pdserve.deployments.replica import (
     IntegrityReport,
     TransferMetricsObserver,
-    configure_replica_cpus,
     replica_name,
     replica_node_id,
+    runtime_report,
     transfer_host,
 )
 from pdserve.engine.outputs import RequestOutput
@@ -91,7 +91,6 @@ class DecodeServer:
         engine_factory: EngineFactory | None = None,
     ) -> None:
         self.cfg = config if isinstance(config, AppConfig) else AppConfig.from_dict(config)
-        cpus = configure_replica_cpus(self.cfg.decode)
         tracing.setup_tracing(self.cfg.observability)
         self.model_name = self.cfg.model.served_name(model_dir)
         self.metrics = ServingMetrics(
@@ -104,7 +103,7 @@ class DecodeServer:
         factory = engine_factory or default_engine_factory
         self.engine = factory(
             engine_config(self.cfg, "decode", model_dir),
-            pool_hooks(self.cfg, "decode", cpus, kv_cache_allocator=allocator),
+            pool_hooks(self.cfg, "decode", kv_cache_allocator=allocator),
         )
         self.block_size: int = self.engine.block_size
         self.max_num_seqs = self.cfg.decode.engine.max_num_seqs
@@ -326,8 +325,7 @@ class DecodeServer:
             num_total_blocks=stats.num_total_blocks,
             pending_transfers=self.remote.pending() if self.remote is not None else [],
             num_streams=self._open_streams,
-            engine_cpus=list(getattr(self.engine, "cpu_affinity", ())),
-            helper_cpus=list(getattr(self.engine, "helper_cpus", ())),
+            **runtime_report(self.engine),
         )
 
     def shutdown(self) -> None:

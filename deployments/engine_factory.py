@@ -1,20 +1,23 @@
 """How a replica gets its engine: an injectable factory (tests may pass their own).
 
 ``EngineFactory`` takes the replica's ``EngineConfig`` plus its role hooks (KV allocator,
-KV connector) and returns an ``AsyncLLMEngine``-compatible object. The default builds the
-real engine. Factories are sent to replicas by value (cloudpickle), so a test can define
-one in the test module and run a real Serve app with it.
+KV connector, the settings of the engine's device runtime) and returns an
+``AsyncLLMEngine``-compatible object. The default builds the real engine. Factories are
+sent to replicas by value (cloudpickle), so a test can define one in the test module and
+run a real Serve app with it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.deployments.config import AppConfig, PoolRole
+from pdserve.deployments.config import AppConfig, PoolConfig, PoolRole
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_connector import KVConnector
+from pdserve.kernels.cpu.cpus import ENGINE_CPUS_ENV, RuntimeSettings
 
 
 @dataclass(frozen=True)
@@ -24,24 +27,30 @@ class EngineHooks:
     role: PoolRole
     kv_cache_allocator: Any = None  # KVCacheAllocator: the decode pool's shared-memory pool
     kv_connector: KVConnector | None = None  # the prefill side's KV sender
-    cpu_affinity: tuple[int, ...] = ()  # CPUs the engine thread binds to; () = unbound
-    helper_threads: int = 0  # OpenMP helpers on the process's other CPUs (bound engines)
-    helper_min_tokens: int = 32  # smallest step the helpers join
+    runtime: RuntimeSettings | None = None  # what the replica asks of the device runtime
 
 
 EngineFactory = Callable[[EngineConfig, EngineHooks], Any]
 
 
-def pool_hooks(cfg: AppConfig, role: PoolRole, cpus: tuple[int, ...], **hooks: Any) -> EngineHooks:
-    """A pool's hooks: its role's pieces (``hooks``) plus the CPU settings of its config."""
-    pool = cfg.pool(role)
-    return EngineHooks(
-        role,
-        cpu_affinity=cpus,
-        helper_threads=pool.helper_threads,
-        helper_min_tokens=pool.helper_min_tokens,
-        **hooks,
+def runtime_settings(pool: PoolConfig, environ: Mapping[str, str] = os.environ) -> RuntimeSettings:
+    """What a pool's replica asks of its engine's device runtime: torch threads from
+    ``num_cpus``, the ``cpu:`` section, and the node's engine-CPU reservation (read here,
+    once; the runtime resolves and applies it, or ignores it on a GPU)."""
+    cpu = pool.cpu
+    return RuntimeSettings(
+        num_cpus=pool.num_cpus,
+        nice=cpu.nice,
+        cpu_bind=cpu.cpu_bind,
+        node_engine_cpus=environ.get(ENGINE_CPUS_ENV, ""),
+        helper_threads=cpu.helper_threads,
+        helper_min_tokens=cpu.helper_min_tokens,
     )
+
+
+def pool_hooks(cfg: AppConfig, role: PoolRole, **hooks: Any) -> EngineHooks:
+    """A pool's hooks: its role's pieces (``hooks``) plus its device runtime's settings."""
+    return EngineHooks(role, runtime=runtime_settings(cfg.pool(role)), **hooks)
 
 
 def default_engine_factory(config: EngineConfig, hooks: EngineHooks) -> Any:
@@ -49,14 +58,12 @@ def default_engine_factory(config: EngineConfig, hooks: EngineHooks) -> Any:
     from pdserve.engine.llm_engine import LLMEngine
 
     llm = LLMEngine(
-        config, kv_cache_allocator=hooks.kv_cache_allocator, kv_connector=hooks.kv_connector
+        config,
+        kv_cache_allocator=hooks.kv_cache_allocator,
+        kv_connector=hooks.kv_connector,
+        runtime_settings=hooks.runtime,
     )
-    return AsyncLLMEngine(
-        llm,
-        cpu_affinity=hooks.cpu_affinity,
-        helper_threads=hooks.helper_threads,
-        helper_min_tokens=hooks.helper_min_tokens,
-    )
+    return AsyncLLMEngine(llm)
 
 
 def engine_config(cfg: AppConfig, role: PoolRole, model_dir: str) -> EngineConfig:

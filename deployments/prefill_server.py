@@ -34,10 +34,10 @@ from pdserve.deployments.metrics import ServingMetrics
 from pdserve.deployments.replica import (
     IntegrityReport,
     TransferMetricsObserver,
-    configure_replica_cpus,
     replica_actor_name,
     replica_name,
     replica_node_id,
+    runtime_report,
     transfer_host,
 )
 from pdserve.kvtransfer.config import KVTransferConfig
@@ -61,7 +61,6 @@ class PrefillServer:
         engine_factory: EngineFactory | None = None,
     ) -> None:
         self.cfg = config if isinstance(config, AppConfig) else AppConfig.from_dict(config)
-        cpus = configure_replica_cpus(self.cfg.prefill)
         tracing.setup_tracing(self.cfg.observability)
         self.model_name = self.cfg.model.served_name(model_dir)
         self.metrics = ServingMetrics(
@@ -82,7 +81,7 @@ class PrefillServer:
         factory = engine_factory or default_engine_factory
         self.engine = factory(
             engine_config(self.cfg, "prefill", model_dir),
-            pool_hooks(self.cfg, "prefill", cpus, kv_connector=self.connector),
+            pool_hooks(self.cfg, "prefill", kv_connector=self.connector),
         )
         # The engine registered its pool with the connector, which built the sender.
         self.sender = self.connector.sender
@@ -177,8 +176,7 @@ class PrefillServer:
             num_free_blocks=stats.num_free_blocks,
             num_total_blocks=stats.num_total_blocks,
             pending_transfers=self.sender.open_handles(),
-            engine_cpus=list(getattr(self.engine, "cpu_affinity", ())),
-            helper_cpus=list(getattr(self.engine, "helper_cpus", ())),
+            **runtime_report(self.engine),
         )
 
     def actor_name(self) -> str | None:

@@ -1,5 +1,6 @@
-"""Per-replica helpers shared by the prefill and decode servers: identity, torch threads and
-engine CPUs, the KV-transfer metrics observer, and the integrity report both servers return.
+"""Per-replica helpers shared by the prefill and decode servers: identity, the KV-transfer
+metrics observer, and the integrity report both servers return (with where the engine's
+runtime computes).
 
 Everything here also works outside Ray (tests construct servers directly).
 """
@@ -8,14 +9,12 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Mapping
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pdserve.deployments.config import PoolConfig
 from pdserve.deployments.metrics import ServingMetrics
-from pdserve.engine.affinity import ENGINE_CPUS_ENV, check_cpus_exist, parse_cpu_list
+from pdserve.kernels.cpu.cpus import RuntimeInfo
 from pdserve.kvtransfer.types import TransferResult
 
 
@@ -48,71 +47,12 @@ class IntegrityReport(BaseModel):
         )
 
 
-def engine_cpus(cpu_bind: str, environ: Mapping[str, str] = os.environ) -> tuple[int, ...]:
-    """The CPUs a replica's engine thread binds to under the pool's ``cpu_bind``; () = none.
-
-    'auto' takes the node's reservation (``$PDSERVE_ENGINE_CPUS``), an explicit list is used
-    as given; either must name CPUs this machine has (ValueError otherwise).
-    """
-    if cpu_bind == "none":
-        return ()
-    if cpu_bind == "auto":
-        text = environ.get(ENGINE_CPUS_ENV, "").strip()
-        what = f"${ENGINE_CPUS_ENV}={text!r}"
-    else:
-        text, what = cpu_bind, f"cpu_bind {cpu_bind!r}"
-    if not text:
-        return ()
-    cpus = parse_cpu_list(text)
-    check_cpus_exist(cpus, what)
-    return cpus
-
-
-def set_torch_threads(num_cpus: float, bound_cpus: tuple[int, ...] = ()) -> int:
-    """Give torch as many intra-op threads as the replica has CPUs (at least one, and no
-    more than the CPUs its engine is bound to): unpinned replicas on a small machine would
-    otherwise oversubscribe each other."""
-    import torch
-
-    threads = max(1, int(num_cpus))
-    if bound_cpus:
-        threads = min(threads, len(bound_cpus))
-    torch.set_num_threads(threads)
-    return threads
-
-
-def configure_replica_cpus(pool: PoolConfig) -> tuple[int, ...]:
-    """A replica's CPU settings from its pool: torch threads, niceness, and the CPUs its
-    engine thread is to bind to (returned; the engine binds its own thread)."""
-    cpus = engine_cpus(pool.cpu_bind)
-    set_torch_threads(pool.num_cpus, cpus)
-    lower_cpu_priority(pool.nice)
-    return cpus
-
-
-def lower_cpu_priority(nice: int) -> int:
-    """Raise every thread of this process to at least niceness ``nice``; returns how many
-    threads were changed.
-
-    On Linux niceness is per thread and a new thread inherits its creator's, so this covers
-    the threads that exist now and, through them, the engine and OpenMP threads started
-    later. Only ever lowers priority (which needs no privileges).
-    """
-    if nice <= 0:
-        return 0
-    try:
-        tids = [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:  # not Linux: the whole process
-        tids = [0]
-    changed = 0
-    for tid in tids:
-        try:
-            if os.getpriority(os.PRIO_PROCESS, tid) < nice:
-                os.setpriority(os.PRIO_PROCESS, tid, nice)
-                changed += 1
-        except OSError:  # the thread ended meanwhile
-            continue
-    return changed
+def runtime_report(engine: Any) -> dict[str, list[int]]:
+    """The integrity report's ``engine_cpus``/``helper_cpus`` from the engine's runtime
+    (test doubles without a runtime report none)."""
+    describe = getattr(engine, "describe_runtime", None)
+    info = describe() if describe is not None else RuntimeInfo()
+    return {"engine_cpus": list(info.engine_cpus), "helper_cpus": list(info.helper_cpus)}
 
 
 def _in_ray_worker() -> bool:

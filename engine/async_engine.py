@@ -5,12 +5,9 @@ compute) never blocks the event loop. Every call that touches the engine is a co
 on that thread between steps, so the engine is never used from two threads at once. Outputs
 go back to each request's ``asyncio.Queue`` through ``loop.call_soon_threadsafe``.
 
-With ``cpu_affinity`` the engine thread binds itself to those CPUs before its first step,
-so it and the OpenMP workers torch starts from it compute there, while the event loop and
-every other thread of the process stay where they were (``pdserve.engine.affinity``). With
-``helper_threads`` as well, that many more OpenMP threads are bound to the process's other
-CPUs (the node's shared ones), niced, and join only steps of at least ``helper_min_tokens``
-tokens: on a small CPU node they put the serving CPUs' idle time into prefill.
+Before its first step the engine thread runs the device runtime's thread-start hook
+(``engine.runtime``, owned by the model runner; on CPU it may bind the thread to its
+CPUs): the event loop and every other thread of the process are left as they were.
 
 A consumer that stops iterating (client disconnect, task cancellation) aborts its request,
 which frees its KV blocks. If a step raises, every stream gets the error and later calls
@@ -27,21 +24,18 @@ import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import torch
-
-from pdserve.engine.affinity import (
-    HELPER_NICE,
-    StepThreads,
-    bind_current_thread,
-    current_thread_cpus,
-)
 from pdserve.engine.block_pool import NO_PARENT_HASH, hash_block_tokens
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput, TokenLogprob, merge_outputs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.stats import EngineStats
+
+if TYPE_CHECKING:
+    import torch
+
+    from pdserve.kernels.ops import RuntimeInfo
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -72,25 +66,9 @@ class _Stream:
 class AsyncLLMEngine:
     """Owns an LLMEngine and the thread that steps it."""
 
-    def __init__(
-        self,
-        engine: LLMEngine,
-        *,
-        cpu_affinity: Sequence[int] | None = None,
-        helper_threads: int = 0,
-        helper_min_tokens: int = 32,
-    ) -> None:
-        if helper_threads < 0:
-            raise ValueError(f"helper_threads must be >= 0, got {helper_threads}")
-        if helper_min_tokens < 1:
-            raise ValueError(f"helper_min_tokens must be >= 1, got {helper_min_tokens}")
+    def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._cpu_affinity = tuple(sorted(set(cpu_affinity))) if cpu_affinity else ()
-        self._helper_threads = helper_threads
-        self._helper_min_tokens = helper_min_tokens
-        self._bound = threading.Event()  # set once the thread tried to bind (bound or not)
-        self._bound_cpus: tuple[int, ...] = ()
-        self._helper_cpus: tuple[int, ...] = ()
+        self._started = threading.Event()  # set once the thread ran the runtime's start hook
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}  # touched only on the engine thread
         self._stats = engine.stats()
@@ -100,21 +78,8 @@ class AsyncLLMEngine:
         self._thread.start()
 
     @classmethod
-    def from_pretrained(
-        cls,
-        model_dir: str | Path,
-        *,
-        cpu_affinity: Sequence[int] | None = None,
-        helper_threads: int = 0,
-        helper_min_tokens: int = 32,
-        **kwargs: Any,
-    ) -> AsyncLLMEngine:
-        return cls(
-            LLMEngine.from_pretrained(model_dir, **kwargs),
-            cpu_affinity=cpu_affinity,
-            helper_threads=helper_threads,
-            helper_min_tokens=helper_min_tokens,
-        )
+    def from_pretrained(cls, model_dir: str | Path, **kwargs: Any) -> AsyncLLMEngine:
+        return cls(LLMEngine.from_pretrained(model_dir, **kwargs))
 
     # ------------------------------------------------------------------ public API
     @property
@@ -125,17 +90,10 @@ class AsyncLLMEngine:
     def model_config(self) -> Any:
         return self.engine.model_config
 
-    @property
-    def cpu_affinity(self) -> tuple[int, ...]:
-        """The CPUs the engine thread is bound to; () when unbound."""
-        self._bound.wait(5.0)
-        return self._bound_cpus
-
-    @property
-    def helper_cpus(self) -> tuple[int, ...]:
-        """The CPUs the helper threads are bound to; () when there are none."""
-        self._bound.wait(5.0)
-        return self._helper_cpus
+    def describe_runtime(self) -> RuntimeInfo:
+        """The device runtime's report, once the engine thread started (for reports)."""
+        self._started.wait(5.0)
+        return self.engine.runtime.describe()
 
     def stats(self) -> EngineStats:
         """The snapshot taken after the latest step or command (never blocks)."""
@@ -346,12 +304,10 @@ class AsyncLLMEngine:
             del self._streams[request_id]
 
     def _run(self) -> None:
-        process_cpus = current_thread_cpus()  # inherited: the process's (shared) CPUs
-        if self._cpu_affinity and bind_current_thread(self._cpu_affinity):
-            self._bound_cpus = self._cpu_affinity
-            if self._helper_threads:
-                self._start_helpers(process_cpus)
-        self._bound.set()
+        try:
+            self.engine.runtime.on_engine_thread_start()
+        finally:
+            self._started.set()
         blocked = False  # the last step could schedule nothing: don't spin on it
         try:
             while not self._stopped.is_set():
@@ -372,31 +328,6 @@ class AsyncLLMEngine:
             logger.exception("engine loop died")
             self._error = exc
             self._fail_all(EngineDeadError(f"engine loop stopped: {exc!r}"))
-
-    def _start_helpers(self, process_cpus: tuple[int, ...]) -> None:
-        """Bind ``helper_threads`` OpenMP threads to the CPUs the engine thread gave up."""
-        from pdserve.kernels import native
-
-        shared = tuple(c for c in process_cpus if c not in self._bound_cpus)
-        if not shared:
-            logger.info("no CPUs outside the engine's for helper threads; none started")
-            return
-        base = max(1, min(torch.get_num_threads(), len(self._bound_cpus)))
-        total = base + self._helper_threads
-        torch.set_num_threads(base)
-        sets = [self._bound_cpus] * base + [shared] * self._helper_threads
-        ok = native.bind_omp_team(sets, helper_nice=HELPER_NICE)
-        if not ok:
-            logger.warning("could not bind helper threads (no native kernels?); none used")
-            return
-        self._helper_cpus = shared
-        self.engine.step_threads = StepThreads(base, total, self._helper_min_tokens)
-        logger.info(
-            "%d helper thread(s) on CPUs %s for steps of >= %d tokens",
-            self._helper_threads,
-            ",".join(map(str, shared)),
-            self._helper_min_tokens,
-        )
 
     def _run_commands(self, wait: float) -> None:
         """Run queued commands, waiting up to ``wait`` seconds for the first one."""

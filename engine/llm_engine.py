@@ -15,7 +15,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from pdserve.engine.affinity import StepThreads
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.kv_connector import KVConnector
@@ -29,6 +28,8 @@ from pdserve.engine.stats import EngineStats, ThroughputMeter
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+    from pdserve.kernels.ops import DeviceRuntime, RuntimeSettings
+
 logger = logging.getLogger(__name__)
 
 
@@ -37,6 +38,7 @@ class ModelRunnerLike(Protocol):
 
     model_config: Any
     tokenizer: Any
+    runtime: DeviceRuntime
 
     def profile_num_blocks(self) -> int: ...
 
@@ -55,15 +57,21 @@ class LLMEngine:
         kv_cache_allocator: Any = None,
         kv_connector: KVConnector | None = None,
         model_runner: ModelRunnerLike | None = None,
+        runtime_settings: RuntimeSettings | None = None,
     ) -> None:
         self.config = config
         if model_runner is None:
             from pdserve.engine.model_runner import ModelRunner  # torch and the model load here
 
             model_runner = ModelRunner(
-                config, kv_cache_allocator=kv_cache_allocator, kv_connector=kv_connector
+                config,
+                kv_cache_allocator=kv_cache_allocator,
+                kv_connector=kv_connector,
+                runtime_settings=runtime_settings,
             )
         self.runner = model_runner
+        # The device runtime: hooks for whoever runs the step loop (AsyncLLMEngine).
+        self.runtime = model_runner.runtime
         self.kv_connector = kv_connector
         self.model_config = model_runner.model_config
         self.tokenizer = model_runner.tokenizer
@@ -92,8 +100,6 @@ class LLMEngine:
         # Tokens the latest step computed (0: the queue is blocked, e.g. waiting for blocks
         # held by remote reservations or in-flight KV sends).
         self.last_step_num_tokens = 0
-        # Set by AsyncLLMEngine when it starts helper threads: threads per step by its size.
-        self.step_threads: StepThreads | None = None
 
     @classmethod
     def from_pretrained(
@@ -102,10 +108,16 @@ class LLMEngine:
         *,
         kv_cache_allocator: Any = None,
         kv_connector: KVConnector | None = None,
+        runtime_settings: RuntimeSettings | None = None,
         **config_overrides: Any,
     ) -> LLMEngine:
         config = EngineConfig(model=str(model_dir), **config_overrides)
-        return cls(config, kv_cache_allocator=kv_cache_allocator, kv_connector=kv_connector)
+        return cls(
+            config,
+            kv_cache_allocator=kv_cache_allocator,
+            kv_connector=kv_connector,
+            runtime_settings=runtime_settings,
+        )
 
     def _resolve_max_model_len(self, num_blocks: int) -> int:
         model_max = int(
@@ -255,8 +267,6 @@ class LLMEngine:
         sampled: dict[str, SampledTokenLike] = {}
         sends_done: list[str] = []
         if out.chunks:
-            if self.step_threads is not None:
-                self.step_threads.apply(out.num_batched_tokens)
             start = time.perf_counter()
             # The runner calls connector.begin_step(out.kv_sends) and layer_computed();
             # the engine collects finished sends after the forward pass.

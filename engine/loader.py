@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from pdserve.kernels.linear import can_pack
+from pdserve.kernels.ops import can_pack
 
 # Architectures models/llama.py implements (they differ only in config details).
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.cpu_memory import keep_freed_memory
 from pdserve.engine.kv_connector import KVConnector
 from pdserve.engine.loader import (
     ModelConfig,
@@ -31,8 +29,7 @@ from pdserve.engine.models import build_model
 from pdserve.engine.models.llama import AttentionMetadata
 from pdserve.engine.sampler import SampledToken, Sampler, SamplingRow
 from pdserve.engine.scheduler_output import SchedulerOutput
-from pdserve.kernels import native
-from pdserve.kernels.linear import pack_linears
+from pdserve.kernels.ops import DeviceRuntime, RuntimeSettings, make_runtime, pack_linears
 
 logger = logging.getLogger(__name__)
 
@@ -72,23 +69,6 @@ def _resolve_device(requested: str) -> torch.device:
     return torch.device(requested)
 
 
-def _limit_cpu_threads() -> None:
-    """Don't run more intra-op threads than CPUs this process may use.
-
-    Deployments set the thread count to their CPU share themselves (Ray also exports
-    OMP_NUM_THREADS to its workers); this only lowers torch's default, when nobody chose a
-    count and the process is pinned to fewer CPUs than the machine has.
-    """
-    if "OMP_NUM_THREADS" in os.environ:
-        return
-    try:
-        allowed = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not on Linux
-        return
-    if torch.get_num_threads() > allowed:
-        torch.set_num_threads(allowed)
-
-
 def _available_memory_bytes() -> int:
     try:
         with open("/proc/meminfo") as f:
@@ -109,13 +89,13 @@ class ModelRunner:
         *,
         kv_cache_allocator: KVCacheAllocator | None = None,
         kv_connector: KVConnector | None = None,
+        runtime_settings: RuntimeSettings | None = None,
     ) -> None:
         self.config = config
         self.device = _resolve_device(config.device)
-        if self.device.type == "cpu":
-            _limit_cpu_threads()
-            keep_freed_memory()
-            native.available()  # build the CPU kernels now, not in the first request
+        # Threads, pinning and allocator of the device: the engine calls its hooks.
+        self.runtime: DeviceRuntime = make_runtime(self.device, runtime_settings)
+        self.runtime.prepare_process()
         model_config = load_model_config(config.model)
         dtype = resolve_dtype(config.dtype, model_config.checkpoint_dtype, self.device)
         self.model_config: ModelConfig = replace(model_config, dtype=dtype)
@@ -294,6 +274,7 @@ class ModelRunner:
         """
         if not out.chunks:
             return {}
+        self.runtime.before_step(out.num_batched_tokens)
         batch, logits = self.compute_logits(out)
         tokens = self.sampler(logits, batch.sampling)
         return dict(zip(batch.sample_request_ids, tokens, strict=True))

@@ -1,4 +1,10 @@
-"""Attention, KV-cache and norm/rotary kernels: Triton for CUDA, pure torch for CPU.
+"""Attention, KV-cache and layer kernels, by backend.
 
-Callers use ``pdserve.kernels.ops`` only; ``pdserve.kernels.reference`` holds the test oracles.
+- ``ops``: the one dispatch module the engine and kvtransfer call (CUDA tensors to Triton,
+  CPU tensors to the CPU backend) and the device runtime the model runner owns;
+- ``triton/``: Triton kernels for CUDA;
+- ``cpu/``: batched torch paths, native C++ kernels and the CPU runtime;
+- ``reference``: pure-torch references, the test oracles of every kernel.
+
+Imports no torch here: torch-free modules of the backends (CPU lists) load without it.
 """

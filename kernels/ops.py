@@ -1,10 +1,16 @@
 """The kernel dispatch layer: the only kernel API the engine and kvtransfer call.
 
-CUDA tensors go to the Triton kernels (imported lazily, on first CUDA call, so a machine
-without triton runs the CPU path); CPU tensors go to the batched torch paths in
-``kernels/cpu.py`` or the references in ``kernels/reference.py``. Shapes and the KV cache
-layout are those of .plan/INTERFACES.md. This module validates arguments (ValueError naming
-the argument) but never allocates caches or keeps state besides the lazy imports.
+CUDA tensors go to the Triton kernels in ``kernels/triton/`` (imported lazily, on first
+CUDA call, so a machine without triton runs the CPU path); CPU tensors go to the batched
+torch paths of ``kernels/cpu/batched.py`` or the references in ``kernels/reference.py``.
+Shapes and the KV cache layout are those of .plan/INTERFACES.md. This module validates
+arguments (ValueError naming the argument) but never allocates caches or keeps state
+besides the lazy imports.
+
+It also hands the engine what depends on the backend but is not a kernel: the linears
+packed at load time, and the device runtime the model runner owns (``make_runtime``:
+threads, pinning and the allocator on CPU; nothing on a GPU), whose hooks the engine calls
+without knowing what they do.
 """
 
 from __future__ import annotations
@@ -12,18 +18,29 @@ from __future__ import annotations
 import importlib
 import logging
 from types import ModuleType
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from pdserve.kernels import cpu, reference
+from pdserve.kernels import reference
+from pdserve.kernels.cpu import batched as cpu
+from pdserve.kernels.cpu.cpus import RuntimeInfo, RuntimeSettings
+from pdserve.kernels.cpu.linear import can_pack, pack_linears
+from pdserve.kernels.cpu.runtime import CpuRuntime, single_threaded_copies
 
 __all__ = [
+    "DeviceRuntime",
+    "RuntimeInfo",
+    "RuntimeSettings",
     "apply_rotary",
     "build_rope_cache",
+    "can_pack",
     "gather_blocks",
+    "make_runtime",
+    "pack_linears",
     "paged_attention",
     "paged_decode_attention",
+    "prepare_copy_thread",
     "rms_norm",
     "scatter_blocks",
     "silu_and_mul",
@@ -36,12 +53,12 @@ _triton_modules: dict[str, ModuleType | None] = {}
 
 
 def _triton(name: str, tensor: torch.Tensor) -> ModuleType | None:
-    """The Triton module ``kernels.<name>`` for a CUDA tensor, else None (use torch)."""
+    """The Triton module ``kernels/triton/<name>.py`` for a CUDA tensor, else None (torch)."""
     if tensor.device.type != "cuda":
         return None
     if name not in _triton_modules:
         try:
-            _triton_modules[name] = importlib.import_module(f"pdserve.kernels.{name}")
+            _triton_modules[name] = importlib.import_module(f"pdserve.kernels.triton.{name}")
         except ImportError as exc:  # triton missing or broken: torch still works on CUDA
             logger.warning("Triton kernels unavailable (%s); using torch on CUDA", exc)
             _triton_modules[name] = None
@@ -80,7 +97,7 @@ def write_kv(
         )
     if slot_mapping.shape != (key.shape[0],):
         raise ValueError(f"slot_mapping: expected shape ({key.shape[0]},)")
-    mod = _triton("triton_kv", key)
+    mod = _triton("kv", key)
     if mod is not None:
         mod.write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
     else:
@@ -104,7 +121,7 @@ def paged_attention(
         raise ValueError(f"cu_seqlens_q: expected shape ({num_seqs + 1},)")
     if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
         raise ValueError(f"block_tables: expected [{num_seqs}, M]")
-    mod = _triton("triton_prefill", q)
+    mod = _triton("prefill", q)
     if mod is not None:
         return mod.paged_attention_triton(
             q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale
@@ -127,7 +144,7 @@ def paged_decode_attention(
         raise ValueError(f"seq_lens: expected shape ({q.shape[0]},)")
     if block_tables.dim() != 2 or block_tables.shape[0] != q.shape[0]:
         raise ValueError(f"block_tables: expected [{q.shape[0]}, M]")
-    mod = _triton("triton_decode", q)
+    mod = _triton("decode", q)
     if mod is not None:
         return mod.paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale)
     return cpu.paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale)
@@ -144,7 +161,7 @@ def rms_norm(
         raise ValueError(f"weight: expected shape ({x.shape[-1]},), got {tuple(weight.shape)}")
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"residual: shape {tuple(residual.shape)} != x {tuple(x.shape)}")
-    mod = _triton("triton_norm", x)
+    mod = _triton("norm", x)
     if mod is not None:
         return mod.rms_norm_triton(x, weight, eps, residual)
     return cpu.rms_norm_cpu(x, weight, eps, residual)
@@ -184,7 +201,7 @@ def apply_rotary(
         raise ValueError(f"positions: expected shape ({q.shape[0]},)")
     if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != q.shape[2]:
         raise ValueError(f"cos_sin_cache: expected [P, {q.shape[2]}]")
-    mod = _triton("triton_rotary", q)
+    mod = _triton("rotary", q)
     if mod is not None:
         return mod.apply_rotary_triton(positions, q, k, cos_sin_cache)
     return cpu.apply_rotary_cpu(positions, q, k, cos_sin_cache)
@@ -203,7 +220,7 @@ def gather_blocks(
 ) -> torch.Tensor:  # [..., n, B, Hkv, D] contiguous
     """Pack the listed blocks into one contiguous buffer (block dim is -4)."""
     _check_blocks(kv, block_ids)
-    mod = _triton("triton_kv", kv)
+    mod = _triton("kv", kv)
     if mod is not None:
         return mod.gather_blocks_triton(kv, block_ids)
     return reference.gather_blocks_ref(kv, block_ids)
@@ -219,8 +236,72 @@ def scatter_blocks(
     expected = (*kv.shape[:-4], block_ids.shape[0], *kv.shape[-3:])
     if tuple(buf.shape) != expected:
         raise ValueError(f"buf: expected shape {expected}, got {tuple(buf.shape)}")
-    mod = _triton("triton_kv", kv)
+    mod = _triton("kv", kv)
     if mod is not None:
         mod.scatter_blocks_triton(buf, kv, block_ids)
     else:
         reference.scatter_blocks_ref(buf, kv, block_ids)
+
+
+# ---- the device runtime -------------------------------------------------------------------
+
+
+class DeviceRuntime(Protocol):
+    """How an engine process computes on its device, behind hooks the engine calls at fixed
+    points without knowing what they do (see ``kernels/cpu/runtime.py`` for the CPU's)."""
+
+    def prepare_process(self) -> None:
+        """Once, when the model runner starts, before the model loads."""
+
+    def on_engine_thread_start(self) -> None:
+        """On the engine's step thread, before its first step."""
+
+    def before_step(self, num_tokens: int) -> None:
+        """Before each forward pass of ``num_tokens`` tokens, on the engine's thread."""
+
+    def describe(self) -> RuntimeInfo:
+        """Where the engine computes (CPUs it is bound to), for reports."""
+
+
+class _AcceleratorRuntime:
+    """A GPU engine's runtime: torch's CPU threads follow the replica's ``num_cpus``, as on
+    every device; the CPU settings (binding, helpers, niceness) do not apply."""
+
+    def __init__(self, device: torch.device, settings: RuntimeSettings | None) -> None:
+        self.device = device
+        self.settings = settings
+
+    def prepare_process(self) -> None:
+        if self.settings is None:
+            return
+        if self.settings.num_cpus is not None:
+            torch.set_num_threads(max(1, int(self.settings.num_cpus)))
+        logger.info(
+            "device %s: the pool's cpu settings (binding, helper threads, niceness) are ignored",
+            self.device.type,
+        )
+
+    def on_engine_thread_start(self) -> None:
+        pass
+
+    def before_step(self, num_tokens: int) -> None:
+        pass
+
+    def describe(self) -> RuntimeInfo:
+        return RuntimeInfo()
+
+
+def make_runtime(device: torch.device, settings: RuntimeSettings | None = None) -> DeviceRuntime:
+    """The runtime of an engine on ``device``; ``settings`` None = no replica asked for any
+    (a standalone engine: CPU defaults, nothing logged on a GPU). Resolves the CPU settings
+    (ValueError naming a bad CPU list) but changes nothing until its hooks run."""
+    if device.type == "cpu":
+        return CpuRuntime(settings)
+    return _AcceleratorRuntime(device, settings)
+
+
+def prepare_copy_thread() -> None:
+    """Call at the top of a thread that copies tensors beside the engine (kvtransfer's I/O
+    threads): on CPU its copies then run on it alone instead of opening a parallel team
+    that competes with the engine's step for the cores. Changes only the calling thread."""
+    single_threaded_copies()

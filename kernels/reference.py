@@ -3,7 +3,7 @@
 These are the test oracle for the Triton kernels and the fallback CPU path. They favour
 obviousness over speed: per-sequence loops, float32 math, dense softmax. They must never be
 "optimised" in ways that make them harder to check by eye; fast CPU paths live in
-``kernels/cpu.py``.
+``kernels/cpu/batched.py``.
 
 KV cache layout (see .plan/INTERFACES.md): ``k_cache``/``v_cache`` are
 ``[num_blocks, block_size, num_kv_heads, head_dim]``; ``slot = block_id * block_size + offset``.

@@ -1,5 +1,5 @@
 """Random paged-attention batches (fixed seeds) for the kernel tests and
-``pdserve.kernels.gpu_check``.
+``pdserve.kernels.triton.gpu_check``.
 
 Not used by the serving path."""
 

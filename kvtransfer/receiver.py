@@ -22,13 +22,13 @@ import time
 
 import torch
 
+from pdserve.kernels.ops import prepare_copy_thread
 from pdserve.kvtransfer import blocks, wire
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.metrics import TransferObserver, notify
 from pdserve.kvtransfer.node import local_node_id, receive_transports, receiver_offer
 from pdserve.kvtransfer.receiver_state import PeerConn, Session
 from pdserve.kvtransfer.shm import ShmSegment
-from pdserve.kvtransfer.threads import single_threaded_copies
 from pdserve.kvtransfer.transport import TransportUnavailableError
 from pdserve.kvtransfer.types import (
     KVLayout,
@@ -247,7 +247,7 @@ class KVReceiver:
     def bind_device(self) -> None:
         """Set up an I/O thread: copies on this thread only; the CUDA device is per thread,
         point it at the pool's GPU."""
-        single_threaded_copies()
+        prepare_copy_thread()
         if self.kv_cache.device.type == "cuda":
             torch.cuda.set_device(self.kv_cache.device)
 

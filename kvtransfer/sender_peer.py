@@ -19,10 +19,10 @@ from typing import Any, Protocol
 
 import torch
 
+from pdserve.kernels.ops import prepare_copy_thread
 from pdserve.kvtransfer import wire
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.send_handle import SendHandle
-from pdserve.kvtransfer.threads import single_threaded_copies
 from pdserve.kvtransfer.transport import SendTransport
 from pdserve.kvtransfer.types import (
     KVLayout,
@@ -74,7 +74,7 @@ class DecodePeer:
     # ------------------------------------------------------------- worker thread
 
     def _work(self) -> None:
-        single_threaded_copies()
+        prepare_copy_thread()
         device = self.owner.torch_device
         if device.type == "cuda" and device.index is not None:  # the device is per thread
             torch.cuda.set_device(device)

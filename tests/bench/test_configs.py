@@ -70,7 +70,7 @@ def test_disaggregated_config_sends_long_prompts_to_the_prefill_pool() -> None:
 
     cfg = AppConfig.from_yaml(CONFIG_DIR / "local-2core-disagg.yaml")
     assert cfg.prefill.min_replicas >= 1 and cfg.policy.mode == "auto"
-    assert cfg.prefill.nice > cfg.decode.nice  # decode steps win shared cores
+    assert cfg.prefill.cpu.nice > cfg.decode.cpu.nice  # decode steps win shared cores
     policy = DisaggregationPolicy(cfg.policy, cfg.slo, cfg.router.default_prefill_tokens_per_s)
     load = LocalLoad(
         queued_prefill_tokens=0,

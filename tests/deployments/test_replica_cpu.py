@@ -1,104 +1,65 @@
-"""Replica CPU settings: torch threads from num_cpus, and niceness for every thread,
-including threads started afterwards (run in a child process: niceness cannot be undone),
-and the engine CPUs a replica binds to (cpu_bind, the node's $PDSERVE_ENGINE_CPUS)."""
+"""A pool's ``cpu:`` section: validated in the config, and handed to the engine's device
+runtime with the replica's num_cpus and the node's $PDSERVE_ENGINE_CPUS (what the runtime
+does with them is tested in tests/kernels/test_cpu_runtime.py)."""
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 
 from pdserve.deployments.config import AppConfig
-
-REPO = Path(__file__).resolve().parents[2]
-
-CHILD = textwrap.dedent(
-    """
-    import os, threading
-    from pdserve.deployments.replica import lower_cpu_priority, set_torch_threads
-    import torch
-
-    before = threading.Thread(target=lambda: threading.Event().wait(2), daemon=True)
-    before.start()
-    assert set_torch_threads(1.5) == 1 and torch.get_num_threads() == 1
-    assert lower_cpu_priority(0) == 0
-    changed = lower_cpu_priority(7)
-    seen = {}
-    def later():
-        seen["later"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    t = threading.Thread(target=later)
-    t.start(); t.join()
-    prios = set()
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            prios.add(os.getpriority(os.PRIO_PROCESS, int(tid)))
-        except ProcessLookupError:  # a thread that ended meanwhile
-            pass
-    assert lower_cpu_priority(3) == 0  # never raises priority back
-    print(changed >= 2, prios, seen["later"])
-    """
-)
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness")
-def test_niceness_reaches_every_thread_and_later_ones() -> None:
-    out = subprocess.run(
-        [sys.executable, "-c", CHILD], cwd=REPO, capture_output=True, text=True, timeout=120
-    )
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["True", "{7}", "7"]
+from pdserve.deployments.engine_factory import pool_hooks, runtime_settings
+from pdserve.kernels.cpu.cpus import RuntimeSettings
 
 
 def test_nice_is_validated() -> None:
     with pytest.raises(ValueError, match="nice"):
-        AppConfig.from_dict({"prefill": {"nice": 20}})
-    assert AppConfig.from_dict({"prefill": {"nice": 10}}).prefill.nice == 10
-
-
-def test_engine_cpus_follow_cpu_bind_and_the_node_reservation() -> None:
-    from pdserve.deployments.replica import engine_cpus
-
-    env = {"PDSERVE_ENGINE_CPUS": "0"}
-    assert engine_cpus("auto", env) == (0,)  # the node's reservation
-    assert engine_cpus("auto", {}) == ()  # none: unbound
-    assert engine_cpus("auto", {"PDSERVE_ENGINE_CPUS": " "}) == ()
-    assert engine_cpus("none", env) == ()  # never, whatever the node says
-    assert engine_cpus("0", {}) == (0,)  # explicit
-    beyond = str(os.cpu_count() or 1)
-    with pytest.raises(ValueError, match=f"cpu_bind '{beyond}'"):
-        engine_cpus(beyond, {})
-    with pytest.raises(ValueError, match="PDSERVE_ENGINE_CPUS"):
-        engine_cpus("auto", {"PDSERVE_ENGINE_CPUS": beyond})
+        AppConfig.from_dict({"prefill": {"cpu": {"nice": 20}}})
+    assert AppConfig.from_dict({"prefill": {"cpu": {"nice": 10}}}).prefill.cpu.nice == 10
 
 
 def test_cpu_bind_is_validated() -> None:
     for bad in ("2-1", "one", ""):
         with pytest.raises(ValueError, match="cpu_bind"):
-            AppConfig.from_dict({"decode": {"cpu_bind": bad}})
-    cfg = AppConfig.from_dict({"decode": {"cpu_bind": "0-1"}})
-    assert cfg.decode.cpu_bind == "0-1" and cfg.prefill.cpu_bind == "auto"
+            AppConfig.from_dict({"decode": {"cpu": {"cpu_bind": bad}}})
+    cfg = AppConfig.from_dict({"decode": {"cpu": {"cpu_bind": "0-1"}}})
+    assert cfg.decode.cpu.cpu_bind == "0-1" and cfg.prefill.cpu.cpu_bind == "auto"
 
 
 def test_helper_threads_are_validated() -> None:
-    cfg = AppConfig.from_dict({"decode": {"helper_threads": 1, "helper_min_tokens": 64}})
-    assert (cfg.decode.helper_threads, cfg.decode.helper_min_tokens) == (1, 64)
-    assert cfg.prefill.helper_threads == 0
+    cfg = AppConfig.from_dict({"decode": {"cpu": {"helper_threads": 1, "helper_min_tokens": 64}}})
+    assert (cfg.decode.cpu.helper_threads, cfg.decode.cpu.helper_min_tokens) == (1, 64)
+    assert cfg.prefill.cpu.helper_threads == 0
     for bad in ({"helper_threads": -1}, {"helper_min_tokens": 0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
-            AppConfig.from_dict({"decode": bad})
+            AppConfig.from_dict({"decode": {"cpu": bad}})
 
 
-def test_bound_replicas_run_one_torch_thread_per_cpu() -> None:
-    code = (
-        "import torch; from pdserve.deployments.replica import set_torch_threads as s; "
-        "print(s(4, (0, 1)), torch.get_num_threads(), s(1, (0, 1)), s(3))"
+def test_the_old_flat_cpu_fields_are_refused() -> None:
+    for old in ({"nice": 1}, {"cpu_bind": "0"}, {"helper_threads": 1}):
+        with pytest.raises(ValueError, match=next(iter(old))):
+            AppConfig.from_dict({"decode": old})
+
+
+def test_a_pool_hands_its_cpu_section_and_the_node_reservation_to_the_runtime() -> None:
+    cfg = AppConfig.from_dict(
+        {
+            "decode": {
+                "num_cpus": 2,
+                "cpu": {"nice": 3, "helper_threads": 1, "helper_min_tokens": 64},
+            }
+        }
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
+    env = {"PDSERVE_ENGINE_CPUS": "0"}
+    assert runtime_settings(cfg.decode, env) == RuntimeSettings(
+        num_cpus=2,
+        nice=3,
+        cpu_bind="auto",
+        node_engine_cpus="0",
+        helper_threads=1,
+        helper_min_tokens=64,
     )
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["2", "2", "1", "3"]
+    assert runtime_settings(cfg.decode, env).engine_cpus() == (0,)
+    assert runtime_settings(cfg.prefill, {}).engine_cpus() == ()  # nothing reserved: unbound
+    hooks = pool_hooks(cfg, "prefill", kv_connector=None)
+    assert hooks.role == "prefill" and hooks.runtime is not None
+    assert hooks.runtime.num_cpus == cfg.prefill.num_cpus

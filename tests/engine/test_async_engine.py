@@ -17,6 +17,7 @@ from pdserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kernels.ops import RuntimeSettings
 
 PROMPT = [11, 22, 33, 44, 55, 66, 77, 88, 99, 111, 222, 333]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -282,16 +283,29 @@ def test_merge_outputs_refuses_two_requests() -> None:
         merge_outputs(out("a", 5), out("b", 6))
 
 
+def _cpu_engine(model_dir: Path, settings: RuntimeSettings | None = None) -> LLMEngine:
+    """A small CPU engine whose runtime follows ``settings`` (None: as a standalone engine)."""
+    return LLMEngine.from_pretrained(
+        model_dir,
+        num_kv_blocks=32,
+        block_size=16,
+        max_model_len=256,
+        device="cpu",
+        runtime_settings=settings,
+    )
+
+
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="thread affinity")
 def test_engine_thread_binds_to_its_cpus_and_nothing_else_moves(tiny_model_dir: Path) -> None:
     before = os.sched_getaffinity(0)
     cpu = max(before)
-    engine = LLMEngine.from_pretrained(
-        tiny_model_dir, num_kv_blocks=32, block_size=16, max_model_len=256, device="cpu"
-    )
-    eng = AsyncLLMEngine(engine, cpu_affinity=[cpu])
+
+    def fresh(settings: RuntimeSettings | None = None) -> LLMEngine:
+        return _cpu_engine(tiny_model_dir, settings)
+
+    eng = AsyncLLMEngine(fresh(RuntimeSettings(cpu_bind=str(cpu))))
     try:
-        assert eng.cpu_affinity == (cpu,)
+        assert eng.describe_runtime().engine_cpus == (cpu,)
         on_thread = asyncio.run(eng._call(lambda: os.sched_getaffinity(0)))
         assert on_thread == {cpu}
         outs = asyncio.run(_collect(eng, "bound", GREEDY))  # it still serves
@@ -299,9 +313,9 @@ def test_engine_thread_binds_to_its_cpus_and_nothing_else_moves(tiny_model_dir: 
         assert os.sched_getaffinity(0) == before  # the caller's thread did not move
     finally:
         eng.shutdown()
-    unbound = AsyncLLMEngine(engine)
+    unbound = AsyncLLMEngine(fresh())
     try:
-        assert unbound.cpu_affinity == ()
+        assert unbound.describe_runtime().engine_cpus == ()
     finally:
         unbound.shutdown()
 
@@ -326,8 +340,8 @@ def test_helper_threads_run_big_steps_on_the_other_cpus(tiny_model_dir: Path) ->
     """The engine thread keeps its CPU; a niced helper goes to the process's other CPUs and
     joins only steps of >= helper_min_tokens tokens; the tokens are those of an engine
     without helpers (the linears' dynamic split changes no sum)."""
-    from pdserve.engine.affinity import HELPER_NICE
-    from pdserve.kernels import native
+    from pdserve.kernels.cpu import native
+    from pdserve.kernels.cpu.runtime import HELPER_NICE
 
     if not native.available():
         pytest.skip("no native kernels")
@@ -344,22 +358,21 @@ def test_helper_threads_run_big_steps_on_the_other_cpus(tiny_model_dir: Path) ->
 
         return asyncio.run(collect())[-1].token_ids
 
-    def fresh() -> LLMEngine:
-        return LLMEngine.from_pretrained(
-            tiny_model_dir, num_kv_blocks=32, block_size=16, max_model_len=256, device="cpu"
-        )
+    def fresh(settings: RuntimeSettings) -> LLMEngine:
+        return _cpu_engine(tiny_model_dir, settings)
 
-    plain = AsyncLLMEngine(fresh(), cpu_affinity=[cpu])
+    plain = AsyncLLMEngine(fresh(RuntimeSettings(cpu_bind=str(cpu))))
     try:
         want = run(plain)
-        assert plain.helper_cpus == ()
+        assert plain.describe_runtime().helper_cpus == ()
     finally:
         plain.shutdown()
-    eng = AsyncLLMEngine(fresh(), cpu_affinity=[cpu], helper_threads=1, helper_min_tokens=64)
+    helped = RuntimeSettings(cpu_bind=str(cpu), helper_threads=1, helper_min_tokens=64)
+    eng = AsyncLLMEngine(fresh(helped))
     try:
-        assert eng.cpu_affinity == (cpu,)
-        assert eng.helper_cpus == tuple(sorted(others))
-        policy = eng.engine.step_threads
+        assert eng.describe_runtime().engine_cpus == (cpu,)
+        assert eng.describe_runtime().helper_cpus == tuple(sorted(others))
+        policy = eng.engine.runtime.step_threads
         assert policy is not None and (policy.total, policy.min_tokens) == (policy.base + 1, 64)
         assert policy.base == 1  # one thread per bound CPU
         assert run(eng) == want
@@ -370,17 +383,4 @@ def test_helper_threads_run_big_steps_on_the_other_cpus(tiny_model_dir: Path) ->
         eng.shutdown()
         torch.set_num_threads(torch_threads)
     with pytest.raises(ValueError, match="helper_threads"):
-        AsyncLLMEngine(fresh(), helper_threads=-1)
-
-
-def test_step_threads_by_step_size() -> None:
-    from pdserve.engine.affinity import StepThreads
-
-    saved = torch.get_num_threads()
-    try:
-        policy = StepThreads(base=1, total=2, min_tokens=32)
-        assert policy.apply(31) == 1 and torch.get_num_threads() == 1
-        assert policy.apply(32) == 2 and torch.get_num_threads() == 2
-        assert policy.apply(1) == 1 and torch.get_num_threads() == 1
-    finally:
-        torch.set_num_threads(saved)
+        RuntimeSettings(helper_threads=-1)

@@ -175,8 +175,8 @@ def test_bfloat16_checkpoint_in_float32_matches_transformers(bf16_variant) -> No
     """A bf16 checkpoint served in float32 (what dtype 'auto' does on a CPU without native
     bf16): where the native kernel runs, every linear keeps its weights as bf16 and computes
     in float32, and tokens and logprobs are still transformers' float32 ones."""
-    from pdserve.kernels import native
-    from pdserve.kernels.linear import Bf16WeightLinear
+    from pdserve.kernels.cpu import native
+    from pdserve.kernels.cpu.linear import Bf16WeightLinear
 
     model_dir, ref = bf16_variant
     engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32"))

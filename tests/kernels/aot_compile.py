@@ -18,7 +18,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from pdserve.kernels import triton_decode, triton_kv, triton_norm, triton_prefill, triton_rotary  # noqa: E402
+from pdserve.kernels.triton import decode, kv, norm, prefill, rotary  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 # Shared memory per block on an H100/H200 (227 KB).
@@ -44,7 +44,7 @@ def _cases():  # type: ignore[no-untyped-def]
     for splits in (1, 4):
         yield (
             f"decode splits={splits}",
-            triton_decode._decode_split_kernel,
+            decode._decode_split_kernel,
             {**attn, **index, "out_ptr": bf16 if splits == 1 else "*fp32", "lse_ptr": "*fp32"},
             {
                 "GROUP": 4,
@@ -60,14 +60,14 @@ def _cases():  # type: ignore[no-untyped-def]
         )
     yield (
         "decode reduce",
-        triton_decode._decode_reduce_kernel,
+        decode._decode_reduce_kernel,
         {"partial_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": bf16},
         {"SPLITS": 4, "SPLITS_PAD": 4, "HEAD_DIM": 128, "BLOCK_D": 128},
         4,
     )
     yield (
         "prefill",
-        triton_prefill._prefill_kernel,
+        prefill._prefill_kernel,
         {**attn, **index, "out_ptr": bf16},
         {
             "GROUP": 4,
@@ -84,7 +84,7 @@ def _cases():  # type: ignore[no-untyped-def]
     )
     yield (
         "write_kv",
-        triton_kv._write_kv_kernel,
+        kv._write_kv_kernel,
         {
             "key_ptr": bf16,
             "value_ptr": bf16,
@@ -98,7 +98,7 @@ def _cases():  # type: ignore[no-untyped-def]
     for gather in (True, False):
         yield (
             f"copy_blocks gather={gather}",
-            triton_kv._copy_blocks_kernel,
+            kv._copy_blocks_kernel,
             {
                 "src_ptr": bf16,
                 "dst_ptr": bf16,
@@ -111,7 +111,7 @@ def _cases():  # type: ignore[no-untyped-def]
         )
     yield (
         "rms_norm",
-        triton_norm._rms_norm_kernel,
+        norm._rms_norm_kernel,
         {
             "x_ptr": bf16,
             "residual_ptr": bf16,
@@ -125,7 +125,7 @@ def _cases():  # type: ignore[no-untyped-def]
     )
     yield (
         "rotary",
-        triton_rotary._rotary_kernel,
+        rotary._rotary_kernel,
         {
             "positions_ptr": "*i64",
             "q_ptr": bf16,

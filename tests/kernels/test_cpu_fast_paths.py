@@ -9,11 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.cpu_memory import keep_freed_memory
 from pdserve.engine.loader import resolve_dtype
-from pdserve.kernels import native, ops
+from pdserve.kernels import ops
 from pdserve.kernels import reference as R
-from pdserve.kernels.linear import (
+from pdserve.kernels.cpu import native
+from pdserve.kernels.cpu.linear import (
     Bf16Linear,
     Bf16WeightLinear,
     PackedLinear,
@@ -22,6 +22,7 @@ from pdserve.kernels.linear import (
     holds_bf16_values,
     pack_linears,
 )
+from pdserve.kernels.cpu.runtime import keep_freed_memory
 from tests.kernels.cases import ATTN_TOL, assert_close, make_batch
 
 CPU = torch.device("cpu")

@@ -1,4 +1,4 @@
-"""``python -m pdserve.kernels.gpu_check``: a clean no-op without CUDA, a full pass on a GPU."""
+"""``python -m pdserve.kernels.triton.gpu_check``: a no-op without CUDA, a full pass on a GPU."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 def _run_gpu_check(out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     return subprocess.run(
-        [sys.executable, "-m", "pdserve.kernels.gpu_check", "--out", str(out), *extra],
+        [sys.executable, "-m", "pdserve.kernels.triton.gpu_check", "--out", str(out), *extra],
         cwd=REPO,
         env=env,
         capture_output=True,

@@ -1,4 +1,4 @@
-"""The native CPU kernels (kernels/csrc: decode attention, and the layer ops RMSNorm, rotary,
+"""The native CPU kernels (kernels/cpu/csrc: decode attention, and the layer ops RMSNorm, rotary,
 SiLU-and-mul) against the references, their torch fallbacks, and how they are built: cached
 per source/compiler/CPU, and absent (not an error) where they cannot be built."""
 
@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.kernels import cpu, native, ops
+from pdserve.kernels import ops
 from pdserve.kernels import reference as R
+from pdserve.kernels.cpu import batched as cpu
+from pdserve.kernels.cpu import native
 from tests.kernels.cases import ATTN_TOL, assert_close, make_batch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -114,7 +116,7 @@ def test_torch_fallback_matches_reference(monkeypatch, dtype) -> None:
 
 
 def _probe(env: dict[str, str]) -> str:
-    code = "from pdserve.kernels import native; print(native.available())"
+    code = "from pdserve.kernels.cpu import native; print(native.available())"
     done = subprocess.run(
         [sys.executable, "-c", code],
         cwd=REPO,
@@ -148,7 +150,7 @@ def test_a_failing_compiler_leaves_the_torch_path(tmp_path: Path) -> None:
 
 def test_without_the_library_float32_linears_stay_on_torch(tmp_path: Path) -> None:
     code = (
-        "import torch; from torch import nn; from pdserve.kernels import native, linear\n"
+        "import torch; from torch import nn; from pdserve.kernels.cpu import native, linear\n"
         "m = nn.Sequential(nn.Linear(16, 16))\n"
         "m[0].weight.data = m[0].weight.data.to(torch.bfloat16).float()\n"
         "print(native.bf16_weight_linear_available(), linear.pack_linears(m), type(m[0]).__name__)"
@@ -260,7 +262,7 @@ def test_layer_ops_leave_what_they_cannot_take_to_torch() -> None:
 
 @pytest.mark.parametrize("dtype", LAYER_DTYPES, ids=str)
 def test_layer_ops_torch_fallback_matches_reference(monkeypatch, dtype) -> None:
-    # Machines without a compiler keep the torch paths of kernels/cpu.py.
+    # Machines without a compiler keep the torch paths of kernels/cpu/batched.py.
     monkeypatch.setattr(native, "available", lambda: False)
     for name in ("rms_norm", "rotary", "silu_and_mul"):
         monkeypatch.setattr(native, name, lambda *a: None)

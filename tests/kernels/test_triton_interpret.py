@@ -23,15 +23,15 @@ if TRITON_IMPORTED_TOO_EARLY:
     pytest.skip("triton was imported before TRITON_INTERPRET was set", allow_module_level=True)
 
 from pdserve.kernels import reference as R  # noqa: E402
-from pdserve.kernels.triton_decode import paged_decode_attention_triton  # noqa: E402
-from pdserve.kernels.triton_kv import (  # noqa: E402
+from pdserve.kernels.triton.decode import paged_decode_attention_triton  # noqa: E402
+from pdserve.kernels.triton.kv import (  # noqa: E402
     gather_blocks_triton,
     scatter_blocks_triton,
     write_kv_triton,
 )
-from pdserve.kernels.triton_norm import rms_norm_triton  # noqa: E402
-from pdserve.kernels.triton_prefill import paged_attention_triton  # noqa: E402
-from pdserve.kernels.triton_rotary import apply_rotary_triton  # noqa: E402
+from pdserve.kernels.triton.norm import rms_norm_triton  # noqa: E402
+from pdserve.kernels.triton.prefill import paged_attention_triton  # noqa: E402
+from pdserve.kernels.triton.rotary import apply_rotary_triton  # noqa: E402
 from tests.kernels.cases import (  # noqa: E402
     ATTN_TOL,
     ELEMENTWISE_TOL,

@@ -10,7 +10,7 @@
 //
 // libgomp keeps a thread's pool position (and so its binding) across parallel regions of
 // that thread, whatever their size: binding once is enough. Built and loaded by
-// kernels/native.py.
+// kernels/cpu/native.py.
 
 #include <sched.h>
 #include <sys/resource.h>

@@ -1,4 +1,4 @@
-"""Native CPU kernels (``kernels/csrc``): built on first use with the system C++ compiler,
+"""Native CPU kernels (``kernels/cpu/csrc``): built on first use with the system C++ compiler,
 loaded with ctypes.
 
 CPU ops where torch and its libraries have no good fit:
@@ -16,7 +16,7 @@ CPU ops where torch and its libraries have no good fit:
   embedding of q and k, SiLU-and-mul; in torch each is a chain of kernels with a full pass
   over memory and a temporary per link (about 15% of a 2048-token bf16 prefill step).
 - binding an engine thread's OpenMP team thread by thread (``csrc/omp_team.cpp``): helper
-  threads on a node's shared CPUs (``pdserve.engine.affinity.StepThreads``); torch can only set a
+  threads on a node's shared CPUs (``pdserve.kernels.cpu.runtime``); torch can only set a
   thread count, and OpenMP's places bind a whole process.
 
 The library is plain C ABI (no Python or torch headers), so it builds in about a second;
@@ -361,7 +361,7 @@ def bf16_weight_linear(
     bias: torch.Tensor | None,  # [N] float32
 ) -> torch.Tensor:  # [M, N] float32
     """``x @ W^T + bias`` in float32 with the packed bf16 ``W``; arguments are checked by
-    ``pdserve.kernels.linear.Bf16WeightLinear``, which owns the packed weight."""
+    ``pdserve.kernels.cpu.linear.Bf16WeightLinear``, which owns the packed weight."""
     return _linear("pdserve_linear_bf16w", x, packed, out_features, bias)
 
 
@@ -391,7 +391,7 @@ def bf16_linear(
     bias: torch.Tensor | None,  # [N] float32
 ) -> torch.Tensor:  # [M, N] bfloat16
     """``x @ W^T + bias`` with float32 sums rounded once to bf16; arguments are checked by
-    ``pdserve.kernels.linear.Bf16Linear``, which owns the packed weight."""
+    ``pdserve.kernels.cpu.linear.Bf16Linear``, which owns the packed weight."""
     return _linear("pdserve_linear_bf16", x, packed, out_features, bias)
 
 

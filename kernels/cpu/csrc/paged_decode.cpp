@@ -14,7 +14,7 @@
 // Elsewhere the portable loops below run (the compiler vectorizes them with `omp simd`).
 //
 // Exported as plain C functions for ctypes: no Python or torch headers, so it builds in
-// about a second with the system compiler. Built and loaded by kernels/native.py.
+// about a second with the system compiler. Built and loaded by kernels/cpu/native.py.
 
 #include <algorithm>
 #include <cmath>

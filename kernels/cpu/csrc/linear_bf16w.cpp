@@ -16,7 +16,7 @@
 // broadcast of x per row and two FMAs per row per k (the BLIS-style outer product). Rows are
 // taken in blocks whose x slice stays in L2 while every panel streams past it once; panels
 // of a block are shared across OpenMP threads (torch's pool, as many as it runs).
-// Built and loaded by kernels/native.py.
+// Built and loaded by kernels/cpu/native.py.
 
 #include <algorithm>
 #include <cstdint>
@@ -160,7 +160,7 @@ extern "C" void pdserve_linear_bf16w(const float* x, int64_t ldx, int64_t M, int
   int64_t block = std::max<int64_t>(6, (192 * 1024 / 4) / std::max<int64_t>(K, 1) / 6 * 6);
   block = std::min(block, M);
   const int64_t row_blocks = (M + block - 1) / block;
-  // Dynamic: a thread that is preempted (a helper on a shared CPU, engine.affinity)
+  // Dynamic: a thread that is preempted (a helper on a shared CPU, kernels/cpu/runtime.py)
   // holds up the step by its current chunk of panels, not by a static share.
 #pragma omp parallel for collapse(2) schedule(dynamic, 4)
   for (int64_t rb = 0; rb < row_blocks; ++rb) {

@@ -1,4 +1,4 @@
-"""Check and time every Triton kernel on a CUDA GPU: ``python -m pdserve.kernels.gpu_check``.
+"""Check and time every Triton kernel on a CUDA GPU: ``python -m pdserve.kernels.triton.gpu_check``.
 
 Each kernel (through ``pdserve.kernels.ops``, as the engine calls it) is compared with its torch
 reference on the same device, then timed with ``triton.testing.do_bench``. Speeds are
@@ -119,7 +119,7 @@ def _check_attention(dev: torch.device) -> list[Row]:
     from pdserve.kernels import ops
     from pdserve.kernels import reference as R
     from pdserve.kernels.testing import ATTN_TOL, make_batch, max_abs_error, random_lengths
-    from pdserve.kernels.triton_decode import paged_decode_attention_triton
+    from pdserve.kernels.triton.decode import paged_decode_attention_triton
 
     rows: list[Row] = []
     cases = [
@@ -218,7 +218,7 @@ def _bench_prefill(dev: torch.device, quick: bool, ceil: Ceilings) -> list[Row]:
     try:
         ms = _bench(lambda: sdpa(q, k, v, is_causal=True, enable_gqa=True))
     except RuntimeError as exc:  # no fused GQA kernel in this torch build
-        print(f"pdserve.kernels.gpu_check: skipping the SDPA reference point: {exc}")
+        print(f"pdserve.kernels.triton.gpu_check: skipping the SDPA reference point: {exc}")
         return rows
     tflops = 4 * (total * (total + 1) // 2) * D * HQ / ms / 1e9
     shape = f"dense prompt T={total} Hq={HQ} Hkv={HKV} D={D} bf16"
@@ -346,16 +346,19 @@ def main(argv: list[str] | None = None) -> int:
 
     if not torch.cuda.is_available():
         print(
-            "pdserve.kernels.gpu_check: CUDA is not available; nothing to check here "
+            "pdserve.kernels.triton.gpu_check: CUDA is not available; nothing to check here "
             "(tests/kernels cover the CPU paths and the kernels in Triton's interpreter)."
         )
         return 0
     if os.environ.pop("TRITON_INTERPRET", None):  # must go before the kernels are imported
-        print("pdserve.kernels.gpu_check: ignoring TRITON_INTERPRET to run the compiled kernels")
+        print(
+            "pdserve.kernels.triton.gpu_check: ignoring TRITON_INTERPRET to run the compiled "
+            "kernels"
+        )
     try:
         import triton
     except ImportError as exc:
-        print(f"pdserve.kernels.gpu_check: triton is not importable ({exc})")
+        print(f"pdserve.kernels.triton.gpu_check: triton is not importable ({exc})")
         return 1
     dev = torch.device("cuda")
     torch.manual_seed(0)

@@ -2,7 +2,7 @@
 loop over tokens).
 
 The engine runs these on CPU every step, so they must not be what limits it: decode reads
-the paged blocks in place in the native kernel of ``kernels/native.py`` where it is built
+the paged blocks in place in the native kernel of ``kernels/cpu/native.py`` where it is built
 (about 2x SDPA's fused kernel at decode shapes); without it, decode gathers the blocks of
 the sequences into a padded ``[P, L, Hkv, D]`` buffer, one group of similar context
 lengths at a time, and runs one grouped-query call of SDPA's fused kernel per group with a
@@ -11,7 +11,7 @@ kernel; prefill chunks after a cached prefix go in padded groups whose padding w
 bounded. What derives from a step's metadata alone (grouping, gather indices, masks, rotary
 rows) is built once per step and shared by all layers. KV writes are one ``index_copy_``
 per cache. RMSNorm (with its residual add), the rotary embedding and SiLU-and-mul run in
-one pass each in ``kernels/native.py`` where it is built, else on torch's kernels (RMSNorm
+one pass each in ``kernels/cpu/native.py`` where it is built, else on torch's kernels (RMSNorm
 in float32 for half precision, as in HF). Checked against ``kernels/reference.py``.
 """
 
@@ -25,7 +25,8 @@ from typing import TypeVar
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels import native, reference
+from pdserve.kernels import reference
+from pdserve.kernels.cpu import native
 
 __all__ = [
     "apply_rotary_cpu",

@@ -1,7 +1,7 @@
 """CPU linear layers with their weights packed once at load time.
 
 - ``Bf16Linear``: a bfloat16 model on a CPU with AVX512-BF16 but no AMX (AMD Zen 4/5), the
-  weights in the native kernel's layout (``kernels/csrc/linear_bf16.cpp``): at decode sizes
+  weights in the native kernel's layout (``kernels/cpu/csrc/linear_bf16.cpp``): at decode sizes
   it reads the weights faster than oneDNN's packed matmul (1.8x at 1 row, 1.4x at 8 rows on
   one Zen 4 core), and it is on par with oneDNN from 32 rows up to prefill sizes.
 - ``PackedLinear``: a bfloat16 model on a CPU with AMX (or without the native kernel), the
@@ -9,7 +9,7 @@
 - ``Bf16WeightLinear``: a float32 model whose weights are exactly bfloat16 values (a bf16
   checkpoint served in float32 on a CPU without native bf16, AVX2 + FMA): the weights are
   held as bf16, half the bytes every decode step reads, and widened to float32 inside the
-  native kernel (``kernels/csrc/linear_bf16w.cpp``). Widening is exact, so the results are
+  native kernel (``kernels/cpu/csrc/linear_bf16w.cpp``). Widening is exact, so the results are
   the float32 model's up to summation order.
 
 For ``PackedLinear``: ``F.linear`` on a CPU reorders the weight into oneDNN's blocked layout
@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pdserve.kernels import native
+from pdserve.kernels.cpu import native
 
 __all__ = [
     "Bf16Linear",
@@ -94,7 +94,7 @@ def _has_amx() -> bool:
 
 
 class _NativeLinear(nn.Module):
-    """A linear layer run by a native kernel of ``pdserve.kernels.native`` on a packed weight."""
+    """A linear layer run by a native kernel (``kernels/cpu/native.py``) on a packed weight."""
 
     input_dtype: torch.dtype  # what the kernel takes and returns
     kind: str  # for repr

@@ -11,7 +11,7 @@
 // temporary in between; at prefill sizes those passes cost about 15% of a bf16 step. Rows
 // are split over the OpenMP threads of the calling process (torch's runtime) when there is
 // enough work; decode-sized inputs run on the calling thread. Plain C ABI, loaded by
-// kernels/native.py; the inner loops are portable code that the compiler vectorizes.
+// kernels/cpu/native.py; the inner loops are portable code that the compiler vectorizes.
 
 #include <cmath>
 #include <cstdint>

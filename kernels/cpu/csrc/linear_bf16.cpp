@@ -17,7 +17,7 @@
 // go in blocks whose x slice stays in L2 while every panel pair streams past it once; the
 // (block, panel pair) units are split over the OpenMP threads (torch's pool). The sums are
 // rounded to bf16 once, after the bias is added in float32, as oneDNN does.
-// Built and loaded by kernels/native.py.
+// Built and loaded by kernels/cpu/native.py.
 
 #include <algorithm>
 #include <cstdint>
@@ -169,7 +169,7 @@ extern "C" void pdserve_linear_bf16(const uint16_t* x, int64_t ldx, int64_t M, i
   int64_t block = std::max<int64_t>(12, (256 * 1024 / 2) / std::max<int64_t>(K, 1) / 12 * 12);
   block = std::min(block, M);
   const int64_t row_blocks = (M + block - 1) / block;
-  // Dynamic: a thread that is preempted (a helper on a shared CPU, engine.affinity)
+  // Dynamic: a thread that is preempted (a helper on a shared CPU, kernels/cpu/runtime.py)
   // holds up the step by its current chunk of panel pairs, not by a static share.
 #pragma omp parallel for collapse(2) schedule(dynamic, 2)
   for (int64_t rb = 0; rb < row_blocks; ++rb) {
