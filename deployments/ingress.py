@@ -168,6 +168,14 @@ def _grpc_to_openai(
         raise  # unreachable: _abort_grpc raises
 
 
+def _metadata(grpc_context: Any) -> dict[str, str]:
+    """The call's gRPC metadata (its W3C ``traceparent``, if any) as a mapping."""
+    read = getattr(grpc_context, "invocation_metadata", None)
+    if read is None:
+        return {}
+    return {k: v for k, v in (read() or ()) if isinstance(v, str)}
+
+
 def pools_ready(app_status: Any, deployments: list[str]) -> tuple[bool, str]:
     """Whether every named deployment of the app (``serve.status()``'s application
     overview, None if the app is missing) has a running replica, and why not."""
@@ -370,7 +378,9 @@ class OpenAIIngress:
     async def _completions(self, request: Request) -> Response:
         req = validate_request(CompletionRequest, await self._json_body(request))
         slo_class = _slo_class(request.headers.get(SLO_CLASS_HEADER))
-        stream = await self.serving.start(req, slo_class=slo_class)
+        stream = await self.serving.start_choices(
+            req, slo_class=slo_class, trace_headers=request.headers
+        )
         created = int(time.time())
         headers = ignored_fields_header(req.ignored_fields())
         if req.stream:
@@ -385,7 +395,9 @@ class OpenAIIngress:
     async def _chat(self, request: Request) -> Response:
         req = validate_request(ChatCompletionRequest, await self._json_body(request))
         slo_class = _slo_class(request.headers.get(SLO_CLASS_HEADER))
-        stream = await self.serving.start(req, slo_class=slo_class)
+        stream = await self.serving.start_choices(
+            req, slo_class=slo_class, trace_headers=request.headers
+        )
         created = int(time.time())
         headers = ignored_fields_header(req.ignored_fields())
         if req.stream:
@@ -460,7 +472,9 @@ class OpenAIIngress:
         grpc_context: Any,
     ) -> DecodeStream:
         try:
-            return await self.serving.start(req, request_id=proto.request_id or None)
+            return await self.serving.start(
+                req, request_id=proto.request_id or None, trace_headers=_metadata(grpc_context)
+            )
         except OpenAIError as err:
             _abort_grpc(grpc_context, err)
             raise  # unreachable: _abort_grpc raises

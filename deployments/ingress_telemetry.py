@@ -1,7 +1,8 @@
 """Per-request telemetry at the ingress: the root trace span and the ingress-side metrics.
 
 ``IngressTelemetry.begin`` opens the request's root span (``"{operation} {model}"``, kind
-SERVER) and gives the W3C carrier that travels in ``GenerateRequest.trace_carrier``;
+SERVER; a child of the client's ``traceparent`` when it sent one) and gives the W3C
+carrier that travels in ``GenerateRequest.trace_carrier``;
 ``RequestTelemetry.finish`` closes it once with the usage and finish reason and records
 TTFT, TPOT, end-to-end latency and token counts as the client saw them (role "ingress").
 The span is started detached (not made current) because a streamed response is finished
@@ -11,7 +12,8 @@ by another asyncio task than the one that began it.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
@@ -21,6 +23,14 @@ from pdserve.deployments.metrics import ServingMetrics
 
 if TYPE_CHECKING:
     from pdserve.deployments.decode_stream import DecodeStream
+
+_W3C_KEYS = ("traceparent", "tracestate")
+
+
+def _error_type(error: BaseException) -> str:
+    """``error.type``: the HTTP status for a client-visible failure, else the class name."""
+    status = getattr(error, "status_code", None)
+    return str(status) if isinstance(status, int) else type(error).__qualname__
 
 
 class RequestTelemetry:
@@ -41,12 +51,14 @@ class RequestTelemetry:
         span = self._span
         if stream is not None:
             usage = stream.usage()
-            span.set_attribute(tracing.USAGE_INPUT_TOKENS, usage.prompt_tokens)
-            span.set_attribute(tracing.USAGE_OUTPUT_TOKENS, usage.completion_tokens)
+            span.set_attribute(tracing.GENAI_RESPONSE_ID, stream.request.request_id)
+            span.set_attribute(tracing.GENAI_INPUT_TOKENS, usage.prompt_tokens)
+            span.set_attribute(tracing.GENAI_OUTPUT_TOKENS, usage.completion_tokens)
             if stream.finish_reason is not None:
-                span.set_attribute(tracing.RESPONSE_FINISH_REASONS, [stream.finish_reason])
+                span.set_attribute(tracing.GENAI_FINISH_REASONS, [stream.finish_reason])
             self._record_metrics(stream, now, ok=error is None)
         if error is not None:
+            span.set_attribute(tracing.ERROR_TYPE, _error_type(error))
             span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
         span.end()
 
@@ -75,20 +87,36 @@ class IngressTelemetry:
         self._tracer = tracer  # None = the process-wide pdserve tracer (tracing.setup_tracing)
 
     def begin(
-        self, operation: str, request_id: str, *, max_tokens: int | None, temperature: float | None
+        self,
+        operation: str,
+        request_id: str,
+        *,
+        sampling: Mapping[str, Any] | None = None,
+        parent: Mapping[str, str] | None = None,
     ) -> RequestTelemetry:
-        attributes: dict[str, str | int | float] = {
-            tracing.OPERATION: operation,
-            tracing.REQUEST_MODEL: self.model_name,
+        """Open the root span. ``sampling``: the request's parameters as sent (None values
+        dropped), recorded as ``gen_ai.request.<name>``; ``parent``: the incoming headers or
+        metadata whose ``traceparent``/``tracestate`` the span continues."""
+        attributes: dict[str, Any] = {
+            tracing.GENAI_OPERATION: operation,
+            tracing.GENAI_PROVIDER: tracing.PROVIDER,
+            tracing.GENAI_REQUEST_MODEL: self.model_name,
+            tracing.GENAI_RESPONSE_MODEL: self.model_name,
             "pdserve.request_id": request_id,
         }
-        if max_tokens is not None:
-            attributes[tracing.REQUEST_MAX_TOKENS] = max_tokens
-        if temperature is not None:
-            attributes[tracing.REQUEST_TEMPERATURE] = temperature
+        for name, value in (sampling or {}).items():
+            if value is not None:
+                attributes[f"gen_ai.request.{name}"] = value
+        context = None
+        if parent is not None:
+            headers = {k.lower(): v for k, v in parent.items() if k.lower() in _W3C_KEYS}
+            context = tracing.extract(headers) if headers else None
         tracer = self._tracer or tracing.tracer()
         span = tracer.start_span(
-            f"{operation} {self.model_name}", kind=SpanKind.SERVER, attributes=attributes
+            f"{operation} {self.model_name}",
+            context=context,
+            kind=SpanKind.SERVER,
+            attributes=attributes,
         )
         return RequestTelemetry(self.metrics, span)
 

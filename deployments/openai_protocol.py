@@ -6,7 +6,8 @@ never get coerced. Unknown top-level and message fields are ignored and named ba
 client (``ignored_fields``, sent as a ``Warning`` header), as vLLM does, so that clients
 replaying another server's messages keep working; unknown fields that would change the output
 (``OUTPUT_CHANGING_FIELDS``) are a 400, never silently dropped. Fields that OpenAI defines
-but pdserve does not implement (tools, n > 1...) are accepted only at their no-op value.
+but pdserve does not implement (tools, best_of > n...) are accepted only at their no-op
+value.
 This module imports neither Ray nor torch nor the engine: it is pure schema.
 """
 
@@ -26,11 +27,13 @@ from pydantic import (
     ValidationError,
     field_validator,
     model_serializer,
+    model_validator,
 )
 
 MAX_LOGPROBS = 20  # the engine's limit (pdserve.engine.sampling_params.MAX_LOGPROBS)
 MAX_STOP_STRINGS = 16
 MAX_NAMED_IGNORED_FIELDS = 20
+MAX_CHOICES = 16  # n: each choice is a decode request of its own
 
 # Fields other OpenAI-compatible servers (OpenAI, vLLM) accept that pdserve does not
 # implement and that would change the output: ignoring them would return an answer the
@@ -119,6 +122,11 @@ def from_validation_error(err: ValidationError) -> OpenAIError:
     else:
         # pydantic prefixes custom errors with "Value error, "; strip it for clients.
         detail = str(first["msg"]).removeprefix("Value error, ")
+        if param is None and ": " in detail:
+            # A cross-field rule names its field first ("best_of: ...").
+            head, _, rest = detail.partition(": ")
+            if head.isidentifier():
+                param, detail = head, rest
         message = f"Invalid value for '{param}': {detail}"
     return OpenAIError(message, param=param, code="invalid_value")
 
@@ -212,7 +220,7 @@ class _SamplingFields(_Request):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     # OpenAI clients may send null for any optional field: null means "the default".
-    n: int | None = Field(default=1, ge=1)
+    n: int | None = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -225,13 +233,6 @@ class _SamplingFields(_Request):
     # JSON object keys are strings: token ids as decimal strings, as OpenAI sends them.
     logit_bias: dict[str, float] | None = None
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-
-    @field_validator("n")
-    @classmethod
-    def _only_one_choice(cls, n: int | None) -> int | None:
-        if n not in (None, 1):
-            raise ValueError("only n=1 is supported")
-        return n
 
     @field_validator("stop")
     @classmethod
@@ -288,19 +289,16 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = None
     suffix: str | None = None
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, echo: bool | None) -> bool | None:
-        if echo:
-            raise ValueError("echo is not supported")
-        return echo
-
-    @field_validator("best_of")
-    @classmethod
-    def _no_best_of(cls, best_of: int | None) -> int | None:
-        if best_of not in (None, 1):
-            raise ValueError("only best_of=1 is supported")
-        return best_of
+    @model_validator(mode="after")
+    def _check_best_of_and_echo(self) -> CompletionRequest:
+        # best_of > n would rank candidates by cumulative logprob server-side; pdserve
+        # returns every sample it draws, so only best_of == n (or unset) is well defined.
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise ValueError("best_of: only best_of equal to n (or unset) is supported")
+        # echo with logprobs needs the prompt's logprobs, which the engine does not compute.
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo: echo together with logprobs is not supported")
+        return self
 
     @field_validator("suffix")
     @classmethod

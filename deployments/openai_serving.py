@@ -10,10 +10,11 @@ here may let a bad request reach the decode pool.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.deployments.choices import Choices
 from pdserve.deployments.decode_stream import DecodeStream
 from pdserve.deployments.ingress_telemetry import IngressTelemetry
 from pdserve.deployments.messages import (
@@ -152,6 +153,8 @@ class OpenAIServing:
         *,
         request_id: str | None = None,
         slo_class: SLOClass = "interactive",
+        seed_offset: int = 0,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> DecodeStream:
         """Open the root span, tokenize, and start generating.
 
@@ -163,8 +166,18 @@ class OpenAIServing:
         record = self.telemetry.begin(
             "chat" if chat else "text_completion",
             request_id,
-            max_tokens=req.output_limit() if chat else req.max_tokens,
-            temperature=req.temperature,
+            sampling={
+                "max_tokens": req.output_limit() if chat else req.max_tokens,
+                "temperature": req.temperature,
+                "top_p": req.top_p,
+                "top_k": req.top_k,
+                "seed": req.seed,
+                "frequency_penalty": req.frequency_penalty,
+                "presence_penalty": req.presence_penalty,
+                "stop_sequences": req.stop_list() or None,
+                "choice.count": req.n if (req.n or 1) > 1 else None,
+            },
+            parent=trace_headers,
         )
         stream: DecodeStream | None = None
         try:
@@ -176,6 +189,10 @@ class OpenAIServing:
                 gen = self.completion_request(
                     req, request_id=request_id, slo_class=slo_class, trace_carrier=record.carrier
                 )
+            if seed_offset and gen.sampling.seed is not None:
+                # Choice i of a seeded request: its own, reproducible, sample.
+                sampling = gen.sampling.model_copy(update={"seed": gen.sampling.seed + seed_offset})
+                gen = gen.model_copy(update={"sampling": sampling})
             stream = DecodeStream(gen, self._generate(gen), on_close=record.finish)
             await stream.open()
         except BaseException as err:
@@ -185,6 +202,38 @@ class OpenAIServing:
                 record.finish(None, err)
             raise
         return stream
+
+    async def start_choices(
+        self,
+        req: CompletionRequest | ChatCompletionRequest,
+        *,
+        slo_class: SLOClass = "interactive",
+        trace_headers: Mapping[str, str] | None = None,
+    ) -> Choices:
+        """``start`` once per requested choice (``n``); the streams must be consumed or
+        closed together (``Choices.close``)."""
+        n = req.n or 1
+        if n == 1:
+            stream = await self.start(req, slo_class=slo_class, trace_headers=trace_headers)
+            return Choices(stream.request.request_id, [stream])
+        request_id = random_id("chatcmpl" if isinstance(req, ChatCompletionRequest) else "cmpl")
+        streams: list[DecodeStream] = []
+        try:
+            for i in range(n):
+                streams.append(
+                    await self.start(
+                        req,
+                        request_id=f"{request_id}-{i}",
+                        slo_class=slo_class,
+                        seed_offset=i,
+                        trace_headers=trace_headers,
+                    )
+                )
+        except BaseException as err:
+            for stream in streams:
+                await stream.close(err)
+            raise
+        return Choices(request_id, streams)
 
     # ------------------------------------------------------------------ preparing requests
     def completion_request(
@@ -347,135 +396,163 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ running requests
     async def completion(
-        self, req: CompletionRequest, stream: DecodeStream, created: int
+        self, req: CompletionRequest, streams: Choices | DecodeStream, created: int
     ) -> CompletionResponse:
-        text: list[str] = []
-        logprobs = CompletionLogprobs() if req.logprobs is not None else None
-        offset = 0
+        choices = _as_choices(streams)
+        n = len(choices.streams)
+        echo = self.echo_text(req)
+        text: list[list[str]] = [[echo] for _ in range(n)]
+        logprobs = [CompletionLogprobs() if req.logprobs is not None else None for _ in range(n)]
+        offsets = [0] * n
         try:
-            async for chunk in stream:
-                text.append(chunk.text)
-                if logprobs is not None:
-                    offset = _extend_completion_logprobs(logprobs, chunk.logprobs, offset)
+            async for i, chunk in choices.merged():
+                text[i].append(chunk.text)
+                if (lp := logprobs[i]) is not None:
+                    offsets[i] = _extend_completion_logprobs(lp, chunk.logprobs, offsets[i])
         finally:
-            await stream.close()
-        choice = CompletionChoice(
-            text="".join(text), logprobs=logprobs, finish_reason=stream.finish_reason
-        )
+            await choices.close()
         return CompletionResponse(
-            id=stream.request.request_id,
+            id=choices.request_id,
             created=created,
             model=self.model.name,
-            choices=[choice],
-            usage=stream.usage(),
+            choices=[
+                CompletionChoice(
+                    index=i, text="".join(text[i]), logprobs=logprobs[i], finish_reason=reason
+                )
+                for i, reason in enumerate(choices.finish_reasons)
+            ],
+            usage=choices.usage(),
         )
 
     async def completion_events(
-        self, req: CompletionRequest, stream: DecodeStream, created: int
+        self, req: CompletionRequest, streams: Choices | DecodeStream, created: int
     ) -> AsyncIterator[str]:
         """Server-sent events of a streamed completion, ending with ``[DONE]``."""
-        rid, offset = stream.request.request_id, 0
-        continuous = req.stream_options is not None and req.stream_options.continuous_usage_stats
-        try:
-            async for chunk in stream:
-                if not (chunk.text or chunk.logprobs or chunk.finish_reason):
-                    continue
-                logprobs = None
-                if req.logprobs is not None:
-                    logprobs = CompletionLogprobs()
-                    offset = _extend_completion_logprobs(logprobs, chunk.logprobs, offset)
-                choice = CompletionChoice(
-                    text=chunk.text, logprobs=logprobs, finish_reason=chunk.finish_reason
-                )
-                yield sse_event(
-                    CompletionResponse(
-                        id=rid,
-                        created=created,
-                        model=self.model.name,
-                        choices=[choice],
-                        usage=stream.usage() if continuous else None,
-                    )
-                )
-            if req.include_usage():
-                yield sse_event(
-                    CompletionResponse(
-                        id=rid,
-                        created=created,
-                        model=self.model.name,
-                        choices=[],
-                        usage=stream.usage(),
-                    )
-                )
-        except OpenAIError as err:
-            yield sse_event(err.body())
-        finally:
-            await stream.close()
-        yield SSE_DONE
-
-    async def chat(
-        self, req: ChatCompletionRequest, stream: DecodeStream, created: int
-    ) -> ChatCompletionResponse:
-        text: list[str] = []
-        logprobs = ChatLogprobs(content=[]) if req.logprobs else None
-        try:
-            async for chunk in stream:
-                text.append(chunk.text)
-                if logprobs is not None:
-                    logprobs.content.extend(_chat_logprobs(chunk.logprobs))  # type: ignore[union-attr]
-        finally:
-            await stream.close()
-        choice = ChatChoice(
-            message=ChatResponseMessage(content="".join(text)),
-            logprobs=logprobs,
-            finish_reason=stream.finish_reason,
-        )
-        return ChatCompletionResponse(
-            id=stream.request.request_id,
-            created=created,
-            model=self.model.name,
-            choices=[choice],
-            usage=stream.usage(),
-        )
-
-    async def chat_events(
-        self, req: ChatCompletionRequest, stream: DecodeStream, created: int
-    ) -> AsyncIterator[str]:
-        """Server-sent events of a streamed chat completion, ending with ``[DONE]``."""
+        choices = _as_choices(streams)
+        offsets = [0] * len(choices.streams)
         continuous = req.stream_options is not None and req.stream_options.continuous_usage_stats
 
-        def event(choices: list[ChatChunkChoice], usage: UsageInfo | None) -> str:
+        def event(choice_list: list[CompletionChoice], usage: UsageInfo | None) -> str:
             return sse_event(
-                ChatCompletionChunk(
-                    id=stream.request.request_id,
+                CompletionResponse(
+                    id=choices.request_id,
                     created=created,
                     model=self.model.name,
-                    choices=choices,
+                    choices=choice_list,
                     usage=usage,
                 )
             )
 
         try:
-            # OpenAI opens every chat stream with the role and empty content.
-            yield event([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))], None)
-            async for chunk in stream:
+            if echo := self.echo_text(req):
+                yield event(
+                    [CompletionChoice(index=i, text=echo) for i in range(len(offsets))], None
+                )
+            async for i, chunk in choices.merged():
+                if not (chunk.text or chunk.logprobs or chunk.finish_reason):
+                    continue
+                logprobs = None
+                if req.logprobs is not None:
+                    logprobs = CompletionLogprobs()
+                    offsets[i] = _extend_completion_logprobs(logprobs, chunk.logprobs, offsets[i])
+                choice = CompletionChoice(
+                    index=i, text=chunk.text, logprobs=logprobs, finish_reason=chunk.finish_reason
+                )
+                yield event([choice], choices.usage() if continuous else None)
+            if req.include_usage():
+                yield event([], choices.usage())
+        except OpenAIError as err:
+            yield sse_event(err.body())
+        finally:
+            await choices.close()
+        yield SSE_DONE
+
+    async def chat(
+        self, req: ChatCompletionRequest, streams: Choices | DecodeStream, created: int
+    ) -> ChatCompletionResponse:
+        choices = _as_choices(streams)
+        n = len(choices.streams)
+        text: list[list[str]] = [[] for _ in range(n)]
+        logprobs = [ChatLogprobs(content=[]) if req.logprobs else None for _ in range(n)]
+        try:
+            async for i, chunk in choices.merged():
+                text[i].append(chunk.text)
+                if (lp := logprobs[i]) is not None:
+                    lp.content.extend(_chat_logprobs(chunk.logprobs))  # type: ignore[union-attr]
+        finally:
+            await choices.close()
+        return ChatCompletionResponse(
+            id=choices.request_id,
+            created=created,
+            model=self.model.name,
+            choices=[
+                ChatChoice(
+                    index=i,
+                    message=ChatResponseMessage(content="".join(text[i])),
+                    logprobs=logprobs[i],
+                    finish_reason=reason,
+                )
+                for i, reason in enumerate(choices.finish_reasons)
+            ],
+            usage=choices.usage(),
+        )
+
+    async def chat_events(
+        self, req: ChatCompletionRequest, streams: Choices | DecodeStream, created: int
+    ) -> AsyncIterator[str]:
+        """Server-sent events of a streamed chat completion, ending with ``[DONE]``."""
+        choices = _as_choices(streams)
+        continuous = req.stream_options is not None and req.stream_options.continuous_usage_stats
+
+        def event(choice_list: list[ChatChunkChoice], usage: UsageInfo | None) -> str:
+            return sse_event(
+                ChatCompletionChunk(
+                    id=choices.request_id,
+                    created=created,
+                    model=self.model.name,
+                    choices=choice_list,
+                    usage=usage,
+                )
+            )
+
+        try:
+            # OpenAI opens every chat stream with the role and empty content, per choice.
+            opening = ChatDelta(role="assistant", content="")
+            for i in range(len(choices.streams)):
+                yield event([ChatChunkChoice(index=i, delta=opening)], None)
+            async for i, chunk in choices.merged():
                 if not (chunk.text or chunk.logprobs or chunk.finish_reason):
                     continue
                 logprobs = (
-                    ChatLogprobs(content=_chat_logprobs(chunk.logprobs)) if (req.logprobs) else None
+                    ChatLogprobs(content=_chat_logprobs(chunk.logprobs)) if req.logprobs else None
                 )
                 choice = ChatChunkChoice(
+                    index=i,
                     delta=ChatDelta(content=chunk.text) if chunk.text else ChatDelta(),
                     logprobs=logprobs,
                     finish_reason=chunk.finish_reason,
                 )
-                yield event([choice], stream.usage() if continuous else None)
+                yield event([choice], choices.usage() if continuous else None)
             if req.include_usage():
-                yield event([], stream.usage())
+                yield event([], choices.usage())
         except OpenAIError as err:
             yield sse_event(err.body())
         finally:
-            await stream.close()
+            await choices.close()
         yield SSE_DONE
+
+    def echo_text(self, req: CompletionRequest) -> str:
+        """The prompt as text when the request asks for it to be echoed, else ""."""
+        if not req.echo:
+            return ""
+        prompt = req.single_prompt()
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
+
+
+def _as_choices(streams: Choices | DecodeStream) -> Choices:
+    if isinstance(streams, Choices):
+        return streams
+    return Choices(streams.request.request_id, [streams])
 
 
 def _extend_completion_logprobs(

@@ -4,7 +4,12 @@ The W3C trace context travels inside the typed messages (``trace_carrier``); eac
 continues the trace with ``span(...)``. The exporter (otlp | console | none) comes from
 ``ObservabilityConfig``; with ``none`` the OpenTelemetry API's no-op tracer is used and
 spans cost nearly nothing. ``setup_tracing`` installs the provider once per process.
-Span names and attributes follow the GenAI conventions: ``"{operation} {model}"``.
+Only the ingress's root span (``"{operation} {model}"``, kind SERVER) carries the GenAI
+semantic conventions (``gen_ai.*``: provider, request sampling, response id/model, token
+usage, ``error.type``), so GenAI-aware backends count each request's tokens once. Internal
+spans are ``pdserve.<stage>`` (``pdserve.decode``, ``pdserve.prefill``,
+``pdserve.kv_transfer``...) with ``pdserve.*`` attributes only. An incoming W3C
+``traceparent`` (HTTP header, gRPC metadata) becomes the root span's parent.
 """
 
 from __future__ import annotations
@@ -26,14 +31,25 @@ _LOCK = threading.Lock()
 _INSTALLED: ObservabilityConfig | None = None
 TRACER_NAME = "pdserve"
 
-# GenAI semantic-convention attribute names.
-OPERATION = "gen_ai.operation.name"
-REQUEST_MODEL = "gen_ai.request.model"
-REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
-REQUEST_TEMPERATURE = "gen_ai.request.temperature"
-USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
-USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
-RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
+# GenAI semantic-convention attribute names: the root span only.
+GENAI_OPERATION = "gen_ai.operation.name"
+GENAI_PROVIDER = "gen_ai.provider.name"
+GENAI_REQUEST_MODEL = "gen_ai.request.model"
+GENAI_RESPONSE_ID = "gen_ai.response.id"
+GENAI_RESPONSE_MODEL = "gen_ai.response.model"
+GENAI_FINISH_REASONS = "gen_ai.response.finish_reasons"
+GENAI_INPUT_TOKENS = "gen_ai.usage.input_tokens"
+GENAI_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+ERROR_TYPE = "error.type"
+PROVIDER = "pdserve"
+
+# Attributes of the internal spans (pdserve's own namespace, never gen_ai.*).
+MODEL = "pdserve.model"
+REQUEST_MAX_TOKENS = "pdserve.request.max_tokens"
+REQUEST_TEMPERATURE = "pdserve.request.temperature"
+USAGE_INPUT_TOKENS = "pdserve.prompt_tokens"
+USAGE_OUTPUT_TOKENS = "pdserve.output_tokens"
+RESPONSE_FINISH_REASONS = "pdserve.finish_reasons"
 
 
 def setup_tracing(config: ObservabilityConfig) -> None:
@@ -90,12 +106,12 @@ def span(
     kind: SpanKind = SpanKind.INTERNAL,
     attributes: Mapping[str, Any] | None = None,
 ) -> Iterator[Span]:
-    """A span named ``"{operation} {model}"``, child of ``carrier``'s context when given
+    """An internal span ``pdserve.{operation}``, child of ``carrier``'s context when given
     (else of the current context). Exceptions mark the span as an error and propagate."""
     parent = extract(carrier) if carrier else None
-    attrs = {OPERATION: operation, REQUEST_MODEL: model, **(attributes or {})}
+    attrs = {MODEL: model, **(attributes or {})}
     with tracer().start_as_current_span(
-        f"{operation} {model}",
+        f"pdserve.{operation}",
         context=parent,
         kind=kind,
         attributes=attrs,
@@ -119,6 +135,6 @@ def record_span(
 ) -> None:
     """A finished child span of the current span for work timed elsewhere (e.g. a KV
     transfer that ran on another thread, overlapping the prefill compute)."""
-    attrs = {OPERATION: operation, REQUEST_MODEL: model, **(attributes or {})}
-    done = tracer().start_span(f"{operation} {model}", start_time=start_ns, attributes=attrs)
+    attrs = {MODEL: model, **(attributes or {})}
+    done = tracer().start_span(f"pdserve.{operation}", start_time=start_ns, attributes=attrs)
     done.end(end_time=end_ns)

@@ -127,9 +127,9 @@ def test_one_trace_spans_ingress_decode_prefill_and_kv_transfer(
     chunks = asyncio.run(run())
     root.end()
     assert chunks[0].prefill_location == "remote" and chunks[-1].finish_reason == "length"
-    finished = {s.name.removesuffix(f" {model}"): s for s in spans.get_finished_spans()}
-    assert {"text_completion", "decode", "prefill_remote", "prefill", "kv_transfer"} <= set(
-        finished
+    finished = {s.name.removeprefix("pdserve."): s for s in spans.get_finished_spans()}
+    assert {f"text_completion {model}", "decode", "prefill_remote", "prefill", "kv_transfer"} <= (
+        set(finished)
     )
     trace_id = root.get_span_context().trace_id
     assert {s.context.trace_id for s in finished.values()} == {trace_id}
@@ -137,7 +137,11 @@ def test_one_trace_spans_ingress_decode_prefill_and_kv_transfer(
     assert finished["prefill"].parent.span_id == finished["prefill_remote"].context.span_id
     assert finished["kv_transfer"].attributes["pdserve.kv_transfer.bytes"] > 0
     assert finished["prefill"].attributes["pdserve.kv_target.address"].startswith("127.0.0.1:")
-    assert finished["decode"].attributes["gen_ai.usage.output_tokens"] == 3
+    assert finished["decode"].attributes["pdserve.output_tokens"] == 3
+    assert finished["decode"].attributes["pdserve.prefill.location"] == "remote"
+    # Token usage is the root span's alone: no internal span carries gen_ai.* attributes.
+    internal = [s for name, s in finished.items() if not name.startswith("text_completion")]
+    assert not [k for s in internal for k in s.attributes if k.startswith("gen_ai.")]
 
 
 async def _collect(decode: Any, req: GenerateRequest) -> list[Any]:

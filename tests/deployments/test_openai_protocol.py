@@ -41,7 +41,8 @@ from pdserve.engine.testmodel import ensure_test_model
         ({"prompt": "x", "top_p": 0}, "top_p"),
         ({"prompt": "x", "top_p": 1.1}, "top_p"),
         ({"prompt": "x", "top_k": -2}, "top_k"),
-        ({"prompt": "x", "n": 2}, "n"),
+        ({"prompt": "x", "n": 17}, "n"),
+        ({"prompt": "x", "n": 2, "best_of": 3}, "best_of"),
         ({"prompt": "x", "stream": "yes"}, "stream"),
         ({"prompt": "x", "stream": 1}, "stream"),
         ({"prompt": "x", "logprobs": 21}, "logprobs"),
@@ -55,7 +56,7 @@ from pdserve.engine.testmodel import ensure_test_model
         ({"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
         ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
         ({"prompt": "x", "best_of": 3}, "best_of"),
-        ({"prompt": "x", "echo": True}, "echo"),
+        ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
         ({"prompt": "x", "guided_json": {"type": "object"}}, "guided_json"),
         ({"prompt": "x", "logits_processors": ["x"]}, "logits_processors"),
         ({"prompt": "x", "stream_options": {"include_usage": "yes"}}, "stream_options"),
@@ -496,8 +497,23 @@ def test_root_span_is_parent_of_the_decode_side_and_records_usage(tokenizer) -> 
     assert attrs["gen_ai.request.max_tokens"] == 3
     assert attrs["gen_ai.usage.output_tokens"] == 3
     assert attrs["gen_ai.response.finish_reasons"] == ("length",)
+    assert attrs["gen_ai.provider.name"] == "pdserve" and attrs["gen_ai.response.model"] == "tiny"
+    assert attrs["gen_ai.response.id"] == decode.requests[0].request_id
     # The decode side continues this very span's trace.
     traceparent = decode.requests[0].trace_carrier["traceparent"]
     _, trace_id, parent_id, _ = traceparent.split("-")
     assert int(trace_id, 16) == span.context.trace_id
     assert int(parent_id, 16) == span.context.span_id
+
+    # A client's traceparent (HTTP header or gRPC metadata) becomes the root's parent.
+    exporter.clear()
+    client_trace, client_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    headers = {"TraceParent": f"00-{client_trace}-{client_span}-01", "authorization": "x"}
+
+    async def run_with_parent() -> None:
+        await serving.chat(req, await serving.start(req, trace_headers=headers), 0)
+
+    asyncio.run(run_with_parent())
+    (child,) = exporter.get_finished_spans()
+    assert child.context.trace_id == int(client_trace, 16)
+    assert child.parent.span_id == int(client_span, 16)

@@ -64,6 +64,55 @@ def test_edge_answers_over_http(http: httpx.Client) -> None:
     assert 'pdserve_api_pools_ready{model_name="tiny"} 1.0' in metrics.text
 
 
+def sse_payloads(response: httpx.Response) -> list[dict]:
+    lines = [ln.removeprefix("data: ") for ln in response.text.splitlines() if ln]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(ln) for ln in lines[:-1]]
+
+
+def test_n_choices_echo_bias_and_penalties_over_http(http: httpx.Client) -> None:
+    greedy = {"prompt": "The quick brown fox", "max_tokens": 6, "temperature": 0}
+    one = http.post("/v1/completions", json=greedy, headers=AUTH).json()
+    two = http.post("/v1/completions", json={**greedy, "n": 2}, headers=AUTH).json()
+    assert [c["index"] for c in two["choices"]] == [0, 1]
+    assert {c["text"] for c in two["choices"]} == {one["choices"][0]["text"]}
+    assert two["usage"]["prompt_tokens"] == one["usage"]["prompt_tokens"]  # counted once
+    assert two["usage"]["completion_tokens"] == 12
+    echo = http.post("/v1/completions", json={**greedy, "echo": True}, headers=AUTH).json()
+    assert echo["choices"][0]["text"] == greedy["prompt"] + one["choices"][0]["text"]
+    # A +100 bias makes greedy decoding pick that token every time.
+    tok = http.post("/tokenize", json={"prompt": " fox", "add_special_tokens": False}, headers=AUTH)
+    token = tok.json()["tokens"][0]
+    biased = {**greedy, "prompt": [5, 6, 7], "logit_bias": {str(token): 100}, "max_tokens": 3}
+    out = http.post("/v1/completions", json={**biased, "logprobs": 0}, headers=AUTH).json()
+    piece = http.post("/detokenize", json={"tokens": [token]}, headers=AUTH).json()["prompt"]
+    assert out["choices"][0]["logprobs"]["tokens"] == [piece] * 3
+    # Sampled, seeded choices differ from each other and repeat exactly.
+    sampled = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 8,
+        "n": 3,
+        "seed": 11,
+        "presence_penalty": 1.0,
+        "frequency_penalty": 0.5,
+        "repetition_penalty": 1.2,
+        "stream": True,
+    }
+    runs = []
+    for _ in range(2):
+        events = sse_payloads(http.post("/v1/chat/completions", json=sampled, headers=AUTH))
+        texts = ["", "", ""]
+        finished = set()
+        for event in events:
+            for choice in event["choices"]:
+                texts[choice["index"]] += choice["delta"].get("content", "")
+                if choice["finish_reason"]:
+                    finished.add(choice["index"])
+        assert finished == {0, 1, 2}
+        runs.append(texts)
+    assert runs[0] == runs[1] and len(set(runs[0])) > 1
+
+
 def test_fuzzed_requests_never_get_a_server_error(app: ServeApp, http: httpx.Client) -> None:
     report = fuzz(app.http_url, headers=AUTH, requests=300, time_budget_s=40.0, timeout_s=60.0)
     print(json.dumps(dict(report.statuses)))
