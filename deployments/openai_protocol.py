@@ -43,7 +43,6 @@ OUTPUT_CHANGING_FIELDS = frozenset(
         "functions",
         "function_call",
         "audio",
-        "modalities",
         "prediction",
         "web_search_options",
         "guided_json",
@@ -371,6 +370,7 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none"] | None = None
     parallel_tool_calls: bool | None = None
+    modalities: list[Literal["text"]] | None = None  # pdserve generates text only
 
     @field_validator("tools")
     @classmethod
