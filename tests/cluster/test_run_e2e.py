@@ -116,7 +116,9 @@ def test_run_serves_until_sigterm(tmp_path: Path) -> None:
         lines = _lines(proc)
         base = _wait_for(lines, r"OpenAI API\s+(http://127\.0\.0\.2:\d+)/v1", log, 400)
         grpc_port = int(_wait_for(lines, r"gRPC\s+127\.0\.0\.2:(\d+)", log, 10))
-        grpc_call = _wait_for(lines, r"^\s+(python -m deployments\.grpc\.client .*)$", log, 10)
+        grpc_call = _wait_for(
+            lines, r"^\s+(python -m pdserve\.deployments\.grpc\.client .*)$", log, 10
+        )
         _wait_for(lines, r"(serving); Ctrl-C", log, 30)
         state = json.loads((state_dir / "cluster.json").read_text())
         leaders = [n["pid"] for n in state["nodes"]]
