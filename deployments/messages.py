@@ -58,6 +58,10 @@ class SamplingOptions(_Message):
         default_factory=dict, description="Token id -> bias added to its logit ([-100, 100])."
     )
     min_p: float = Field(default=0.0, description="Min probability relative to the top token.")
+    json_object: bool = Field(default=False, description="Constrain the output to a JSON object.")
+    json_schema: str | None = Field(
+        default=None, description="Constrain the output to this JSON schema (serialised)."
+    )
 
     @model_validator(mode="after")
     def _validate_with_engine_rules(self) -> SamplingOptions:
@@ -86,6 +90,8 @@ class SamplingOptions(_Message):
             repetition_penalty=params.repetition_penalty,
             logit_bias=dict(params.logit_bias),
             min_p=params.min_p,
+            json_object=params.json_object,
+            json_schema=params.json_schema,
         )
 
 

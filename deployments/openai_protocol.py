@@ -353,8 +353,25 @@ class ChatMessage(_Request):
         return "".join(part.text for part in self.content)
 
 
+class JSONSchemaFormat(_Request):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    # "schema" would shadow a BaseModel attribute: kept under an alias.
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Request):
-    type: Literal["text"]
+    """``text``, ``json_object`` (any JSON object) or ``json_schema`` (grammar-constrained)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type json_schema, and only then")
+        return self
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -9,6 +9,7 @@ here may let a bad request reach the decode pool.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
@@ -54,6 +55,7 @@ from pdserve.deployments.openai_protocol import (
     sse_event,
 )
 from pdserve.deployments.sampling_defaults import SamplingDefaults
+from pdserve.engine.grammar import check_json_schema
 
 GenerateFn = Callable[[GenerateRequest], AsyncGenerator[GenerateChunk, None]]
 
@@ -381,6 +383,7 @@ class OpenAIServing:
                     else req.repetition_penalty
                 ),
                 logit_bias=logit_bias,
+                **_structured_output(req),
             )
         except ValueError as err:  # the engine's own rules (e.g. min_tokens > max_tokens)
             message = str(err.errors()[0]["msg"]) if hasattr(err, "errors") else str(err)
@@ -547,6 +550,22 @@ class OpenAIServing:
             return ""
         prompt = req.single_prompt()
         return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
+
+
+def _structured_output(req: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
+    """``json_object``/``json_schema`` sampling fields of a chat ``response_format``; an
+    invalid schema is a 400 here, before the engine sees it."""
+    fmt = getattr(req, "response_format", None)
+    if fmt is None or fmt.type == "text":
+        return {}
+    if fmt.json_schema is None:
+        return {"json_object": True}
+    schema = json.dumps(fmt.json_schema.schema_)
+    try:
+        check_json_schema(schema)
+    except ValueError as err:
+        raise invalid_param("response_format", str(err)) from None
+    return {"json_schema": schema}
 
 
 def _as_choices(streams: Choices | DecodeStream) -> Choices:

@@ -276,6 +276,9 @@ class LLMEngine:
                 if connector is not None:
                     sends_done = connector.end_step()
             self._measure(out, time.perf_counter() - start)
+        elif out.finished_request_ids:
+            # No forward pass this step, but the sampler still drops per-request state.
+            self.runner.sampler.forget(out.finished_request_ids)
         outputs = self.scheduler.update_from_output(sampled)
         # After the update, so a send of a request that finished in this step is known.
         self.scheduler.finish_sends(sends_done)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.grammar import GrammarBackend
 from pdserve.engine.kv_connector import KVConnector
 from pdserve.engine.loader import (
     ModelConfig,
@@ -113,7 +114,11 @@ class ModelRunner:
             eos = (*self.model_config.eos_token_ids, tok_eos)
             self.model_config = replace(self.model_config, eos_token_ids=eos)
         self.model = self._load_model()
-        self.sampler = Sampler(self.model_config.eos_token_ids, seed=config.seed)
+        self.sampler = Sampler(
+            self.model_config.eos_token_ids,
+            seed=config.seed,
+            grammar=GrammarBackend(self.tokenizer, self.model_config.eos_token_ids),
+        )
         self.kv_cache_allocator = kv_cache_allocator or default_kv_cache_allocator
         self.kv_connector = kv_connector
         self.kv_cache: torch.Tensor | None = None
@@ -225,7 +230,12 @@ class ModelRunner:
                 sample_ids.append(chunk.request_id)
                 history = chunk.history or ((), ())
                 sampling.append(
-                    SamplingRow(chunk.sampling_params, chunk.num_output_tokens, *history)
+                    SamplingRow(
+                        chunk.sampling_params,
+                        chunk.num_output_tokens,
+                        *history,
+                        request_id=chunk.request_id,
+                    )
                 )
         width = max(len(t) for t in tables)
         # Padding entries are never read (seq_lens bounds every sequence); 0 is a valid id.
@@ -272,6 +282,7 @@ class ModelRunner:
         With a KV connector, ``begin_step(out.kv_sends)`` is called before the forward pass
         and ``layer_computed`` after each layer; the engine calls ``end_step``.
         """
+        self.sampler.forget(out.finished_request_ids)
         if not out.chunks:
             return {}
         self.runtime.before_step(out.num_batched_tokens)

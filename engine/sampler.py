@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.grammar import GrammarBackend
 from pdserve.engine.logit_adjust import adjust_logits, apply_min_p
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -39,6 +40,7 @@ class SamplingRow:
     # The request's tokens so far, read by the penalties only (empty when it has none).
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
+    request_id: str = ""  # keys a structured request's grammar state
 
 
 def seed_for_step(seed: int, num_output_tokens: int) -> int:
@@ -52,9 +54,12 @@ def seed_for_step(seed: int, num_output_tokens: int) -> int:
 class Sampler:
     """Picks one token per row. ``eos_token_ids`` are masked until min_tokens is reached."""
 
-    def __init__(self, eos_token_ids: Sequence[int], seed: int = 0) -> None:
+    def __init__(
+        self, eos_token_ids: Sequence[int], seed: int = 0, grammar: GrammarBackend | None = None
+    ) -> None:
         self.eos_token_ids = list(eos_token_ids)
         self.seed = seed
+        self.grammar = grammar
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def _shared_generator(self, device: torch.device) -> torch.Generator:
@@ -81,8 +86,21 @@ class Sampler:
                 [(r.prompt_token_ids, r.output_token_ids) for r in rows],
             )
         logits = self._mask_min_tokens(logits, rows)
+        structured = [(r.request_id, r.params, r.output_token_ids) for r in rows]
+        use_grammar = self.grammar is not None and any(r.params.structured for r in rows)
+        if use_grammar:
+            if logits is raw:
+                logits = logits.clone()
+            logits = self.grammar.mask(logits, structured)  # type: ignore[union-attr]
         token_ids = self._pick(logits, rows)
+        if use_grammar:
+            self.grammar.accept(structured, token_ids)  # type: ignore[union-attr]
         return self._with_logprobs(raw, token_ids, rows)
+
+    def forget(self, request_ids: Sequence[str]) -> None:
+        """Drop per-request state (grammar matchers) of requests that left the engine."""
+        if self.grammar is not None and request_ids:
+            self.grammar.forget(request_ids)
 
     def _mask_min_tokens(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """Forbid every stop token of a request that has not reached min_tokens yet."""

@@ -50,6 +50,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: Any = ()  # tuple[tuple[int, float], ...] after validation
     min_p: float = 0.0
+    # Structured output (engine/grammar.py): any JSON value, or JSON matching a schema.
+    json_object: bool = False
+    json_schema: str | None = None  # the schema, serialised as JSON
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -93,12 +96,24 @@ class SamplingParams:
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         object.__setattr__(self, "logit_bias", _normalise_logit_bias(self.logit_bias))
+        if not isinstance(self.json_object, bool):
+            raise ValueError(f"json_object must be a bool, got {self.json_object!r}")
+        if self.json_schema is not None and not isinstance(self.json_schema, str):
+            raise ValueError(f"json_schema must be a JSON string, got {self.json_schema!r}")
+
+    @property
+    def structured(self) -> bool:
+        """Whether a grammar constrains this request's output."""
+        return self.json_object or self.json_schema is not None
 
     @property
     def needs_history(self) -> bool:
-        """Whether sampling reads the request's earlier tokens (the penalties do)."""
-        return bool(self.presence_penalty or self.frequency_penalty) or (
-            self.repetition_penalty != 1.0
+        """Whether sampling reads the request's earlier tokens (the penalties do, and a
+        grammar catches up on tokens sampled elsewhere)."""
+        return (
+            bool(self.presence_penalty or self.frequency_penalty)
+            or self.repetition_penalty != 1.0
+            or self.structured
         )
 
     @property

@@ -7,8 +7,9 @@ long runs against a real ``pdserve serve``:
 
     python -P tests/deployments/openapi_fuzz.py http://127.0.0.2:PORT --requests 10000
 
-Generation lengths are clamped (``MAX_FUZZ_TOKENS``) so a fuzzed request cannot ask for
-minutes of decoding; everything else is sent as generated.
+Generation lengths are clamped (``MAX_FUZZ_TOKENS``, also when unset) so a fuzzed request
+cannot ask for minutes of decoding; everything else is sent as generated. A request not
+answered within the timeout counts as status 0 and a failure.
 """
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ class FuzzReport:
 
 def _clamp(body: Any) -> Any:
     if isinstance(body, dict):
+        # An unset (or null) limit means "up to the context length": thousands of tokens.
+        if ("prompt" in body or "messages" in body) and all(
+            body.get(k) is None for k in ("max_tokens", "max_completion_tokens")
+        ):
+            body["max_tokens"] = MAX_FUZZ_TOKENS
         for name in _LENGTH_FIELDS:
             value = body.get(name)
             if isinstance(value, int) and not isinstance(value, bool) and value > MAX_FUZZ_TOKENS:
@@ -79,35 +85,55 @@ def fuzz(
     deadline = time.monotonic() + time_budget_s
     per_run = max(1, requests // (2 * len(operations)))
     with httpx.Client(base_url=base_url, headers=headers or {}, timeout=timeout_s) as client:
-        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
-            for op in operations:
-
-                @settings(
-                    max_examples=per_run,
-                    deadline=None,
-                    database=None,
-                    derandomize=False,
-                    phases=[Phase.generate],
-                    suppress_health_check=list(HealthCheck),
-                )
-                @given(case=op.as_strategy(generation_mode=mode))
-                def send(case: Any) -> None:
-                    if time.monotonic() > deadline:
-                        return
-                    body = _clamp(case.body) if case.body is not None else None
-                    kwargs: dict[str, Any] = {"params": case.query or None}
-                    if body is not None:
-                        kwargs["content"] = json.dumps(body, default=str).encode(
-                            "utf-8", "surrogatepass"
-                        )
-                        kwargs["headers"] = {"content-type": case.media_type or "application/json"}
-                    path = case.formatted_path
-                    response = client.request(case.method, path, **kwargs)
-                    _check(report, case.method, path, response, body)
-
-                with contextlib.suppress(Unsatisfiable):  # an operation with no invalid inputs
-                    send()
+        # Passes until enough requests went out: operations without parameters exhaust
+        # their few distinct inputs quickly, the others get fresh examples each pass.
+        while report.total < requests and time.monotonic() < deadline:
+            for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+                for op in operations:
+                    _run(op, mode, per_run, client, report, deadline, requests)
     return report
+
+
+def _run(
+    op: Any,
+    mode: GenerationMode,
+    examples: int,
+    client: httpx.Client,
+    report: FuzzReport,
+    deadline: float,
+    limit: int,
+) -> None:
+    """Up to ``examples`` generated requests for one operation in one mode."""
+
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        derandomize=False,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(case=op.as_strategy(generation_mode=mode))
+    def send(case: Any) -> None:
+        if time.monotonic() > deadline or report.total >= limit:
+            return
+        body = _clamp(case.body) if case.body is not None else None
+        kwargs: dict[str, Any] = {"params": case.query or None}
+        if body is not None:
+            raw = json.dumps(body, default=str).encode("utf-8", "surrogatepass")
+            kwargs["content"] = raw
+            kwargs["headers"] = {"content-type": case.media_type or "application/json"}
+        path = case.formatted_path
+        try:
+            response = client.request(case.method, path, **kwargs)
+        except httpx.TimeoutException:
+            report.statuses[0] += 1  # 0 = no answer in time
+            report.failures.append(f"timeout: {case.method} {path} {str(body)[:300]}")
+            return
+        _check(report, case.method, path, response, body)
+
+    with contextlib.suppress(Unsatisfiable):  # an operation with no invalid inputs
+        send()
 
 
 def main() -> None:

@@ -4,6 +4,7 @@ chat-template rule, /tokenize and /detokenize, and the CLI's key merging."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 
 import pytest
@@ -187,3 +188,26 @@ def test_sampling_fields_and_generation_config_defaults_reach_the_engine(
     with pytest.raises(OpenAIError) as info:
         s.completion_request(oov, request_id="c")
     assert info.value.param == "logit_bias"
+
+
+def test_response_format_becomes_grammar_fields_or_a_400(tokenizer) -> None:
+    s = serving(tokenizer)
+    messages = [{"role": "user", "content": "hi"}]
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+
+    def sampling(response_format: dict):
+        req = validate_request(
+            ChatCompletionRequest, {"messages": messages, "response_format": response_format}
+        )
+        return s.chat_request(req, request_id="r").sampling
+
+    assert sampling({"type": "json_object"}).json_object
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    assert json.loads(sampling(fmt).json_schema) == schema
+    assert not sampling({"type": "text"}).to_params().structured
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}
+    with pytest.raises(OpenAIError) as info:
+        sampling(bad)
+    assert info.value.param == "response_format"
+    with pytest.raises(OpenAIError):
+        sampling({"type": "json_schema"})

@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator
 
 import httpx
+import jsonschema
 import pytest
 
 from tests.deployments.ingress_harness import ServeApp, running_app
@@ -111,6 +112,38 @@ def test_n_choices_echo_bias_and_penalties_over_http(http: httpx.Client) -> None
         assert finished == {0, 1, 2}
         runs.append(texts)
     assert runs[0] == runs[1] and len(set(runs[0])) > 1
+
+
+def test_json_schema_output_streamed_and_not(http: httpx.Client) -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 8},
+            "ok": {"type": "boolean"},
+            "n": {"type": "integer", "minimum": 0, "maximum": 99},
+        },
+        "required": ["name", "ok", "n"],
+        "additionalProperties": False,
+    }
+    body = {
+        "messages": [{"role": "user", "content": "describe yourself"}],
+        "temperature": 0,
+        "max_tokens": 60,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
+    }
+    whole = http.post("/v1/chat/completions", json=body, headers=AUTH).json()
+    text = whole["choices"][0]["message"]["content"]
+    assert whole["choices"][0]["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(text), schema)
+    events = sse_payloads(
+        http.post("/v1/chat/completions", json={**body, "stream": True}, headers=AUTH)
+    )
+    streamed = "".join(c["delta"].get("content", "") for e in events for c in e["choices"])
+    assert streamed == text
+    mode = {**body, "response_format": {"type": "json_object"}, "temperature": 1.0, "seed": 3}
+    out = http.post("/v1/chat/completions", json=mode, headers=AUTH).json()["choices"][0]
+    if out["finish_reason"] == "stop":
+        assert isinstance(json.loads(out["message"]["content"]), dict)
 
 
 def test_fuzzed_requests_never_get_a_server_error(app: ServeApp, http: httpx.Client) -> None:
