@@ -274,7 +274,7 @@ class SimCluster:
         return LocalLoad(
             queued_prefill_tokens=engine.queued_prefill_tokens(),
             prefill_tokens_per_s=engine.prefill_meter.rate,
-            num_running=len(engine.running),
+            num_running=engine.num_running,
             max_num_seqs=self.shapes["decode"].max_num_seqs,
         )
 

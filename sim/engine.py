@@ -7,10 +7,13 @@ preempted by recompute when the KV pool is out of blocks; then waiting requests 
 admitted (those holding landed remote KV first, then first come first served; a head that
 does not fit blocks the rest). The step lasts ``cost.step_s(...)``.
 
-A batch of decodes only, with nothing waiting, does not change until its shortest request
-finishes or a request arrives; it is advanced as one "macro step" of k steps (the cost is
-linear in context, so their total is exact), and cut short at the step boundary after an
-arrival. That is what makes a 512-GPU hour simulate in seconds.
+Decoding requests are kept in aggregate (``DecodeSet``-style counters: how many, their total
+context, how many start a new KV block at each step, a heap of finishing steps), so a step
+costs O(log n) whatever its batch. A batch of decodes only, with nothing waiting, does not
+change until its shortest request finishes or a request arrives; it is advanced as one
+"macro step" of k steps (the cost is linear in context, so their total is exact), and cut
+short at the step boundary after an arrival. That is what makes a 512-GPU hour simulate
+in minutes.
 
 It emits first tokens and finishes through callbacks and keeps the load numbers the real
 engine reports (``EngineStats``), including its measured prefill rate
@@ -19,6 +22,7 @@ engine reports (``EngineStats``), including its measured prefill rate
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,10 +48,19 @@ class EngineShape:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
-class Seq:
-    """A request's state inside one engine (its prompt may be recomputed after preemption)."""
+WAITING, PREFILLING, DECODING, GONE = 0, 1, 2, 3
 
-    __slots__ = ("req", "computed", "outputs", "blocks", "prefill_only", "first_pending", "aborted")
+
+class Seq:
+    """A request's state inside one engine (its prompt may be recomputed after preemption).
+
+    While ``DECODING`` its ``computed`` and ``outputs`` are implicit: they grew by one per
+    engine decode step since it joined at step ``j`` with ``c0`` computed, ``o0`` out."""
+
+    __slots__ = (
+        "req", "computed", "outputs", "blocks", "prefill_only", "aborted", "state",
+        "j", "c0", "o0",
+    )  # fmt: skip
 
     def __init__(self, req: SimRequest, prefill_only: bool = False) -> None:
         self.req = req
@@ -55,8 +68,9 @@ class Seq:
         self.outputs = 0
         self.blocks = 0
         self.prefill_only = prefill_only
-        self.first_pending = False
         self.aborted = False
+        self.state = WAITING
+        self.j = self.c0 = self.o0 = 0
 
     @property
     def num_tokens(self) -> int:
@@ -74,6 +88,10 @@ def _noop(seq: Seq, t: float) -> None:
     return None
 
 
+def _blocks(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
 class SimEngine:
     """One replica's engine. ``add`` / ``reserve_remote`` / ``complete_remote`` /
     ``fail_remote`` / ``abort`` mirror the real engine's calls."""
@@ -88,24 +106,42 @@ class SimEngine:
         on_finish: Callback = _noop,
         macro_steps: bool = True,
     ) -> None:
+        if shape.max_num_batched_tokens < shape.max_num_seqs:
+            # Every running decode then fits in every step, as the aggregate assumes.
+            raise ValueError(
+                f"max_num_batched_tokens ({shape.max_num_batched_tokens}) must be >= "
+                f"max_num_seqs ({shape.max_num_seqs}) to simulate"
+            )
         self.loop, self.cost, self.shape = loop, cost, shape
         self.on_first_token, self.on_finish = on_first_token, on_finish
         self.macro_steps = macro_steps
         self.waiting: deque[Seq] = deque()
-        self.running: list[Seq] = []
+        self.prefilling: list[Seq] = []
         self.remote: dict[int, Seq] = {}
         self.used_blocks = 0
         self.prefill_meter = ThroughputMeter()
         self.decode_meter = ThroughputMeter()
         self.num_preemptions = 0
         self.busy_s = 0.0
+        # The decoding requests, in aggregate.
+        self._step = 0  # decode steps so far
+        self._n = 0
+        self._base = 0  # sum of (c0 - j): their context is _base + _n * _step
+        self._phase = [0] * shape.block_size  # by (c0 - j) mod block_size
+        self._heap: list[tuple[int, int, int, Seq]] = []  # (finish step, tie, j, seq)
+        self._order: list[Seq] = []  # running requests by admission (preemption victims)
+        self._firsts: list[Seq] = []  # first tokens out at the end of the next step
+        self._tie = 0
         self._step_end: Event | None = None
         self._batch: list[tuple[Seq, int]] = []
         self._step_began = 0.0
+        self._prefill_tokens = 0
+        self._decodes = 0
         # Macro step: k decode steps, the first lasting t0, each next one d longer.
         self._k = 1
         self._t0 = 0.0
         self._d = 0.0
+        self._macro_blocks = 0
 
     # ------------------------------------------------------------------ intake
     def add(self, seq: Seq) -> None:
@@ -114,7 +150,7 @@ class SimEngine:
 
     def reserve_remote(self, seq: Seq) -> bool:
         """Hold blocks for the whole prompt (False, nothing kept, when there is no room)."""
-        need = -(-seq.req.prompt_tokens // self.shape.block_size)
+        need = _blocks(seq.req.prompt_tokens, self.shape.block_size)
         if need > self.shape.num_blocks - self.used_blocks:
             return False
         seq.blocks = need
@@ -132,12 +168,13 @@ class SimEngine:
             end = self._step_end.time if self._step_end is not None else self.loop.now
             self.loop.at(end, self._finish_landed, seq)
             return
-        seq.first_pending = True
+        self._firsts.append(seq)
         self.waiting.appendleft(seq)
         self._poke()
 
     def _finish_landed(self, seq: Seq) -> None:
         self._free(seq)
+        seq.state = GONE
         self.on_first_token(seq, self.loop.now)
         self.on_finish(seq, self.loop.now)
 
@@ -149,34 +186,37 @@ class SimEngine:
         self._poke()
 
     def abort(self, seq: Seq) -> None:
-        """Drop a request wherever it is and free its blocks (a cancelled remote prefill)."""
-        if seq in self.waiting:
+        """Drop a request that has not started decoding and free its blocks (a cancelled
+        remote prefill)."""
+        if seq.state == WAITING and seq in self.waiting:
             self.waiting.remove(seq)
-        elif seq in self.running and all(s is not seq for s, _ in self._batch):
-            self.running.remove(seq)
-        elif seq in self.running:
+        elif seq.state == PREFILLING and all(s is not seq for s, _ in self._batch):
+            self.prefilling.remove(seq)
+        elif seq.state == PREFILLING:
             seq.aborted = True  # in the step being computed: dropped when it ends
             return
         else:
             return
+        seq.state = GONE
         self._free(seq)
 
     # ------------------------------------------------------------------ queries
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+    @property
+    def num_running(self) -> int:
+        return self._n + len(self.prefilling)
 
     @property
     def idle(self) -> bool:
-        return not (self.waiting or self.running or self.remote or self._step_end)
+        return not (self.waiting or self.prefilling or self._n or self.remote or self._step_end)
 
     def queued_prefill_tokens(self) -> int:
         waiting = sum(s.uncomputed for s in self.waiting)
-        return waiting + sum(s.uncomputed for s in self.running if s.uncomputed > 1)
+        return waiting + sum(s.uncomputed for s in self.prefilling if s.uncomputed > 1)
 
     def stats(self) -> EngineStats:
         total = self.shape.num_blocks
         return EngineStats(
-            num_running=len(self.running),
+            num_running=self.num_running,
             num_waiting=len(self.waiting),
             num_waiting_remote_kv=len(self.remote),
             num_sending_kv=0,
@@ -194,6 +234,44 @@ class SimEngine:
             num_generation_tokens=0,
         )
 
+    # ------------------------------------------------------------------ decode set
+    def _join_decoding(self, seq: Seq) -> None:
+        seq.state = DECODING
+        seq.j, seq.c0, seq.o0 = self._step, seq.computed, seq.outputs
+        self._n += 1
+        self._base += seq.c0 - seq.j
+        self._phase[(seq.c0 - seq.j) % self.shape.block_size] += 1
+        self._tie += 1
+        finish = seq.j + seq.req.output_tokens - seq.o0
+        heapq.heappush(self._heap, (finish, self._tie, seq.j, seq))
+
+    def _leave_decoding(self, seq: Seq) -> None:
+        """Materialise its counters; its blocks stay counted (the caller frees them)."""
+        done = self._step - seq.j
+        seq.computed, seq.outputs = seq.c0 + done, seq.o0 + done
+        seq.blocks = _blocks(seq.computed, self.shape.block_size)
+        self._n -= 1
+        self._base -= seq.c0 - seq.j
+        self._phase[(seq.c0 - seq.j) % self.shape.block_size] -= 1
+        seq.state = GONE
+
+    def _new_blocks(self, k: int) -> int:
+        """Blocks the decoding requests start over the next k steps (a request computing
+        position c needs a new block when c is a multiple of the block size)."""
+        bs, step, total = self.shape.block_size, self._step, 0
+        for phase, count in enumerate(self._phase):
+            if count:
+                first = -(phase + step) % bs
+                if first < k:
+                    total += count * (1 + (k - 1 - first) // bs)
+        return total
+
+    def _next_finish(self) -> int | None:
+        heap = self._heap
+        while heap and (heap[0][3].state != DECODING or heap[0][3].j != heap[0][2]):
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
+
     # ------------------------------------------------------------------ stepping
     def _poke(self) -> None:
         if self._step_end is None:
@@ -202,7 +280,7 @@ class SimEngine:
             self._cut_macro_step()
 
     def _alloc(self, seq: Seq, n: int) -> bool:
-        need = -(-(seq.computed + n) // self.shape.block_size) - seq.blocks
+        need = _blocks(seq.computed + n, self.shape.block_size) - seq.blocks
         if need <= 0:
             return True
         if need > self.shape.num_blocks - self.used_blocks:
@@ -215,41 +293,59 @@ class SimEngine:
         self.used_blocks -= seq.blocks
         seq.blocks = 0
 
-    def _preempt(self, seq: Seq) -> None:
-        self.running.remove(seq)
-        self._free(seq)
-        seq.computed = 0
-        self.waiting.appendleft(seq)
+    def _preempt_newest(self, scheduled: set[int]) -> Seq:
+        """Preempt by recompute the newest running request not scheduled in this step."""
+        order = self._order
+        i = len(order) - 1
+        while order[i].state not in (PREFILLING, DECODING) or id(order[i]) in scheduled:
+            if order[i].state not in (PREFILLING, DECODING):
+                del order[i]
+            i -= 1
+        victim = order.pop(i)
+        if victim.state == DECODING:
+            self._leave_decoding(victim)
+        else:
+            self.prefilling.remove(victim)
+        self._free(victim)
+        victim.computed = 0
+        victim.state = WAITING
+        self.waiting.appendleft(victim)
         self.num_preemptions += 1
+        return victim
 
-    def _schedule(self) -> list[tuple[Seq, int]]:
+    def _schedule(self) -> tuple[list[tuple[Seq, int]], int]:
+        """(prefill chunks and admitted requests with their tokens, decodes this step)."""
         budget = self.shape.max_num_batched_tokens
         batch: list[tuple[Seq, int]] = []
         scheduled: set[int] = set()
         preempted = False
-        decodes = [s for s in self.running if s.uncomputed == 1]
-        prefills = [s for s in self.running if s.uncomputed > 1]
-        for seq in decodes + prefills:
+        # Decodes first: every decoding request takes one token (the budget holds them).
+        while self._n and self._new_blocks(1) > self.shape.num_blocks - self.used_blocks:
+            self._preempt_newest(scheduled)
+            preempted = True
+        decodes = self._n
+        self.used_blocks += self._new_blocks(1) if decodes else 0
+        budget -= decodes
+        for seq in list(self.prefilling):
             if budget == 0:
                 break
-            if seq not in self.running:
+            if seq.state != PREFILLING:
                 continue  # preempted earlier in this loop
             n = min(seq.uncomputed, budget)
             while not self._alloc(seq, n):
-                victim = next(s for s in reversed(self.running) if id(s) not in scheduled)
-                self._preempt(victim)
+                victim = self._preempt_newest(scheduled)
                 preempted = True
                 if victim is seq:
                     break
-            if seq in self.running:
+            if seq.state == PREFILLING:
                 batch.append((seq, n))
                 scheduled.add(id(seq))
                 budget -= n
-        if preempted:
-            return batch
+        if preempted or not self.waiting:
+            return batch, decodes
         holders = [s for s in self.waiting if s.blocks]
         for seq in holders + [s for s in self.waiting if not s.blocks]:
-            if budget == 0 or len(self.running) >= self.shape.max_num_seqs:
+            if budget == 0 or self.num_running >= self.shape.max_num_seqs:
                 break
             n = min(seq.uncomputed, budget)
             if not self._alloc(seq, n):
@@ -257,61 +353,66 @@ class SimEngine:
                     continue
                 break
             self.waiting.remove(seq)
-            self.running.append(seq)
-            batch.append((seq, n))
+            if len(self._order) > 4 * self.num_running + 64:  # drop the finished ones
+                self._order = [s for s in self._order if s.state in (PREFILLING, DECODING)]
+            self._order.append(seq)
+            if seq.uncomputed == 1:
+                # Landed remote KV: it decodes in this very step.
+                self._join_decoding(seq)
+                decodes += 1
+            else:
+                seq.state = PREFILLING
+                self.prefilling.append(seq)
+                batch.append((seq, n))
             budget -= n
-        return batch
+        return batch, decodes
 
     def _start_step(self) -> None:
-        pending = [s for s in self.waiting if s.first_pending]
-        if not (self.waiting or self.running):
+        if not (self.waiting or self.prefilling or self._n):
+            if self._firsts:
+                self._emit_firsts()
             return
-        batch = self._schedule()
-        if not batch and not pending:
+        batch, decodes = self._schedule()
+        ctx = self._base + self._n * self._step  # admitted landed requests included
+        if not batch and not decodes:
+            if self._firsts:
+                self._emit_firsts()
             return  # waiting for blocks that only a finishing request frees
-        tokens = prefill = decode_seqs = decode_ctx = 0
+        tokens = decodes
         attn = 0.0
         for seq, n in batch:
             tokens += n
-            if seq.computed >= seq.req.prompt_tokens:
-                decode_seqs += 1
-                decode_ctx += seq.computed
-            else:
-                prefill += n
-                attn += n * (seq.computed + n / 2)
+            attn += n * (seq.computed + n / 2)
         k = 1
-        if (
-            self.macro_steps
-            and batch
-            and not self.waiting
-            and tokens == decode_seqs
-            and not any(s.first_pending for s, _ in batch)  # a first token ends the step
-        ):
-            k = self._macro_length(batch)
-        t0 = self.cost.step_s(tokens, attn, decode_seqs, decode_ctx)
-        self._k, self._t0 = k, t0
-        self._d = 0.0
+        if self.macro_steps and not batch and not self.waiting and not self._firsts:
+            k = self._macro_length()
+        t0 = self.cost.step_s(tokens, attn, decodes, ctx)
+        self._k, self._t0, self._d = k, t0, 0.0
         if k > 1:
-            t_last = self.cost.step_s(tokens, 0.0, decode_seqs, decode_ctx + decode_seqs * (k - 1))
+            t_last = self.cost.step_s(tokens, 0.0, decodes, ctx + decodes * (k - 1))
             self._d = (t_last - t0) / (k - 1)
         self._batch = batch
-        self._prefill_tokens = prefill
+        self._decodes = decodes
+        self._prefill_tokens = tokens - decodes
         self._step_began = self.loop.now
         self._step_end = self.loop.after(self._span(k), self._end_step)
 
     def _span(self, k: int) -> float:
         return k * self._t0 + self._d * k * (k - 1) / 2
 
-    def _macro_length(self, batch: list[tuple[Seq, int]]) -> int:
-        k = min(s.req.output_tokens - s.outputs for s, _ in batch)
+    def _macro_length(self) -> int:
+        finish = self._next_finish()
+        k = (finish - self._step) if finish is not None else 1
         if k <= 1:
             return 1
-        bs = self.shape.block_size
-        need = sum(-(-(s.computed + k) // bs) - s.blocks for s, _ in batch)
-        if need > self.shape.num_blocks - self.used_blocks:
+        # The first step's blocks are allocated already; add the rest of the k steps'.
+        self._step += 1
+        more = self._new_blocks(k - 1)
+        self._step -= 1
+        if more > self.shape.num_blocks - self.used_blocks:
             return 1  # would run out of blocks: step by step, with preemption
-        for seq, _ in batch:
-            self._alloc(seq, k)
+        self.used_blocks += more
+        self._macro_blocks = more
         return k
 
     def _cut_macro_step(self) -> None:
@@ -325,53 +426,56 @@ class SimEngine:
             return
         assert self._step_end is not None
         self._step_end.cancel()
+        self._step += 1
+        kept = self._new_blocks(k - 1)
+        self._step -= 1
+        self.used_blocks -= self._macro_blocks - kept
+        self._macro_blocks = kept
         self._k = k
         self._step_end = self.loop.at(self._step_began + self._span(k), self._end_step)
+
+    def _emit_firsts(self) -> None:
+        firsts, self._firsts = self._firsts, []
+        for seq in firsts:
+            self.on_first_token(seq, self.loop.now)
 
     def _end_step(self) -> None:
         now, k = self.loop.now, self._k
         seconds = now - self._step_began
         self.busy_s += seconds
         self._step_end = None
+        self._macro_blocks = 0
         batch, self._batch = self._batch, []
-        for seq in [s for s in self.waiting if s.first_pending] + [s for s, _ in batch]:
-            if seq.first_pending:
-                seq.first_pending = False
-                self.on_first_token(seq, now)
-        decoded = 0
+        if self._decodes:
+            self._step += k
+        self._emit_firsts()
         for seq, n in batch:
             if seq.aborted:
-                self.running.remove(seq)
+                self.prefilling.remove(seq)
+                seq.state = GONE
                 self._free(seq)
                 continue
-            if k > 1:
-                seq.computed += k
-                seq.outputs += k
-                decoded += k
-            else:
-                was_decode = seq.computed >= seq.req.prompt_tokens
-                seq.computed += n
-                if seq.computed < seq.num_tokens:
-                    continue  # a prefill chunk that does not sample yet
-                seq.outputs += 1
-                decoded += was_decode
-                if seq.outputs == 1:
-                    self.on_first_token(seq, now)
+            seq.computed += n
+            if seq.computed < seq.num_tokens:
+                continue  # a prefill chunk that does not sample yet
+            seq.outputs += 1
+            if seq.outputs == 1:
+                self.on_first_token(seq, now)
+            self.prefilling.remove(seq)
             if seq.outputs >= seq.req.output_tokens or seq.prefill_only:
                 self._finish(seq, now)
-        if k > 1:
-            bs = self.shape.block_size
-            for seq, _ in batch:
-                if seq.blocks:
-                    right = -(-seq.computed // bs)
-                    self.used_blocks -= seq.blocks - right
-                    seq.blocks = right
+            else:
+                self._join_decoding(seq)
+        while (finish := self._next_finish()) is not None and finish <= self._step:
+            seq = heapq.heappop(self._heap)[3]
+            self._leave_decoding(seq)
+            self._finish(seq, now)
         self.prefill_meter.update(self._prefill_tokens, seconds)
-        self.decode_meter.update(decoded, seconds)
+        self.decode_meter.update(self._decodes * k, seconds)
         self._start_step()
 
     def _finish(self, seq: Seq, now: float) -> None:
-        self.running.remove(seq)
+        seq.state = GONE
         if not seq.prefill_only:
             self._free(seq)
         self.on_finish(seq, now)
@@ -379,8 +483,5 @@ class SimEngine:
     def release(self, seq: Seq) -> None:
         """A prefill_only request's KV send finished: its blocks are free again."""
         self._free(seq)
-        self._poke_idle()
-
-    def _poke_idle(self) -> None:
         if self._step_end is None:
             self._start_step()

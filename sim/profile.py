@@ -1,6 +1,7 @@
 """Measure a step-time profile of the real engine on this machine, for ``ProfileCost``:
 
-    python -m pdserve.sim.profile [--size small | --model DIR] [--threads 1] [--out FILE.json]
+    python -m pdserve.sim.profile [--size small | --model DIR] [--threads 1]
+        [--helper-threads 0 --helper-min-tokens 32] [--out FILE.json]
 
 It times ``LLMEngine.step()`` (scheduler, model runner and output processing: what one
 engine iteration costs inside a replica) for
@@ -13,6 +14,9 @@ The step time vs tokens table combines the decode points and the prefill points 
 their attention taken out. KV capacity is what the engine would allocate for the local
 configs (max_model_len 4096, max_num_seqs 64). The KV transfer is shared memory on one
 host here; its bandwidth and per-request latency are options, not measured.
+``--helper-threads`` mirrors a pool's ``helper_threads``: steps of at least
+``--helper-min-tokens`` tokens run with that many more torch threads, as the engine's
+``StepThreads`` does.
 
 Prints a table and writes JSON (``StepProfile``). Needs torch (the real engine).
 """
@@ -24,7 +28,7 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -65,6 +69,20 @@ def _params(max_tokens: int):
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
+@dataclass(frozen=True)
+class Threads:
+    """Torch threads per step, as the engine's ``StepThreads`` sets them."""
+
+    base: int
+    helpers: int = 0
+    min_tokens: int = 32
+
+    def apply(self, num_tokens: int) -> None:
+        import torch
+
+        torch.set_num_threads(self.base + (self.helpers if num_tokens >= self.min_tokens else 0))
+
+
 def time_prefill(engine, n: int, repeats: int, rng: np.random.Generator) -> float:
     vocab = engine.vocab_size
     times = []
@@ -96,14 +114,26 @@ def time_decode(engine, batch: int, context: int, steps: int, rng: np.random.Gen
 
 
 def measure(
-    model_dir: str, dtype: str, repeats: int, transfer_bytes_per_s: float, transfer_latency_s: float
+    model_dir: str,
+    dtype: str,
+    repeats: int,
+    threads: Threads,
+    transfer_bytes_per_s: float,
+    transfer_latency_s: float,
 ) -> tuple[StepProfile, dict]:
     rng = np.random.default_rng(0)
     engine = _engine(model_dir, dtype, budget=max(PREFILL_POINTS[-1], 64 * CONTEXTS[-1]))
     time_prefill(engine, 64, 2, rng)  # warm-up: first-call allocations
-    prefill = {n: time_prefill(engine, n, repeats, rng) for n in PREFILL_POINTS}
-    decode = {b: time_decode(engine, b, 16, 8, rng) for b in DECODE_BATCHES}
-    ctx = {c: time_decode(engine, 8, c, 8, rng) for c in CONTEXTS}
+    prefill, decode, ctx = {}, {}, {}
+    for n in PREFILL_POINTS:
+        threads.apply(n)
+        prefill[n] = time_prefill(engine, n, repeats, rng)
+    for b in DECODE_BATCHES:
+        threads.apply(b)
+        decode[b] = time_decode(engine, b, 16, 8, rng)
+    threads.apply(8)
+    for c in CONTEXTS:
+        ctx[c] = time_decode(engine, 8, c, 8, rng)
 
     n = np.array(PREFILL_POINTS, dtype=np.float64)
     design = np.stack([np.ones_like(n), n, n * n / 2], axis=1)
@@ -135,16 +165,10 @@ def measure(
         transfer_bytes_per_s=transfer_bytes_per_s,
         transfer_latency_s=transfer_latency_s,
         num_layers=int(cfg.num_layers),
-        source=f"{model_dir} dtype {cfg.dtype} threads {_threads()}",
+        source=f"{model_dir} dtype {cfg.dtype} {threads}",
     )
     raw = {"prefill_s": prefill, "decode_s": decode, "decode8_ctx_s": ctx, "fit_a_b": [a, b]}
     return profile, raw
-
-
-def _threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--size", default="small", help="generated test model (default small)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=1, help="torch threads (a replica's num_cpus)")
+    p.add_argument("--helper-threads", type=int, default=0, help="the pool's helper_threads")
+    p.add_argument("--helper-min-tokens", type=int, default=32, help="the pool's helper_min_tokens")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--transfer-gbps", type=float, default=2.0, help="KV copy GB/s (shm)")
     p.add_argument("--transfer-latency-ms", type=float, default=5.0, help="per remote prefill")

@@ -1,0 +1,171 @@
+"""Validate the simulator against the real local cluster.
+
+    python -m pdserve.sim.validate measure --config configs/local-2core-colocated.yaml \\
+        --rates 0.75 1.5 --num-requests 40 --out-dir bench/results/sim-validate
+    python -m pdserve.sim.validate compare --profile bench/results/sim-profile.json \\
+        --run coloc@0.75=configs/local-2core-colocated.yaml:DIR/summary.json ...
+
+``measure`` starts a real cluster (``pdserve up`` / ``serve`` / ``down``, always stopped),
+runs ``bench.serve --save-requests`` once per rate (bounded by --num-requests and
+--max-duration-s) and leaves one ``summary.json`` per rate. ``compare`` replays each run's
+requests (send times, prompt and output lengths) through the simulator, configured by the
+same YAML and calibrated by a ``pdserve.sim.profile`` step profile, and prints predicted
+vs measured TTFT and TPOT p50/p90 with the relative error; JSON goes next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from pdserve.deployments.config import AppConfig
+from pdserve.sim.config import SimSettings
+from pdserve.sim.cost import ProfileCost, StepProfile
+from pdserve.sim.scenario import simulate
+from pdserve.sim.workload import replay
+
+PDSERVE = [sys.executable, "-m", "pdserve.cluster.cli"]
+
+
+def _run(cmd: list[str], timeout_s: float) -> str:
+    print("$", " ".join(cmd), flush=True)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    if done.returncode != 0:
+        raise RuntimeError(f"{cmd[:4]} failed ({done.returncode}): {done.stderr[-2000:]}")
+    return done.stdout
+
+
+def measure(args: argparse.Namespace) -> int:
+    from pdserve.engine.testmodel import ensure_test_model  # torch: only for measuring
+
+    tokenizer = str(ensure_test_model("small"))
+    out_dir = Path(args.out_dir)
+    with tempfile.TemporaryDirectory(prefix="pdserve-validate-") as state:
+        try:
+            _run([*PDSERVE, "up", "--state-dir", state, "--prefill-cpus", "1",
+                  "--decode-cpus", "2"], 300)  # fmt: skip
+            _run([*PDSERVE, "serve", str(args.config), "--state-dir", state], 900)
+            recorded = json.loads(_run([*PDSERVE, "status", "--json", "--state-dir", state], 60))
+            serve = recorded["serve"]
+            url = f"http://{serve['http_host']}:{serve['http_port']}"
+            url += serve["route_prefix"].rstrip("/")
+            for rate in args.rates:
+                run_dir = out_dir / f"{Path(args.config).stem}-rate{rate:g}"
+                _run(
+                    [sys.executable, "-m", "pdserve.bench.serve", "--endpoint", f"pdserve={url}",
+                     "--tokenizer", tokenizer, "--request-rate", str(rate),
+                     "--num-requests", str(args.num_requests), "--max-duration-s",
+                     str(args.max_duration_s), "--prompt-len", args.prompt_len,
+                     "--output-len", args.output_len, "--warmup", "2", "--seed", str(args.seed),
+                     "--save-requests", "--no-plot", "--request-timeout-s", "120",
+                     "--out-dir", str(run_dir)],
+                    args.max_duration_s + 300,
+                )  # fmt: skip
+                print(f"measured {run_dir / 'summary.json'}", flush=True)
+        finally:
+            subprocess.run([*PDSERVE, "down", "--state-dir", state], timeout=300, check=False)
+    return 0
+
+
+def _pcts(values: list[float]) -> tuple[float, float]:
+    if not values:
+        return float("nan"), float("nan")
+    p50, p90 = np.percentile(np.asarray(values), (50, 90))
+    return float(p50), float(p90)
+
+
+def compare_one(name: str, config: Path, summary: Path, profile: StepProfile, s: SimSettings):
+    app = AppConfig.from_yaml(config)
+    run = replay(summary)
+    cost = ProfileCost(profile)
+    report, cluster = simulate(app, run.requests, cost, cost, s)
+    sim_ttft = [r.ttft for r in run.requests if r.ttft is not None]
+    sim_tpot = [r.tpot for r in run.requests if r.tpot is not None]
+    rows = {}
+    for metric, measured, predicted in (
+        ("ttft", run.measured_ttft, sim_ttft),
+        ("tpot", run.measured_tpot, sim_tpot),
+    ):
+        m50, m90 = _pcts(measured)
+        p50, p90 = _pcts(predicted)
+        rows[metric] = {
+            "measured_p50": m50,
+            "measured_p90": m90,
+            "predicted_p50": p50,
+            "predicted_p90": p90,
+            "error_p50": (p50 - m50) / m50,
+            "error_p90": (p90 - m90) / m90,
+        }
+    rows["placements"] = dict(cluster.counts)
+    rows["requests"] = len(run.requests)
+    return rows
+
+
+def compare(args: argparse.Namespace) -> int:
+    profiles = {}
+    for spec in args.profile:
+        key, _, path = spec.rpartition("=")
+        profiles[key] = StepProfile.load(path)
+    settings = SimSettings(rpc_s=args.rpc_ms / 1e3, ingress_s=args.ingress_ms / 1e3)
+    results = {}
+    header = (
+        f"{'run':<18}{'metric':<6}{'meas p50':>10}{'sim p50':>10}{'err':>8}"
+        f"{'meas p90':>10}{'sim p90':>10}{'err':>8}"
+    )
+    print(header)
+    print("-" * len(header))
+    for spec in args.run:
+        name, _, rest = spec.partition("=")
+        config, _, summary = rest.partition(":")
+        profile = profiles.get(name.split("@")[0]) or profiles.get("")
+        if profile is None:
+            raise ValueError(f"no --profile for run {name!r} (give NAME=FILE or a default)")
+        rows = compare_one(name, Path(config), Path(summary), profile, settings)
+        results[name] = rows
+        for metric in ("ttft", "tpot"):
+            r = rows[metric]
+            print(
+                f"{name:<18}{metric:<6}{r['measured_p50'] * 1e3:>10.0f}"
+                f"{r['predicted_p50'] * 1e3:>10.0f}{r['error_p50']:>+8.0%}"
+                f"{r['measured_p90'] * 1e3:>10.0f}{r['predicted_p90'] * 1e3:>10.0f}"
+                f"{r['error_p90']:>+8.0%}"
+            )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pdserve.sim.validate", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    m = sub.add_parser("measure", help="run bench.serve against a real local cluster")
+    m.add_argument("--config", type=Path, required=True)
+    m.add_argument("--rates", type=float, nargs="+", required=True)
+    m.add_argument("--num-requests", type=int, default=40)
+    m.add_argument("--max-duration-s", type=float, default=120.0)
+    m.add_argument("--prompt-len", default="uniform:64:512")
+    m.add_argument("--output-len", default="fixed:32")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--out-dir", default=f"bench/results/sim-validate-{time.strftime('%H%M%S')}")
+    c = sub.add_parser("compare", help="predicted vs measured")
+    c.add_argument("--profile", action="append", required=True,
+                   help="FILE (default) or NAME=FILE for runs named NAME@...")  # fmt: skip
+    c.add_argument("--run", action="append", required=True, help="NAME=CONFIG:SUMMARY")
+    c.add_argument("--rpc-ms", type=float, default=1.0, help="one process hop")
+    c.add_argument("--ingress-ms", type=float, default=3.0, help="ingress parse + tokenize")
+    c.add_argument("--out", default="bench/results/sim-validate.json")
+    args = p.parse_args(argv)
+    return measure(args) if args.command == "measure" else compare(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
