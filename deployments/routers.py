@@ -95,15 +95,25 @@ def rank_prefill(
     p: PrefillRouterParams,
 ) -> list[list[Any]]:
     """Singleton tiers, lowest predicted TTFT first (ties keep the input order)."""
+    parsed = [(r, parse_stats(r.routing_stats)) for r in replicas]
+    return rank_prefill_stats(parsed, prompt_tokens, inflight_tokens, p)
+
+
+def rank_prefill_stats(
+    replicas: Sequence[tuple[Any, ReplicaStats | None]],
+    prompt_tokens: int,
+    inflight_tokens: dict[Any, int],
+    p: PrefillRouterParams,
+) -> list[list[Any]]:
+    """``rank_prefill`` over (replica, already parsed stats) pairs: the simulator parses
+    each published report once, not once per request."""
     scored = [
         (
-            predict_prefill_ttft_s(
-                parse_stats(r.routing_stats), inflight_tokens.get(r.replica_id, 0), prompt_tokens, p
-            ),
+            predict_prefill_ttft_s(stats, inflight_tokens.get(r.replica_id, 0), prompt_tokens, p),
             i,
             r,
         )
-        for i, r in enumerate(replicas)
+        for i, (r, stats) in enumerate(replicas)
     ]
     scored.sort(key=lambda t: (t[0], t[1]))
     return [[r] for _, _, r in scored]
@@ -116,11 +126,20 @@ def rank_decode(
     p: DecodeRouterParams,
 ) -> list[list[Any]]:
     """Singleton tiers: replicas where the request fits first, each group by load score."""
+    parsed = [(r, parse_stats(r.routing_stats)) for r in replicas]
+    return rank_decode_stats(parsed, blocks_needed, inflight, p)
+
+
+def rank_decode_stats(
+    replicas: Sequence[tuple[Any, ReplicaStats | None]],
+    blocks_needed: int,
+    inflight: dict[Any, int],
+    p: DecodeRouterParams,
+) -> list[list[Any]]:
+    """``rank_decode`` over (replica, already parsed stats) pairs."""
     scored = []
-    for i, r in enumerate(replicas):
-        fits, score = decode_load_score(
-            parse_stats(r.routing_stats), inflight.get(r.replica_id, 0), blocks_needed, p
-        )
+    for i, (r, stats) in enumerate(replicas):
+        fits, score = decode_load_score(stats, inflight.get(r.replica_id, 0), blocks_needed, p)
         scored.append((not fits, score, i, r))
     scored.sort(key=lambda t: t[:3])
     return [[r] for *_, r in scored]

@@ -34,14 +34,15 @@ from pdserve.deployments import autoscaling as live_autoscaling
 from pdserve.deployments.app import autoscaling_config
 from pdserve.deployments.config import AppConfig, PoolRole
 from pdserve.deployments.load import Ema, RateMeter, replica_stats
+from pdserve.deployments.messages import ReplicaStats
 from pdserve.deployments.policy import DisaggregationPolicy, LocalLoad, RemotePrefillEstimator
 from pdserve.deployments.routers import (
     DecodeRouterParams,
     InflightLoad,
     PrefillRouterParams,
     decode_blocks_needed,
-    rank_decode,
-    rank_prefill,
+    rank_decode_stats,
+    rank_prefill_stats,
 )
 from pdserve.sim.config import SimSettings
 from pdserve.sim.cost import CostModel
@@ -57,7 +58,7 @@ class AdmissionQuery:
     request: SimRequest
     now: float
     decode_load: LocalLoad
-    decode_stats: dict[str, Any]  # the replica's current ReplicaStats, as published
+    decode_stats: ReplicaStats | None  # the replica's last published report
     ongoing: int  # requests the replica holds (Serve's ongoing count)
 
 
@@ -65,7 +66,8 @@ Admission = Callable[[AdmissionQuery], bool]  # True = admit
 
 
 class SimReplica:
-    """One replica as the routers see it (``replica_id``, ``routing_stats``) and its engine."""
+    """One replica as the routers see it (``replica_id``, its published ``ReplicaStats``)
+    and its engine."""
 
     def __init__(
         self, replica_id: str, role: PoolRole, engine: SimEngine, gpus: int, now: float
@@ -74,7 +76,7 @@ class SimReplica:
         self.role = role
         self.engine = engine
         self.gpus = gpus
-        self.routing_stats: dict[str, Any] = {}
+        self.stats: ReplicaStats | None = None  # the last published report
         self.started_at = now
         self.ready = False
         self.draining = False
@@ -85,6 +87,11 @@ class SimReplica:
         self.prefill_books = InflightLoad()
         self.estimate: RemotePrefillEstimator | None = None
         self.arrivals: RateMeter | None = None
+
+    @property
+    def routing_stats(self) -> dict[str, Any]:
+        """What Serve hands a router (``ReplicaView``)."""
+        return self.stats.model_dump() if self.stats is not None else {}
 
 
 @dataclass
@@ -223,13 +230,13 @@ class SimCluster:
     # ------------------------------------------------------------------ stats (live code)
     def _publish(self, replica: SimReplica) -> None:
         cost = self.costs[replica.role]
-        replica.routing_stats = replica_stats(
+        replica.stats = replica_stats(
             replica.role,
             replica.engine.stats(),
             max_num_seqs=self.shapes[replica.role].max_num_seqs,
             kv_bytes_per_token=cost.kv_bytes_per_token,
             prompt_tokens_per_s=replica.arrivals.rate() if replica.arrivals else 0.0,
-        ).model_dump()
+        )
 
     def _publish_all(self) -> None:
         for replica in self.pools["prefill"] + self.pools["decode"]:
@@ -247,9 +254,14 @@ class SimCluster:
         shape = self.shapes["decode"]
         blocks = decode_blocks_needed(req.prompt_tokens, req.output_tokens, shape.block_size)
         cap = self.app.decode.max_ongoing_requests
-        for (replica,) in rank_decode(
-            candidates, blocks, self.ingress_books.by_replica, self.decode_params
-        ):
+        # The live ranking over each replica's last report (parsed once per report).
+        ranked = rank_decode_stats(
+            [(r, r.stats) for r in candidates],
+            blocks,
+            self.ingress_books.by_replica,
+            self.decode_params,
+        )
+        for (replica,) in ranked:
             if replica.ongoing < cap:
                 self.ingress_books.routed(str(req.rid), replica.replica_id, 1)
                 replica.ongoing += 1
@@ -281,7 +293,7 @@ class SimCluster:
     def _on_decode(self, replica: SimReplica, req: SimRequest) -> None:
         load = self._local_load(replica)
         if self.admission is not None and not self.admission(
-            AdmissionQuery(req, self.loop.now, load, replica.routing_stats, replica.ongoing)
+            AdmissionQuery(req, self.loop.now, load, replica.stats, replica.ongoing)
         ):
             self._shed(replica, req)
             return
@@ -317,8 +329,8 @@ class SimCluster:
         n = req.prompt_tokens
         deadline_at = self.loop.now + est.compute_s(n) + self.app.transport.timeout_s
         ahead = est.started(n)
-        ((target,), *_) = rank_prefill(
-            pool, n, replica.prefill_books.by_replica, self.prefill_params
+        ((target,), *_) = rank_prefill_stats(
+            [(r, r.stats) for r in pool], n, replica.prefill_books.by_replica, self.prefill_params
         )
         replica.prefill_books.routed(str(req.rid), target.replica_id, n)
         self.routes[req.rid] = (replica.replica_id, target.replica_id)

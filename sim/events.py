@@ -15,17 +15,14 @@ from typing import Any
 class Event:
     """A scheduled callback; ``cancel()`` makes the loop skip it."""
 
-    __slots__ = ("time", "seq", "fn", "args", "cancelled")
+    __slots__ = ("time", "fn", "args", "cancelled")
 
-    def __init__(self, time: float, seq: int, fn: Callable[..., Any], args: tuple[Any, ...]):
-        self.time, self.seq, self.fn, self.args = time, seq, fn, args
+    def __init__(self, time: float, fn: Callable[..., Any], args: tuple[Any, ...]):
+        self.time, self.fn, self.args = time, fn, args
         self.cancelled = False
 
     def cancel(self) -> None:
         self.cancelled = True
-
-    def __lt__(self, other: Event) -> bool:
-        return (self.time, self.seq) < (other.time, other.seq)
 
 
 class EventLoop:
@@ -33,7 +30,8 @@ class EventLoop:
 
     def __init__(self) -> None:
         self.now = 0.0
-        self._heap: list[Event] = []
+        # (time, sequence number, event): tuples compare in C, and never reach the event.
+        self._heap: list[tuple[float, int, Event]] = []
         self._seq = 0
         self.num_processed = 0
 
@@ -42,8 +40,8 @@ class EventLoop:
         if time < self.now:
             raise ValueError(f"cannot schedule at {time} before now ({self.now})")
         self._seq += 1
-        event = Event(time, self._seq, fn, args)
-        heapq.heappush(self._heap, event)
+        event = Event(time, fn, args)
+        heapq.heappush(self._heap, (time, self._seq, event))
         return event
 
     def after(self, delay: float, fn: Callable[..., Any], *args: Any) -> Event:
@@ -52,21 +50,21 @@ class EventLoop:
         return self.at(self.now + delay, fn, *args)
 
     def pending(self) -> int:
-        return sum(1 for e in self._heap if not e.cancelled)
+        return sum(1 for _, _, e in self._heap if not e.cancelled)
 
     def run(self, until: float | None = None) -> None:
         """Process events in time order until none is left (or the next is past ``until``,
         where the clock then stops)."""
         heap = self._heap
+        pop = heapq.heappop
         while heap:
-            event = heap[0]
-            if until is not None and event.time > until:
+            if until is not None and heap[0][0] > until:
                 self.now = until
                 return
-            heapq.heappop(heap)
+            time, _, event = pop(heap)
             if event.cancelled:
                 continue
-            self.now = event.time
+            self.now = time
             self.num_processed += 1
             event.fn(*event.args)
         if until is not None:

@@ -109,5 +109,5 @@ def test_live_autoscaling_grows_the_pools_under_load() -> None:
     report, cluster = simulate(app, generate("chat", 60, 3000, seed=0), cost, cost, settings)
     peak_p = max(p for _, p, _ in report.timeline)
     assert peak_p > 1  # the prefill policy asked for more replicas and got them
-    assert report.completed == 3000
+    assert report.completed + report.shed == 3000  # shed only by the live policy, if at all
     assert report.gpu_seconds > 0
