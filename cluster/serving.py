@@ -27,6 +27,8 @@ if TYPE_CHECKING:  # Ray is imported only when deploying
     from ray.serve.schema import ServeStatus
 
 GRPC_SERVICER = "pdserve.deployments.grpc.pdserve_pb2_grpc.add_PDServeServicer_to_server"
+# grpc.health.v1.Health: load balancers and Kubernetes gRPC probes call Health/Check.
+HEALTH_SERVICER = "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server"
 
 
 def resolve_model(config: AppConfig, progress: Progress) -> AppConfig:
@@ -129,7 +131,8 @@ def deploy(
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # we report progress ourselves
     grpc_options = None
     if config.grpc.enabled:
-        grpc_options = {"port": config.grpc.port, "grpc_servicer_functions": [GRPC_SERVICER]}
+        servicers = [GRPC_SERVICER, HEALTH_SERVICER]
+        grpc_options = {"port": config.grpc.port, "grpc_servicer_functions": servicers}
     # One proxy, on the head: proxies on every node would all bind the same address here.
     serve.start(
         proxy_location="HeadOnly",

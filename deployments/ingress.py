@@ -11,8 +11,9 @@ of the ingress's own registry). Every route first passes ``APIGuard`` (API keys,
 limits; /health and /metrics can stay open) and bodies past ``api.max_body_bytes`` get 413.
 The request header ``x-pdserve-slo-class: batch`` marks a request that must never be shed
 for its TTFT.
-gRPC: ``PDServe.Generate`` (server streaming) and ``PDServe.Complete`` (unary) from
-``deployments/grpc/pdserve.proto``, through Serve's gRPC proxy.
+gRPC: ``pdserve.v1.PDServe.Generate`` (server streaming) and ``.Complete`` (unary) from
+``deployments/grpc/pdserve.proto``, and ``grpc.health.v1.Health/Check``, through Serve's
+gRPC proxy.
 """
 
 import asyncio
@@ -26,6 +27,7 @@ from typing import Any
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from grpc_health.v1 import health_pb2
 from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
@@ -37,7 +39,7 @@ from pdserve.deployments.config import APIConfig, ObservabilityConfig
 from pdserve.deployments.decode_stream import DecodeStream
 from pdserve.deployments.grpc import pdserve_pb2 as pb2
 from pdserve.deployments.ingress_telemetry import IngressTelemetry
-from pdserve.deployments.messages import GenerateChunk, GenerateRequest, SLOClass
+from pdserve.deployments.messages import GenerateChunk, GenerateRequest, SLOClass, TokenLogprob
 from pdserve.deployments.metrics import APIMetrics, ServingMetrics
 from pdserve.deployments.openai_protocol import (
     ChatCompletionRequest,
@@ -148,24 +150,49 @@ def _grpc_to_openai(
     }
     if proto.stop:
         fields["stop"] = list(proto.stop)
+    if proto.stop_token_ids:
+        fields["stop_token_ids"] = list(proto.stop_token_ids)
     for name in ("temperature", "top_p", "top_k", "seed"):
         if proto.HasField(name):
             fields[name] = getattr(proto, name)
     try:
-        if bool(proto.prompt) == bool(proto.messages):
-            raise OpenAIError("set exactly one of prompt and messages", param="prompt")
+        given = [bool(proto.prompt), bool(proto.prompt_token_ids), bool(proto.messages)]
+        if sum(given) != 1:
+            raise OpenAIError(
+                "set exactly one of prompt, prompt_token_ids and messages", param="prompt"
+            )
         if proto.messages:
             fields["messages"] = [{"role": m.role, "content": m.content} for m in proto.messages]
             if proto.HasField("max_tokens"):
                 fields["max_completion_tokens"] = proto.max_tokens
+            if proto.HasField("logprobs"):
+                fields["logprobs"] = True
+                fields["top_logprobs"] = proto.logprobs
             return validate_request(ChatCompletionRequest, fields)
-        fields["prompt"] = proto.prompt
+        fields["prompt"] = proto.prompt or list(proto.prompt_token_ids)
         if proto.HasField("max_tokens"):
             fields["max_tokens"] = proto.max_tokens
+        if proto.HasField("logprobs"):
+            fields["logprobs"] = proto.logprobs
         return validate_request(CompletionRequest, fields)
     except OpenAIError as err:
         _abort_grpc(grpc_context, err)
         raise  # unreachable: _abort_grpc raises
+
+
+def _grpc_logprobs(logprobs: list[TokenLogprob] | None) -> list[pb2.TokenLogprob]:
+    return [
+        pb2.TokenLogprob(
+            token_id=lp.token_id,
+            token=lp.token,
+            logprob=lp.logprob,
+            top_logprobs=[
+                pb2.TopLogprob(token_id=t.token_id, token=t.token, logprob=t.logprob)
+                for t in lp.top_logprobs
+            ],
+        )
+        for lp in logprobs or []
+    ]
 
 
 def _metadata(grpc_context: Any) -> dict[str, str]:
@@ -421,6 +448,18 @@ class OpenAIIngress:
         return pools_ready(serve.status().applications.get(app_name), self._ready_deployments)
 
     # ------------------------------------------------------------------ gRPC
+    async def Check(  # noqa: N802 (grpc.health.v1.Health/Check)
+        self, request: health_pb2.HealthCheckRequest, grpc_context: Any = None
+    ) -> health_pb2.HealthCheckResponse:
+        """SERVING while every pool has a running replica (what GET /health answers)."""
+        ok, _ = await self._check_ready()
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if ok
+            else (health_pb2.HealthCheckResponse.NOT_SERVING)
+        )
+        return health_pb2.HealthCheckResponse(status=status)
+
     async def Generate(  # noqa: N802 (the method name must equal the RPC name)
         self, request: pb2.CompletionRequest, grpc_context: Any = None
     ) -> AsyncIterator[pb2.CompletionChunk]:
@@ -433,6 +472,7 @@ class OpenAIIngress:
                     text=chunk.text,
                     token_ids=chunk.token_ids,
                     finish_reason=chunk.finish_reason or "",
+                    logprobs=_grpc_logprobs(chunk.logprobs),
                 )
                 if chunk.finish_reason is not None:
                     out.usage.CopyFrom(_grpc_usage(stream))
@@ -449,10 +489,12 @@ class OpenAIIngress:
         stream = await self._grpc_open(req, request, grpc_context)
         text: list[str] = []
         token_ids: list[int] = []
+        logprobs: list[pb2.TokenLogprob] = []
         try:
             async for chunk in stream:
                 text.append(chunk.text)
                 token_ids.extend(chunk.token_ids)
+                logprobs.extend(_grpc_logprobs(chunk.logprobs))
         except OpenAIError as err:
             _abort_grpc(grpc_context, err)
         finally:
@@ -463,6 +505,7 @@ class OpenAIIngress:
             token_ids=token_ids,
             finish_reason=stream.finish_reason or "",
             usage=_grpc_usage(stream),
+            logprobs=logprobs,
         )
 
     async def _grpc_open(

@@ -49,8 +49,9 @@ class PDServeClient:
         prompt: str = "", messages: Sequence[tuple[str, str]] = (), **params: Any
     ) -> pb2.CompletionRequest:
         """A ``CompletionRequest``: ``prompt`` or ``messages`` ((role, content) pairs) plus
-        any of max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos, min_tokens,
-        model, request_id (None values are left unset)."""
+        any of max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids,
+        prompt_token_ids, logprobs, ignore_eos, min_tokens, model, request_id (None values
+        are left unset)."""
         fields = {k: v for k, v in params.items() if v is not None}
         chat = [pb2.ChatMessage(role=role, content=content) for role, content in messages]
         return pb2.CompletionRequest(prompt=prompt, messages=chat, **fields)
@@ -61,6 +62,17 @@ class PDServeClient:
 
     def complete(self, request: pb2.CompletionRequest) -> pb2.CompletionResult:
         return self._stub.Complete(request, metadata=self._metadata, timeout=self._timeout_s)
+
+    def serving(self) -> bool:
+        """``grpc.health.v1.Health/Check`` answers SERVING (every pool has a replica)."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        stub = health_pb2_grpc.HealthStub(self._channel)
+        try:
+            reply = stub.Check(health_pb2.HealthCheckRequest(), metadata=self._metadata, timeout=10)
+        except grpc.RpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     def healthy(self) -> bool:
         """Serve's own gRPC health check answers OK."""

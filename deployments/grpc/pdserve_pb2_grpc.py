@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from pdserve.deployments.grpc import pdserve_pb2 as deployments_dot_grpc_dot_pdserve__pb2
+from pdserve.deployments.grpc import pdserve_pb2 as pdserve_dot_deployments_dot_grpc_dot_pdserve__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in deployments/grpc/pdserve_pb2_grpc.py depends on'
+        + ' but the generated code in pdserve/deployments/grpc/pdserve_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -35,14 +35,14 @@ class PDServeStub:
             channel: A grpc.Channel.
         """
         self.Generate = channel.unary_stream(
-                '/pdserve.PDServe/Generate',
-                request_serializer=deployments_dot_grpc_dot_pdserve__pb2.CompletionRequest.SerializeToString,
-                response_deserializer=deployments_dot_grpc_dot_pdserve__pb2.CompletionChunk.FromString,
+                '/pdserve.v1.PDServe/Generate',
+                request_serializer=pdserve_dot_deployments_dot_grpc_dot_pdserve__pb2.CompletionRequest.SerializeToString,
+                response_deserializer=pdserve_dot_deployments_dot_grpc_dot_pdserve__pb2.CompletionChunk.FromString,
                 _registered_method=True)
         self.Complete = channel.unary_unary(
-                '/pdserve.PDServe/Complete',
-                request_serializer=deployments_dot_grpc_dot_pdserve__pb2.CompletionRequest.SerializeToString,
-                response_deserializer=deployments_dot_grpc_dot_pdserve__pb2.CompletionResult.FromString,
+                '/pdserve.v1.PDServe/Complete',
+                request_serializer=pdserve_dot_deployments_dot_grpc_dot_pdserve__pb2.CompletionRequest.SerializeToString,
+                response_deserializer=pdserve_dot_deployments_dot_grpc_dot_pdserve__pb2.CompletionResult.FromString,
                 _registered_method=True)
 
 
@@ -68,19 +68,19 @@ def add_PDServeServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=deployments_dot_grpc_dot_pdserve__pb2.CompletionRequest.FromString,
-                    response_serializer=deployments_dot_grpc_dot_pdserve__pb2.CompletionChunk.SerializeToString,
+                    request_deserializer=pdserve_dot_deployments_dot_grpc_dot_pdserve__pb2.CompletionRequest.FromString,
+                    response_serializer=pdserve_dot_deployments_dot_grpc_dot_pdserve__pb2.CompletionChunk.SerializeToString,
             ),
             'Complete': grpc.unary_unary_rpc_method_handler(
                     servicer.Complete,
-                    request_deserializer=deployments_dot_grpc_dot_pdserve__pb2.CompletionRequest.FromString,
-                    response_serializer=deployments_dot_grpc_dot_pdserve__pb2.CompletionResult.SerializeToString,
+                    request_deserializer=pdserve_dot_deployments_dot_grpc_dot_pdserve__pb2.CompletionRequest.FromString,
+                    response_serializer=pdserve_dot_deployments_dot_grpc_dot_pdserve__pb2.CompletionResult.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'pdserve.PDServe', rpc_method_handlers)
+            'pdserve.v1.PDServe', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('pdserve.PDServe', rpc_method_handlers)
+    server.add_registered_method_handlers('pdserve.v1.PDServe', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
@@ -101,9 +101,9 @@ class PDServe:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/pdserve.PDServe/Generate',
-            deployments_dot_grpc_dot_pdserve__pb2.CompletionRequest.SerializeToString,
-            deployments_dot_grpc_dot_pdserve__pb2.CompletionChunk.FromString,
+            '/pdserve.v1.PDServe/Generate',
+            pdserve_dot_deployments_dot_grpc_dot_pdserve__pb2.CompletionRequest.SerializeToString,
+            pdserve_dot_deployments_dot_grpc_dot_pdserve__pb2.CompletionChunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -128,9 +128,9 @@ class PDServe:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/pdserve.PDServe/Complete',
-            deployments_dot_grpc_dot_pdserve__pb2.CompletionRequest.SerializeToString,
-            deployments_dot_grpc_dot_pdserve__pb2.CompletionResult.FromString,
+            '/pdserve.v1.PDServe/Complete',
+            pdserve_dot_deployments_dot_grpc_dot_pdserve__pb2.CompletionRequest.SerializeToString,
+            pdserve_dot_deployments_dot_grpc_dot_pdserve__pb2.CompletionResult.FromString,
             options,
             channel_credentials,
             insecure,

@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 
 GRPC_SERVICER = "pdserve.deployments.grpc.pdserve_pb2_grpc.add_PDServeServicer_to_server"
+HEALTH_SERVICER = "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server"
 APP_NAME = "pdserve"
 MAX_MODEL_LEN = 1024
 
@@ -83,7 +84,10 @@ def running_app(api: dict[str, Any] | None = None) -> Iterator[ServeApp]:
     try:
         serve.start(
             http_options={"host": "127.0.0.1", "port": http_port},
-            grpc_options={"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]},
+            grpc_options={
+                "port": grpc_port,
+                "grpc_servicer_functions": [GRPC_SERVICER, HEALTH_SERVICER],
+            },
         )
         config = AppConfig.from_dict(app_config(model_dir, api))
         serve.run(build_app(config), name=APP_NAME, route_prefix="/")

@@ -117,8 +117,62 @@ def test_cancelled_stream_frees_the_decode_replica(app: ServeApp, client: PDServ
     assert client.complete(PDServeClient.request(prompt="x", max_tokens=2)).usage.completion_tokens
 
 
+def test_token_ids_in_and_out_logprobs_and_stop_token_ids(
+    app: ServeApp, client: PDServeClient
+) -> None:
+    tokenizer = load_tokenizer(app.model_dir)
+    ids = tokenizer(PROMPT)["input_ids"]
+    by_text = client.complete(
+        PDServeClient.request(prompt=PROMPT, max_tokens=6, temperature=0.0, ignore_eos=True)
+    )
+    by_ids = client.complete(
+        PDServeClient.request(
+            prompt_token_ids=ids, max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2
+        )
+    )
+    assert list(by_ids.token_ids) == list(by_text.token_ids)
+    assert [lp.token_id for lp in by_ids.logprobs] == list(by_ids.token_ids)
+    for lp in by_ids.logprobs:
+        assert lp.logprob <= 0.0 and len(lp.top_logprobs) == 2
+        assert lp.top_logprobs[0].logprob >= lp.top_logprobs[1].logprob
+    streamed = list(
+        client.generate(
+            PDServeClient.request(
+                prompt_token_ids=ids, max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0
+            )
+        )
+    )
+    assert [lp.token_id for c in streamed for lp in c.logprobs] == list(by_text.token_ids)
+    # Stopping on the third generated token ends the completion there.
+    stop_at = by_text.token_ids[2]
+    stopped = client.complete(
+        PDServeClient.request(
+            prompt_token_ids=ids, max_tokens=6, temperature=0.0, stop_token_ids=[stop_at]
+        )
+    )
+    first = list(by_text.token_ids).index(stop_at)
+    assert stopped.finish_reason == "stop"
+    assert list(stopped.token_ids)[:first] == list(by_text.token_ids)[:first]
+    assert len(stopped.token_ids) <= first + 1
+
+
+def test_client_deadline_cancels_the_request_on_the_engine(
+    app: ServeApp, client: PDServeClient
+) -> None:
+    request = PDServeClient.request(prompt="go on", max_tokens=900, ignore_eos=True)
+    with pytest.raises(grpc.RpcError) as info:
+        client._stub.Complete(request, metadata=(("application", APP_NAME),), timeout=1.5)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    decode = app.decode_handle()
+    deadline = time.monotonic() + 30
+    while not (report := decode.check_integrity.remote().result()).idle:
+        assert time.monotonic() < deadline, f"still generating past the deadline: {report}"
+        time.sleep(0.2)
+
+
 def test_health_and_cli(app: ServeApp, client: PDServeClient, capsys) -> None:
     assert client.healthy()
+    assert client.serving()  # grpc.health.v1
     code = main(["--target", app.grpc_target, "--application", APP_NAME, "--max-tokens", "4",
                  "--temperature", "0", "--ignore-eos", PROMPT])  # fmt: skip
     out = capsys.readouterr()
