@@ -373,16 +373,49 @@ class PolicyConfig(_Strict):
         ),
     )
     on_slo_miss: Literal["queue", "shed"] = Field(
-        default="queue",
-        description="When no placement can meet the TTFT SLO: queue anyway, or shed (429).",
+        default="shed",
+        description=(
+            "Interactive requests whose predicted TTFT (everything queued ahead on the decode "
+            "replica, see deployments/admission.py) exceeds shed_ttft_factor x SLO: shed "
+            "(429 + Retry-After from the predicted drain time) or queue anyway."
+        ),
     )
     shed_ttft_factor: float = Field(
-        default=4.0,
+        default=1.5,
         ge=1,
-        description="Shed only when the best predicted TTFT exceeds this multiple of the SLO.",
+        description=(
+            "Shed an interactive request when its predicted TTFT exceeds this multiple of the "
+            "SLO (prediction errors are what the gap between this and the target absorbs)."
+        ),
     )
-    retry_after_s: float = Field(
-        default=1.0, gt=0, description="Retry-After sent with a shed request."
+    batch_on_slo_miss: Literal["queue", "shed"] = Field(
+        default="shed",
+        description=(
+            "The same choice for batch requests (header x-pdserve-priority: batch); they "
+            "queue behind nothing but count as work ahead of interactive requests."
+        ),
+    )
+    batch_shed_ttft_factor: float = Field(
+        default=1.0,
+        gt=0,
+        description=(
+            "Shed a batch request when its predicted TTFT exceeds this multiple of the SLO; "
+            "below shed_ttft_factor so that under overload batch traffic is shed first."
+        ),
+    )
+    max_queue_wait_factor: float = Field(
+        default=4.0,
+        gt=0,
+        description=(
+            "An interactive request that already waited (ingress + Serve's queue) this "
+            "multiple of the TTFT SLO is dropped with 429 before it prefills: its client "
+            "has given up."
+        ),
+    )
+    batch_max_queue_wait_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="The same bound for batch requests, in seconds: batch may queue longer.",
     )
 
 

@@ -9,7 +9,9 @@ For every ``GenerateRequest`` it asks the disaggregation policy where to prefill
   TTFT-aware router) with a ``PrefillRequest``, wait for the KV, then decode here. If the
   prefill replica dies or the transfer misses its deadline, it recomputes locally into the
   same blocks: the client sees a slower first token, never an error;
-- shed: only with ``policy.on_slo_miss: shed`` when no placement can meet the TTFT SLO.
+- shed: admission control (``admission.py``) predicts the request's TTFT from everything
+  queued ahead of it here and answers at once with a 429 error chunk (Retry-After from the
+  predicted drain time) when the prediction exceeds its class's threshold.
 
 Tokens stream back as ``GenerateChunk``s. If the consumer goes away (client disconnect:
 the generator is closed or its task cancelled) the prefill call is cancelled, the receiver
@@ -21,16 +23,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
+import statistics
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 from ray.serve.handle import DeploymentHandle
 
-from pdserve.deployments import tracing
-from pdserve.deployments.config import AppConfig
+from pdserve.deployments import admission, tracing
+from pdserve.deployments.config import AppConfig, PolicyConfig, SLOConfig
 from pdserve.deployments.engine_factory import (
     EngineFactory,
     default_engine_factory,
@@ -78,6 +81,30 @@ class DecodeCounters(BaseModel):
     kv_transfers: int
     kv_bytes_received: int
     kv_transfer_failures: int
+
+
+class AdmissionReport(BaseModel):
+    """How well this replica predicted TTFT (for the overload benchmark and ops)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    num_observed: int
+    median_abs_error_s: float | None
+    calibration: float
+    samples: list[tuple[float, float]]  # (predicted, actual) TTFT of recent requests
+
+
+def admission_rules(policy: PolicyConfig, slo: SLOConfig) -> admission.AdmissionRules:
+    slo_s = slo.ttft_ms / 1000.0
+    return admission.AdmissionRules(
+        ttft_slo_s=slo_s,
+        interactive_factor=policy.shed_ttft_factor,
+        batch_factor=policy.batch_shed_ttft_factor,
+        interactive_on_miss=policy.on_slo_miss,
+        batch_on_miss=policy.batch_on_slo_miss,
+        interactive_max_wait_s=policy.max_queue_wait_factor * slo_s,
+        batch_max_wait_s=policy.batch_max_queue_wait_s,
+    )
 
 
 class DecodeServer:
@@ -144,6 +171,13 @@ class DecodeServer:
         self._counts = {"local": 0, "remote": 0, "shed": 0}
         self._open_streams = 0
         self._itl = Ema()
+        self._rules = admission_rules(self.cfg.policy, self.cfg.slo)
+        self._calibration = admission.Calibration()
+        self._pending = admission.PendingPrefills()
+        self._output_tokens = Ema()
+        # request id -> its prediction, until its first token; then (predicted, actual).
+        self._predicted: dict[str, admission.TTFTPrediction] = {}
+        self._ttft_pairs: deque[tuple[float, float]] = deque(maxlen=4096)
 
     # ------------------------------------------------------------------ request path
     async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
@@ -161,20 +195,31 @@ class DecodeServer:
             with tracing.span(
                 "decode", self.model_name, carrier=req.trace_carrier, attributes=attrs
             ) as span:
-                decision = self._decide(req)
+                decision, cached = self._decide(req)
+                verdict = self._admit(req, decision, cached, start)
+                span.set_attribute("pdserve.admission.predicted_ttft_s", verdict.predicted_ttft_s)
+                span.set_attribute("pdserve.admission.decision", verdict.action)
+                span.set_attribute("pdserve.admission.reason", verdict.reason)
+                if verdict.action == "shed":
+                    yield self._shed(req, verdict)
+                    return
+                self.metrics.record_decision(decision.location)
                 span.set_attribute("pdserve.prefill.location", decision.location)
                 span.set_attribute("pdserve.prefill.reason", decision.reason)
-                if decision.location == "shed":
-                    yield self._shed(req, decision)
-                    return
-                async for chunk in self._stream(req, decision, start, span):
-                    yield chunk
+                try:
+                    async for chunk in self._stream(req, decision, start, span):
+                        yield chunk
+                finally:
+                    self._pending.finished(req.request_id)
+                    self._predicted.pop(req.request_id, None)
         finally:
             self._open_streams -= 1
             if self.remote is not None:
                 self.remote.forget(req.request_id)
 
-    def _decide(self, req: GenerateRequest) -> Decision:
+    def _decide(self, req: GenerateRequest) -> tuple[Decision, int]:
+        """Where to prefill (the policy never sheds here: admission does), and the
+        prompt's cached prefix tokens."""
         ids = req.prompt_token_ids
         stats = self.engine.stats()
         load = LocalLoad(
@@ -184,22 +229,67 @@ class DecodeServer:
             max_num_seqs=self.max_num_seqs,
         )
         short = len(ids) <= self.cfg.policy.local_prefill_max_tokens
+        cached = 0 if short else self.engine.cached_prefix_tokens(ids)
         decision = self.policy.decide(
             num_prompt_tokens=len(ids),
-            num_cached_tokens=0 if short else self.engine.cached_prefix_tokens(ids),
+            num_cached_tokens=cached,
             load=load,
             remote=self.remote_estimate if self.remote is not None else None,
-            sheddable=req.slo_class == "interactive",
+            sheddable=False,
         )
-        if decision.location in ("local", "remote"):
-            self.metrics.record_decision(decision.location)
-        return decision
+        return decision, cached
 
-    def _shed(self, req: GenerateRequest, decision: Decision) -> GenerateChunk:
+    def _admit(
+        self, req: GenerateRequest, decision: Decision, cached: int, now: float
+    ) -> admission.AdmissionDecision:
+        """Predict the TTFT from what is queued ahead here; admit or shed."""
+        stats = self.engine.stats()
+        n = len(req.prompt_token_ids)
+        if decision.location == "remote":
+            est = self.remote_estimate
+            queued = max(est.in_flight_tokens, self._pending.tokens("remote"))
+            rate, overhead, uncached = est.tokens_per_s, est.overhead_s, n
+        else:
+            queued = max(stats.queued_prefill_tokens, self._pending.tokens("local"))
+            rate = stats.prefill_tokens_per_s or self.cfg.router.default_prefill_tokens_per_s
+            overhead, uncached = 0.0, max(1, n - cached)
+        in_engine = stats.num_running + stats.num_waiting + stats.num_waiting_remote_kv
+        ahead = admission.QueueAhead(
+            waited_s=now - req.arrival_time if req.arrival_time is not None else 0.0,
+            num_in_batch=max(in_engine, self._pending.num_open),
+            max_num_seqs=self.max_num_seqs,
+            step_s=self._itl.value or self.cfg.slo.tpot_ms / 1000.0,
+            mean_output_tokens=self._output_tokens.value or req.sampling.max_tokens,
+            queued_prefill_tokens=queued,
+            prefill_tokens_per_s=rate,
+            prefill_overhead_s=overhead,
+        )
+        prediction = admission.predict_ttft(ahead, uncached, self._calibration.value)
+        verdict = admission.decide(prediction, req.slo_class, self._rules)
+        if verdict.action == "admit":
+            self._pending.admitted(req.request_id, decision.location, uncached)
+            self._predicted[req.request_id] = prediction
+            self.metrics.predicted_ttft.observe(verdict.predicted_ttft_s)
+        return verdict
+
+    def _first_token(self, req: GenerateRequest, start: float, now: float, span: Any) -> None:
+        """Score the admission prediction against the observed TTFT."""
+        self._pending.first_token(req.request_id)
+        prediction = self._predicted.pop(req.request_id, None)
+        if prediction is None:
+            return
+        arrival = req.arrival_time if req.arrival_time is not None else start
+        actual = now - arrival
+        uncalibrated = prediction.remaining_s / prediction.calibration
+        self._calibration.observe(uncalibrated, now - start)
+        self._ttft_pairs.append((prediction.total_s, actual))
+        self.metrics.ttft_prediction_error.observe(abs(prediction.total_s - actual))
+        span.set_attribute("pdserve.admission.actual_ttft_s", actual)
+
+    def _shed(self, req: GenerateRequest, verdict: admission.AdmissionDecision) -> GenerateChunk:
         self._counts["shed"] += 1
-        self.metrics.requests_shed.inc()
-        retry = self.cfg.policy.retry_after_s
-        best = min(decision.predicted_local_s, decision.predicted_remote_s or math.inf)
+        self.metrics.record_shed(verdict.reason, req.slo_class)
+        retry = verdict.retry_after_s or 1.0
         return GenerateChunk(
             request_id=req.request_id,
             num_prompt_tokens=len(req.prompt_token_ids),
@@ -207,8 +297,10 @@ class DecodeServer:
                 code=429,
                 type="rate_limit_error",
                 message=(
-                    f"overloaded: predicted time to first token {best:.1f}s exceeds the "
-                    f"{self.cfg.slo.ttft_ms / 1000:.1f}s objective; retry after {retry:g}s"
+                    f"overloaded ({verdict.reason}): predicted time to first token "
+                    f"{verdict.predicted_ttft_s:.1f}s exceeds what a {req.slo_class} request "
+                    f"may wait (TTFT objective {self.cfg.slo.ttft_ms / 1000:.1f}s); "
+                    f"retry after {retry:g}s"
                 ),
                 retry_after_s=retry,
             ),
@@ -238,6 +330,7 @@ class DecodeServer:
                         if first_at is None:
                             first_at = now
                             self.metrics.time_to_first_token.observe(now - start)
+                            self._first_token(req, start, now, span)
                         else:
                             gap = (now - last_at) / len(out.new_token_ids)
                             self.metrics.inter_token_latency.observe(gap)
@@ -268,6 +361,7 @@ class DecodeServer:
         self, out: RequestOutput, start: float, first_at: float | None, now: float, span: Any
     ) -> None:
         n_out = out.num_output_tokens
+        self._output_tokens.add(n_out)
         self.metrics.e2e_latency.observe(now - start)
         self.metrics.prompt_tokens.inc(out.num_prompt_tokens)
         self.metrics.prefix_cache_queries.inc(out.num_prompt_tokens)
@@ -311,6 +405,17 @@ class DecodeServer:
             kv_transfers=obs.transfers,
             kv_bytes_received=obs.bytes,
             kv_transfer_failures=obs.failures,
+        )
+
+    def admission_report(self, last: int = 1000) -> AdmissionReport:
+        """Predicted vs observed TTFT of the most recent admitted requests."""
+        pairs = list(self._ttft_pairs)[-last:]
+        errors = [abs(p - a) for p, a in pairs]
+        return AdmissionReport(
+            num_observed=len(pairs),
+            median_abs_error_s=statistics.median(errors) if errors else None,
+            calibration=self._calibration.value,
+            samples=pairs,
         )
 
     async def check_integrity(self) -> IntegrityReport:

@@ -9,8 +9,11 @@ Prometheus the usual suffixes: a histogram ``h`` is scraped as ``ray_h_bucket``/
 ``_count``, a counter ``c`` as ``ray_c_total``, a gauge ``g`` as ``ray_g`` (``exported_name``).
 
 Every metric carries ``model_name``, ``role`` (prefill|decode|ingress) and ``replica``;
-``pdserve_disagg_decisions`` adds ``decision`` (local|remote). With metrics disabled every
-recorder is a no-op, so call sites never branch.
+``pdserve_disagg_decisions`` adds ``decision`` (local|remote), ``pdserve_requests_shed``
+adds ``reason`` (ttft_slo|deadline) and ``priority`` (interactive|batch). The pools' replica
+counts (``pdserve_pool_replicas{pool}``) are recorded by the autoscaling policy, in Serve's
+controller, through ``PoolReplicaGauge``. With metrics disabled every recorder is a no-op,
+so call sites never branch.
 """
 
 from __future__ import annotations
@@ -117,8 +120,21 @@ class ServingMetrics:
             "prefill_fallbacks", "Remote prefills recomputed locally after a failure."
         )
         self.requests_shed = self._counter(
-            "requests_shed", "Requests rejected because no placement met the SLO."
+            "requests_shed",
+            "Requests answered 429 by admission control (predicted TTFT over the threshold).",
+            ("reason", "priority"),
         )
+        self.predicted_ttft = self._histogram(
+            "predicted_time_to_first_token_seconds",
+            "Admission control's predicted TTFT of admitted requests (from arrival).",
+        )
+        self.ttft_prediction_error = self._histogram(
+            "ttft_prediction_error_seconds",
+            "|predicted - observed| TTFT of admitted requests (the prediction's error).",
+        )
+
+    def record_shed(self, reason: str, priority: str) -> None:
+        self.requests_shed.inc(1.0, {"reason": reason, "priority": priority})
 
     def record_decision(self, decision: str) -> None:
         self.disagg_decisions.inc(1.0, {"decision": decision})
@@ -159,6 +175,24 @@ class ServingMetrics:
         metric = Gauge(PREFIX + name, description, tag_keys=BASE_TAGS)
         metric.set_default_tags(self._tags)
         return metric
+
+
+class PoolReplicaGauge:
+    """``pdserve_pool_replicas{model_name, pool}``: the replica count the autoscaling policy
+    decided per pool. Created lazily in the process that records it (Serve's controller)."""
+
+    def __init__(self, model_name: str) -> None:
+        from ray.util.metrics import Gauge
+
+        self._gauge = Gauge(
+            PREFIX + "pool_replicas",
+            "Replicas per pool as decided by pdserve's autoscaling policy.",
+            tag_keys=("model_name", "pool"),
+        )
+        self._model = model_name
+
+    def set(self, pool: str, replicas: int) -> None:
+        self._gauge.set(float(replicas), {"model_name": self._model, "pool": pool})
 
 
 class APIMetrics:

@@ -13,7 +13,7 @@ IDLE = LocalLoad(
 
 
 def policy(**overrides: object) -> DisaggregationPolicy:
-    cfg = PolicyConfig(**{"local_prefill_max_tokens": 64, **overrides})
+    cfg = PolicyConfig(**{"local_prefill_max_tokens": 64, "on_slo_miss": "queue", **overrides})
     return DisaggregationPolicy(cfg, SLOConfig(ttft_ms=1000, tpot_ms=100), 1000.0)
 
 

@@ -225,12 +225,14 @@ def test_invalid_request_gets_an_error_chunk(pd: Any) -> None:
 
 
 def test_shedding_when_no_placement_meets_the_slo(model_dir: str) -> None:
-    cfg = config(slo={"ttft_ms": 0.01}, policy={"on_slo_miss": "shed", "retry_after_s": 2.0})
+    cfg = config(
+        slo={"ttft_ms": 0.01}, policy={"on_slo_miss": "shed", "batch_on_slo_miss": "queue"}
+    )
     decode = DecodeServer(cfg, model_dir, prefill=None)
     try:
         shed = asyncio.run(collect(decode, request("shed-me", LONG_A)))
         assert len(shed) == 1 and shed[0].error is not None
-        assert (shed[0].error.code, shed[0].error.retry_after_s) == (429, 2.0)
+        assert shed[0].error.code == 429 and (shed[0].error.retry_after_s or 0) >= 1.0
         batch = asyncio.run(collect(decode, request("batch", SHORT, slo_class="batch")))
         assert batch[-1].finish_reason == "length" and batch[0].prefill_location == "local"
         assert decode.counters().shed == 1

@@ -1,0 +1,127 @@
+"""Admission control as pure functions: the TTFT prediction from the queue ahead, the
+admit/shed decision per priority class, Retry-After from the drain time."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pdserve.deployments import admission
+from pdserve.deployments.admission import AdmissionRules, QueueAhead
+
+RULES = AdmissionRules(
+    ttft_slo_s=2.0,
+    interactive_factor=1.5,
+    batch_factor=1.0,
+    interactive_on_miss="shed",
+    batch_on_miss="shed",
+    interactive_max_wait_s=8.0,
+    batch_max_wait_s=120.0,
+)
+
+
+def ahead(**overrides: float) -> QueueAhead:
+    base = QueueAhead(
+        waited_s=0.0,
+        num_in_batch=0,
+        max_num_seqs=8,
+        step_s=0.05,
+        mean_output_tokens=16,
+        queued_prefill_tokens=0,
+        prefill_tokens_per_s=500.0,
+    )
+    return dataclasses.replace(base, **overrides)
+
+
+def test_an_idle_replica_predicts_the_prompt_alone() -> None:
+    p = admission.predict_ttft(ahead(), uncached_tokens=100)
+    assert p.slot_wait_s == 0.0
+    assert p.total_s == pytest.approx(100 / 500 + 0.05)
+    assert admission.decide(p, "interactive", RULES).action == "admit"
+
+
+def test_queued_prefill_tokens_ahead_count_at_the_measured_rate() -> None:
+    p = admission.predict_ttft(ahead(queued_prefill_tokens=1400, waited_s=0.5), 100)
+    assert p.prefill_s == pytest.approx(1500 / 500)
+    assert p.total_s == pytest.approx(0.5 + 3.0 + 0.05)  # 3.55 s > 1.5 x 2 s
+    d = admission.decide(p, "interactive", RULES)
+    assert (d.action, d.reason) == ("shed", "ttft_slo")
+
+
+def test_a_full_batch_waits_for_running_requests_to_finish() -> None:
+    # 8 running + 4 waiting, 8 slots: the new one is 5th in line; 8 requests of 16 tokens
+    # at 0.05 s/step finish at 8 / 0.8 s = 10 per second -> 0.5 s.
+    q = ahead(num_in_batch=12)
+    assert admission.slot_wait_s(q) == pytest.approx(5 * 16 * 0.05 / 8)
+    assert admission.slot_wait_s(ahead(num_in_batch=7)) == 0.0
+
+
+def test_remote_prefill_overhead_is_part_of_the_prediction() -> None:
+    p = admission.predict_ttft(ahead(prefill_overhead_s=0.3), 100)
+    assert p.prefill_s == pytest.approx(0.3 + 0.2)
+
+
+def test_retry_after_is_the_predicted_drain_time_not_a_constant() -> None:
+    small = admission.predict_ttft(ahead(queued_prefill_tokens=2000), 100)  # 4.25 s
+    large = admission.predict_ttft(ahead(queued_prefill_tokens=10000), 100)  # 20.25 s
+    d_small = admission.decide(small, "interactive", RULES)
+    d_large = admission.decide(large, "interactive", RULES)
+    assert d_small.retry_after_s == 2.0  # ceil(4.25 - 3.0)
+    assert d_large.retry_after_s == 18.0  # ceil(20.25 - 3.0)
+    # Never under one second (Retry-After's unit) even when just over the threshold.
+    edge = admission.predict_ttft(ahead(queued_prefill_tokens=1480), 1)  # 3.012 s
+    assert admission.decide(edge, "interactive", RULES).retry_after_s == 1.0
+
+
+def test_batch_sheds_first() -> None:
+    # 2.5 s: over the batch threshold (1.0 x SLO), under the interactive one (1.5 x SLO).
+    p = admission.predict_ttft(ahead(queued_prefill_tokens=1125), 100)
+    assert admission.decide(p, "interactive", RULES).action == "admit"
+    assert admission.decide(p, "batch", RULES).action == "shed"
+
+
+def test_queueing_stays_available_per_class() -> None:
+    rules = dataclasses.replace(RULES, interactive_on_miss="queue", batch_on_miss="queue")
+    p = admission.predict_ttft(ahead(queued_prefill_tokens=5000), 100)
+    d = admission.decide(p, "interactive", rules)
+    assert (d.action, d.reason, d.retry_after_s) == ("admit", "queued_past_slo", None)
+
+
+def test_a_request_that_waited_past_its_deadline_is_dropped_but_batch_may_wait_longer() -> None:
+    rules = dataclasses.replace(RULES, interactive_on_miss="queue", batch_on_miss="queue")
+    p = admission.predict_ttft(ahead(waited_s=9.0), 10)
+    d = admission.decide(p, "interactive", rules)
+    assert (d.action, d.reason) == ("shed", "deadline")
+    assert admission.decide(p, "batch", rules).action == "admit"
+
+
+def test_calibration_scales_the_remaining_part_only() -> None:
+    cal = admission.Calibration(alpha=1.0)
+    cal.observe(predicted_remaining_s=1.0, actual_remaining_s=2.0)
+    assert cal.value == 2.0
+    p = admission.predict_ttft(ahead(waited_s=1.0), 100, calibration=cal.value)
+    assert p.total_s == pytest.approx(1.0 + 2 * (0.2 + 0.05))
+    cal.observe(1.0, 100.0)  # clipped
+    assert cal.value == 4.0
+
+
+def test_pending_prefills_count_admitted_work_until_first_token() -> None:
+    book = admission.PendingPrefills()
+    book.admitted("a", "local", 100)
+    book.admitted("b", "remote", 50)
+    assert (book.tokens("local"), book.tokens("remote"), book.num_open) == (100, 50, 2)
+    book.first_token("a")
+    assert (book.tokens("local"), book.num_open) == (0, 2)
+    book.finished("a")
+    book.finished("b")
+    assert (book.tokens("remote"), book.num_open) == (0, 0)
+
+
+def test_bad_inputs_name_the_value() -> None:
+    with pytest.raises(ValueError, match="uncached_tokens"):
+        admission.predict_ttft(ahead(), 0)
+    with pytest.raises(ValueError, match="prefill_tokens_per_s"):
+        admission.predict_ttft(ahead(prefill_tokens_per_s=0.0), 10)
+    with pytest.raises(ValueError, match="ttft_slo_s"):
+        dataclasses.replace(RULES, ttft_slo_s=0.0)
