@@ -9,8 +9,9 @@ GET /health (503 while a deployment in ``ready_deployments`` has no running repl
 GET /ready (the same, with the reason as JSON), GET /version, GET /metrics (Prometheus text
 of the ingress's own registry). Every route first passes ``APIGuard`` (API keys, rate
 limits; /health and /metrics can stay open) and bodies past ``api.max_body_bytes`` get 413.
-The request header ``x-pdserve-slo-class: batch`` marks a request that must never be shed
-for its TTFT.
+The request header ``x-pdserve-priority`` (gRPC: metadata of that name; the older
+``x-pdserve-slo-class`` is read too) is ``interactive`` (default) or ``batch``: admission
+control on the decode replica sheds batch first and lets it queue longer.
 gRPC: ``pdserve.v1.PDServe.Generate`` (server streaming) and ``.Complete`` (unary) from
 ``deployments/grpc/pdserve.proto``, and ``grpc.health.v1.Health/Check``, through Serve's
 gRPC proxy.
@@ -68,6 +69,7 @@ from pdserve.engine.loader import load_model_config, load_tokenizer
 logger = logging.getLogger(__name__)
 
 SLO_CLASS_HEADER = "x-pdserve-slo-class"
+PRIORITY_HEADER = "x-pdserve-priority"
 READY_CACHE_S = 1.0
 RETRY_AFTER_S = 1.0
 
@@ -97,14 +99,17 @@ async def _http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
     return error_response(OpenAIError(str(err.detail), status_code=err.status_code, type=kind))
 
 
-def _slo_class(value: str | None) -> SLOClass:
+def _slo_class(headers: Any) -> SLOClass:
+    """The request's priority class from its headers (or gRPC metadata as a mapping)."""
+    name = PRIORITY_HEADER if headers.get(PRIORITY_HEADER) is not None else SLO_CLASS_HEADER
+    value = headers.get(name)
     if value in (None, "", "interactive"):
         return "interactive"
     if value == "batch":
         return "batch"
     raise OpenAIError(
-        f"header {SLO_CLASS_HEADER} must be 'interactive' or 'batch', got {value!r}",
-        param=SLO_CLASS_HEADER,
+        f"header {name} must be 'interactive' or 'batch', got {value!r}",
+        param=name,
         code="invalid_value",
     )
 
@@ -404,7 +409,7 @@ class OpenAIIngress:
 
     async def _completions(self, request: Request) -> Response:
         req = validate_request(CompletionRequest, await self._json_body(request))
-        slo_class = _slo_class(request.headers.get(SLO_CLASS_HEADER))
+        slo_class = _slo_class(request.headers)
         stream = await self.serving.start_choices(
             req, slo_class=slo_class, trace_headers=request.headers
         )
@@ -421,7 +426,7 @@ class OpenAIIngress:
 
     async def _chat(self, request: Request) -> Response:
         req = validate_request(ChatCompletionRequest, await self._json_body(request))
-        slo_class = _slo_class(request.headers.get(SLO_CLASS_HEADER))
+        slo_class = _slo_class(request.headers)
         stream = await self.serving.start_choices(
             req, slo_class=slo_class, trace_headers=request.headers
         )
@@ -515,8 +520,12 @@ class OpenAIIngress:
         grpc_context: Any,
     ) -> DecodeStream:
         try:
+            metadata = _metadata(grpc_context)
             return await self.serving.start(
-                req, request_id=proto.request_id or None, trace_headers=_metadata(grpc_context)
+                req,
+                request_id=proto.request_id or None,
+                slo_class=_slo_class(metadata),
+                trace_headers=metadata,
             )
         except OpenAIError as err:
             _abort_grpc(grpc_context, err)
