@@ -250,10 +250,17 @@ class SimCluster:
         self.loop.after(self.s.ingress_s, self._route_decode, req)
 
     def _route_decode(self, req: SimRequest) -> bool:
-        candidates = [r for r in self.pools["decode"] if r.ready and not r.draining]
+        # Serve skips replicas at max_ongoing_requests; ranking only the others picks the
+        # same replica (the ranking is a stable sort of per-replica scores).
+        cap = self.app.decode.max_ongoing_requests
+        candidates = [
+            r for r in self.pools["decode"] if r.ready and not r.draining and r.ongoing < cap
+        ]
+        if not candidates:
+            self.backlog.append(req)  # Serve queues it until a replica has room
+            return False
         shape = self.shapes["decode"]
         blocks = decode_blocks_needed(req.prompt_tokens, req.output_tokens, shape.block_size)
-        cap = self.app.decode.max_ongoing_requests
         # The live ranking over each replica's last report (parsed once per report).
         ranked = rank_decode_stats(
             [(r, r.stats) for r in candidates],

@@ -210,7 +210,7 @@ class SimEngine:
         return not (self.waiting or self.prefilling or self._n or self.remote or self._step_end)
 
     def queued_prefill_tokens(self) -> int:
-        waiting = sum(s.uncomputed for s in self.waiting)
+        waiting = sum(s.req.prompt_tokens + s.outputs - s.computed for s in self.waiting)
         return waiting + sum(s.uncomputed for s in self.prefilling if s.uncomputed > 1)
 
     def stats(self) -> EngineStats:
