@@ -13,8 +13,9 @@ Called unchanged, as the Serve app calls it:
 - autoscaling: the policy classes of ``autoscaling.py`` built from ``app.autoscaling_config``
   and called with an ``AutoscalingContext``-shaped object; Serve's up/down-scale delays and
   bounds are applied around them as Serve does;
-- admission: an optional ``Admission`` callable asked before the policy (issue 18's
-  admission control plugs in here).
+- admission: an optional ``Admission`` asked after the policy placed the request (issue 18's
+  admission control plugs in here: ``pdserve.sim.admission.LiveAdmission``); with one, the
+  policy itself never sheds, as in the decode server that runs it.
 
 What is modelled, not run: the engines (``SimEngine`` over a cost model), the network
 (``SimSettings.rpc_s`` per hop) and the KV transfer (the cost model's transfer time, of
@@ -25,17 +26,21 @@ from __future__ import annotations
 
 import importlib
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Protocol
 
 from pdserve.deployments import autoscaling as live_autoscaling
 from pdserve.deployments.app import autoscaling_config
 from pdserve.deployments.config import AppConfig, PoolRole
 from pdserve.deployments.load import Ema, RateMeter, replica_stats
 from pdserve.deployments.messages import ReplicaStats
-from pdserve.deployments.policy import DisaggregationPolicy, LocalLoad, RemotePrefillEstimator
+from pdserve.deployments.policy import (
+    Decision,
+    DisaggregationPolicy,
+    LocalLoad,
+    RemotePrefillEstimator,
+)
 from pdserve.deployments.routers import (
     DecodeRouterParams,
     InflightLoad,
@@ -44,6 +49,7 @@ from pdserve.deployments.routers import (
     rank_decode_stats,
     rank_prefill_stats,
 )
+from pdserve.engine.stats import EngineStats
 from pdserve.sim.config import SimSettings
 from pdserve.sim.cost import CostModel
 from pdserve.sim.engine import EngineShape, Seq, SimEngine
@@ -57,12 +63,26 @@ class AdmissionQuery:
 
     request: SimRequest
     now: float
-    decode_load: LocalLoad
-    decode_stats: ReplicaStats | None  # the replica's last published report
-    ongoing: int  # requests the replica holds (Serve's ongoing count)
+    replica_id: str
+    decision: Decision  # where the live policy would prefill it
+    engine: EngineStats  # the replica's engine, now
+    ongoing: int  # requests the replica holds (Serve's ongoing count, this one included)
+    step_s: float  # the replica's measured time per output token (EMA; 0 = none yet)
+    mean_output_tokens: float  # of the requests it finished (EMA; 0 = none yet)
+    remote: RemotePrefillEstimator | None  # its estimate of the prefill pool
+    max_num_seqs: int
+    default_prefill_tokens_per_s: float
 
 
-Admission = Callable[[AdmissionQuery], bool]  # True = admit
+class Admission(Protocol):
+    """Admission control: ``admit`` is asked once per request after the policy decided;
+    the hooks tell it what became of the requests it admitted."""
+
+    def admit(self, q: AdmissionQuery) -> bool: ...
+
+    def first_token(self, request: SimRequest, now: float) -> None: ...
+
+    def finished(self, request: SimRequest) -> None: ...
 
 
 class SimReplica:
@@ -83,6 +103,7 @@ class SimReplica:
         self.stopped_at: float | None = None
         self.ongoing = 0
         self.itl = Ema()
+        self.outputs = Ema()  # output tokens of the requests it finished
         # Decode replicas: their router to the prefill pool and their remote estimator.
         self.prefill_books = InflightLoad()
         self.estimate: RemotePrefillEstimator | None = None
@@ -252,7 +273,7 @@ class SimCluster:
     def _route_decode(self, req: SimRequest) -> bool:
         # Serve skips replicas at max_ongoing_requests; ranking only the others picks the
         # same replica (the ranking is a stable sort of per-replica scores).
-        cap = self.app.decode.max_ongoing_requests
+        cap = self.app.decode.ongoing_limit
         candidates = [
             r for r in self.pools["decode"] if r.ready and not r.draining and r.ongoing < cap
         ]
@@ -299,20 +320,33 @@ class SimCluster:
 
     def _on_decode(self, replica: SimReplica, req: SimRequest) -> None:
         load = self._local_load(replica)
-        if self.admission is not None and not self.admission(
-            AdmissionQuery(req, self.loop.now, load, replica.stats, replica.ongoing)
-        ):
-            self._shed(replica, req)
-            return
         prefill_pool = [r for r in self.pools["prefill"] if r.ready and not r.draining]
+        remote = replica.estimate if prefill_pool else None
         decision = self.policy.decide(
             num_prompt_tokens=req.prompt_tokens,
             num_cached_tokens=0,  # simulated prompts share no prefix
             load=load,
-            remote=replica.estimate if prefill_pool else None,
-            sheddable=True,
+            remote=remote,
+            sheddable=self.admission is None,
         )
-        if decision.location == "shed":
+        if decision.location == "shed" or (
+            self.admission is not None
+            and not self.admission.admit(
+                AdmissionQuery(
+                    req,
+                    self.loop.now,
+                    replica.replica_id,
+                    decision,
+                    replica.engine.stats(),
+                    replica.ongoing,
+                    replica.itl.value,
+                    replica.outputs.value,
+                    remote,
+                    self.shapes["decode"].max_num_seqs,
+                    self.app.router.default_prefill_tokens_per_s,
+                )
+            )
+        ):
             self._shed(replica, req)
             return
         seq = Seq(req)
@@ -400,12 +434,17 @@ class SimCluster:
 
     def _first_token(self, seq: Seq, t: float) -> None:
         seq.req.first_token_at = t + self.s.rpc_s
+        if self.admission is not None:
+            self.admission.first_token(seq.req, t)
 
     def _finished(self, replica: SimReplica, seq: Seq, t: float) -> None:
         req = seq.req
         req.finished_at = t + self.s.rpc_s
         if req.tpot is not None:
             replica.itl.add(req.tpot)
+        replica.outputs.add(req.output_tokens)
+        if self.admission is not None:
+            self.admission.finished(req)
         self._release_decode(replica, req)
         self._done()
 

@@ -79,21 +79,58 @@ def test_the_live_policy_sheds_when_no_placement_can_meet_the_slo() -> None:
     assert [r.placement for r in reqs] == ["local", "shed", "shed"]
 
 
-def test_an_admission_function_plugs_in_before_the_policy() -> None:
-    seen: list[AdmissionQuery] = []
+class AdmitWhileFewer:
+    """Admits while the replica holds at most ``limit`` requests (this one included)."""
 
-    def admit_two(q: AdmissionQuery) -> bool:
-        seen.append(q)
-        return q.ongoing <= 2
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.seen: list[AdmissionQuery] = []
+        self.firsts: list[int] = []
+        self.done: list[int] = []
 
+    def admit(self, q: AdmissionQuery) -> bool:
+        self.seen.append(q)
+        return q.ongoing <= self.limit
+
+    def first_token(self, request: SimRequest, now: float) -> None:
+        self.firsts.append(request.rid)
+
+    def finished(self, request: SimRequest) -> None:
+        self.done.append(request.rid)
+
+
+def test_an_admission_plugs_in_after_the_policy_and_hears_what_became_of_requests() -> None:
+    admission = AdmitWhileFewer(2)
     reqs = [SimRequest(i, i * 0.001, prompt_tokens=50, output_tokens=4) for i in range(4)]
     cluster = SimCluster(
-        _app(policy={"mode": "always_local"}), LinearCost(), LinearCost(), NO_NETWORK, admit_two
+        _app(policy={"mode": "always_local"}), LinearCost(), LinearCost(), NO_NETWORK, admission
     )
     cluster.run(reqs)
     assert [r.placement for r in reqs] == ["local", "local", "shed", "shed"]
     # Each arrives while the ones before are still running (Serve counts them ongoing).
-    assert [q.ongoing for q in seen] == [1, 2, 3, 3]
+    assert [q.ongoing for q in admission.seen] == [1, 2, 3, 3]
+    assert all(q.decision.location == "local" for q in admission.seen)
+    assert sorted(admission.firsts) == sorted(admission.done) == [0, 1]
+
+
+def test_issue_18_admission_control_runs_in_the_simulator() -> None:
+    sim_admission = pytest.importorskip("pdserve.sim.admission")
+    if not sim_admission.live_admission_available():
+        pytest.skip("pdserve.deployments.admission is not there yet")
+    app = _app(
+        prefill={"min_replicas": 0, "max_replicas": 1},
+        policy={"mode": "always_local", "on_slo_miss": "shed", "shed_ttft_factor": 1.0},
+        slo={"ttft_ms": 500.0, "tpot_ms": 100.0},
+    )
+    # A flood: 40 prompts of 100 tokens at once, 0.1 s of prefill each.
+    reqs = [SimRequest(i, 0.0, prompt_tokens=100, output_tokens=2) for i in range(40)]
+    live = sim_admission.LiveAdmission(app)
+    SimCluster(app, LinearCost(), LinearCost(), NO_NETWORK, live).run(reqs)
+    admitted = [r for r in reqs if r.placement != "shed"]
+    assert 0 < len(admitted) < len(reqs)  # some shed, not all
+    # Those it admitted were predicted within the SLO and got their first token in time
+    # (the queue ahead of the k-th is k x 0.1 s).
+    assert max(r.ttft for r in admitted) <= 0.5 + 0.1
 
 
 def test_live_autoscaling_grows_the_pools_under_load() -> None:
