@@ -19,7 +19,7 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
-from pdserve.deployments.autoscaling import POLICY_PATHS
+from pdserve.deployments.autoscaling import APPLICATION_POLICY_PATH, POLICY_PATHS
 from pdserve.deployments.config import AppConfig, PoolConfig, PoolRole
 from pdserve.deployments.engine_factory import EngineFactory
 
@@ -87,10 +87,19 @@ def deployment_options(cfg: AppConfig, role: PoolRole) -> dict[str, Any]:
     pool = cfg.pool(role)
     options: dict[str, Any] = {
         "ray_actor_options": actor_options(pool, role),
-        "max_ongoing_requests": pool.max_ongoing_requests,
+        # Bounds from the engine limits: a flood waits in Serve's queue only up to
+        # max_queued_requests per caller, then gets back-pressure; admission control on
+        # the decode replica sheds the rest with 429 before any work.
+        "max_ongoing_requests": pool.ongoing_limit,
+        "max_queued_requests": pool.queued_limit,
         "health_check_period_s": 2.0,
         "health_check_timeout_s": 30.0,
+        # Graceful drain (scale-down, redeploy): Serve stops routing to the replica, then
+        # waits for its ongoing requests (streams until their last token; a prefill until
+        # its KV has landed) up to this grace period; checking every half second lets an
+        # idle replica exit at once.
         "graceful_shutdown_timeout_s": cfg.graceful_shutdown_timeout_s,
+        "graceful_shutdown_wait_loop_s": 0.5,
     }
     if cfg.router.enabled:
         options["request_router_config"] = router_config(cfg, role)
@@ -146,8 +155,38 @@ def autoscaling_config(cfg: AppConfig, role: PoolRole) -> dict[str, Any]:
             kwargs: dict[str, Any] = {
                 "ttft_ms": cfg.slo.ttft_ms,
                 "default_tokens_per_s": cfg.router.default_prefill_tokens_per_s,
+                "down_margin": pool.scale_down_margin,
             }
         else:
-            kwargs = {"tpot_ms": cfg.slo.tpot_ms}
+            kwargs = {
+                "tpot_ms": cfg.slo.tpot_ms,
+                "max_num_seqs": pool.engine.max_num_seqs,
+                "down_margin": pool.scale_down_margin,
+            }
+            if cfg.policy.mode == "always_local":
+                # No prefill pool: the decode replicas prefill every prompt, so the prompt
+                # load sizes them too (the joint model with no prefill pool).
+                kwargs["ttft_ms"] = cfg.slo.ttft_ms
+                kwargs["default_tokens_per_s"] = cfg.router.default_prefill_tokens_per_s
         config["policy"] = {"policy_function": POLICY_PATHS[role], "policy_kwargs": kwargs}
     return config
+
+
+def application_autoscaling_policy(cfg: AppConfig, model_name: str | None = None) -> dict[str, Any]:
+    """The Serve config's ``applications[].autoscaling_policy`` that sizes both pools in one
+    decision (``autoscaling.JointAutoscalingPolicy``); ``serve.run`` has no such option in
+    Ray 2.60, so the Python path keeps the per-deployment policies, which share its model."""
+    has_prefill = cfg.policy.mode != "always_local"
+    return {
+        "policy_function": APPLICATION_POLICY_PATH,
+        "policy_kwargs": {
+            "prefill_deployment": PREFILL_DEPLOYMENT if has_prefill else None,
+            "decode_deployment": DECODE_DEPLOYMENT,
+            "ttft_ms": cfg.slo.ttft_ms,
+            "tpot_ms": cfg.slo.tpot_ms,
+            "default_tokens_per_s": cfg.router.default_prefill_tokens_per_s,
+            "max_num_seqs": cfg.decode.engine.max_num_seqs,
+            "down_margin": cfg.decode.scale_down_margin,
+            "model_name": model_name,
+        },
+    }

@@ -8,8 +8,13 @@ around what these policies return. The signals come from the replicas'
 ``record_autoscaling_stats()`` (names in ``PREFILL_METRICS`` / ``DECODE_METRICS``),
 averaged by Serve over ``look_back_period_s``.
 
-The sizing math is in pure functions (``prefill_replicas_needed``, ``decode_replicas_needed``)
-unit-tested without Ray. This module must stay importable inside the Serve controller:
+The sizing math is in pure functions (``prefill_replicas_needed``, ``decode_replicas_needed``,
+``plan_pools`` which sizes both pools together with hysteresis and never shrinks decode below
+what its running requests need) unit-tested without Ray. ``JointAutoscalingPolicy`` is
+Serve's application-level ``autoscaling_policy`` (one decision for both pools, from a Serve
+config's ``applications[].autoscaling_policy``); the per-deployment policies, which
+``serve.run`` attaches, call the same ``plan_pools`` with what their own pool reports.
+This module must stay importable inside the Serve controller:
 it imports only the standard library at module level.
 """
 
@@ -27,6 +32,7 @@ QUEUED_PREFILL_TOKENS = "queued_prefill_tokens"
 KV_USAGE = "kv_usage"  # fraction of KV blocks in use, 0..1
 TPOT_S = "tpot_s"  # measured time per output token of the running batch
 NUM_WAITING = "num_waiting"
+NUM_IN_BATCH = "num_in_batch"  # decode: requests running or waiting (for the scale-down check)
 PREFILL_METRICS = (PROMPT_TOKENS_PER_S, PREFILL_TOKENS_PER_S, QUEUED_PREFILL_TOKENS)
 DECODE_METRICS = (KV_USAGE, TPOT_S, NUM_WAITING)
 
@@ -86,6 +92,109 @@ def decode_replicas_needed(
     return max(needed, 1)
 
 
+@dataclass(frozen=True)
+class PoolLoad:
+    """One pool's replica count and its replicas' reports (metric name -> one value per
+    replica; a missing name means no replica reported it)."""
+
+    current: int
+    metrics: Mapping[str, Sequence[float]]
+
+    def values(self, name: str) -> list[float]:
+        return [float(v) for v in self.metrics.get(name, ())]
+
+
+@dataclass(frozen=True)
+class JointSizing:
+    prefill: PrefillSizing
+    decode: DecodeSizing
+    max_num_seqs: int  # per decode replica
+    down_margin: float = 0.25  # shrink only when the load fits with this much to spare
+    max_kv_after_scale_down: float = 0.85  # KV a smaller decode pool may be left holding
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.down_margin < 1:
+            raise ValueError(f"down_margin must be in [0, 1), got {self.down_margin}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+
+
+def with_hysteresis(current: int, needed_up: int, needed_down: int) -> int:
+    """Grow to ``needed_up`` at once; shrink only to ``needed_down`` (sized with a margin, so
+    a load at the boundary does not flap); otherwise hold."""
+    if needed_up > current:
+        return needed_up
+    if needed_down < current:
+        return max(needed_down, needed_up)
+    return current
+
+
+def decode_fits(
+    replicas: int, kv_usage: Sequence[float], num_in_batch: Sequence[float], s: JointSizing
+) -> bool:
+    """Whether the decode pool's current requests fit on ``replicas`` replicas: their KV
+    under ``max_kv_after_scale_down`` of the smaller pool, their count within its slots."""
+    if replicas < 1:
+        return False
+    kv_fits = sum(kv_usage) <= replicas * s.max_kv_after_scale_down
+    return kv_fits and sum(num_in_batch) <= replicas * s.max_num_seqs
+
+
+def plan_decode(decode: PoolLoad, s: JointSizing, prompt_load: int = 0) -> int:
+    """Decode replicas from KV usage and TPOT (and ``prompt_load``: the replicas its local
+    prefills need when there is no prefill pool), with hysteresis, never below what the
+    running requests need."""
+    kv, tpot, waiting = (decode.values(n) for n in (KV_USAGE, TPOT_S, NUM_WAITING))
+    up = max(decode_replicas_needed(decode.current, kv, tpot, waiting, s.decode), prompt_load)
+    margin = 1 - s.down_margin
+    strict = DecodeSizing(
+        s.decode.tpot_s, s.decode.target_kv_usage * margin, s.decode.target_tpot_fraction * margin
+    )
+    down = max(decode_replicas_needed(decode.current, kv, tpot, waiting, strict), prompt_load)
+    target = with_hysteresis(decode.current, up, down)
+    in_batch = decode.values(NUM_IN_BATCH)
+    while target < decode.current and not decode_fits(target, kv, in_batch, s):
+        target += 1  # its requests would not fit elsewhere: keep the replica
+    return target
+
+
+def plan_prefill(prefill: PoolLoad, s: JointSizing, arrival_tokens_per_s: float | None) -> int:
+    """Prefill replicas from prompt-token arrival x measured prefill cost vs the TTFT SLO,
+    with hysteresis. ``arrival_tokens_per_s`` (what the decode pool saw arrive) replaces the
+    prefill replicas' own count when larger: the decode side sees a surge first."""
+    arrival = prefill.values(PROMPT_TOKENS_PER_S)
+    if arrival_tokens_per_s is not None and arrival_tokens_per_s > sum(arrival):
+        arrival = [arrival_tokens_per_s]
+    capacity, queued = prefill.values(PREFILL_TOKENS_PER_S), prefill.values(QUEUED_PREFILL_TOKENS)
+    up = prefill_replicas_needed(prefill.current, arrival, capacity, queued, s.prefill)
+    strict = PrefillSizing(
+        s.prefill.ttft_s * (1 - s.down_margin),
+        s.prefill.default_tokens_per_s,
+        s.prefill.target_utilization * (1 - s.down_margin),
+    )
+    down = prefill_replicas_needed(prefill.current, arrival, capacity, queued, strict)
+    return with_hysteresis(prefill.current, up, down)
+
+
+def plan_pools(
+    prefill: PoolLoad | None, decode: PoolLoad, s: JointSizing
+) -> tuple[int | None, int]:
+    """(prefill, decode) replica counts decided together. Without a prefill pool (None) the
+    decode replicas prefill every prompt, so the prompt load sizes decode too."""
+    arrival = (
+        sum(decode.values(PROMPT_TOKENS_PER_S)) if decode.values(PROMPT_TOKENS_PER_S) else None
+    )
+    if prefill is None:
+        local = PoolLoad(
+            decode.current,
+            {k: decode.values(k) for k in (PREFILL_TOKENS_PER_S, QUEUED_PREFILL_TOKENS)}
+            | {PROMPT_TOKENS_PER_S: [arrival or 0.0]},
+        )
+        prompt_load = plan_prefill(local, s, None) if arrival else 0
+        return None, plan_decode(decode, s, prompt_load)
+    return plan_prefill(prefill, s, arrival), plan_decode(decode, s)
+
+
 def _values(ctx: Any, name: str) -> list[float]:
     metrics: Mapping[str, Mapping[Any, float]] | None = ctx.aggregated_metrics
     if not metrics or name not in metrics:
@@ -98,45 +207,127 @@ class PrefillAutoscalingPolicy:
     target_utilization)."""
 
     def __init__(
-        self, ttft_ms: float, default_tokens_per_s: float, target_utilization: float = 0.7
+        self,
+        ttft_ms: float,
+        default_tokens_per_s: float,
+        target_utilization: float = 0.7,
+        down_margin: float = 0.0,
     ) -> None:
         self.sizing = PrefillSizing(ttft_ms / 1000.0, default_tokens_per_s, target_utilization)
+        self.joint = JointSizing(self.sizing, DecodeSizing(1.0), 1, down_margin)
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
-        arrival = _values(ctx, PROMPT_TOKENS_PER_S)
-        if not arrival:  # no reports yet: hold steady
+        if not _values(ctx, PROMPT_TOKENS_PER_S):  # no reports yet: hold steady
             return ctx.target_num_replicas, ctx.policy_state
-        needed = prefill_replicas_needed(
-            ctx.current_num_replicas,
-            arrival,
-            _values(ctx, PREFILL_TOKENS_PER_S),
-            _values(ctx, QUEUED_PREFILL_TOKENS),
-            self.sizing,
-        )
-        return needed, ctx.policy_state
+        return plan_prefill(_pool_load(ctx), self.joint, None), ctx.policy_state
 
 
 class DecodeAutoscalingPolicy:
     """``policy_function`` for the decode deployment (kwargs: tpot_ms, target_kv_usage)."""
 
-    def __init__(self, tpot_ms: float, target_kv_usage: float = 0.75) -> None:
+    def __init__(
+        self,
+        tpot_ms: float,
+        target_kv_usage: float = 0.75,
+        max_num_seqs: int = 1_000_000,
+        down_margin: float = 0.0,
+        ttft_ms: float | None = None,
+        default_tokens_per_s: float | None = None,
+    ) -> None:
         self.sizing = DecodeSizing(tpot_ms / 1000.0, target_kv_usage)
+        # With ttft_ms the decode replicas prefill every prompt (no prefill pool) and the
+        # prompt load sizes this pool too.
+        self.prefills_locally = ttft_ms is not None and default_tokens_per_s is not None
+        prefill = PrefillSizing((ttft_ms or 1000.0) / 1000.0, default_tokens_per_s or 1.0)
+        self.joint = JointSizing(prefill, self.sizing, max_num_seqs, down_margin)
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
-        kv = _values(ctx, KV_USAGE)
-        if not kv:
+        if not _values(ctx, KV_USAGE):
             return ctx.target_num_replicas, ctx.policy_state
-        needed = decode_replicas_needed(
-            ctx.current_num_replicas,
-            kv,
-            _values(ctx, TPOT_S),
-            _values(ctx, NUM_WAITING),
+        decode = _pool_load(ctx)
+        if self.prefills_locally:
+            return plan_pools(None, decode, self.joint)[1], ctx.policy_state
+        return plan_decode(decode, self.joint), ctx.policy_state
+
+
+def _pool_load(ctx: Any) -> PoolLoad:
+    metrics: Mapping[str, Mapping[Any, float]] = ctx.aggregated_metrics or {}
+    return PoolLoad(
+        ctx.current_num_replicas, {k: [float(v) for v in m.values()] for k, m in metrics.items()}
+    )
+
+
+class JointAutoscalingPolicy:
+    """Serve's application-level ``autoscaling_policy``: sizes the prefill and decode
+    deployments in one decision (``plan_pools``) from both pools' reports. Deployments it
+    does not know (the ingress) keep their target."""
+
+    def __init__(
+        self,
+        *,
+        prefill_deployment: str | None,
+        decode_deployment: str,
+        ttft_ms: float,
+        tpot_ms: float,
+        default_tokens_per_s: float,
+        max_num_seqs: int,
+        target_utilization: float = 0.7,
+        target_kv_usage: float = 0.75,
+        down_margin: float = 0.25,
+        model_name: str | None = None,
+    ) -> None:
+        self.names = {"prefill": prefill_deployment, "decode": decode_deployment}
+        self.sizing = JointSizing(
+            PrefillSizing(ttft_ms / 1000.0, default_tokens_per_s, target_utilization),
+            DecodeSizing(tpot_ms / 1000.0, target_kv_usage),
+            max_num_seqs,
+            down_margin,
+        )
+        self._gauge_model = model_name
+        self._gauge: Any = None
+
+    def __call__(self, contexts: Mapping[Any, Any]) -> tuple[dict[Any, int], dict[Any, dict]]:
+        by_name = {dep_id.name: (dep_id, ctx) for dep_id, ctx in contexts.items()}
+        decisions = {dep_id: ctx.target_num_replicas for dep_id, ctx in contexts.items()}
+        states = {dep_id: dict(ctx.policy_state or {}) for dep_id, ctx in contexts.items()}
+        decode = by_name.get(self.names["decode"])
+        if decode is None or not _values(decode[1], KV_USAGE):
+            return decisions, states  # no reports yet: hold steady
+        prefill = by_name.get(self.names["prefill"] or "")
+        n_prefill, n_decode = plan_pools(
+            _pool_load(prefill[1]) if prefill is not None else None,
+            _pool_load(decode[1]),
             self.sizing,
         )
-        return needed, ctx.policy_state
+        decisions[decode[0]] = n_decode
+        if (
+            prefill is not None
+            and n_prefill is not None
+            and _values(prefill[1], PROMPT_TOKENS_PER_S)
+        ):
+            decisions[prefill[0]] = n_prefill
+        self._record({"decode": n_decode, "prefill": n_prefill})
+        return decisions, states
+
+    def _record(self, counts: Mapping[str, int | None]) -> None:
+        """``pdserve_pool_replicas`` from the controller (best effort: a metrics failure must
+        never stop autoscaling)."""
+        if self._gauge_model is None:
+            return
+        try:
+            if self._gauge is None:
+                from pdserve.deployments.metrics import PoolReplicaGauge
+
+                self._gauge = PoolReplicaGauge(self._gauge_model)
+            for pool, n in counts.items():
+                if n is not None:
+                    self._gauge.set(pool, n)
+        except Exception:  # noqa: BLE001
+            self._gauge_model = None
 
 
 POLICY_PATHS = {
     "prefill": f"{__name__}:PrefillAutoscalingPolicy",
     "decode": f"{__name__}:DecodeAutoscalingPolicy",
 }
+APPLICATION_POLICY_PATH = f"{__name__}:JointAutoscalingPolicy"

@@ -224,8 +224,34 @@ class PoolConfig(_Strict):
         default_factory=CpuSettings,
         description="CPU engines: niceness, CPU binding, helper threads (ignored on a GPU).",
     )
-    max_ongoing_requests: int = Field(
-        default=64, ge=1, description="Serve's per-replica cap on in-flight requests."
+    max_ongoing_requests: int | None = Field(
+        default=None,
+        ge=1,
+        description=(
+            "Serve's per-replica cap on in-flight requests; None = 2 x engine.max_num_seqs: "
+            "a running batch and one waiting (admission control keeps the waiting part "
+            "within the TTFT SLO) and room for a shed request to reach the replica and get "
+            "its 429 without queueing."
+        ),
+    )
+    max_queued_requests: int | None = Field(
+        default=None,
+        ge=1,
+        description=(
+            "Serve's cap on requests one caller (an ingress or decode replica) queues for "
+            "this pool while every replica is at its ongoing cap; past it the caller gets "
+            "back-pressure at once, so a flood cannot grow memory without bound. None = 4 x "
+            "the ongoing cap."
+        ),
+    )
+    scale_down_margin: float = Field(
+        default=0.25,
+        ge=0,
+        lt=1,
+        description=(
+            "Autoscaling hysteresis: the pool shrinks only when its load would fit the "
+            "smaller pool with this fraction of the targets to spare."
+        ),
     )
     target_ongoing_requests: float = Field(
         default=8.0, gt=0, description="Fallback autoscaling target when no custom stats yet."
@@ -257,6 +283,15 @@ class PoolConfig(_Strict):
                 if key.startswith("ray.io/") and key != ACCELERATOR_LABEL_KEY:
                     raise ValueError(f"node_labels: the 'ray.io/' prefix is reserved ({key!r})")
         return self
+
+    @property
+    def ongoing_limit(self) -> int:
+        """``max_ongoing_requests``, or the value derived from the engine limits."""
+        return self.max_ongoing_requests or 2 * self.engine.max_num_seqs
+
+    @property
+    def queued_limit(self) -> int:
+        return self.max_queued_requests or 4 * self.ongoing_limit
 
     @property
     def start_replicas(self) -> int:

@@ -40,7 +40,7 @@ from pdserve.deployments.engine_factory import (
     engine_config,
     pool_hooks,
 )
-from pdserve.deployments.load import Ema, decode_autoscaling_stats, replica_stats
+from pdserve.deployments.load import Ema, RateMeter, decode_autoscaling_stats, replica_stats
 from pdserve.deployments.messages import (
     ErrorInfo,
     GenerateChunk,
@@ -175,6 +175,7 @@ class DecodeServer:
         self._calibration = admission.Calibration()
         self._pending = admission.PendingPrefills()
         self._output_tokens = Ema()
+        self._admitted_prompt_tokens = RateMeter()
         # request id -> its prediction, until its first token; then (predicted, actual).
         self._predicted: dict[str, admission.TTFTPrediction] = {}
         self._ttft_pairs: deque[tuple[float, float]] = deque(maxlen=4096)
@@ -268,6 +269,7 @@ class DecodeServer:
         verdict = admission.decide(prediction, req.slo_class, self._rules)
         if verdict.action == "admit":
             self._pending.admitted(req.request_id, decision.location, uncached)
+            self._admitted_prompt_tokens.add(uncached)
             self._predicted[req.request_id] = prediction
             self.metrics.predicted_ttft.observe(verdict.predicted_ttft_s)
         return verdict
@@ -391,7 +393,9 @@ class DecodeServer:
         ).model_dump()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
-        return decode_autoscaling_stats(self.engine.stats(), self._itl.value)
+        return decode_autoscaling_stats(
+            self.engine.stats(), self._itl.value, self._admitted_prompt_tokens.rate()
+        )
 
     def check_health(self) -> None:
         self.engine.check_health()

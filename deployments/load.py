@@ -94,9 +94,20 @@ def prefill_autoscaling_stats(stats: EngineStats, prompt_tokens_per_s: float) ->
     }
 
 
-def decode_autoscaling_stats(stats: EngineStats, tpot_s: float) -> dict[str, float]:
+def decode_autoscaling_stats(
+    stats: EngineStats, tpot_s: float, prompt_tokens_per_s: float = 0.0
+) -> dict[str, float]:
+    """KV usage and TPOT size the pool; the batch count keeps a scale-down from stranding
+    requests; the prompt tokens admitted here (and the local prefill rate and queue) size
+    the prefill work, on this pool when it prefills locally."""
     return {
         autoscaling.KV_USAGE: stats.kv_usage,
         autoscaling.TPOT_S: tpot_s,
         autoscaling.NUM_WAITING: float(stats.num_waiting),
+        autoscaling.NUM_IN_BATCH: float(
+            stats.num_running + stats.num_waiting + stats.num_waiting_remote_kv
+        ),
+        autoscaling.PROMPT_TOKENS_PER_S: prompt_tokens_per_s,
+        autoscaling.PREFILL_TOKENS_PER_S: stats.prefill_tokens_per_s,
+        autoscaling.QUEUED_PREFILL_TOKENS: float(stats.queued_prefill_tokens),
     }

@@ -9,10 +9,17 @@ from ray.serve.config import AutoscalingConfig, AutoscalingContext
 from pdserve.deployments.autoscaling import (
     DecodeAutoscalingPolicy,
     DecodeSizing,
+    JointAutoscalingPolicy,
+    JointSizing,
+    PoolLoad,
     PrefillAutoscalingPolicy,
     PrefillSizing,
+    decode_fits,
     decode_replicas_needed,
+    plan_decode,
+    plan_pools,
     prefill_replicas_needed,
+    with_hysteresis,
 )
 
 PREFILL = PrefillSizing(ttft_s=1.0, default_tokens_per_s=1000.0, target_utilization=0.5)
@@ -110,3 +117,75 @@ def test_load_meters_feed_the_policies_sensible_numbers() -> None:
     ema.add(4.0)
     ema.add(2.0)
     assert ema.value == pytest.approx(3.0)
+
+
+JOINT = JointSizing(
+    PrefillSizing(ttft_s=1.0, default_tokens_per_s=1000.0, target_utilization=0.5),
+    DecodeSizing(tpot_s=0.1, target_kv_usage=0.5, target_tpot_fraction=1.0),
+    max_num_seqs=8,
+    down_margin=0.25,
+)
+
+
+def decode_load(
+    current: int, kv: list[float], in_batch: list[float], **extra: list[float]
+) -> PoolLoad:
+    metrics = {"kv_usage": kv, "tpot_s": [0.01] * current, "num_waiting": [0.0] * current}
+    return PoolLoad(current, {**metrics, "num_in_batch": in_batch, **extra})
+
+
+def test_hysteresis_grows_at_once_and_shrinks_only_with_margin() -> None:
+    assert with_hysteresis(2, needed_up=4, needed_down=5) == 4
+    assert with_hysteresis(3, needed_up=2, needed_down=3) == 3  # within the band: hold
+    assert with_hysteresis(3, needed_up=1, needed_down=2) == 2
+    # Mean KV 0.45 on 2 replicas (target 0.5): fits 2 but not 1 with the 25 % margin.
+    assert plan_decode(decode_load(2, [0.45, 0.45], [1, 1]), JOINT) == 2
+    # Mean KV 0.15 on 2: one replica holds 0.3 < 0.375 -> shrink.
+    assert plan_decode(decode_load(2, [0.15, 0.15], [1, 1]), JOINT) == 1
+
+
+def test_decode_never_shrinks_while_its_requests_would_not_fit_elsewhere() -> None:
+    # Little KV but 12 requests in flight: one replica has 8 slots, so keep 2.
+    assert plan_decode(decode_load(2, [0.05, 0.05], [6, 6]), JOINT) == 2
+    assert not decode_fits(1, [0.05, 0.05], [6, 6], JOINT)
+    assert decode_fits(2, [0.05, 0.05], [6, 6], JOINT)
+    # KV that a smaller pool could not hold keeps the replica too (0.5 + 0.5 > 0.85).
+    assert not decode_fits(1, [0.5, 0.5], [1, 1], JOINT)
+
+
+def test_plan_pools_sizes_prefill_from_the_arrival_the_decode_pool_saw() -> None:
+    # The prefill replicas report little yet, the decode pool admitted 2000 prompt tok/s:
+    # 1000 tok/s per prefill replica at 50 % -> 4 prefill replicas, decode unchanged.
+    prefill = PoolLoad(1, {"prompt_tokens_per_s": [100.0], "prefill_tokens_per_s": [1000.0],
+                           "queued_prefill_tokens": [0.0]})  # fmt: skip
+    decode = decode_load(1, [0.3], [2], prompt_tokens_per_s=[2000.0])
+    assert plan_pools(prefill, decode, JOINT) == (4, 1)
+
+
+def test_without_a_prefill_pool_the_prompt_load_sizes_decode() -> None:
+    decode = decode_load(
+        1, [0.1], [2], prompt_tokens_per_s=[1500.0], prefill_tokens_per_s=[1000.0],
+        queued_prefill_tokens=[0.0],
+    )  # fmt: skip
+    assert plan_pools(None, decode, JOINT) == (None, 3)
+
+
+def test_application_policy_decides_both_pools_together() -> None:
+    policy = JointAutoscalingPolicy(
+        prefill_deployment="P", decode_deployment="D", ttft_ms=1000, tpot_ms=100,
+        default_tokens_per_s=1000.0, max_num_seqs=8, target_utilization=0.5,
+        target_kv_usage=0.5,
+    )  # fmt: skip
+    p_id, d_id, i_id = (DeploymentID(name=n, app_name="a") for n in ("P", "D", "I"))
+    p_ctx = context(
+        {"prompt_tokens_per_s": {"p1": 2000.0}, "prefill_tokens_per_s": {"p1": 1000.0},
+         "queued_prefill_tokens": {"p1": 0.0}},
+        current=1,
+    )  # fmt: skip
+    d_ctx = context({"kv_usage": {"d1": 0.9, "d2": 0.7}, "tpot_s": {"d1": 0.01, "d2": 0.01}}, 2)
+    decisions, states = policy({p_id: p_ctx, d_id: d_ctx, i_id: context(None, current=1)})
+    assert decisions == {p_id: 4, d_id: 4, i_id: 1}
+    assert states[p_id] == {"kept": 1}
+    # Before any decode report every pool holds.
+    held, _ = policy({p_id: context(None, 2), d_id: context(None, 3)})
+    assert held == {p_id: 2, d_id: 3}
