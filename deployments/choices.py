@@ -32,6 +32,20 @@ class Choices:
     def finish_reasons(self) -> list[str | None]:
         return [s.finish_reason for s in self.streams]
 
+    # What the root span and the ingress metrics read (as of a DecodeStream).
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.streams[0].num_prompt_tokens
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(s.num_output_tokens for s in self.streams)
+
+    @property
+    def first_token_time(self) -> float | None:
+        times = [s.first_token_time for s in self.streams if s.first_token_time is not None]
+        return min(times) if times else None
+
     def usage(self) -> UsageInfo:
         first = self.streams[0]
         completion = sum(s.num_output_tokens for s in self.streams)

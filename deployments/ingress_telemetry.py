@@ -19,6 +19,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from pdserve.deployments import tracing
+from pdserve.deployments.choices import Choices
 from pdserve.deployments.metrics import ServingMetrics
 
 if TYPE_CHECKING:
@@ -43,7 +44,7 @@ class RequestTelemetry:
         self._done = False
         self.carrier = tracing.inject(trace.set_span_in_context(span))
 
-    def finish(self, stream: DecodeStream | None, error: BaseException | None) -> None:
+    def finish(self, stream: DecodeStream | Choices | None, error: BaseException | None) -> None:
         if self._done:
             return
         self._done = True
@@ -51,18 +52,22 @@ class RequestTelemetry:
         span = self._span
         if stream is not None:
             usage = stream.usage()
-            span.set_attribute(tracing.GENAI_RESPONSE_ID, stream.request.request_id)
+            if isinstance(stream, Choices):  # n > 1: one root span for every choice
+                response_id, reasons = stream.request_id, stream.finish_reasons
+            else:
+                response_id, reasons = stream.request.request_id, [stream.finish_reason]
+            span.set_attribute(tracing.GENAI_RESPONSE_ID, response_id)
             span.set_attribute(tracing.GENAI_INPUT_TOKENS, usage.prompt_tokens)
             span.set_attribute(tracing.GENAI_OUTPUT_TOKENS, usage.completion_tokens)
-            if stream.finish_reason is not None:
-                span.set_attribute(tracing.GENAI_FINISH_REASONS, [stream.finish_reason])
+            if any(reasons):
+                span.set_attribute(tracing.GENAI_FINISH_REASONS, [r or "" for r in reasons])
             self._record_metrics(stream, now, ok=error is None)
         if error is not None:
             span.set_attribute(tracing.ERROR_TYPE, _error_type(error))
             span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
         span.end()
 
-    def _record_metrics(self, stream: DecodeStream, now: float, *, ok: bool) -> None:
+    def _record_metrics(self, stream: DecodeStream | Choices, now: float, *, ok: bool) -> None:
         m = self._metrics
         m.prompt_tokens.inc(stream.num_prompt_tokens)
         if stream.num_output_tokens:

@@ -17,7 +17,7 @@ from typing import Any
 
 from pdserve.deployments.choices import Choices
 from pdserve.deployments.decode_stream import DecodeStream
-from pdserve.deployments.ingress_telemetry import IngressTelemetry
+from pdserve.deployments.ingress_telemetry import IngressTelemetry, RequestTelemetry
 from pdserve.deployments.messages import (
     GenerateChunk,
     GenerateRequest,
@@ -155,17 +155,53 @@ class OpenAIServing:
         *,
         request_id: str | None = None,
         slo_class: SLOClass = "interactive",
-        seed_offset: int = 0,
         trace_headers: Mapping[str, str] | None = None,
+        choice: _Choice | None = None,
     ) -> DecodeStream:
         """Open the root span, tokenize, and start generating.
 
         Raises ``OpenAIError`` for a bad request or one the decode pool rejects up front;
-        the returned stream must be consumed or closed.
+        the returned stream must be consumed or closed. ``choice``: this stream is one of
+        several choices sharing one root span (``start_choices``).
         """
         chat = isinstance(req, ChatCompletionRequest)
         request_id = request_id or random_id("chatcmpl" if chat else "cmpl")
-        record = self.telemetry.begin(
+        record = choice.record if choice else self._begin(req, request_id, trace_headers)
+        stream: DecodeStream | None = None
+        try:
+            if chat:
+                gen = self.chat_request(
+                    req, request_id=request_id, slo_class=slo_class, trace_carrier=record.carrier
+                )
+            else:
+                gen = self.completion_request(
+                    req, request_id=request_id, slo_class=slo_class, trace_carrier=record.carrier
+                )
+            if choice and choice.index and gen.sampling.seed is not None:
+                # Choice i of a seeded request: its own, reproducible, sample.
+                seed = gen.sampling.seed + choice.index
+                gen = gen.model_copy(
+                    update={"sampling": gen.sampling.model_copy(update={"seed": seed})}
+                )
+            on_close = choice.closed if choice else record.finish
+            stream = DecodeStream(gen, self._generate(gen), on_close=on_close)
+            await stream.open()
+        except BaseException as err:
+            if stream is not None:
+                await stream.close(err)
+            else:
+                record.finish(None, err)
+            raise
+        return stream
+
+    def _begin(
+        self,
+        req: CompletionRequest | ChatCompletionRequest,
+        request_id: str,
+        trace_headers: Mapping[str, str] | None,
+    ) -> RequestTelemetry:
+        chat = isinstance(req, ChatCompletionRequest)
+        return self.telemetry.begin(
             "chat" if chat else "text_completion",
             request_id,
             sampling={
@@ -181,29 +217,6 @@ class OpenAIServing:
             },
             parent=trace_headers,
         )
-        stream: DecodeStream | None = None
-        try:
-            if chat:
-                gen = self.chat_request(
-                    req, request_id=request_id, slo_class=slo_class, trace_carrier=record.carrier
-                )
-            else:
-                gen = self.completion_request(
-                    req, request_id=request_id, slo_class=slo_class, trace_carrier=record.carrier
-                )
-            if seed_offset and gen.sampling.seed is not None:
-                # Choice i of a seeded request: its own, reproducible, sample.
-                sampling = gen.sampling.model_copy(update={"seed": gen.sampling.seed + seed_offset})
-                gen = gen.model_copy(update={"sampling": sampling})
-            stream = DecodeStream(gen, self._generate(gen), on_close=record.finish)
-            await stream.open()
-        except BaseException as err:
-            if stream is not None:
-                await stream.close(err)
-            else:
-                record.finish(None, err)
-            raise
-        return stream
 
     async def start_choices(
         self,
@@ -212,30 +225,34 @@ class OpenAIServing:
         slo_class: SLOClass = "interactive",
         trace_headers: Mapping[str, str] | None = None,
     ) -> Choices:
-        """``start`` once per requested choice (``n``); the streams must be consumed or
-        closed together (``Choices.close``)."""
+        """``start`` once per requested choice (``n``) under one root span (usage counted
+        once); the streams must be consumed or closed together (``Choices.close``)."""
         n = req.n or 1
         if n == 1:
             stream = await self.start(req, slo_class=slo_class, trace_headers=trace_headers)
             return Choices(stream.request.request_id, [stream])
         request_id = random_id("chatcmpl" if isinstance(req, ChatCompletionRequest) else "cmpl")
+        shared = _SharedRecord(self._begin(req, request_id, trace_headers), n)
         streams: list[DecodeStream] = []
         try:
             for i in range(n):
+                choice = _Choice(shared.record, i, shared.closed)
                 streams.append(
                     await self.start(
                         req,
                         request_id=f"{request_id}-{i}",
                         slo_class=slo_class,
-                        seed_offset=i,
                         trace_headers=trace_headers,
+                        choice=choice,
                     )
                 )
         except BaseException as err:
             for stream in streams:
                 await stream.close(err)
+            shared.record.finish(None, err)
             raise
-        return Choices(request_id, streams)
+        shared.choices = Choices(request_id, streams)
+        return shared.choices
 
     # ------------------------------------------------------------------ preparing requests
     def completion_request(
@@ -436,15 +453,7 @@ class OpenAIServing:
         continuous = req.stream_options is not None and req.stream_options.continuous_usage_stats
 
         def event(choice_list: list[CompletionChoice], usage: UsageInfo | None) -> str:
-            return sse_event(
-                CompletionResponse(
-                    id=choices.request_id,
-                    created=created,
-                    model=self.model.name,
-                    choices=choice_list,
-                    usage=usage,
-                )
-            )
+            return self._event(CompletionResponse, choices, created, choice_list, usage)
 
         try:
             if echo := self.echo_text(req):
@@ -508,15 +517,7 @@ class OpenAIServing:
         continuous = req.stream_options is not None and req.stream_options.continuous_usage_stats
 
         def event(choice_list: list[ChatChunkChoice], usage: UsageInfo | None) -> str:
-            return sse_event(
-                ChatCompletionChunk(
-                    id=choices.request_id,
-                    created=created,
-                    model=self.model.name,
-                    choices=choice_list,
-                    usage=usage,
-                )
-            )
+            return self._event(ChatCompletionChunk, choices, created, choice_list, usage)
 
         try:
             # OpenAI opens every chat stream with the role and empty content, per choice.
@@ -544,12 +545,55 @@ class OpenAIServing:
             await choices.close()
         yield SSE_DONE
 
+    def _event(
+        self,
+        kind: type[CompletionResponse] | type[ChatCompletionChunk],
+        choices: Choices,
+        created: int,
+        choice_list: list[Any],
+        usage: UsageInfo | None,
+    ) -> str:
+        """One SSE event of a streamed response of ``kind``."""
+        payload = kind(
+            id=choices.request_id,
+            created=created,
+            model=self.model.name,
+            choices=choice_list,
+            usage=usage,
+        )
+        return sse_event(payload)
+
     def echo_text(self, req: CompletionRequest) -> str:
         """The prompt as text when the request asks for it to be echoed, else ""."""
         if not req.echo:
             return ""
         prompt = req.single_prompt()
         return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
+
+
+@dataclass(frozen=True)
+class _Choice:
+    """Choice ``index`` of a request with ``n`` > 1: its root span and close callback."""
+
+    record: RequestTelemetry
+    index: int
+    closed: Callable[[DecodeStream, BaseException | None], None]
+
+
+class _SharedRecord:
+    """Finishes one root span once all ``n`` choice streams have closed."""
+
+    def __init__(self, record: RequestTelemetry, n: int) -> None:
+        self.record = record
+        self.choices: Choices | None = None
+        self._open = n
+        self._error: BaseException | None = None
+
+    def closed(self, _stream: DecodeStream, error: BaseException | None) -> None:
+        self._error = self._error or error
+        self._open -= 1
+        if self._open == 0:
+            self.record.finish(self.choices, self._error)
 
 
 def _structured_output(req: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:

@@ -517,3 +517,27 @@ def test_root_span_is_parent_of_the_decode_side_and_records_usage(tokenizer) -> 
     (child,) = exporter.get_finished_spans()
     assert child.context.trace_id == int(client_trace, 16)
     assert child.parent.span_id == int(client_span, 16)
+
+    # n = 3 choices: one root span, the prompt counted once, completions summed, and every
+    # choice's decode side in that one trace.
+    exporter.clear()
+    three = validate_request(
+        ChatCompletionRequest,
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "n": 3, "seed": 5},
+    )
+
+    async def run_choices():
+        return await serving.chat(three, await serving.start_choices(three), 0)
+
+    response = asyncio.run(run_choices())
+    (root,) = exporter.get_finished_spans()
+    attrs = dict(root.attributes)
+    assert attrs["gen_ai.usage.input_tokens"] == response.usage.prompt_tokens
+    assert attrs["gen_ai.usage.output_tokens"] == 9 == response.usage.completion_tokens
+    assert attrs["gen_ai.request.choice.count"] == 3
+    assert attrs["gen_ai.response.id"] == response.id
+    assert attrs["gen_ai.response.finish_reasons"] == ("length",) * 3
+    choice_requests = decode.requests[-3:]
+    assert [r.sampling.seed for r in choice_requests] == [5, 6, 7]
+    parents = {r.trace_carrier["traceparent"].split("-")[2] for r in choice_requests}
+    assert parents == {format(root.context.span_id, "016x")}
