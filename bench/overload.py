@@ -1,0 +1,490 @@
+"""Overload benchmark: ``python -m pdserve.bench.overload`` (run it from outside the checkout,
+e.g. ``cd /tmp``, or with ``python -P``).
+
+Starts a real local cluster with a shipped config and drives it with open-loop Poisson
+arrivals (loopback only, bounded in count and time):
+
+- step: 1x -> ``--factor``x -> 1x the sustainable rate (measured first with a short
+  closed-loop probe, or ``--base-rate``), a mix of interactive and batch requests
+  (``x-pdserve-priority``);
+- ramp (``--ramp``): 0.5x -> 4x -> 0.5x on a copy of the config with autoscaling on and
+  ``decode.max_replicas: 2``, Serve's replica counts polled over time.
+
+Per request it records the status, the time to the response headers (how fast a 429
+came), Retry-After, TTFT and whether the stream ended properly. It prints a table and
+writes ``overload.json`` and ``overload.png`` (TTFT and admitted/shed rate over time) in
+``--out-dir``, with the decode replica's predicted-vs-observed TTFT
+(``DecodeServer.admission_report``) and its integrity after the run (no request, block or
+transfer left). Targets (issue 18): admitted interactive TTFT p99 <= 2x SLO in the
+overload phase, 429 + Retry-After within 100 ms p99, 0 5xx, 0 lost, idle afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from pdserve.bench.serve_workload import PromptBuilder
+from pdserve.bench.serving_systems import PdserveServer
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Outcome:
+    """One request as the client saw it (times in seconds; ``sent`` since the run began)."""
+
+    phase: str
+    priority: str
+    sent: float
+    status: int | None = None
+    headers_s: float | None = None  # time to the response headers
+    retry_after: str | None = None
+    ttft: float | None = None
+    tokens: int = 0
+    finished: bool = False  # [DONE] after a finish_reason
+    error: str | None = None
+
+    @property
+    def admitted(self) -> bool:
+        return self.status == 200
+
+    @property
+    def lost(self) -> bool:
+        """Admitted but not streamed to the end, or no answer at all."""
+        return (self.admitted and not self.finished) or self.status is None
+
+
+async def send(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], out: Outcome, began: float
+) -> None:
+    start = time.perf_counter()
+    headers = {"x-pdserve-priority": out.priority}
+    try:
+        async with client.stream("POST", url, json=body, headers=headers, timeout=300.0) as r:
+            out.status = r.status_code
+            out.headers_s = time.perf_counter() - start
+            out.retry_after = r.headers.get("retry-after")
+            if r.status_code != 200:
+                await r.aread()
+                return
+            finish = None
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    out.finished = finish is not None
+                    break
+                obj = json.loads(data)
+                if obj.get("error"):
+                    out.error = str(obj["error"].get("message"))[:200]
+                    break
+                for choice in obj.get("choices") or []:
+                    if choice.get("text"):
+                        if out.ttft is None:
+                            out.ttft = time.perf_counter() - start
+                        out.tokens += 1
+                    finish = choice.get("finish_reason") or finish
+    except (httpx.HTTPError, ValueError) as err:
+        out.error = f"{type(err).__name__}: {err}"[:200]
+
+
+async def drive(
+    url: str,
+    model: str,
+    prompts: list[str],
+    phases: list[tuple[str, float, float]],
+    output_len: int,
+    batch_fraction: float,
+    seed: int,
+    max_requests: int,
+) -> list[Outcome]:
+    """Open-loop Poisson arrivals, phase by phase (name, rate req/s, seconds)."""
+    rng = random.Random(seed)
+    outcomes: list[Outcome] = []
+    tasks: list[asyncio.Task[None]] = []
+    limits = httpx.Limits(max_connections=2000, max_keepalive_connections=200)
+    async with httpx.AsyncClient(limits=limits) as client:
+        began = time.perf_counter()
+        t = 0.0
+        for name, rate, seconds in phases:
+            end = t + seconds
+            while len(outcomes) < max_requests:
+                t += rng.expovariate(rate)
+                if t >= end:
+                    t = end
+                    break
+                delay = began + t - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                priority = "batch" if rng.random() < batch_fraction else "interactive"
+                out = Outcome(name, priority, time.perf_counter() - began)
+                body = {
+                    "model": model,
+                    "prompt": prompts[len(outcomes) % len(prompts)],
+                    "max_tokens": output_len,
+                    "ignore_eos": True,
+                    "temperature": 0.0,
+                    "stream": True,
+                }
+                outcomes.append(out)
+                tasks.append(asyncio.create_task(send(client, url, body, out, began)))
+        await asyncio.wait_for(asyncio.gather(*tasks), timeout=600.0)
+    return outcomes
+
+
+async def probe_rate(url: str, model: str, prompts: list[str], output_len: int, s: float) -> float:
+    """Completed requests per second with 4 clients in a closed loop (the sustainable rate)."""
+    done = 0
+    stop = time.perf_counter() + s
+
+    async def client_loop(client: httpx.AsyncClient, i: int) -> None:
+        nonlocal done
+        while time.perf_counter() < stop:
+            out = Outcome("probe", "interactive", 0.0)
+            body = {
+                "model": model,
+                "prompt": prompts[i % len(prompts)],
+                "max_tokens": output_len,
+                "ignore_eos": True,
+                "temperature": 0.0,
+                "stream": True,
+            }
+            await send(client, url, body, out, 0.0)
+            done += out.finished
+            i += 4
+
+    began = time.perf_counter()
+    async with httpx.AsyncClient() as client:
+        await asyncio.gather(*(client_loop(client, i) for i in range(4)))
+    return done / (time.perf_counter() - began)
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def summarize(outcomes: list[Outcome], slo_s: float) -> dict[str, Any]:
+    rows: dict[str, Any] = {}
+    for phase in dict.fromkeys(o.phase for o in outcomes):
+        for prio in ("interactive", "batch"):
+            sel = [o for o in outcomes if o.phase == phase and o.priority == prio]
+            if not sel:
+                continue
+            ok = [o for o in sel if o.admitted]
+            shed = [o for o in sel if o.status == 429]
+            ttfts = [o.ttft for o in ok if o.ttft is not None]
+            rows[f"{phase}/{prio}"] = {
+                "sent": len(sel),
+                "admitted": len(ok),
+                "shed_429": len(shed),
+                "shed_with_retry_after": sum(o.retry_after is not None for o in shed),
+                "retry_after_values": sorted({o.retry_after for o in shed if o.retry_after}),
+                "5xx": sum(1 for o in sel if o.status is not None and o.status >= 500),
+                "lost": sum(o.lost for o in sel),
+                "ttft_p50_s": pct(ttfts, 0.5),
+                "ttft_p99_s": pct(ttfts, 0.99),
+                "slo_attainment": sum(t <= slo_s for t in ttfts) / len(ttfts) if ttfts else None,
+                "reject_p99_s": pct([o.headers_s for o in shed if o.headers_s is not None], 0.99),
+            }
+    return rows
+
+
+def format_table(rows: dict[str, Any]) -> str:
+    def f(v: Any) -> str:
+        return "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))
+
+    cols = [
+        "sent",
+        "admitted",
+        "shed_429",
+        "5xx",
+        "lost",
+        "ttft_p50_s",
+        "ttft_p99_s",
+        "slo_attainment",
+        "reject_p99_s",
+    ]
+    lines = [f"{'phase/priority':<24}" + "".join(f"{c:>15}" for c in cols)]
+    for name, row in rows.items():
+        lines.append(f"{name:<24}" + "".join(f"{f(row[c]):>15}" for c in cols))
+    return "\n".join(lines)
+
+
+def write_plot(path: Path, outcomes: list[Outcome], replicas: list[Any], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = 3 if replicas else 2
+    fig, axes = plt.subplots(n, 1, figsize=(10, 3 * n), sharex=True)
+    for prio, color in (("interactive", "tab:blue"), ("batch", "tab:orange")):
+        pts = [(o.sent, o.ttft) for o in outcomes if o.priority == prio and o.ttft is not None]
+        if pts:
+            axes[0].scatter(*zip(*pts, strict=True), s=6, color=color, label=f"{prio} TTFT")
+    axes[0].set_ylabel("TTFT (s)")
+    axes[0].legend(loc="upper left")
+    end = max((o.sent for o in outcomes), default=0.0)
+    bins = range(int(end) + 2)
+    for label, sel, color in (
+        ("admitted/s", [o.sent for o in outcomes if o.admitted], "tab:green"),
+        ("shed (429)/s", [o.sent for o in outcomes if o.status == 429], "tab:red"),
+    ):
+        axes[1].hist(sel, bins=bins, histtype="step", color=color, label=label)
+    axes[1].set_ylabel("requests per second")
+    axes[1].legend(loc="upper left")
+    if replicas:
+        ts = [r["t"] for r in replicas]
+        for pool in ("decode", "prefill"):
+            axes[2].step(ts, [r[pool] for r in replicas], where="post", label=f"{pool} replicas")
+        axes[2].set_ylabel("replicas")
+        axes[2].legend(loc="upper left")
+    axes[-1].set_xlabel("seconds since start")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+class ClusterView:
+    """A Ray driver on the bench's cluster: replica counts, integrity, admission reports."""
+
+    def __init__(self, state_dir: Path) -> None:
+        import ray
+
+        from pdserve.cluster.state import load_state, ray_client_env
+
+        state = load_state(state_dir)
+        assert state is not None and state.serve is not None
+        os.environ.update(ray_client_env(state))
+        cwd = os.getcwd()
+        os.chdir(state.root_dir)  # keep the checkout off the workers' sys.path
+        try:
+            ray.init(
+                address=state.gcs_address,
+                _node_ip_address=state.node_ip,
+                log_to_driver=False,
+                logging_level="WARNING",
+            )
+        finally:
+            os.chdir(cwd)
+        self.app = state.serve.app_name
+
+    def replicas(self) -> dict[str, int]:
+        from ray import serve
+
+        from pdserve.deployments.app import DECODE_DEPLOYMENT, PREFILL_DEPLOYMENT
+
+        app = serve.status().applications.get(self.app)
+        counts = {}
+        for pool, name in (("decode", DECODE_DEPLOYMENT), ("prefill", PREFILL_DEPLOYMENT)):
+            dep = app.deployments.get(name) if app is not None else None
+            counts[pool] = 0 if dep is None else dep.replica_states.get("RUNNING", 0)
+        return counts
+
+    def decode_reports(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """(integrity, admission report) of a decode replica (after a ramp's scale-down,
+        of the one left)."""
+        from ray import serve
+
+        from pdserve.deployments.app import DECODE_DEPLOYMENT
+
+        handle = serve.get_deployment_handle(DECODE_DEPLOYMENT, self.app)
+        integrity = handle.check_integrity.remote().result(timeout_s=30).model_dump()
+        report = handle.admission_report.remote().result(timeout_s=30).model_dump()
+        return [integrity], [report]
+
+
+def run_phase_set(
+    args: argparse.Namespace,
+    config: Path,
+    up_args: list[str],
+    phases_x: list[tuple[str, float, float]],
+    tag: str,
+    prompts: list[str],
+    base_rate: float | None,
+) -> dict[str, Any]:
+    cfg = yaml.safe_load(config.read_text())
+    slo_s = cfg.get("slo", {}).get("ttft_ms", 2000) / 1000.0
+    server = PdserveServer(
+        tag, config, args.out_dir / f"state-{tag}", args.out_dir / f"{tag}.log", up_args=up_args
+    )
+    uptime_before = Path("/proc/loadavg").read_text().split()[:3]
+    try:
+        url = server.start(timeout_s=args.start_timeout_s)
+        model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+        view = ClusterView(args.out_dir / f"state-{tag}")
+        if base_rate is None:
+            base_rate = asyncio.run(probe_rate(url, model, prompts, args.output_len, args.probe_s))
+        phases = [(n, max(0.05, x * base_rate), s) for n, x, s in phases_x]
+        samples: list[dict[str, Any]] = []
+        stop = [False]
+
+        async def with_monitor() -> list[Outcome]:
+            async def monitor() -> None:
+                began = time.perf_counter()
+                while not stop[0]:
+                    counts = await asyncio.to_thread(view.replicas)
+                    samples.append({"t": time.perf_counter() - began, **counts})
+                    await asyncio.sleep(2.0)
+
+            mon = asyncio.create_task(monitor())
+            try:
+                return await drive(
+                    f"{url}/v1/completions",
+                    model,
+                    prompts,
+                    phases,
+                    args.output_len,
+                    args.batch_fraction,
+                    args.seed,
+                    args.max_requests,
+                )
+            finally:
+                stop[0] = True
+                await mon
+
+        outcomes = asyncio.run(with_monitor())
+        idle_deadline = time.monotonic() + 60
+        integrity, admission = view.decode_reports()
+        while not all(_idle(i) for i in integrity) and time.monotonic() < idle_deadline:
+            time.sleep(2)
+            integrity, admission = view.decode_reports()
+    finally:
+        server.stop()
+    rows = summarize(outcomes, slo_s)
+    errors = [abs(p - a) for rep in admission for p, a in rep["samples"]]
+    result = {
+        "tag": tag,
+        "config": str(config),
+        "slo_ttft_s": slo_s,
+        "base_rate_rps": base_rate,
+        "phases": [{"name": n, "rate_rps": r, "seconds": s} for n, r, s in phases],
+        "loadavg_before": uptime_before,
+        "loadavg_after": Path("/proc/loadavg").read_text().split()[:3],
+        "summary": rows,
+        "replicas_over_time": samples,
+        "decode_integrity_after": integrity,
+        "idle_after": all(_idle(i) for i in integrity),
+        "median_abs_ttft_prediction_error_s": statistics.median(errors) if errors else None,
+        "prediction_samples": len(errors),
+        "requests": [asdict(o) for o in outcomes],
+    }
+    write_plot(
+        args.out_dir / f"{tag}.png",
+        outcomes,
+        samples if tag == "ramp" else [],
+        f"pdserve {tag}: {config.name}, 1x = {base_rate:.2f} req/s",
+    )
+    return result
+
+
+def _idle(report: dict[str, Any]) -> bool:
+    return (
+        report["num_unfinished"] == 0
+        and report["num_free_blocks"] == report["num_total_blocks"]
+        and not report["pending_transfers"]
+        and report["num_streams"] == 0
+    )
+
+
+def ramp_config(base: Path, out_dir: Path) -> Path:
+    """The shipped config with autoscaling on and two decode replicas allowed."""
+    cfg = yaml.safe_load(base.read_text())
+    cfg["autoscaling"] = True
+    cfg["decode"].update(
+        min_replicas=1, max_replicas=2, upscale_delay_s=3.0, downscale_delay_s=15.0
+    )
+    path = out_dir / f"ramp-{base.name}"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", type=Path, default=REPO / "configs/local-2core-colocated.yaml")
+    p.add_argument("--up-args", default="--prefill-cpus 1 --decode-cpus 2")
+    p.add_argument("--base-rate", type=float, default=None, help="1x in req/s; None = probe")
+    p.add_argument("--probe-s", type=float, default=15.0)
+    p.add_argument("--factor", type=float, default=10.0)
+    p.add_argument("--phase-s", type=float, default=20.0)
+    p.add_argument("--prompt-len", type=int, default=80)
+    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--batch-fraction", type=float, default=0.2)
+    p.add_argument("--max-requests", type=int, default=3000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ramp", action="store_true", help="also run the autoscaling ramp")
+    p.add_argument("--ramp-only", action="store_true")
+    p.add_argument("--start-timeout-s", type=float, default=300.0)
+    p.add_argument("--out-dir", type=Path, default=None)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from transformers import AutoTokenizer
+
+    from pdserve.engine.testmodel import ensure_test_model
+
+    args = parse_args(argv)
+    args.out_dir = args.out_dir or REPO / f"bench/results/overload-{time.strftime('%Y%m%d-%H%M%S')}"
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(str(ensure_test_model("small")), local_files_only=True)
+    builder = PromptBuilder(tok, random.Random(args.seed))
+    prompts = [builder.build(args.prompt_len)[0] for _ in range(64)]
+    up_args = args.up_args.split()
+    results: dict[str, Any] = {}
+    if not args.ramp_only:
+        step = [
+            ("1x", 1.0, args.phase_s),
+            (f"{args.factor:g}x", args.factor, args.phase_s),
+            ("1x-after", 1.0, args.phase_s),
+        ]
+        results["step"] = run_phase_set(
+            args, args.config, up_args, step, "step", prompts, args.base_rate
+        )
+        print(
+            f"\nstep {args.config.name}: 1x = {results['step']['base_rate_rps']:.2f} req/s, "
+            f"load {results['step']['loadavg_before']}"
+        )
+        print(format_table(results["step"]["summary"]))
+        print(
+            f"idle after: {results['step']['idle_after']}; median |predicted - actual| TTFT: "
+            f"{results['step']['median_abs_ttft_prediction_error_s']}"
+        )
+    if args.ramp or args.ramp_only:
+        base = results.get("step", {}).get("base_rate_rps", args.base_rate)
+        ramp = [("0.5x", 0.5, 30.0), ("4x", 4.0, 60.0), ("0.5x-after", 0.5, 60.0)]
+        results["ramp"] = run_phase_set(
+            args, ramp_config(args.config, args.out_dir), up_args, ramp, "ramp", prompts, base
+        )
+        print(f"\nramp: 1x = {results['ramp']['base_rate_rps']:.2f} req/s")
+        print(format_table(results["ramp"]["summary"]))
+        counts = results["ramp"]["replicas_over_time"]
+        print(
+            "replicas (t, decode, prefill):",
+            [(round(c["t"]), c["decode"], c["prefill"]) for c in counts],
+        )
+    (args.out_dir / "overload.json").write_text(json.dumps(results, indent=1, default=str))
+    print(f"\nwrote {args.out_dir}/overload.json and the PNGs")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
