@@ -87,9 +87,9 @@ def main(argv: list[str] | None = None) -> int:
         "req/s)",
         flush=True,
     )
-    began = time.perf_counter()
+    began, cpu = time.perf_counter(), time.process_time()
     report, cluster = simulate(app, requests, cost, cost, settings)
-    wall = time.perf_counter() - began
+    wall, cpu = time.perf_counter() - began, time.process_time() - cpu
     print(format_report("day", report))
     print(f"placements {report.placements}; events {cluster.loop.num_processed}")
     peak = max(report.timeline, key=lambda t: t[1] + t[2])
@@ -98,9 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'t (s)':>7}{'rate':>7}{'prefill':>9}{'decode':>8}")
     for t, n_p, n_d in report.timeline[:: max(1, len(report.timeline) // 12)]:
         print(f"{t:>7.0f}{rate_at(t):>7.0f}{n_p:>9}{n_d:>8}")
-    print(f"simulated one {period:.0f} s day of {args.gpus} GPUs in {wall:.1f} s wall")
+    print(
+        f"simulated one {period:.0f} s day of {args.gpus} GPUs in {wall:.1f} s wall, "
+        f"{cpu:.1f} s CPU ({1e6 * cpu / max(len(requests), 1):.0f} us per request)"
+    )
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    data = {"args": {k: str(v) for k, v in vars(args).items()}, "wall_s": wall}
+    data = {"args": {k: str(v) for k, v in vars(args).items()}, "wall_s": wall, "cpu_s": cpu}
     data |= {"report": report.to_json()}
     (args.out_dir / "day.json").write_text(json.dumps(data, indent=2) + "\n")
     _plot(report.timeline, rate_at, args.tp, args.out_dir / "day.png")

@@ -119,6 +119,7 @@ class SimEngine:
         self.prefilling: list[Seq] = []
         self.remote: dict[int, Seq] = {}
         self.used_blocks = 0
+        self._waiting_tokens = 0
         self.prefill_meter = ThroughputMeter()
         self.decode_meter = ThroughputMeter()
         self.num_preemptions = 0
@@ -145,7 +146,7 @@ class SimEngine:
 
     # ------------------------------------------------------------------ intake
     def add(self, seq: Seq) -> None:
-        self.waiting.append(seq)
+        self._wait(seq)
         self._poke()
 
     def reserve_remote(self, seq: Seq) -> bool:
@@ -169,7 +170,7 @@ class SimEngine:
             self.loop.at(end, self._finish_landed, seq)
             return
         self._firsts.append(seq)
-        self.waiting.appendleft(seq)
+        self._wait(seq, front=True)
         self._poke()
 
     def _finish_landed(self, seq: Seq) -> None:
@@ -182,14 +183,14 @@ class SimEngine:
         """Recompute the prompt here, into the reserved blocks."""
         del self.remote[seq.req.rid]
         seq.computed = 0
-        self.waiting.appendleft(seq)
+        self._wait(seq, front=True)
         self._poke()
 
     def abort(self, seq: Seq) -> None:
         """Drop a request that has not started decoding and free its blocks (a cancelled
         remote prefill)."""
         if seq.state == WAITING and seq in self.waiting:
-            self.waiting.remove(seq)
+            self._unwait(seq)
         elif seq.state == PREFILLING and all(s is not seq for s, _ in self._batch):
             self.prefilling.remove(seq)
         elif seq.state == PREFILLING:
@@ -210,8 +211,7 @@ class SimEngine:
         return not (self.waiting or self.prefilling or self._n or self.remote or self._step_end)
 
     def queued_prefill_tokens(self) -> int:
-        waiting = sum(s.req.prompt_tokens + s.outputs - s.computed for s in self.waiting)
-        return waiting + sum(s.uncomputed for s in self.prefilling if s.uncomputed > 1)
+        return self._waiting_tokens + sum(s.uncomputed for s in self.prefilling if s.uncomputed > 1)
 
     def stats(self) -> EngineStats:
         total = self.shape.num_blocks
@@ -233,6 +233,19 @@ class SimEngine:
             num_prompt_tokens=0,
             num_generation_tokens=0,
         )
+
+    # ------------------------------------------------------------------ waiting queue
+    def _wait(self, seq: Seq, front: bool = False) -> None:
+        # A waiting request's uncomputed tokens do not change until it is admitted.
+        self._waiting_tokens += seq.uncomputed
+        if front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
+
+    def _unwait(self, seq: Seq) -> None:
+        self.waiting.remove(seq)
+        self._waiting_tokens -= seq.uncomputed
 
     # ------------------------------------------------------------------ decode set
     def _join_decoding(self, seq: Seq) -> None:
@@ -258,6 +271,8 @@ class SimEngine:
     def _new_blocks(self, k: int) -> int:
         """Blocks the decoding requests start over the next k steps (a request computing
         position c needs a new block when c is a multiple of the block size)."""
+        if not self._n:
+            return 0
         bs, step, total = self.shape.block_size, self._step, 0
         for phase, count in enumerate(self._phase):
             if count:
@@ -309,7 +324,7 @@ class SimEngine:
         self._free(victim)
         victim.computed = 0
         victim.state = WAITING
-        self.waiting.appendleft(victim)
+        self._wait(victim, front=True)
         self.num_preemptions += 1
         return victim
 
@@ -341,7 +356,7 @@ class SimEngine:
                 batch.append((seq, n))
                 scheduled.add(id(seq))
                 budget -= n
-        if preempted or not self.waiting:
+        if preempted or not self.waiting or self.num_running >= self.shape.max_num_seqs:
             return batch, decodes
         holders = [s for s in self.waiting if s.blocks]
         for seq in holders + [s for s in self.waiting if not s.blocks]:
@@ -352,7 +367,7 @@ class SimEngine:
                 if seq.blocks:
                     continue
                 break
-            self.waiting.remove(seq)
+            self._unwait(seq)
             if len(self._order) > 4 * self.num_running + 64:  # drop the finished ones
                 self._order = [s for s in self._order if s.state in (PREFILLING, DECODING)]
             self._order.append(seq)
