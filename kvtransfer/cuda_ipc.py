@@ -7,7 +7,8 @@ after a CUDA event says the layer is computed, and synchronises that copy before
 decode side over the control channel that the layer landed.
 
 Limits: the pool must come from an ordinary ``cudaMalloc``-backed allocation (torch's caching
-allocator without expandable segments, or CuPy); both processes must see the same GPU.
+allocator without expandable segments, or CuPy); the sender must see the pool's GPU
+(``gpu_ids``: by UUID, whatever its index there).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ def _cupy() -> Any:
         import cupy
     except ImportError as exc:  # pragma: no cover - depends on the machine
         raise RuntimeError(
-            "the cuda_ipc transport needs CuPy (pip install 'pdserve[cuda]')"
+            "the cuda_ipc transport needs CuPy: pip install 'pdserve[cuda13]' (CUDA 13) or "
+            "'pdserve[cuda12]' (CUDA 12)"
         ) from exc
     return cupy
 
@@ -78,5 +80,7 @@ class MappedPool:
             self._cp.cuda.runtime.ipcCloseMemHandle(self._base)
 
 
-def open_pool(handle: str, shape: tuple[int, ...], dtype: torch.dtype) -> MappedPool:
-    return MappedPool(handle, tuple(shape), dtype, torch.cuda.current_device())
+def open_pool(handle: str, shape: tuple[int, ...], dtype: torch.dtype, device: int) -> MappedPool:
+    """Map a peer's pool on local device ``device`` (the peer's GPU as this process
+    numbers it; see ``gpu_ids``)."""
+    return MappedPool(handle, tuple(shape), dtype, device)

@@ -23,10 +23,15 @@ import time
 import torch
 
 from pdserve.kernels.ops import prepare_copy_thread
-from pdserve.kvtransfer import blocks, wire
+from pdserve.kvtransfer import blocks, gpu_ids, wire
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.metrics import TransferObserver, notify
-from pdserve.kvtransfer.node import local_node_id, receive_transports, receiver_offer
+from pdserve.kvtransfer.node import (
+    cupy_installed,
+    local_node_id,
+    receive_transports,
+    receiver_offer,
+)
 from pdserve.kvtransfer.receiver_state import PeerConn, Session
 from pdserve.kvtransfer.shm import ShmSegment
 from pdserve.kvtransfer.transport import TransportUnavailableError
@@ -65,8 +70,13 @@ class KVReceiver:
         self._observer = observer
         self._device = kv_cache.device.type
         self.transport = receiver_offer(
-            self.config.transport, self._device, shm_segment is not None
+            self.config.transport,
+            self._device,
+            shm_segment is not None,
+            ipc_capable=self._device == "cuda" and cupy_installed(),
         )
+        # The pool's GPU by identity: peers map it by UUID, never by index.
+        self.gpu = gpu_ids.gpu_key(kv_cache.device.index or 0) if self._device == "cuda" else None
         if self.transport == "shm" and shm_segment is None:
             raise ValueError("transport: 'shm' needs the pool's shm_segment (SharedKVAllocator)")
         if self.transport == "shm" and self._device != "cpu":
@@ -144,6 +154,7 @@ class KVReceiver:
             deadline=deadline,
             token=session.token,
             layout=self.layout,
+            gpu=self.gpu,
         )
 
     def wait(self, request_id: str, deadline: float | None = None) -> TransferResult:

@@ -16,9 +16,10 @@ import time
 
 import torch
 
+from pdserve.kvtransfer import gpu_ids
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.metrics import TransferObserver, notify
-from pdserve.kvtransfer.node import local_node_id, send_transport, sender_choice
+from pdserve.kvtransfer.node import cupy_installed, local_node_id, send_transport, sender_choice
 from pdserve.kvtransfer.send_handle import SendHandle
 from pdserve.kvtransfer.sender_peer import DecodePeer
 from pdserve.kvtransfer.types import (
@@ -57,6 +58,8 @@ class KVSender:
         self._lock = threading.Lock()
         self._peers: dict[tuple[str, str], DecodePeer] = {}
         self._retired: list[DecodePeer] = []
+        self._ipc_capable = self.device == "cuda" and cupy_installed()
+        self._gpus: list[gpu_ids.GpuId] | None = None  # the GPUs this process sees
 
     def open(self, target: KVTarget, src_block_ids: list[int]) -> SendHandle:
         """Start a transfer of the request's KV from ``src_block_ids`` (prompt order; only
@@ -69,15 +72,26 @@ class KVSender:
             )
         if any(b < 0 for b in src):
             raise ValueError("src_block_ids: negative block id")
+        same_node = target.node_id == self.node_id
+        peer_gpu = self._peer_gpu_local(target) if same_node else None
         transport = sender_choice(
-            self.config.transport, target.transport, target.node_id == self.node_id, self.device
+            self.config.transport,
+            target.transport,
+            same_node,
+            self.device,
+            peer_gpu_local=peer_gpu,
+            ipc_capable=self._ipc_capable,
         )
         handle = SendHandle(target=target, src_block_ids=src)
         with self._lock:
             key = (target.address, transport)
             peer = self._peers.get(key)
             if peer is None or peer.dead is not None:
-                peer = DecodePeer(self, target.address, send_transport(transport, self.config))
+                peer = DecodePeer(
+                    self,
+                    target.address,
+                    send_transport(transport, self.config, peer_gpu_local=peer_gpu),
+                )
                 self._peers[key] = peer
             if target.request_id in peer.handles:
                 raise ValueError(f"request_id: {target.request_id!r} is already being sent")
@@ -85,6 +99,14 @@ class KVSender:
             peer.handles[target.request_id] = handle
             peer.jobs.put(("open", handle, None))
         return handle
+
+    def _peer_gpu_local(self, target: KVTarget) -> int | None:
+        """This process's index of the target pool's GPU (None: not visible here)."""
+        if self.device != "cuda" or target.gpu is None:
+            return None
+        if self._gpus is None:
+            self._gpus = gpu_ids.visible_gpus()
+        return gpu_ids.local_index(target.gpu, self._gpus)
 
     def send_layer(self, handle: SendHandle, layer_idx: int, kv_cache: torch.Tensor) -> None:
         """Enqueue layer ``layer_idx`` of the request (``kv_cache`` is the whole pool

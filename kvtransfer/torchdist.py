@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 
 import torch.distributed as dist
 
@@ -42,10 +43,30 @@ def pair_group(
         opts._timeout = _td(timeout_s)
         return dist.ProcessGroupGloo(store, rank, 2, opts)
     if backend == "nccl":
+        survive_peer_failures()
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = _td(timeout_s)
         return dist.ProcessGroupNCCL(store, rank, 2, opts)
     raise ValueError(f"backend: expected 'gloo' or 'nccl', got {backend!r}")
+
+
+# torch's NCCL watchdog defaults to tearing the whole process down when a collective fails
+# or times out (TORCH_NCCL_ASYNC_ERROR_HANDLING=3, "SkipCleanUp"), and its heartbeat monitor
+# kills a process whose watchdog hangs on a dead peer. A KV pair's failure must only fail
+# that pair: 2 ("CleanUpOnly") aborts the communicator and raises in the waiting thread,
+# which drops the pair (recreated on next use) and lets decode fall back to local prefill.
+NCCL_SURVIVE_ENV = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+    "TORCH_NCCL_ENABLE_MONITORING": "0",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+}
+
+
+def survive_peer_failures() -> None:
+    """Set the NCCL error policy above (read by torch when a group is built). Set here and
+    not at the edge because it is the transport's contract, not a deployment choice."""
+    for key, value in NCCL_SURVIVE_ENV.items():
+        os.environ[key] = value
 
 
 def backend_for(sender_device: str, receiver_device: str) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from typing import Any
 
 import torch
@@ -37,6 +38,7 @@ class _DirectSend(SendTransport):
         self.pool: torch.Tensor | None = None  # the peer's pool, mapped into this process
         self.mapping: Any = None  # keeps the mapping alive as long as ``pool``
         self.scratch = Scratch()  # worker thread only
+        self.copy_lock = threading.Lock()
 
     def write_layer(
         self,
@@ -46,11 +48,12 @@ class _DirectSend(SendTransport):
         ready: Any | None,
         channel: wire.Channel,
     ) -> bool:
-        pool = self.pool
-        assert pool is not None
         t = handle.target
-        with handle.write_lock:
-            if handle.done():  # cancelled while we waited for the lock
+        # ``copy_lock`` spans every copy into the mapping: ``close`` takes it, so a mapping
+        # is never unmapped under a copy in flight (a sticky CUDA error on GPUs).
+        with handle.write_lock, self.copy_lock:
+            pool = self.pool
+            if handle.done() or pool is None:  # cancelled, or the peer was dropped
                 return False
             if ready is None:
                 blocks.copy_blocks(
@@ -60,11 +63,22 @@ class _DirectSend(SendTransport):
                 stream = self.mapping.copy_stream
                 with torch.cuda.stream(stream):
                     stream.wait_event(ready)
-                    blocks.copy_blocks(src, handle.src_block_ids, pool[layer], handle.dst_block_ids)
+                    _copy_cuda(src, handle, pool[layer])
                 stream.synchronize()
         nbytes = len(handle.src_block_ids) * t.layout.block_bytes()
         channel.send(wire.Layer(request_id=t.request_id, layer=layer, nbytes=nbytes))
         return True
+
+
+def _copy_cuda(src: torch.Tensor, handle: SendHandle, dst: torch.Tensor) -> None:
+    """Blocks of ``src`` into ``dst``, which may sit on another (peer-visible) GPU."""
+    if src.device == dst.device:
+        blocks.copy_blocks(src, handle.src_block_ids, dst, handle.dst_block_ids)
+        return
+    ids = torch.tensor(handle.src_block_ids, dtype=torch.int64, device=src.device)
+    staged = blocks.gather(src, ids).to(dst.device, non_blocking=True)
+    dst_ids = torch.tensor(handle.dst_block_ids, dtype=torch.int64, device=dst.device)
+    blocks.scatter(staged, dst, dst_ids)
 
 
 class ShmSend(_DirectSend):
@@ -79,25 +93,37 @@ class ShmSend(_DirectSend):
 
     def close(self) -> None:
         # An attacher never unlinks the segment; the mapping goes with the last view.
-        self.mapping, self.pool = None, None
+        with self.copy_lock:
+            self.mapping, self.pool = None, None
 
 
 class CudaIpcSend(_DirectSend):
+    """Maps the peer's pool on ``device``: this process's index of the peer's GPU (found
+    by UUID / PCI bus id; it may differ from the index the peer itself uses)."""
+
     name = "cuda_ipc"
+
+    def __init__(self, device: int) -> None:
+        super().__init__()
+        self.device = device
 
     def open(self, reply: wire.HelloOk, peer_host: str) -> None:
         from pdserve.kvtransfer import cuda_ipc  # cupy is imported lazily, only here
 
         assert reply.ipc_handle is not None
         self.mapping = cuda_ipc.open_pool(
-            reply.ipc_handle, reply.pool_shape, getattr(torch, reply.pool_dtype)
+            reply.ipc_handle, reply.pool_shape, getattr(torch, reply.pool_dtype), self.device
         )
         self.pool = self.mapping.tensor
 
     def close(self) -> None:
-        mapping, self.mapping, self.pool = self.mapping, None, None
-        if mapping is not None:
-            mapping.close()
+        # Under the copy lock, and after the copy stream drained: no copy is in flight
+        # (nor will start: ``pool`` is None) when the mapping goes away.
+        with self.copy_lock:
+            mapping, self.mapping, self.pool = self.mapping, None, None
+            if mapping is not None:
+                mapping.copy_stream.synchronize()
+                mapping.close()
 
 
 class _DirectReceive(ReceiveTransport):
@@ -151,13 +177,16 @@ class CudaIpcReceive(_DirectReceive):
 
     def __init__(self, site: LandingSite, export_pool: bool) -> None:
         super().__init__(site)
+        self.export_pool = export_pool
         self.handle: str | None = None
-        if export_pool:
-            from pdserve.kvtransfer import cuda_ipc  # cupy is imported lazily, only here
-
-            self.handle = cuda_ipc.export_handle(site.kv_cache)
+        self._lock = threading.Lock()
 
     def export(self, conn: PeerConn, hello: wire.Hello) -> dict[str, Any]:
-        if self.handle is None:
+        if not self.export_pool:
             raise TransportUnavailableError("this pool is not exported")
+        with self._lock:  # exported once, when the first peer chooses CUDA IPC
+            if self.handle is None:
+                from pdserve.kvtransfer import cuda_ipc  # cupy is imported only here
+
+                self.handle = cuda_ipc.export_handle(self.site.kv_cache)
         return {"ipc_handle": self.handle}

@@ -55,6 +55,11 @@ class KVTarget(_Frozen):
     deadline: float = Field(description="Unix time after which the decode side gives up.")
     token: str = Field(min_length=16, description="Per-target random secret; writes need it.")
     layout: KVLayout = Field(description="Layout of the decode side's pool.")
+    gpu: str | None = Field(
+        default=None,
+        description="UUID (else PCI bus id) of the GPU holding the decode pool; None for a "
+        "CPU pool. CUDA IPC is used only if the sender sees this GPU.",
+    )
 
 
 class TransferResult(_Frozen):

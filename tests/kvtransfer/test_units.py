@@ -75,7 +75,10 @@ def test_transport_choice() -> None:
     assert receiver_offer("torch_dist", "cpu", has_shm_pool=True) == "torch_dist"
     assert sender_choice("auto", "shm", same_node=True, device="cpu") == "shm"
     assert sender_choice("auto", "shm", same_node=False, device="cpu") == "torch_dist"
-    assert sender_choice("auto", "cuda_ipc", same_node=True, device="cuda") == "cuda_ipc"
+    assert (
+        sender_choice("auto", "cuda_ipc", same_node=True, device="cuda", peer_gpu_local=0)
+        == "cuda_ipc"
+    )
     assert sender_choice("torch_dist", "shm", same_node=True, device="cpu") == "torch_dist"
     with pytest.raises(ValueError, match="transport"):
         sender_choice("cuda_ipc", "shm", same_node=True, device="cpu")
@@ -90,8 +93,9 @@ def test_each_transport_is_built_behind_one_interface() -> None:
     from pdserve.kvtransfer.transport import ReceiveTransport, SendTransport
 
     for name in ("shm", "cuda_ipc", "torch_dist"):
-        assert send_transport(name, KVTransferConfig()).name == name
-        assert isinstance(send_transport(name, KVTransferConfig()), SendTransport)
+        built = send_transport(name, KVTransferConfig(), peer_gpu_local=0)
+        assert built.name == name
+        assert isinstance(built, SendTransport)
     with pytest.raises(ValueError, match="transport: unknown 'nvlink'"):
         send_transport("nvlink", KVTransferConfig())
     receiver, _pool, alloc = make_receiver(LAYOUT, "shm", 4)
