@@ -191,10 +191,12 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     model_dir = str(args.model or ensure_test_model(args.size))
+    threads = Threads(args.threads, args.helper_threads, args.helper_min_tokens)
     profile, raw = measure(
         model_dir,
         args.dtype,
         args.repeats,
+        threads,
         args.transfer_gbps * 1e9,
         args.transfer_latency_ms / 1e3,
     )
