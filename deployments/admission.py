@@ -77,6 +77,10 @@ class AdmissionRules:
     batch_on_miss: OnMiss
     interactive_max_wait_s: float  # a request that already waited this long is dropped
     batch_max_wait_s: float  # batch may queue longer
+    # Most requests a replica holds admitted; past it a class that sheds is shed whatever the
+    # prediction, so that Serve's slots above it stay free for answering 429s at once
+    # (0 = no bound).
+    max_admitted: int = 0
 
     def __post_init__(self) -> None:
         if self.ttft_slo_s <= 0:
@@ -99,7 +103,7 @@ class AdmissionRules:
 @dataclass(frozen=True)
 class AdmissionDecision:
     action: Action
-    reason: str  # admitted | queued_past_slo | ttft_slo | deadline
+    reason: str  # admitted | queued_past_slo | ttft_slo | queue_full | deadline
     predicted_ttft_s: float
     retry_after_s: float | None  # set when shed
 
@@ -142,18 +146,24 @@ def retry_after_s(prediction: TTFTPrediction, threshold_s: float) -> float:
 
 
 def decide(
-    prediction: TTFTPrediction, priority: Priority, rules: AdmissionRules
+    prediction: TTFTPrediction, priority: Priority, rules: AdmissionRules, num_admitted: int = 0
 ) -> AdmissionDecision:
-    """Admit, or shed when the client's wait is already spent or the predicted TTFT exceeds
-    the class's threshold and the class sheds on a miss."""
+    """Admit, or shed when the client's wait is already spent, the replica holds
+    ``rules.max_admitted`` requests, or the predicted TTFT exceeds the class's threshold
+    (the last two only for a class that sheds on a miss)."""
     threshold = rules.threshold_s(priority)
     total = prediction.total_s
     if prediction.waited_s > rules.max_wait_s(priority):
         # Dropped before it prefills: its client has (or should have) given up.
         return AdmissionDecision("shed", "deadline", total, retry_after_s(prediction, threshold))
+    sheds = rules.on_miss(priority) == "shed"
+    if sheds and rules.max_admitted and num_admitted >= rules.max_admitted:
+        return AdmissionDecision(
+            "shed", "queue_full", total, retry_after_s(prediction, min(threshold, total))
+        )
     if total <= threshold:
         return AdmissionDecision("admit", "admitted", total, None)
-    if rules.on_miss(priority) == "queue":
+    if not sheds:
         return AdmissionDecision("admit", "queued_past_slo", total, None)
     return AdmissionDecision("shed", "ttft_slo", total, retry_after_s(prediction, threshold))
 

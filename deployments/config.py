@@ -219,7 +219,14 @@ class PoolConfig(_Strict):
     num_cpus: float = Field(
         default=1.0, gt=0, description="CPUs per replica; also the replica's torch threads."
     )
-    num_gpus: float = Field(default=0.0, ge=0, description="GPUs per replica.")
+    num_gpus: float | None = Field(
+        default=None,
+        ge=0,
+        description=(
+            "GPUs per replica; None = 1 when the pool runs on CUDA (model.device 'cuda', or "
+            "'auto' with an accelerator_type), else 0 (see AppConfig.gpus_per_replica)."
+        ),
+    )
     cpu: CpuSettings = Field(
         default_factory=CpuSettings,
         description="CPU engines: niceness, CPU binding, helper threads (ignored on a GPU).",
@@ -228,10 +235,10 @@ class PoolConfig(_Strict):
         default=None,
         ge=1,
         description=(
-            "Serve's per-replica cap on in-flight requests; None = 2 x engine.max_num_seqs: "
-            "a running batch and one waiting (admission control keeps the waiting part "
-            "within the TTFT SLO) and room for a shed request to reach the replica and get "
-            "its 429 without queueing."
+            "Serve's per-replica cap on in-flight requests; None = 4 x engine.max_num_seqs. "
+            "On a decode replica admission control keeps at most half of it admitted (a "
+            "running batch and a waiting one, within the TTFT SLO), so a shed request always "
+            "finds a slot and gets its 429 without queueing."
         ),
     )
     max_queued_requests: int | None = Field(
@@ -276,7 +283,7 @@ class PoolConfig(_Strict):
                 f"initial_replicas ({self.initial_replicas}) must lie in "
                 f"[min_replicas, max_replicas] = [{self.min_replicas}, {self.max_replicas}]"
             )
-        if self.accelerator_type is not None and self.num_gpus <= 0:
+        if self.accelerator_type is not None and self.num_gpus == 0:
             raise ValueError("accelerator_type is set but num_gpus is 0: give the pool GPUs")
         if self.node_labels:
             for key in self.node_labels:
@@ -287,7 +294,7 @@ class PoolConfig(_Strict):
     @property
     def ongoing_limit(self) -> int:
         """``max_ongoing_requests``, or the value derived from the engine limits."""
-        return self.max_ongoing_requests or 2 * self.engine.max_num_seqs
+        return self.max_ongoing_requests or 4 * self.engine.max_num_seqs
 
     @property
     def queued_limit(self) -> int:
@@ -602,10 +609,35 @@ class AppConfig(_Strict):
             raise ValueError("decode.min_replicas must be >= 1: the decode pool serves requests")
         if self.policy.mode != "always_local" and self.prefill.max_replicas < 1:
             raise ValueError("prefill.max_replicas must be >= 1 unless policy.mode=always_local")
+        for role in ("prefill", "decode"):
+            if self.model.device == "cuda" and self.pool(role).num_gpus == 0:
+                raise ValueError(
+                    f"model.device is 'cuda' but {role}.num_gpus is 0: a CUDA replica needs "
+                    "a GPU (leave num_gpus unset for one per replica)"
+                )
         return self
 
     def pool(self, role: PoolRole) -> PoolConfig:
         return self.prefill if role == "prefill" else self.decode
+
+    def gpus_per_replica(self, role: PoolRole) -> float:
+        """What a replica of the pool asks Ray for: ``num_gpus`` when set, else 1 on CUDA
+        (``device: cuda``, or ``auto`` on a GPU node type) and 0 on a CPU."""
+        pool = self.pool(role)
+        if pool.num_gpus is not None:
+            return pool.num_gpus
+        return 1.0 if self.pool_device(role) == "cuda" else 0.0
+
+    def pool_device(self, role: PoolRole) -> Literal["cpu", "cuda", "auto"]:
+        """The device a pool's engines run on: ``model.device``, with 'auto' settled where
+        the pool's resources say (GPUs given, or a GPU node type: cuda; none: cpu)."""
+        device = self.model.device
+        if device != "auto":
+            return device
+        pool = self.pool(role)
+        if pool.num_gpus is None:
+            return "cuda" if pool.accelerator_type is not None else "auto"
+        return "cuda" if pool.num_gpus > 0 else "cpu"
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> AppConfig:

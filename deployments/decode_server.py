@@ -94,7 +94,9 @@ class AdmissionReport(BaseModel):
     samples: list[tuple[float, float]]  # (predicted, actual) TTFT of recent requests
 
 
-def admission_rules(policy: PolicyConfig, slo: SLOConfig) -> admission.AdmissionRules:
+def admission_rules(
+    policy: PolicyConfig, slo: SLOConfig, max_admitted: int = 0
+) -> admission.AdmissionRules:
     slo_s = slo.ttft_ms / 1000.0
     return admission.AdmissionRules(
         ttft_slo_s=slo_s,
@@ -104,6 +106,7 @@ def admission_rules(policy: PolicyConfig, slo: SLOConfig) -> admission.Admission
         batch_on_miss=policy.batch_on_slo_miss,
         interactive_max_wait_s=policy.max_queue_wait_factor * slo_s,
         batch_max_wait_s=policy.batch_max_queue_wait_s,
+        max_admitted=max_admitted,
     )
 
 
@@ -171,7 +174,10 @@ class DecodeServer:
         self._counts = {"local": 0, "remote": 0, "shed": 0}
         self._open_streams = 0
         self._itl = Ema()
-        self._rules = admission_rules(self.cfg.policy, self.cfg.slo)
+        # Half of Serve's slots for admitted requests, the rest free to answer 429s at once.
+        self._rules = admission_rules(
+            self.cfg.policy, self.cfg.slo, max(1, self.cfg.decode.ongoing_limit // 2)
+        )
         self._calibration = admission.Calibration()
         self._pending = admission.PendingPrefills()
         self._output_tokens = Ema()
@@ -266,7 +272,7 @@ class DecodeServer:
             prefill_overhead_s=overhead,
         )
         prediction = admission.predict_ttft(ahead, uncached, self._calibration.value)
-        verdict = admission.decide(prediction, req.slo_class, self._rules)
+        verdict = admission.decide(prediction, req.slo_class, self._rules, self._pending.num_open)
         if verdict.action == "admit":
             self._pending.admitted(req.request_id, decision.location, uncached)
             self._admitted_prompt_tokens.add(uncached)

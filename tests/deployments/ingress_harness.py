@@ -58,8 +58,11 @@ def app_config(model_dir: str, api: dict[str, Any] | None = None) -> dict[str, A
 
 
 @contextmanager
-def running_app(api: dict[str, Any] | None = None) -> Iterator[ServeApp]:
-    """The app, with ``api`` as its ``APIConfig`` (keys, limits; None = defaults)."""
+def running_app(
+    api: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None
+) -> Iterator[ServeApp]:
+    """The app, with ``api`` as its ``APIConfig`` (keys, limits; None = defaults) and
+    ``overrides`` replacing top-level ``AppConfig`` fields (e.g. ``slo``, ``policy``)."""
     import ray
     from ray import serve
 
@@ -89,7 +92,7 @@ def running_app(api: dict[str, Any] | None = None) -> Iterator[ServeApp]:
                 "grpc_servicer_functions": [GRPC_SERVICER, HEALTH_SERVICER],
             },
         )
-        config = AppConfig.from_dict(app_config(model_dir, api))
+        config = AppConfig.from_dict({**app_config(model_dir, api), **(overrides or {})})
         serve.run(build_app(config), name=APP_NAME, route_prefix="/")
         app = ServeApp(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", model_dir, "tiny")
         wait_ready(app.http_url)

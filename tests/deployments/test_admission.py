@@ -125,3 +125,12 @@ def test_bad_inputs_name_the_value() -> None:
         admission.predict_ttft(ahead(prefill_tokens_per_s=0.0), 10)
     with pytest.raises(ValueError, match="ttft_slo_s"):
         dataclasses.replace(RULES, ttft_slo_s=0.0)
+
+
+def test_a_full_replica_sheds_at_once_but_queueing_classes_still_queue() -> None:
+    rules = dataclasses.replace(RULES, max_admitted=16, batch_on_miss="queue")
+    p = admission.predict_ttft(ahead(), 10)  # well within the SLO
+    d = admission.decide(p, "interactive", rules, num_admitted=16)
+    assert (d.action, d.reason) == ("shed", "queue_full") and d.retry_after_s == 1.0
+    assert admission.decide(p, "interactive", rules, num_admitted=15).action == "admit"
+    assert admission.decide(p, "batch", rules, num_admitted=16).action == "admit"

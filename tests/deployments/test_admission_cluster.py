@@ -1,0 +1,89 @@
+"""Admission control on a real Serve app: a flood gets 429s with Retry-After and the OpenAI
+error body at once, while a request admitted before it streams to the end, and nothing is
+left held afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.deployments.ingress_harness import running_app
+
+pytestmark = [pytest.mark.timeout(600), pytest.mark.cluster]
+
+OVERRIDES: dict[str, Any] = {
+    "slo": {"ttft_ms": 500, "tpot_ms": 200},
+    "policy": {"mode": "always_local", "on_slo_miss": "shed", "shed_ttft_factor": 1.5},
+}
+PROMPT = "the quick brown fox jumps over the lazy dog " * 20
+
+
+async def stream(client: httpx.AsyncClient, max_tokens: int, first: asyncio.Event | None) -> dict:
+    body = {
+        "prompt": PROMPT,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    began = time.perf_counter()
+    result: dict[str, Any] = {"tokens": 0, "done": False}
+    async with client.stream("POST", "/v1/completions", json=body) as resp:
+        result["status"] = resp.status_code
+        result["headers_s"] = time.perf_counter() - began
+        result["retry_after"] = resp.headers.get("retry-after")
+        if resp.status_code != 200:
+            result["body"] = json.loads(await resp.aread())
+            return result
+        async for line in resp.aiter_lines():
+            if line == "data: [DONE]":
+                result["done"] = True
+            elif line.startswith("data: "):
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    result["tokens"] = chunk["usage"]["completion_tokens"]
+                if first is not None:
+                    first.set()
+    return result
+
+
+async def flood_while_streaming(url: str) -> tuple[dict, list[dict]]:
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+        first = asyncio.Event()
+        admitted = asyncio.create_task(stream(client, 64, first))
+        await asyncio.wait_for(first.wait(), timeout=120)
+        flood = await asyncio.gather(*(stream(client, 32, None) for _ in range(80)))
+        return await admitted, flood
+
+
+def test_a_flood_is_shed_with_429_while_an_admitted_request_streams() -> None:
+    with running_app(overrides=OVERRIDES) as app:
+        admitted, flood = asyncio.run(flood_while_streaming(app.http_url))
+
+        assert admitted["status"] == 200 and admitted["done"] and admitted["tokens"] == 64
+        statuses = [r["status"] for r in flood]
+        assert all(s in (200, 429) for s in statuses), statuses  # no 5xx, nothing else
+        shed = [r for r in flood if r["status"] == 429]
+        assert len(shed) >= 10, statuses
+        for r in shed:
+            assert int(r["retry_after"]) >= 1
+            assert r["body"]["error"]["type"] == "rate_limit_error"
+            assert "predicted time to first token" in r["body"]["error"]["message"]
+        # A 429 is answered before any work, not after queueing behind the admitted streams
+        # (which take several seconds here); the bound is loose because the front door's
+        # own handling of 80 requests sent at once takes 1-2 s on a shared 2-core machine.
+        # bench/overload.py measures the 100 ms target under Poisson arrivals.
+        assert sorted(r["headers_s"] for r in shed)[len(shed) // 2] < 3.0
+        for r in flood:
+            if r["status"] == 200:
+                assert r["done"] and r["tokens"] == 32  # admitted streams are never cut
+
+        report = app.decode_handle().check_integrity.remote().result(timeout_s=60)
+        assert report.idle, report
+        errors = app.decode_handle().admission_report.remote().result(timeout_s=60)
+        assert errors.num_observed == 1 + sum(s == 200 for s in statuses)
