@@ -86,7 +86,7 @@ def deployment_options(cfg: AppConfig, role: PoolRole) -> dict[str, Any]:
     """``Deployment.options`` for one pool: placement, resources, routing, scaling."""
     pool = cfg.pool(role)
     options: dict[str, Any] = {
-        "ray_actor_options": actor_options(pool, role),
+        "ray_actor_options": actor_options(pool, role, cfg.gpus_per_replica(role)),
         # Bounds from the engine limits: a flood waits in Serve's queue only up to
         # max_queued_requests per caller, then gets back-pressure; admission control on
         # the decode replica sheds the rest with 429 before any work.
@@ -110,8 +110,16 @@ def deployment_options(cfg: AppConfig, role: PoolRole) -> dict[str, Any]:
     return options
 
 
-def actor_options(pool: PoolConfig, role: PoolRole) -> dict[str, Any]:
-    options: dict[str, Any] = {"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus}
+def actor_options(
+    pool: PoolConfig, role: PoolRole, num_gpus: float | None = None
+) -> dict[str, Any]:
+    """A replica's Ray resources; ``num_gpus`` is ``AppConfig.gpus_per_replica`` (the pool's
+    own setting, or 1 on a GPU node type when unset)."""
+    if num_gpus is None:
+        num_gpus = (
+            pool.num_gpus if pool.num_gpus is not None else float(pool.accelerator_type is not None)
+        )
+    options: dict[str, Any] = {"num_cpus": pool.num_cpus, "num_gpus": num_gpus}
     selector = pool.label_selector(role)
     if selector:
         options["label_selector"] = selector

@@ -609,12 +609,6 @@ class AppConfig(_Strict):
             raise ValueError("decode.min_replicas must be >= 1: the decode pool serves requests")
         if self.policy.mode != "always_local" and self.prefill.max_replicas < 1:
             raise ValueError("prefill.max_replicas must be >= 1 unless policy.mode=always_local")
-        for role in ("prefill", "decode"):
-            if self.model.device == "cuda" and self.pool(role).num_gpus == 0:
-                raise ValueError(
-                    f"model.device is 'cuda' but {role}.num_gpus is 0: a CUDA replica needs "
-                    "a GPU (leave num_gpus unset for one per replica)"
-                )
         return self
 
     def pool(self, role: PoolRole) -> PoolConfig:

@@ -66,13 +66,33 @@ def default_engine_factory(config: EngineConfig, hooks: EngineHooks) -> Any:
     return AsyncLLMEngine(llm)
 
 
+def require_device(cfg: AppConfig, role: PoolRole, cuda_available: bool | None = None) -> str:
+    """The engine device of this replica; a pool that asks for CUDA and was given no GPU
+    fails its start here, with the reason, instead of running on the CPU."""
+    device = cfg.pool_device(role)
+    if device != "cuda":
+        return device
+    if cuda_available is None:
+        import torch
+
+        cuda_available = torch.cuda.is_available()
+    if not cuda_available:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise RuntimeError(
+            f"{role} replica: the pool runs on CUDA ({cfg.gpus_per_replica(role):g} GPU per "
+            f"replica) but this process sees no GPU (CUDA_VISIBLE_DEVICES={visible!r}); "
+            "check the node's GPUs and the pool's num_gpus, or set model.device: cpu"
+        )
+    return device
+
+
 def engine_config(cfg: AppConfig, role: PoolRole, model_dir: str) -> EngineConfig:
-    """The ``EngineConfig`` of one pool's replicas."""
+    """The ``EngineConfig`` of one pool's replicas (checks the replica got its GPU)."""
     limits = cfg.pool(role).engine
     return EngineConfig(
         model=model_dir,
         dtype=cfg.model.dtype,
-        device=cfg.model.device,
+        device=require_device(cfg, role),  # type: ignore[arg-type]
         seed=cfg.model.seed,
         block_size=limits.block_size,
         num_kv_blocks=limits.num_kv_blocks,

@@ -75,7 +75,7 @@ def test_unknown_field_is_rejected_with_its_path(tmp_path: Path) -> None:
         ({"prefill": {"min_replicas": 3, "max_replicas": 2}}, "min_replicas (3)"),
         ({"decode": {"initial_replicas": 5, "max_replicas": 2}}, "initial_replicas (5)"),
         ({"decode": {"min_replicas": 0}}, "decode.min_replicas"),
-        ({"prefill": {"accelerator_type": "L4"}}, "num_gpus"),
+        ({"prefill": {"accelerator_type": "L4", "num_gpus": 0}}, "num_gpus"),
         ({"prefill": {"node_labels": {"ray.io/node-id": "x"}}}, "reserved"),
         ({"slo": {"ttft_ms": 0}}, "slo.ttft_ms"),
         ({"transport": {"kind": "carrier-pigeon"}}, "transport.kind"),
@@ -116,3 +116,38 @@ def test_generated_test_model_is_served_under_a_stable_name() -> None:
     assert cfg.model.served_name("/cache/pdserve-small-56b7b1d61e02") == "pdserve-small"
     named = AppConfig.from_dict({"model": {"test_model": "tiny", "name": "my-model"}})
     assert named.model.served_name("/cache/pdserve-tiny-0") == "my-model"
+
+
+def test_a_gpu_pool_asks_for_one_gpu_per_replica_unless_configured() -> None:
+    from pdserve.deployments.app import actor_options
+
+    cuda = AppConfig.from_dict({"model": {"device": "cuda"}})
+    assert cuda.gpus_per_replica("prefill") == cuda.gpus_per_replica("decode") == 1.0
+    assert cuda.pool_device("decode") == "cuda"
+    # 'auto' on a GPU node type means CUDA too; on an unlabelled CPU pool it asks for none.
+    auto = AppConfig.from_dict({"prefill": {"accelerator_type": "H200"}})
+    assert auto.gpus_per_replica("prefill") == 1.0 and auto.pool_device("prefill") == "cuda"
+    assert auto.gpus_per_replica("decode") == 0.0 and auto.pool_device("decode") == "auto"
+    assert (
+        actor_options(auto.prefill, "prefill", auto.gpus_per_replica("prefill"))["num_gpus"] == 1.0
+    )
+    # An explicit count wins (two GPUs per replica, or a CPU pool on a GPU machine).
+    two = AppConfig.from_dict({"model": {"device": "cuda"}, "decode": {"num_gpus": 2}})
+    assert two.gpus_per_replica("decode") == 2.0
+    cpu = AppConfig.from_dict({"model": {"device": "auto"}, "decode": {"num_gpus": 0}})
+    assert cpu.pool_device("decode") == "cpu"
+
+
+def test_a_cuda_pool_without_a_gpu_fails_its_start_with_the_reason() -> None:
+    from pdserve.deployments.engine_factory import require_device
+
+    cfg = AppConfig.from_dict({"model": {"device": "cuda"}})
+    with pytest.raises(RuntimeError, match="decode replica: the pool runs on CUDA .* sees no GPU"):
+        require_device(cfg, "decode", cuda_available=False)
+    assert require_device(cfg, "decode", cuda_available=True) == "cuda"
+    # A CUDA model on a pool given no GPU (num_gpus: 0) fails the same way at its start.
+    zero = AppConfig.from_dict({"model": {"device": "cuda"}, "decode": {"num_gpus": 0}})
+    with pytest.raises(RuntimeError, match="0 GPU per replica"):
+        require_device(zero, "decode", cuda_available=False)
+    cpu = AppConfig.from_dict({"model": {"device": "cpu"}})
+    assert require_device(cpu, "prefill", cuda_available=False) == "cpu"
