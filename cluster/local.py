@@ -57,6 +57,8 @@ def _node_env(token_path: Path, node: NodeSpec) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("RAY_AUTH_TOKEN", None)  # would take precedence over the cluster's token file
     env.pop(ENGINE_CPUS_ENV, None)  # only this node's reservation counts
+    if node.gpu_ids is not None:  # the node's share of the machine's GPUs
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(node.gpu_ids)
     if node.engine_cpus:
         env[ENGINE_CPUS_ENV] = format_cpu_list(node.engine_cpus)
     env.update(

@@ -25,6 +25,8 @@ This module only describes; ``pdserve.cluster.local`` starts processes.
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -47,6 +49,13 @@ class NodeSpec(BaseModel):
     role: NodeRole = Field(description="head, or the pool whose replicas the node hosts.")
     num_cpus: int = Field(ge=0, description="Logical CPUs the node offers to Ray.")
     num_gpus: int = Field(default=0, ge=0, description="GPUs the node offers to Ray.")
+    gpu_ids: tuple[str, ...] | None = Field(
+        default=None,
+        description=(
+            "The machine's GPUs (CUDA_VISIBLE_DEVICES entries) this node's raylet sees; "
+            "None = whatever the machine shows it."
+        ),
+    )
     object_store_mib: int = Field(
         ge=MIN_OBJECT_STORE_MIB, description="Cap of the node's object store in /dev/shm (MiB)."
     )
@@ -118,6 +127,14 @@ class ClusterSpec(BaseModel):
         default=None,
         description="CPUs the cluster may use; None = this process's CPU affinity.",
     )
+    machine_gpus: tuple[str, ...] = Field(
+        default=(),
+        description=(
+            "The machine's GPUs (indices or UUIDs, as CUDA_VISIBLE_DEVICES names them) the "
+            "pool nodes split between them: prefill takes the first prefill_gpus, decode the "
+            "next decode_gpus. () = no split (each node sees every GPU)."
+        ),
+    )
 
     @model_validator(mode="after")
     def _check_node_ip(self) -> ClusterSpec:
@@ -128,9 +145,21 @@ class ClusterSpec(BaseModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _check_gpus(self) -> ClusterSpec:
+        wanted = self.prefill_gpus + self.decode_gpus
+        if self.machine_gpus and wanted > len(self.machine_gpus):
+            raise ValueError(
+                f"prefill_gpus + decode_gpus = {wanted} but the machine shows "
+                f"{len(self.machine_gpus)} GPU(s): {', '.join(self.machine_gpus)}"
+            )
+        return self
+
     @classmethod
-    def for_this_machine(cls, **overrides: object) -> ClusterSpec:
-        """Split the machine's cores between the two pool nodes (at least one each)."""
+    def for_this_machine(cls, *, gpus: list[str] | None = None, **overrides: object) -> ClusterSpec:
+        """Split the machine's cores between the two pool nodes (at least one each), and
+        its GPUs (``gpus``; None = detected) when the GPU counts are not given: half each
+        (prefill gets the smaller half); one GPU is shared by both nodes."""
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
         cores = cores or os.cpu_count() or 2
         prefill = max(1, cores // 2)
@@ -138,8 +167,24 @@ class ClusterSpec(BaseModel):
             "prefill_cpus": prefill,
             "decode_cpus": max(1, cores - prefill),
         }
-        defaults.update({k: v for k, v in overrides.items() if v is not None})
+        gpus = visible_gpu_ids() if gpus is None else gpus
+        explicit = {k: v for k, v in overrides.items() if v is not None}
+        if len(gpus) == 1 and not {"prefill_gpus", "decode_gpus"} & set(explicit):
+            # One GPU: both nodes offer it; each node's replica gets device 0.
+            defaults.update(prefill_gpus=1, decode_gpus=1)
+        elif len(gpus) > 1:
+            n_prefill = explicit.get("prefill_gpus", len(gpus) // 2)
+            n_decode = explicit.get("decode_gpus", len(gpus) - int(n_prefill))  # type: ignore[arg-type]
+            defaults.update(prefill_gpus=n_prefill, decode_gpus=n_decode, machine_gpus=tuple(gpus))
+        defaults.update(explicit)
         return cls.model_validate(defaults)
+
+    def gpu_split(self) -> tuple[tuple[str, ...] | None, tuple[str, ...] | None]:
+        """The GPUs each pool node's raylet sees (prefill, decode); None = no restriction."""
+        if not self.machine_gpus:
+            return None, None
+        n = self.prefill_gpus
+        return self.machine_gpus[:n], self.machine_gpus[n : n + self.decode_gpus]
 
     def cpu_plan(self) -> CpuPlan | None:
         """Which CPUs the engines get and which the rest shares; None = no pinning.
@@ -170,6 +215,7 @@ class ClusterSpec(BaseModel):
         store = self.object_store_mib
         plan = self.cpu_plan()
         shared = plan.shared_cpus if plan else ()
+        prefill_gpu_ids, decode_gpu_ids = self.gpu_split()
         return [
             NodeSpec(
                 name="head",
@@ -184,6 +230,7 @@ class ClusterSpec(BaseModel):
                 role="prefill",
                 num_cpus=self.prefill_cpus,
                 num_gpus=self.prefill_gpus,
+                gpu_ids=prefill_gpu_ids,
                 object_store_mib=store,
                 labels={POOL_LABEL_KEY: "prefill"},
                 cpus=shared,
@@ -194,12 +241,29 @@ class ClusterSpec(BaseModel):
                 role="decode",
                 num_cpus=self.decode_cpus,
                 num_gpus=self.decode_gpus,
+                gpu_ids=decode_gpu_ids,
                 object_store_mib=store,
                 labels={POOL_LABEL_KEY: "decode"},
                 cpus=shared,
                 engine_cpus=plan.decode_engine_cpus if plan else (),
             ),
         ]
+
+
+def visible_gpu_ids(environ: dict[str, str] | None = None) -> list[str]:
+    """The machine's GPUs as CUDA_VISIBLE_DEVICES names them: that variable's entries when
+    set, else the indices ``nvidia-smi -L`` lists (no CUDA context is created here)."""
+    env = os.environ if environ is None else environ
+    if "CUDA_VISIBLE_DEVICES" in env:
+        return [g.strip() for g in env["CUDA_VISIBLE_DEVICES"].split(",") if g.strip()]
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return []
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
 
 
 def format_labels(labels: dict[str, str]) -> str:
