@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from pdserve.engine import memory_profile
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.grammar import GrammarBackend
 from pdserve.engine.kv_connector import KVConnector
@@ -155,18 +156,17 @@ class ModelRunner:
         """How many KV blocks to allocate when ``num_kv_blocks`` is not configured.
 
         Never more than the running batch can use (max_num_seqs full-length requests);
-        limited by a share of free host memory on CPU, or by free GPU memory after the
-        weights and an activation allowance on CUDA.
+        limited by a share of free host memory on CPU, or on CUDA by free GPU memory after
+        the weights and the activations of the largest step, measured by a profiling
+        forward pass at the configured batch (``memory_profile``).
         """
         per_seq = math.ceil(self.max_model_len / self.config.block_size)
         useful = per_seq * self.config.max_num_seqs
         if self.device.type == "cuda":
+            act = memory_profile.cuda_step_peak_bytes(self)
             free, total = torch.cuda.mem_get_info(self.device)
-            c = self.model_config
-            # Activations of the largest step (fp32 MLP intermediates dominate) plus logits.
-            act = self.config.max_num_batched_tokens * (4 * c.intermediate_size + 8 * c.hidden_size)
-            act = act * 4 + self.config.max_num_seqs * c.vocab_size * 8
             budget = free - (1 - _GPU_MEMORY_UTILIZATION) * total - act
+            logger.info("KV pool: step peak %.1f MiB, %.1f MiB free", act / 2**20, free / 2**20)
         else:
             budget = min(_available_memory_bytes() * _CPU_KV_MEMORY_FRACTION, _CPU_KV_MEMORY_CAP)
         affordable = int(budget // self.block_bytes)
