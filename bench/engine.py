@@ -115,11 +115,19 @@ def _summarize(
     )
 
 
+def now() -> float:
+    """A timestamp taken after the GPU finished what was queued: CUDA kernels run
+    asynchronously, so an unsynchronised clock would time their launch, not their work."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
 def run_engine(
     engine: LLMEngine, jobs: list[Job], concurrency: int, workload: str = "fixed"
 ) -> tuple[Result, list[list[int]]]:
     """Closed loop: at most ``concurrency`` requests in flight, the next admitted on finish."""
-    start = time.perf_counter()
+    start = now()
     ids = [f"bench-{start}-{i}" for i in range(len(jobs))]
     first: dict[str, float] = {}
     done: dict[str, float] = {}
@@ -135,11 +143,11 @@ def run_engine(
         if len(done) == len(jobs):
             break
         for out in engine.step():
-            now = time.perf_counter()
+            t = now()
             if out.new_token_ids:
-                first.setdefault(out.request_id, now)
+                first.setdefault(out.request_id, t)
             if out.finished:
-                done[out.request_id] = now
+                done[out.request_id] = t
                 tokens[out.request_id] = out.token_ids
     else:
         raise RuntimeError("engine did not finish the benchmark requests")
@@ -166,14 +174,14 @@ def run_transformers(
             self.times: list[float] = []
 
         def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-            self.times.append(time.perf_counter())
+            self.times.append(now())
             return scores
 
     pad = 0
     tokens: list[list[int]] = []
     ttft: list[float] = []
     decode: list[float] = []
-    start = time.perf_counter()
+    start = now()
     for b in range(0, len(jobs), concurrency):
         batch = jobs[b : b + concurrency]
         width = max(len(j.prompt) for j in batch)
@@ -197,7 +205,7 @@ def run_transformers(
             # A row's last own token is ready at step max_tokens - 1's logits.
             last = clock.times[min(job.max_tokens, len(clock.times)) - 1]
             decode.append((last - clock.times[0]) / max(job.max_tokens - 1, 1))
-    wall = time.perf_counter() - start
+    wall = now() - start
     result = _summarize(workload, "transformers", concurrency, jobs, wall, ttft, decode)
     return result, tokens
 

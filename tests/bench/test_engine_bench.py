@@ -11,3 +11,21 @@ def test_agreement_counts_tokens_before_the_first_difference() -> None:
     assert _agreement([[1, 2, 9, 9], [5, 6]], [[1, 2, 3, 4], [7, 6]]) == 2 / 6
     assert _agreement([[1, 2]], [[1, 2, 3]]) == 2 / 3  # one stopped early
     assert _agreement([], []) == 1.0
+
+
+def test_timestamps_wait_for_the_gpu(monkeypatch) -> None:
+    """Every timestamp of the engine benchmark synchronises CUDA first (when it is in use)."""
+    import torch
+
+    from pdserve.bench import engine as bench
+
+    calls: list[str] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append("sync"))
+    bench.now()
+    assert calls == ["sync"]
+    import inspect
+
+    source = inspect.getsource(bench)
+    assert source.count("time.perf_counter()") == 1  # only inside now()
