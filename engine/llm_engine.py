@@ -82,6 +82,9 @@ class LLMEngine:
         num_blocks = config.num_kv_blocks or model_runner.profile_num_blocks()
         self.max_model_len = self._resolve_max_model_len(num_blocks)
         self.kv_cache = model_runner.allocate_kv_cache(num_blocks)
+        warm_up = getattr(model_runner, "warm_up", None)  # optional: fakes have none
+        if warm_up is not None:  # GPU: compile every kernel variant before serving
+            warm_up()
         if kv_connector is not None:
             kv_connector.register_kv_caches(self.kv_cache, self.model_config.model_name)
         self.kv_cache_manager = KVCacheManager(

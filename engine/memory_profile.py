@@ -52,12 +52,16 @@ def profile_batch(
 
 
 @torch.inference_mode()
-def run_profile_step(runner: ModelRunner) -> int:
-    """Run the largest step once on a throwaway pool (restored afterwards); returns its
-    blocks. The caller measures memory around it."""
+def run_profile_step(runner: ModelRunner, num_tokens: int | None = None) -> int:
+    """Run the largest step (or one of ``num_tokens`` tokens over up to max_num_seqs
+    requests: ``max_num_seqs`` tokens is a full decode batch) once on a throwaway pool
+    (restored afterwards); returns its blocks. The caller measures memory around it."""
     cfg = runner.config
     step, num_blocks = profile_batch(
-        cfg.max_num_batched_tokens, cfg.max_num_seqs, runner.max_model_len, cfg.block_size
+        num_tokens or cfg.max_num_batched_tokens,
+        cfg.max_num_seqs,
+        runner.max_model_len,
+        cfg.block_size,
     )
     saved, connector = runner.kv_cache, runner.kv_connector
     runner.kv_connector = None  # the profile step sends nothing

@@ -31,6 +31,7 @@ from pdserve.engine.models import build_model
 from pdserve.engine.models.llama import AttentionMetadata
 from pdserve.engine.sampler import SampledToken, Sampler, SamplingRow
 from pdserve.engine.scheduler_output import SchedulerOutput
+from pdserve.kernels import ops
 from pdserve.kernels.ops import DeviceRuntime, RuntimeSettings, make_runtime, pack_linears
 
 logger = logging.getLogger(__name__)
@@ -185,6 +186,23 @@ class ModelRunner:
             raise ValueError(f"kv_cache_allocator returned {tuple(cache.shape)}, expected {shape}")
         self.kv_cache = cache
         return cache
+
+    def warm_up(self) -> int:
+        """On a GPU, before the replica reports ready: compile every kernel variant a
+        step may need (each decode-attention split bucket, a full prefill step, a full
+        decode batch) so nothing is JIT-compiled while serving. Returns the calls made
+        (0 on a CPU, where nothing is compiled)."""
+        if self.device.type != "cuda":
+            return 0
+        c = self.model_config
+        calls = ops.warm_up_attention(
+            c.num_heads, c.num_kv_heads, c.head_dim, self.config.block_size, c.dtype, self.device
+        )
+        memory_profile.run_profile_step(self)  # prefill / mixed path
+        memory_profile.run_profile_step(self, self.config.max_num_seqs)  # a decode batch
+        memory_profile.run_profile_step(self, 1)  # a single decode
+        torch.cuda.synchronize(self.device)
+        return calls + 3
 
     # ---- one step -------------------------------------------------------------------------
 

@@ -150,6 +150,21 @@ def paged_decode_attention(
     return cpu.paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
 
+def warm_up_attention(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> int:
+    """Compile every decode-attention variant the engine may pick (CUDA; 0 elsewhere)."""
+    mod = _triton("decode", torch.empty(0, device=device))
+    if mod is None:
+        return 0
+    return mod.warm_up(num_heads, num_kv_heads, head_dim, block_size, dtype, device)
+
+
 def rms_norm(
     x: torch.Tensor,  # [T, H]
     weight: torch.Tensor,  # [H]

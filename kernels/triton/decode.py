@@ -15,12 +15,14 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["paged_decode_attention_triton"]
+__all__ = ["SPLIT_BUCKETS", "bucket_splits", "paged_decode_attention_triton", "warm_up"]
 
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# The block table's width changes every few steps: never a specialisation key (Triton would
+# otherwise compile a variant for width 1 and for widths divisible by 16 while serving).
+@triton.jit(do_not_specialize=["stride_bts"])
 def _decode_split_kernel(
     q_ptr,  # [S, Hq, D]
     k_cache_ptr,  # [N, B, Hkv, D]
@@ -163,8 +165,20 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+# SPLITS is a compile-time constant: the heuristic picks from these buckets only, so a
+# serving replica compiles (and warms up, ``warm_up``) a handful of variants, never one per
+# batch size / context length.
+SPLIT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def bucket_splits(wanted: int) -> int:
+    """The smallest bucket >= ``wanted`` (the largest bucket past it)."""
+    return next((b for b in SPLIT_BUCKETS if b >= wanted), SPLIT_BUCKETS[-1])
+
+
 def _choose_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device):
-    """(splits, partition_size): enough programs to fill the GPU, >= 256 tokens per split."""
+    """(splits, block_n): enough programs to fill the GPU, >= 256 tokens per split,
+    rounded up to a bucket (``SPLIT_BUCKETS``)."""
     block_n = 64
     if device.type == "cuda":
         sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
@@ -172,8 +186,8 @@ def _choose_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: t
         sms = 4
     base = num_seqs * num_kv_heads
     wanted = max(1, triton.cdiv(2 * sms, base))
-    splits = max(1, min(wanted, triton.cdiv(max_context, 256), 64))
-    return splits, block_n
+    splits = max(1, min(wanted, triton.cdiv(max_context, 256), SPLIT_BUCKETS[-1]))
+    return bucket_splits(splits), block_n
 
 
 def paged_decode_attention_triton(
@@ -201,10 +215,12 @@ def paged_decode_attention_triton(
     group = num_heads // num_kv_heads
     max_context = block_tables.shape[1] * block_size
     splits, block_n = _choose_splits(num_seqs, num_kv_heads, max_context, q.device)
-    if num_splits is not None:
-        splits = num_splits
     partition = triton.cdiv(triton.cdiv(max_context, splits), block_n) * block_n
-    splits = max(1, triton.cdiv(max_context, partition))
+    if num_splits is not None:  # an explicit count (tests): only as many as cover the context
+        partition = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
+        splits = max(1, triton.cdiv(max_context, partition))
+    # Else the bucket stands even where fewer splits would cover the context: trailing
+    # splits are empty (the merge gives them no weight), and the constant stays a bucket.
     block_d = triton.next_power_of_2(head_dim)
     if splits == 1:
         partial, lse = out, out  # lse unused
@@ -263,3 +279,23 @@ def paged_decode_attention_triton(
             BLOCK_D=block_d,
         )
     return out
+
+
+def warm_up(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> int:
+    """Compile every variant the heuristic can pick for this model (one per split bucket)
+    before serving; returns how many calls were made."""
+    ctx_blocks = triton.cdiv(256 * SPLIT_BUCKETS[-1], block_size)
+    k = torch.zeros(ctx_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    q = torch.zeros(1, num_heads, head_dim, dtype=dtype, device=device)
+    table = torch.arange(ctx_blocks, dtype=torch.int32, device=device)[None, :]
+    lens = torch.full((1,), ctx_blocks * block_size, dtype=torch.int32, device=device)
+    for splits in SPLIT_BUCKETS:
+        paged_decode_attention_triton(q, k, k, table, lens, 1.0, num_splits=splits)
+    return len(SPLIT_BUCKETS)

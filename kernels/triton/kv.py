@@ -96,7 +96,7 @@ def write_kv_triton(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_ids"])
 def _copy_blocks_kernel(
     src_ptr,  # gather: [P, N, E] cache; scatter: [P, n, E] buffer
     dst_ptr,  # gather: [P, n, E] buffer; scatter: [P, N, E] cache

@@ -89,7 +89,7 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-@triton.jit(do_not_specialize=["num_seqs"])
+@triton.jit(do_not_specialize=["num_seqs", "stride_bts"])
 def _prefill_kernel(
     q_ptr,  # [T, Hq, D]
     k_cache_ptr,  # [N, B, Hkv, D]
