@@ -30,10 +30,15 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Protocol
 
-from pdserve.deployments import autoscaling as live_autoscaling
 from pdserve.deployments.app import autoscaling_config
 from pdserve.deployments.config import AppConfig, PoolRole
-from pdserve.deployments.load import Ema, RateMeter, replica_stats
+from pdserve.deployments.load import (
+    Ema,
+    RateMeter,
+    decode_autoscaling_stats,
+    prefill_autoscaling_stats,
+    replica_stats,
+)
 from pdserve.deployments.messages import ReplicaStats
 from pdserve.deployments.policy import (
     Decision,
@@ -210,6 +215,7 @@ class SimCluster:
                 macro_steps=self.s.macro_steps,
             )
             replica.estimate = RemotePrefillEstimator(self.app.router.default_prefill_tokens_per_s)
+            replica.arrivals = RateMeter(clock=lambda: self.loop.now)  # admitted prompt tokens
         self.pools[role].append(replica)
         self.loop.after(ready_in, self._ready, replica)
         return replica
@@ -256,7 +262,10 @@ class SimCluster:
             replica.engine.stats(),
             max_num_seqs=self.shapes[replica.role].max_num_seqs,
             kv_bytes_per_token=cost.kv_bytes_per_token,
-            prompt_tokens_per_s=replica.arrivals.rate() if replica.arrivals else 0.0,
+            # Decode replicas report 0 here (their admitted rate goes to the autoscaler).
+            prompt_tokens_per_s=(
+                replica.arrivals.rate() if replica.arrivals and replica.role == "prefill" else 0.0
+            ),
         )
 
     def _publish_all(self) -> None:
@@ -349,6 +358,8 @@ class SimCluster:
         ):
             self._shed(replica, req)
             return
+        assert replica.arrivals is not None
+        replica.arrivals.add(req.prompt_tokens)
         seq = Seq(req)
         if decision.location == "remote" and replica.engine.reserve_remote(seq):
             self._prefill_remotely(replica, seq, prefill_pool)
@@ -457,22 +468,22 @@ class SimCluster:
             self._drain_backlog()
 
     # ------------------------------------------------------------------ autoscaling (live)
-    def _metrics(self, role: str, names: tuple[str, ...]) -> dict[str, dict[str, float]]:
-        out: dict[str, dict[str, float]] = {name: {} for name in names}
+    def _metrics(self, role: str) -> dict[str, dict[str, float]]:
+        """Serve's ``aggregated_metrics``: each ready replica's ``record_autoscaling_stats``
+        (the live ``load.*_autoscaling_stats``), by metric name then replica."""
+        out: dict[str, dict[str, float]] = {}
         for r in self.pools[role]:
             if not r.ready:
                 continue
-            st = r.engine.stats()
-            values = {
-                live_autoscaling.PROMPT_TOKENS_PER_S: r.arrivals.rate() if r.arrivals else 0.0,
-                live_autoscaling.PREFILL_TOKENS_PER_S: st.prefill_tokens_per_s,
-                live_autoscaling.QUEUED_PREFILL_TOKENS: float(st.queued_prefill_tokens),
-                live_autoscaling.KV_USAGE: st.kv_usage,
-                live_autoscaling.TPOT_S: r.itl.value,
-                live_autoscaling.NUM_WAITING: float(st.num_waiting),
-            }
-            for name in names:
-                out[name][r.replica_id] = values[name]
+            rate = r.arrivals.rate() if r.arrivals else 0.0
+            stats = r.engine.stats()
+            report = (
+                prefill_autoscaling_stats(stats, rate)
+                if role == "prefill"
+                else decode_autoscaling_stats(stats, r.itl.value, rate)
+            )
+            for name, value in report.items():
+                out.setdefault(name, {})[r.replica_id] = value
         return out
 
     def _autoscale(self) -> None:
@@ -482,13 +493,8 @@ class SimCluster:
                 continue
             pool = self.app.pool(role)  # type: ignore[arg-type]
             live = [r for r in self.pools[role] if not r.draining]
-            names = (
-                live_autoscaling.PREFILL_METRICS
-                if role == "prefill"
-                else live_autoscaling.DECODE_METRICS
-            )
             ctx = SimpleNamespace(
-                aggregated_metrics=self._metrics(role, names),
+                aggregated_metrics=self._metrics(role),
                 current_num_replicas=sum(r.ready for r in live),
                 target_num_replicas=len(live),
                 policy_state={},
