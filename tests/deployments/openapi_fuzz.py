@@ -112,6 +112,7 @@ def _run(
         derandomize=False,
         phases=[Phase.generate],
         suppress_health_check=list(HealthCheck),
+        print_blob=False,  # no "reproduce with @seed" lines around the JSON summary
     )
     @given(case=op.as_strategy(generation_mode=mode))
     def send(case: Any) -> None:
