@@ -1,0 +1,432 @@
+"""The four steps of ``pdserve.bench.gpu_verify`` (each returns report rows; CUDA only).
+
+Imports nothing heavier than torch at module level: the driver's ``--dry-run`` imports this
+module and, from ``DEVICE_MODULES``, everything the steps import on the device.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import random
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# H200 datasheet ceilings (the issue's yardsticks; the kernel check also measures its own).
+H200_COPY_GBS = 4300.0
+H200_BF16_TFLOPS = 790.0
+VARIANTS = ("llama3-gqa", "qwen2", "mqa")  # the three test configs of tests/engine
+NUM_NEW = 8
+# (arrival step, prompt length): mixed lengths, some arriving mid-prefill or mid-decode.
+ARRIVALS = [(0, 600), (0, 1), (0, 45), (1, 130), (2, 17), (4, 301), (7, 2), (9, 64)]
+# A pool of 48 blocks of 16: medium prompts first, then a long one that needs their blocks.
+PREEMPT_ARRIVALS = [(0, 130), (0, 200), (0, 45), (1, 600), (2, 17), (3, 1), (5, 64), (6, 2)]
+# bf16 engine logits vs transformers fp32: max |diff| / max |ref logit|, per prompt.
+BF16_REL_TOL = 0.05
+THROUGHPUT_BATCHES = (1, 8, 32, 128)
+THROUGHPUT_MODEL = "small"  # a test-model size (engine.testmodel.SIZES)
+# Where the steps run: "cuda" on the device; the CPU smoke test points steps 2-3 at "cpu".
+DEVICE = "cuda"
+
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        _sync()
+
+
+@dataclass
+class Row:
+    """One line of the report: ``ok`` None = skipped (``note`` says why)."""
+
+    step: str
+    check: str
+    ok: bool | None
+    value: float | None = None
+    unit: str = ""
+    limit: float | None = None
+    note: str = ""
+
+
+# ---- 1. kernels --------------------------------------------------------------------------
+
+
+def kernels(quick: bool) -> list[Row]:
+    """Every Triton kernel vs its torch reference and timed (``kernels.triton.gpu_check``),
+    speeds also as a fraction of the H200's datasheet ceilings."""
+    from pdserve.kernels.triton import gpu_check as g
+
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    ceil, rows = g._measure_ceilings(dev, quick)
+    rows += g._check_attention(dev)
+    rows.append(g._bench_decode(dev, quick, ceil))
+    torch.cuda.empty_cache()
+    rows += g._bench_prefill(dev, quick, ceil)
+    torch.cuda.empty_cache()
+    rows += g._bench_blocks(dev, quick, ceil)
+    rows += g._bench_elementwise(dev, ceil)
+    out = []
+    for r in rows:
+        nominal = None
+        if r.value is not None and r.metric == "GB/s":
+            nominal = r.value / H200_COPY_GBS
+        elif r.value is not None and r.metric == "TFLOP/s":
+            nominal = r.value / H200_BF16_TFLOPS
+        note = f"{r.shape}; {r.ms:.3f} ms" if r.ms is not None else r.shape
+        if nominal is not None:
+            note += f"; {r.value:.0f} {r.metric} = {nominal:.0%} of H200 datasheet"
+            if r.fraction is not None:
+                note += f", {r.fraction:.0%} of this run's ceiling"
+        out.append(
+            Row("kernels", r.name, r.ok, r.error, "max err", r.tolerance, note)
+            if r.error is not None
+            else Row(
+                "kernels", r.name, None if nominal is None else True, nominal, "of H200", None, note
+            )  # fmt: skip
+        )
+    return out
+
+
+# ---- 2. the engine on CUDA vs transformers -------------------------------------------------
+
+
+def _prompt(length: int, seed: int, vocab: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (length,), generator=g).tolist()
+
+
+def _run_arrivals(engine: Any, arrivals: list[tuple[int, str, list[int]]]) -> dict[str, list]:
+    from pdserve.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+    final: dict[str, list[int]] = {}
+    step = 0
+    pending = sorted(arrivals)
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][0] <= step:
+            _, rid, prompt = pending.pop(0)
+            engine.add_request(rid, prompt, params)
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = list(out.token_ids)
+        step += 1
+        if step > 10_000:
+            raise RuntimeError("engine did not finish")
+    return final
+
+
+def _hf_greedy(hf: Any, prompt: list[int], dev: torch.device) -> list[int]:
+    from transformers import GenerationConfig
+
+    ids = torch.tensor([prompt], device=dev)
+    gc = GenerationConfig(max_new_tokens=NUM_NEW, do_sample=False, eos_token_id=None)
+    with torch.no_grad():
+        out = hf.generate(ids, generation_config=gc, attention_mask=torch.ones_like(ids))
+    return out[0, len(prompt) :].tolist()
+
+
+def engine_vs_transformers(model_root: Path) -> list[Row]:
+    """Greedy tokens of the engine (fp32, CUDA) equal transformers' on the three test
+    configs: mixed lengths with chunked prefill, then a pool small enough to preempt. bf16
+    logits within ``BF16_REL_TOL`` of the fp32 reference."""
+    from transformers import AutoModelForCausalLM
+
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
+    from pdserve.engine.testmodel import ensure_test_model
+
+    dev = torch.device(DEVICE)
+    rows: list[Row] = []
+    for variant in VARIANTS:
+        model_dir = ensure_test_model(variant, model_root)
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(dev).eval()
+        vocab = hf.config.vocab_size
+        for label, schedule, overrides in (
+            ("chunked prefill (64-token steps)", ARRIVALS, {"max_num_batched_tokens": 64}),
+            (
+                "preemption (48-block pool)",
+                PREEMPT_ARRIVALS,
+                {"num_kv_blocks": 48, "max_model_len": 640, "max_num_batched_tokens": 128},
+            ),
+        ):
+            arrivals = [
+                (t, f"r{i}", _prompt(n, 100 + i, vocab)) for i, (t, n) in enumerate(schedule)
+            ]
+            expected = {rid: _hf_greedy(hf, p, dev) for _, rid, p in arrivals}
+            engine = LLMEngine.from_pretrained(
+                model_dir, dtype="float32", device=DEVICE, block_size=16, **overrides
+            )
+            got = _run_arrivals(engine, arrivals)
+            same = sum(got[rid] == expected[rid] for rid in expected)
+            preempted = engine.stats().num_preemptions
+            ok = same == len(expected) and ("preemption" not in label or preempted > 0)
+            rows.append(
+                Row(
+                    "engine",
+                    f"{variant} fp32 greedy == transformers, {label}",
+                    ok,
+                    same,
+                    f"of {len(expected)} requests",
+                    None,
+                    f"{preempted} preemptions",
+                )  # fmt: skip
+            )
+            del engine
+        # bf16: the runner's logits for whole prompts vs transformers fp32.
+        engine = LLMEngine.from_pretrained(model_dir, dtype="bfloat16", device=DEVICE)
+        worst = 0.0
+        for i, n in enumerate((5, 77, 300)):
+            prompt = _prompt(n, 500 + i, vocab)
+            blocks = list(range(-(-n // engine.block_size)))
+            chunk = ScheduledChunk("b", prompt, 0, blocks, True, SamplingParams(temperature=0.0), 0)
+            _, logits = engine.runner.compute_logits(SchedulerOutput([chunk], n))
+            with torch.no_grad():
+                ref = hf(torch.tensor([prompt], device=dev)).logits[0, -1].float()
+            worst = max(worst, float((logits[0] - ref).abs().max() / ref.abs().max()))
+        rows.append(
+            Row(
+                "engine",
+                f"{variant} bf16 logits vs fp32",
+                worst <= BF16_REL_TOL,
+                worst,
+                "max|diff|/max|ref|",
+                BF16_REL_TOL,
+            )  # fmt: skip
+        )
+        del engine, hf
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+# ---- 3. prefill and decode engines in two processes ----------------------------------------
+
+
+def prefill_process(conn: Connection, model_dir: str, device: str) -> None:
+    """Prefill-role engine (spawned): for each batch [(rid, prompt, target_json)] prefill
+    with the targets registered and answer [(rid, first_token, result_json)]."""
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.kvtransfer import KVTarget
+    from pdserve.kvtransfer.connector import PrefillKVConnector
+
+    connector = PrefillKVConnector()
+    engine = LLMEngine.from_pretrained(
+        model_dir, kv_connector=connector, device=device, dtype="float32", num_kv_blocks=256
+    )
+    conn.send("ready")
+    while (batch := conn.recv()) is not None:
+        firsts: dict[str, int] = {}
+        for rid, prompt, target_json in batch:
+            connector.register_target(rid, KVTarget.model_validate_json(target_json))
+            params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+            engine.add_request(rid, prompt, params, prefill_only=True)
+        deadline = time.time() + 60
+        while (engine.has_pending_work() or len(firsts) < len(batch)) and time.time() < deadline:
+            for out in engine.step():
+                if out.finished and out.token_ids:
+                    firsts[out.request_id] = out.token_ids[0]
+            if not engine.has_unfinished_requests():
+                time.sleep(0.002)
+        answers = []
+        for rid, *_ in batch:
+            result = connector.take_result(rid, timeout=10)
+            answers.append((rid, firsts.get(rid), result.model_dump_json() if result else None))
+        conn.send(answers)
+
+
+def disaggregated(model_root: Path) -> list[Row]:
+    """Prefill in a child process, decode here, KV over CUDA IPC on one GPU: tokens equal
+    the single engine's. Then the transports' byte checks (``kvtransfer.gpu_check``): CUDA
+    IPC, and NCCL when two GPUs are visible."""
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.engine.testmodel import ensure_test_model
+    from pdserve.kvtransfer import KVTransferConfig, gpu_check
+    from pdserve.kvtransfer.blocks import pool_layout
+    from pdserve.kvtransfer.receiver import KVReceiver
+
+    rows: list[Row] = []
+    model_dir = ensure_test_model("llama3-gqa", model_root)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+    single = LLMEngine.from_pretrained(model_dir, device=DEVICE, dtype="float32")
+    vocab = single.vocab_size
+    prompts = [_prompt(n, 900 + n, vocab) for n in (3, 40, 257, 700)]
+    expected = [list(o.token_ids) for o in single.generate(prompts, params)]
+    del single
+    decode = LLMEngine.from_pretrained(model_dir, device=DEVICE, dtype="float32", num_kv_blocks=256)
+    layout = pool_layout(decode.kv_cache, decode.model_config.model_name)
+    receiver = KVReceiver(decode.kv_cache, layout, KVTransferConfig())
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=prefill_process, args=(child, str(model_dir), DEVICE))
+    proc.start()
+    try:
+        if not conn.poll(180) or conn.recv() != "ready":
+            raise RuntimeError("the prefill process did not start")
+        batch = []
+        for i, prompt in enumerate(prompts):
+            blocks = decode.reserve_remote_prefill(f"d{i}", prompt, params)
+            target = receiver.expect(f"d{i}", blocks, time.time() + 120, num_tokens=len(prompt))
+            batch.append((f"d{i}", prompt, target.model_dump_json()))
+        conn.send(batch)
+        if not conn.poll(180):
+            raise RuntimeError("the prefill process did not answer")
+        transports = set()
+        for rid, first, result_json in conn.recv():
+            if first is None or result_json is None or '"ok":true' not in result_json:
+                raise RuntimeError(f"{rid}: hand-off failed: {result_json}")
+            transports.add(result_json.split('"transport":"')[1].split('"')[0])
+            receiver.wait(rid)
+            decode.complete_remote_prefill(rid, first)
+        final: dict[str, list[int]] = {}
+        while decode.has_unfinished_requests():
+            for out in decode.step():
+                if out.finished:
+                    final[out.request_id] = list(out.token_ids)
+        same = sum(final.get(f"d{i}") == expected[i] for i in range(len(prompts)))
+        # One GPU, CuPy installed: CUDA IPC (a CPU smoke run goes over gloo).
+        want = "cuda_ipc" if DEVICE == "cuda" else "torch_dist"
+        ok = same == len(prompts) and transports == {want}
+        rows.append(
+            Row(
+                "disagg",
+                "prefill process -> decode engine, tokens == single engine",
+                ok,
+                same,
+                f"of {len(prompts)}",
+                None,
+                f"transport {sorted(transports)}",
+            )  # fmt: skip
+        )
+    finally:
+        conn.send(None)
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+        receiver.close()
+    if DEVICE != "cuda":
+        return rows
+    ipc = gpu_check._transfer_check("CUDA IPC, one GPU", "cuda:0", "cuda:0", "cuda_ipc")
+    rows.append(Row("disagg", "CUDA IPC pool-to-pool bytes identical (2 processes)", ipc))
+    if torch.cuda.device_count() >= 2:
+        nccl = gpu_check._transfer_check("NCCL pair", "cuda:0", "cuda:1", "torch_dist")
+        rows.append(Row("disagg", "NCCL pair cuda:0 -> cuda:1 bytes identical", nccl))
+    else:
+        rows.append(
+            Row(
+                "disagg",
+                "NCCL pair",
+                None,
+                note=f"skipped: {torch.cuda.device_count()} GPU visible, the pair needs two",
+            )  # fmt: skip
+        )
+    return rows
+
+
+# ---- 4. decode throughput and compilations after warm-up ----------------------------------
+
+
+def _engine_decode_tps(engine: Any, batch: int, prompt_len: int, new: int) -> float:
+    from pdserve.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    rng = random.Random(batch)
+    for i in range(batch):
+        engine.add_request(
+            f"t{batch}-{i}", [rng.randrange(3, engine.vocab_size) for _ in range(prompt_len)],
+            params,
+        )  # fmt: skip
+    while any(r.num_output_tokens == 0 for r in engine.scheduler.running) or (
+        engine.scheduler.waiting
+    ):
+        engine.step()  # prefill and first tokens: not timed
+    _sync()
+    t0, tokens = time.perf_counter(), 0
+    while engine.has_unfinished_requests():
+        tokens += sum(len(o.new_token_ids) for o in engine.step())
+    _sync()
+    return tokens / (time.perf_counter() - t0)
+
+
+def _hf_decode_tps(hf: Any, batch: int, prompt_len: int, new: int) -> float:
+    from transformers import GenerationConfig
+
+    ids = torch.randint(3, hf.config.vocab_size, (batch, prompt_len), device=DEVICE)
+    gc1 = GenerationConfig(max_new_tokens=1, do_sample=False, eos_token_id=None, pad_token_id=0)
+    gc = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
+    mask = torch.ones_like(ids)
+    with torch.inference_mode():
+        hf.generate(ids, attention_mask=mask, generation_config=gc1)  # warm-up
+        _sync()
+        t0 = time.perf_counter()
+        hf.generate(ids, attention_mask=mask, generation_config=gc1)
+        _sync()
+        prefill = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        hf.generate(ids, attention_mask=mask, generation_config=gc)
+        _sync()
+        total = time.perf_counter() - t0
+    return batch * (new - 1) / max(total - prefill, 1e-9)
+
+
+def throughput(model_root: Path, quick: bool) -> list[Row]:
+    """Decode tokens/s at batch 1/8/32/128 (bf16, the 'small' test model), engine vs
+    transformers ``generate``; Triton compilations while serving after warm-up (must be 0)."""
+    from transformers import AutoModelForCausalLM
+
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.testmodel import ensure_test_model
+    from pdserve.kernels.triton.jit_count import CompileCounter
+
+    model_dir = ensure_test_model(THROUGHPUT_MODEL, model_root)
+    new = 16 if quick else 64
+    rows: list[Row] = []
+    engine = LLMEngine.from_pretrained(
+        model_dir,
+        device=DEVICE,
+        dtype="bfloat16",
+        max_num_seqs=max(THROUGHPUT_BATCHES),
+        max_num_batched_tokens=4096,
+    )  # fmt: skip  (warm-up ran in the constructor)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(DEVICE).eval()
+    with CompileCounter() as compiles:
+        for batch in THROUGHPUT_BATCHES:
+            ours = _engine_decode_tps(engine, batch, 32, new)
+            theirs = _hf_decode_tps(hf, batch, 32, new)
+            rows.append(
+                Row(
+                    "throughput",
+                    f"decode tok/s batch {batch}, eager",
+                    True,
+                    ours,
+                    "tok/s",
+                    None,
+                    f"transformers generate {theirs:.0f} tok/s, x{ours / theirs:.2f}",
+                )  # fmt: skip
+            )
+            rows.append(
+                Row(
+                    "throughput",
+                    f"decode tok/s batch {batch}, CUDA graphs",
+                    None,
+                    note="skipped: CUDA graphs for decode are not built yet (issue 17)",
+                )  # fmt: skip
+            )
+    rows.append(
+        Row(
+            "throughput",
+            "Triton compilations after warm-up",
+            compiles.total == 0,
+            compiles.total,
+            "compilations",
+            0,
+            str(dict(compiles.by_kernel)),
+        )  # fmt: skip
+    )
+    return rows

@@ -1,0 +1,94 @@
+"""gpu_verify cannot rot: its dry run (the plan, and every import the device run makes) is
+green on CPU, through the launcher that runs it from the tree, with Ray unimportable as on
+the device image."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+BLOCK_RAY = """
+import sys
+class _NoRay:
+    def find_spec(self, name, path=None, target=None):
+        if name == "ray" or name.startswith("ray."):
+            raise ImportError("no ray on the device image")
+sys.meta_path.insert(0, _NoRay())
+"""
+
+
+def _run(cmd: list[str], tmp_path: Path, **env: str) -> dict:
+    done = subprocess.run(
+        cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env={**os.environ, **env},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "dry run ok" in done.stdout
+    return json.loads((tmp_path / "out" / "gpu_verify_plan.json").read_text())
+
+
+def test_dry_run_through_the_launcher_with_ray_blocked(tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(BLOCK_RAY)
+    plan = _run(
+        ["sh", str(ROOT / "bench" / "gpu_verify.sh"), "--dry-run", "--out", str(tmp_path / "out")],
+        tmp_path,
+        PYTHON=sys.executable,
+        PYTHONPATH=str(site),
+    )
+    assert plan["failed"] == {} and plan["ray_modules_loaded"] == []
+    assert plan["steps"] == ["kernels", "engine", "disagg", "throughput"]
+    # The tree was imported through the launcher's symlink farm, not an installed copy.
+    assert "pdserve-farm" in plan["pdserve_from"]
+    assert "pdserve.bench.gpu_verify_steps" in plan["imported"]
+
+
+def test_the_device_module_graph_imports_with_ray_blocked(tmp_path: Path) -> None:
+    code = BLOCK_RAY + (
+        "import runpy; sys.argv = ['gpu_verify', '--dry-run', '--out', 'out'];"
+        "runpy.run_module('pdserve.bench.gpu_verify', run_name='__main__')"
+    )
+    plan = _run([sys.executable, "-P", "-c", code], tmp_path)
+    assert plan["failed"] == {} and plan["ray_modules_loaded"] == []
+
+
+def test_a_module_that_needs_ray_fails_the_dry_run(monkeypatch) -> None:
+    from pdserve.bench import gpu_verify
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
+    for name in [m for m in sys.modules if m.startswith("pdserve.deployments")]:
+        monkeypatch.delitem(sys.modules, name)
+    modules = (*gpu_verify.DEVICE_MODULES, "pdserve.deployments.app")
+    monkeypatch.setattr(gpu_verify, "DEVICE_MODULES", modules)
+    ok, plan = gpu_verify.dry_run()
+    assert not ok and "pdserve.deployments.app" in plan["failed"]
+
+
+def test_the_table_marks_failures_and_skips() -> None:
+    from pdserve.bench.gpu_verify import format_table
+
+    rows = [
+        {"step": "engine", "check": "tokens", "ok": True, "value": 8, "note": ""},
+        {"step": "disagg", "check": "NCCL pair", "ok": None, "value": None, "note": "1 GPU"},
+        {"step": "throughput", "check": "compiles", "ok": False, "value": 3, "note": ""},
+    ]
+    lines = format_table(rows).splitlines()
+    assert [line.split()[1] for line in lines[1:]] == ["ok", "skip", "FAIL"]
+
+
+def test_engine_and_disagg_steps_run_on_cpu(monkeypatch, tmp_path: Path) -> None:
+    """Steps 2 and 3 pointed at the CPU (one test config): the same code the device runs
+    finds the engine equal to transformers (with a preemption) and the two-process hand-off
+    equal to the single engine; only the device and the transport differ there."""
+    from pdserve.bench import gpu_verify_steps as steps
+
+    monkeypatch.setattr(steps, "DEVICE", "cpu")
+    monkeypatch.setattr(steps, "VARIANTS", ("mqa",))
+    rows = steps.engine_vs_transformers(tmp_path) + steps.disaggregated(tmp_path)
+    assert [r.ok for r in rows] == [True] * 4, rows
+    assert rows[3].note == "transport ['torch_dist']"
