@@ -165,6 +165,9 @@ async def probe_rate(url: str, model: str, prompts: list[str], output_len: int, 
             }
             await send(client, url, body, out, 0.0)
             done += out.finished
+            if not out.finished:
+                print(f"probe request not completed: {out}", flush=True)
+                await asyncio.sleep(0.5)
             i += 4
 
     began = time.perf_counter()
@@ -267,13 +270,14 @@ class ClusterView:
     """A Ray driver on the bench's cluster: replica counts, integrity, admission reports."""
 
     def __init__(self, state_dir: Path) -> None:
-        import ray
-
         from pdserve.cluster.state import load_state, ray_client_env
 
         state = load_state(state_dir)
         assert state is not None and state.serve is not None
+        # Before Ray is imported: it reads its auth settings from the environment then.
         os.environ.update(ray_client_env(state))
+        import ray
+
         cwd = os.getcwd()
         os.chdir(state.root_dir)  # keep the checkout off the workers' sys.path
         try:
@@ -328,11 +332,14 @@ def run_phase_set(
     )
     uptime_before = Path("/proc/loadavg").read_text().split()[:3]
     try:
-        url = server.start(timeout_s=args.start_timeout_s)
+        url = start_with_retries(server, args.start_timeout_s, args.start_attempts)
         model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
         view = ClusterView(args.out_dir / f"state-{tag}")
         if base_rate is None:
-            base_rate = asyncio.run(probe_rate(url, model, prompts, args.output_len, args.probe_s))
+            completions = f"{url}/v1/completions"
+            base_rate = asyncio.run(
+                probe_rate(completions, model, prompts, args.output_len, args.probe_s)
+            )
         phases = [(n, max(0.05, x * base_rate), s) for n, x, s in phases_x]
         samples: list[dict[str, Any]] = []
         stop = [False]
@@ -396,6 +403,19 @@ def run_phase_set(
     return result
 
 
+def start_with_retries(server: PdserveServer, timeout_s: float, attempts: int) -> str:
+    """Start the cluster; on a busy machine Ray's node startup can time out, so retry."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return server.start(timeout_s=timeout_s)
+        except Exception as err:  # noqa: BLE001 - reported, then retried or re-raised
+            server.stop()
+            if attempt == attempts:
+                raise
+            print(f"[{server.name}] start failed ({type(err).__name__}); retrying", flush=True)
+    raise AssertionError("unreachable")
+
+
 def _idle(report: dict[str, Any]) -> bool:
     return (
         report["num_unfinished"] == 0
@@ -433,6 +453,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ramp", action="store_true", help="also run the autoscaling ramp")
     p.add_argument("--ramp-only", action="store_true")
     p.add_argument("--start-timeout-s", type=float, default=300.0)
+    p.add_argument("--start-attempts", type=int, default=3)
     p.add_argument("--out-dir", type=Path, default=None)
     return p.parse_args(argv)
 

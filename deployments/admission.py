@@ -216,3 +216,37 @@ class PendingPrefills:
 
     def tokens(self, location: str) -> int:
         return self.tokens_by_location.get(location, 0)
+
+
+class ShedHint:
+    """The ingress's memory of the decode pool's last sheds: after a replica shed a request
+    of class ``c`` with a predicted drain time ``d``, a request of that class arriving within
+    ``d`` would be predicted over its threshold too (the drain time is exactly how long the
+    queue ahead needs), so the ingress answers it 429 at once with the time left, without a
+    hop to a replica whose event loop is busy streaming. Batch sheds at a lower threshold,
+    so an interactive shed implies a batch one. An approximation with several decode
+    replicas (the router sends each request to the least loaded one, so a shed means all
+    are loaded); the window is the Retry-After clients were told, never longer."""
+
+    def __init__(self) -> None:
+        self._until: dict[str, float] = {}
+
+    def shed(self, priority: Priority, now: float, drain_s: float) -> None:
+        classes: tuple[Priority, ...] = (
+            ("interactive", "batch") if priority == "interactive" else ("batch",)
+        )
+        for c in classes:
+            self._until[c] = max(self._until.get(c, 0.0), now + drain_s)
+
+    def remaining_s(self, priority: Priority, now: float) -> float:
+        """Seconds this class is still shed (0 = send it to the pool)."""
+        return max(0.0, self._until.get(priority, 0.0) - now)
+
+
+def ingress_overloaded(loop_lag_s: float, priority: Priority, ttft_slo_s: float) -> bool:
+    """Whether the ingress itself is the queue: every request and every streamed chunk
+    waits for its event loop, twice before a first token reaches the client (the request
+    in, the chunk out), so a lag of a quarter of the SLO already spends half of it. Batch
+    yields first, at a tenth."""
+    share = 0.25 if priority == "interactive" else 0.1
+    return loop_lag_s > share * ttft_slo_s

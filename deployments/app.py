@@ -79,6 +79,7 @@ def build_application(
         ready_deployments=ready,
         observability=cfg.observability,
         api=cfg.api,
+        ttft_slo_ms=cfg.slo.ttft_ms if cfg.policy.on_slo_miss == "shed" else None,
     )
 
 

@@ -35,12 +35,20 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pdserve.deployments.admission import ShedHint, ingress_overloaded
 from pdserve.deployments.api_guard import APIGuard, read_body
 from pdserve.deployments.config import APIConfig, ObservabilityConfig
 from pdserve.deployments.decode_stream import DecodeStream
 from pdserve.deployments.grpc import pdserve_pb2 as pb2
 from pdserve.deployments.ingress_telemetry import IngressTelemetry
-from pdserve.deployments.messages import GenerateChunk, GenerateRequest, SLOClass, TokenLogprob
+from pdserve.deployments.load import LoopLag
+from pdserve.deployments.messages import (
+    ErrorInfo,
+    GenerateChunk,
+    GenerateRequest,
+    SLOClass,
+    TokenLogprob,
+)
 from pdserve.deployments.metrics import APIMetrics, ServingMetrics
 from pdserve.deployments.openai_protocol import (
     ChatCompletionRequest,
@@ -250,6 +258,8 @@ class OpenAIIngress:
             for GET /ready to answer 200 (the prefill and decode pools); empty = always ready.
         observability: tracing exporter and metrics switch; None = defaults (no tracing).
         api: API keys, request size and rate limits; None = defaults (no keys).
+        ttft_slo_ms: the TTFT objective; with it a request is shed (429) while this
+            replica's own event loop lags past a share of it (None = never).
     """
 
     def __init__(
@@ -261,6 +271,7 @@ class OpenAIIngress:
         ready_deployments: list[str] | None = None,
         observability: ObservabilityConfig | dict[str, Any] | None = None,
         api: APIConfig | dict[str, Any] | None = None,
+        ttft_slo_ms: float | None = None,
     ) -> None:
         observability = ObservabilityConfig.model_validate(observability or {})
         self._api = APIConfig.model_validate(api or {})
@@ -293,10 +304,41 @@ class OpenAIIngress:
             SamplingDefaults.from_model_dir(model_dir),
         )
         self._api_metrics = APIMetrics(info.name)
+        # Admission control runs on the decode replica (it knows its queue exactly); this
+        # remembers the drain time of its last sheds so that a flood is answered 429 here,
+        # at once, instead of queueing for a replica busy streaming (admission.ShedHint).
+        self._shed_hint = ShedHint()
+        self._shed_metrics = metrics
+        self._loop_lag = LoopLag()
+        self._ttft_slo_s = ttft_slo_ms / 1000.0 if ttft_slo_ms else None
         self._ready_deployments = list(ready_deployments or [])
         self._ready_cache: tuple[float, bool, str] = (0.0, False, "")
 
     async def _generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateChunk, None]:
+        self._loop_lag.ensure_running()
+        lag = self._loop_lag.seconds
+        wait_s = self._shed_hint.remaining_s(request.slo_class, time.monotonic())
+        reason = "drain_hint" if wait_s > 0 else ""
+        slo_s = self._ttft_slo_s
+        if not reason and slo_s is not None and ingress_overloaded(lag, request.slo_class, slo_s):
+            reason, wait_s = "ingress_lag", 2 * lag  # the lag in, and again out
+        if reason:
+            self._shed_metrics.record_shed(reason, request.slo_class)
+            yield GenerateChunk(
+                request_id=request.request_id,
+                num_prompt_tokens=len(request.prompt_token_ids),
+                error=ErrorInfo(
+                    code=429,
+                    type="rate_limit_error",
+                    message=(
+                        f"overloaded ({reason}): predicted time to first token over what a "
+                        f"{request.slo_class} request may wait; the queue drains in "
+                        f"{wait_s:.1f}s"
+                    ),
+                    retry_after_s=wait_s,
+                ),
+            )
+            return
         response = self._decode.options(stream=True).generate.remote(request)
         finished = False
         try:
@@ -304,6 +346,9 @@ class OpenAIIngress:
                 yield chunk
                 if chunk.finish_reason is not None or chunk.error is not None:
                     finished = True
+                err = chunk.error
+                if err is not None and err.code == 429 and err.retry_after_s:
+                    self._shed_hint.shed(request.slo_class, time.monotonic(), err.retry_after_s)
         except (BackPressureError, DeploymentUnavailableError, RayActorError) as err:
             # The decode pool is full or a replica went away: the client may retry.
             raise OpenAIError(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 from pdserve.deployments import autoscaling
 from pdserve.deployments.config import PoolRole
@@ -111,3 +112,35 @@ def decode_autoscaling_stats(
         autoscaling.PREFILL_TOKENS_PER_S: stats.prefill_tokens_per_s,
         autoscaling.QUEUED_PREFILL_TOKENS: float(stats.queued_prefill_tokens),
     }
+
+
+class LoopLag:
+    """How late an asyncio event loop runs its callbacks (an EMA of the overshoot of a
+    periodic sleep): the queue of work inside a process, which no request count shows.
+    The ingress sheds on it, since every request and every streamed chunk waits for it."""
+
+    def __init__(self, period_s: float = 0.05, alpha: float = 0.3) -> None:
+        if period_s <= 0:
+            raise ValueError(f"period_s must be > 0, got {period_s}")
+        self.period_s = period_s
+        self.ema = Ema(alpha)
+        self._task: Any = None
+
+    def ensure_running(self) -> None:
+        """Start measuring on the running loop (idempotent)."""
+        import asyncio
+
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._measure())
+
+    @property
+    def seconds(self) -> float:
+        return self.ema.value
+
+    async def _measure(self) -> None:
+        import asyncio
+
+        while True:
+            began = time.monotonic()
+            await asyncio.sleep(self.period_s)
+            self.ema.add(max(0.0, time.monotonic() - began - self.period_s))

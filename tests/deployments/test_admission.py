@@ -134,3 +134,22 @@ def test_a_full_replica_sheds_at_once_but_queueing_classes_still_queue() -> None
     assert (d.action, d.reason) == ("shed", "queue_full") and d.retry_after_s == 1.0
     assert admission.decide(p, "interactive", rules, num_admitted=15).action == "admit"
     assert admission.decide(p, "batch", rules, num_admitted=16).action == "admit"
+
+
+def test_the_ingress_sheds_within_the_drain_time_a_replica_reported() -> None:
+    hint = admission.ShedHint()
+    assert hint.remaining_s("interactive", 0.0) == 0.0
+    hint.shed("batch", now=10.0, drain_s=3.0)
+    assert hint.remaining_s("batch", 11.0) == 2.0
+    assert hint.remaining_s("interactive", 11.0) == 0.0  # batch sheds first, alone
+    hint.shed("interactive", now=11.0, drain_s=1.0)
+    assert hint.remaining_s("interactive", 11.5) == 0.5
+    assert hint.remaining_s("batch", 11.5) == 1.5  # the longer window is kept
+    assert hint.remaining_s("interactive", 12.0) == 0.0
+
+
+def test_a_lagging_ingress_loop_sheds_batch_first() -> None:
+    assert not admission.ingress_overloaded(0.1, "interactive", 2.0)
+    assert admission.ingress_overloaded(0.3, "batch", 2.0)
+    assert not admission.ingress_overloaded(0.3, "interactive", 2.0)
+    assert admission.ingress_overloaded(0.6, "interactive", 2.0)
