@@ -6,6 +6,9 @@ same tokens whatever else is batched with it and after a preemption recomputes i
 Logprobs are the log-softmax of the raw logits (vLLM's default), taken before
 logit bias, penalties, temperature, min_p, top-k/top-p and the min_tokens mask (see
 ``logit_adjust`` for the adjustments). This module never touches the KV cache.
+
+On a GPU a step reads back once: every row's token (greedy and random alike, no loop over
+rows on the device) and the requested logprobs travel in one device-to-host copy.
 """
 
 from __future__ import annotations
@@ -93,9 +96,10 @@ class Sampler:
                 logits = logits.clone()
             logits = self.grammar.mask(logits, structured)  # type: ignore[union-attr]
         token_ids = self._pick(logits, rows)
+        out = self._with_logprobs(raw, token_ids, rows)
         if use_grammar:
-            self.grammar.accept(structured, token_ids)  # type: ignore[union-attr]
-        return self._with_logprobs(raw, token_ids, rows)
+            self.grammar.accept(structured, [t.token_id for t in out])  # type: ignore[union-attr]
+        return out
 
     def forget(self, request_ids: Sequence[str]) -> None:
         """Drop per-request state (grammar matchers) of requests that left the engine."""
@@ -120,55 +124,85 @@ class Sampler:
         logits[idx[0], idx[1]] = float("-inf")
         return logits
 
-    def _pick(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
-        greedy_ids = logits.argmax(dim=-1).tolist()
+    def _pick(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """The token of every row, on the device ([S] int64): nothing is read back here."""
+        greedy_ids = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if not random_rows:
             return greedy_ids
-        sub = logits[random_rows]
+        dev = logits.device
+        index = torch.tensor(random_rows, device=dev)
+        sub = logits.index_select(0, index)
         temps = torch.tensor(
-            [rows[i].params.temperature for i in random_rows], device=sub.device
+            [rows[i].params.temperature for i in random_rows], device=dev
         ).unsqueeze(1)
         scaled = apply_min_p(sub / temps, [rows[i].params.min_p for i in random_rows])
         probs = _top_k_top_p(scaled, [rows[i].params for i in random_rows]).softmax(dim=-1)
-        # Sample with the exponential race: argmax(p / E), E ~ Exp(1), one draw per row from
-        # that row's own generator when it has a seed.
-        noise = torch.empty_like(probs)
-        shared = self._shared_generator(probs.device)
-        for j, i in enumerate(random_rows):
-            seed = rows[i].params.seed
-            gen = shared
-            if seed is not None:
-                gen = torch.Generator(device=probs.device).manual_seed(
-                    seed_for_step(seed, rows[i].num_output_tokens)
-                )
-            noise[j].exponential_(generator=gen)
-        picked = (probs / noise).argmax(dim=-1).tolist()
-        for j, i in enumerate(random_rows):
-            greedy_ids[i] = picked[j]
-        return greedy_ids
+        # Sample with the exponential race: argmax(p / E), E ~ Exp(1). Each row's noise is a
+        # counter-based hash of its own key and the token index, all rows at once: a seeded
+        # row's key comes from (seed, num_output_tokens), so its draw does not depend on the
+        # batch (nor on the device); unseeded rows take keys from the engine's generator.
+        keys = torch.randint(
+            -(1 << 62), 1 << 62, (len(random_rows),), generator=self._shared_generator(dev),
+            device=dev,
+        )  # fmt: skip
+        seeded = [j for j, i in enumerate(random_rows) if rows[i].params.seed is not None]
+        if seeded:
+            seeded_rows = [rows[random_rows[j]] for j in seeded]
+            own = [seed_for_step(r.params.seed or 0, r.num_output_tokens) for r in seeded_rows]
+            keys[torch.tensor(seeded, device=dev)] = torch.tensor(own, device=dev)
+        noise = exponential_noise(keys, probs.shape[1])
+        picked = (probs / noise).argmax(dim=-1)
+        return greedy_ids.index_copy(0, index, picked)
 
     def _with_logprobs(
-        self, raw: torch.Tensor, token_ids: list[int], rows: Sequence[SamplingRow]
+        self, raw: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[SamplingRow]
     ) -> list[SampledToken]:
+        """Read the step's results back in one device-to-host transfer: the tokens, and the
+        logprobs of the rows that asked for them packed beside them."""
         want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-        out = [SampledToken(t, None, None) for t in token_ids]
         if not want:
-            return out
-        logprobs = torch.log_softmax(raw[want], dim=-1)
+            return [SampledToken(t, None, None) for t in token_ids.tolist()]
+        index = torch.tensor(want, device=raw.device)
+        logprobs = torch.log_softmax(raw.index_select(0, index), dim=-1)
         max_n = max(rows[i].params.logprobs or 0 for i in want)
-        top_vals, top_ids = logprobs.topk(max_n, dim=-1) if max_n else (None, None)
-        chosen = logprobs.gather(1, torch.tensor([[token_ids[i]] for i in want], device=raw.device))
-        chosen_l = chosen.squeeze(1).tolist()
-        top_vals_l = top_vals.tolist() if top_vals is not None else None
-        top_ids_l = top_ids.tolist() if top_ids is not None else None
+        chosen = logprobs.gather(1, token_ids.index_select(0, index).unsqueeze(1)).squeeze(1)
+        parts = [token_ids.double(), chosen.double()]
+        if max_n:
+            top_vals, top_ids = logprobs.topk(max_n, dim=-1)
+            parts += [top_vals.double().flatten(), top_ids.double().flatten()]
+        flat = torch.cat(parts).tolist()  # the one transfer (ids < 2^53 are exact)
+        s, w = len(rows), len(want)
+        ids = [int(t) for t in flat[:s]]
+        chosen_l = flat[s : s + w]
+        top_vals_l = flat[s + w : s + w + w * max_n]
+        top_ids_l = flat[s + w + w * max_n :]
+        out = [SampledToken(t, None, None) for t in ids]
         for j, i in enumerate(want):
             n = rows[i].params.logprobs or 0
-            top: list[tuple[int, float]] = []
-            if n and top_ids_l is not None and top_vals_l is not None:
-                top = list(zip(top_ids_l[j][:n], top_vals_l[j][:n], strict=True))
-            out[i] = SampledToken(token_ids[i], chosen_l[j], top)
+            lo = j * max_n
+            top = [
+                (int(t), v)
+                for t, v in zip(top_ids_l[lo : lo + n], top_vals_l[lo : lo + n], strict=True)
+            ]
+            out[i] = SampledToken(ids[i], chosen_l[j], top)
         return out
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 (wrapping multiplies; shifts made logical by masks)."""
+    x = (x ^ ((x >> 30) & ((1 << 34) - 1))) * -4658895280553007687  # 0xBF58476D1CE4E5B9
+    x = (x ^ ((x >> 27) & ((1 << 37) - 1))) * -7723592293110705685  # 0x94D049BB133111EB
+    return x ^ ((x >> 31) & ((1 << 33) - 1))
+
+
+def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exp(1) draws [S, V]: row r, column c from a hash of (keys[r], c), in float64 then
+    float32 (53 random bits; never 0 or inf)."""
+    cols = torch.arange(vocab, device=keys.device, dtype=torch.int64)
+    bits = _mix(keys.unsqueeze(1) + (cols.unsqueeze(0) + 1) * -7046029254386353131)
+    u = (((bits >> 11) & ((1 << 53) - 1)).double() + 0.5) / float(1 << 53)
+    return (-torch.log(u)).float()
 
 
 def _top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -178,8 +212,12 @@ def _top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torc
     ps = [p.top_p for p in params]
     if all(k == vocab for k in ks) and all(p >= 1.0 for p in ps):
         return logits
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    rank = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    width = max(ks)
+    if width < vocab:  # every row has a top-k: a partial sort of its max k is enough
+        sorted_logits, order = logits.topk(width, dim=-1)
+    else:  # some row's nucleus may reach anywhere in the vocabulary
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(width, device=logits.device).unsqueeze(0)
     k = torch.tensor(ks, device=logits.device).unsqueeze(1)
     drop = rank >= k
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))

@@ -131,3 +131,50 @@ def test_unseeded_sampling_is_reproducible_from_engine_seed() -> None:
 def test_row_count_mismatch_is_rejected() -> None:
     with pytest.raises(ValueError, match="rows"):
         Sampler([EOS])(torch.zeros(2, 5), rows(SamplingParams()))
+
+
+def test_one_read_back_per_step_and_no_full_sort_under_top_k(monkeypatch) -> None:
+    """Greedy, seeded random and logprob rows together: the step reads the device once
+    (one ``tolist``), and top-k rows take a partial sort (``topk``), never a full one."""
+    from pdserve.engine import sampler as sampler_mod
+
+    reads: list[int] = []
+    sorts: list[int] = []
+    real_tolist, real_sort = torch.Tensor.tolist, torch.Tensor.sort
+
+    def counting_tolist(self):
+        reads.append(self.numel())
+        return real_tolist(self)
+
+    def counting_sort(self, *a, **k):
+        sorts.append(self.shape[-1])
+        return real_sort(self, *a, **k)
+
+    logits = random_logits(4, v=64, seed=9)
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.8, top_k=5, seed=11),
+        SamplingParams(temperature=1.0, top_k=3, top_p=0.9, logprobs=2),
+        SamplingParams(temperature=0.0, logprobs=1),
+    ]
+    rows = [SamplingRow(p, 0) for p in params]
+    expected = Sampler([EOS], seed=1)(logits, rows)
+    monkeypatch.setattr(torch.Tensor, "tolist", counting_tolist)
+    monkeypatch.setattr(torch.Tensor, "sort", counting_sort)
+    got = Sampler([EOS], seed=1)(logits, rows)
+    assert len(reads) == 1 and sorts == []
+    assert got == expected
+    assert got[0].token_id == int(logits[0].argmax())
+    assert got[1].token_id in logits[1].topk(5).indices.tolist()
+    assert got[2].top_logprobs is not None and len(got[2].top_logprobs) == 2
+    assert sampler_mod.exponential_noise(torch.tensor([1, 2]), 8).min() > 0
+
+
+def test_seeded_noise_is_the_same_on_any_batch_position() -> None:
+    from pdserve.engine.sampler import exponential_noise
+
+    keys = torch.tensor([seed_for_step(5, 0), seed_for_step(6, 3)])
+    both = exponential_noise(keys, 1000)
+    assert torch.equal(both[1], exponential_noise(keys[1:], 1000)[0])
+    # Exp(1): mean ~1 over many draws.
+    assert abs(float(both.double().mean()) - 1.0) < 0.1
