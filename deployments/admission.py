@@ -173,7 +173,7 @@ class Calibration:
     systematic bias of the cost model (e.g. prefill chunks sharing steps with decodes)
     corrects itself from the first tokens the replica sees."""
 
-    def __init__(self, alpha: float = 0.1, low: float = 0.5, high: float = 4.0) -> None:
+    def __init__(self, alpha: float = 0.3, low: float = 0.5, high: float = 4.0) -> None:
         if not 0 < alpha <= 1:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
         if not 0 < low <= 1 <= high:
