@@ -11,7 +11,8 @@ Steps (``gpu_verify_steps``), each a list of report rows:
    lengths, chunked prefill and preemption; bf16 logits within a stated tolerance;
 3. disagg: prefill and decode engines in two processes, KV over CUDA IPC on one GPU,
    tokens equal the single engine; byte checks of CUDA IPC, and NCCL with two GPUs;
-4. throughput: decode tokens/s at batch 1/8/32/128 vs transformers ``generate``, and
+4. throughput: decode tokens/s at batch 1/8/32/128, CUDA graphs on and off, vs
+   transformers ``generate``, and
    Triton compilations after warm-up (must be 0).
 
 Writes ``DIR/gpu_verify.json`` and ``DIR/gpu_verify.txt`` (the table), exits 1 if any

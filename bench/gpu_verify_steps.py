@@ -149,6 +149,11 @@ def engine_vs_transformers(model_root: Path) -> list[Row]:
         for label, schedule, overrides in (
             ("chunked prefill (64-token steps)", ARRIVALS, {"max_num_batched_tokens": 64}),
             (
+                "chunked prefill, CUDA graphs off",
+                ARRIVALS,
+                {"max_num_batched_tokens": 64, "cuda_graphs": False},
+            ),
+            (
                 "preemption (48-block pool)",
                 PREEMPT_ARRIVALS,
                 {"num_kv_blocks": 48, "max_model_len": 640, "max_num_batched_tokens": 128},
@@ -376,8 +381,9 @@ def _hf_decode_tps(hf: Any, batch: int, prompt_len: int, new: int) -> float:
 
 
 def throughput(model_root: Path, quick: bool) -> list[Row]:
-    """Decode tokens/s at batch 1/8/32/128 (bf16, the 'small' test model), engine vs
-    transformers ``generate``; Triton compilations while serving after warm-up (must be 0)."""
+    """Decode tokens/s at batch 1/8/32/128 (bf16, the 'small' test model), engine with and
+    without CUDA graphs vs transformers ``generate``; Triton compilations while serving
+    after warm-up (must be 0)."""
     from transformers import AutoModelForCausalLM
 
     from pdserve.engine.llm_engine import LLMEngine
@@ -387,37 +393,35 @@ def throughput(model_root: Path, quick: bool) -> list[Row]:
     model_dir = ensure_test_model(THROUGHPUT_MODEL, model_root)
     new = 16 if quick else 64
     rows: list[Row] = []
-    engine = LLMEngine.from_pretrained(
-        model_dir,
-        device=DEVICE,
-        dtype="bfloat16",
-        max_num_seqs=max(THROUGHPUT_BATCHES),
-        max_num_batched_tokens=4096,
-    )  # fmt: skip  (warm-up ran in the constructor)
+    engines = {
+        graphs: LLMEngine.from_pretrained(
+            model_dir,
+            device=DEVICE,
+            dtype="bfloat16",
+            max_num_seqs=max(THROUGHPUT_BATCHES),
+            max_num_batched_tokens=4096,
+            cuda_graphs=graphs,
+        )  # fmt: skip  (kernels compiled and graphs captured in the constructor)
+        for graphs in (False, True)
+    }
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(DEVICE).eval()
     with CompileCounter() as compiles:
         for batch in THROUGHPUT_BATCHES:
-            ours = _engine_decode_tps(engine, batch, 32, new)
             theirs = _hf_decode_tps(hf, batch, 32, new)
-            rows.append(
-                Row(
-                    "throughput",
-                    f"decode tok/s batch {batch}, eager",
-                    True,
-                    ours,
-                    "tok/s",
-                    None,
-                    f"transformers generate {theirs:.0f} tok/s, x{ours / theirs:.2f}",
-                )  # fmt: skip
-            )
-            rows.append(
-                Row(
-                    "throughput",
-                    f"decode tok/s batch {batch}, CUDA graphs",
-                    None,
-                    note="skipped: CUDA graphs for decode are not built yet (issue 17)",
-                )  # fmt: skip
-            )
+            for graphs, engine in engines.items():
+                ours = _engine_decode_tps(engine, batch, 32, new)
+                label = "CUDA graphs" if graphs else "eager"
+                rows.append(
+                    Row(
+                        "throughput",
+                        f"decode tok/s batch {batch}, {label}",
+                        True,
+                        ours,
+                        "tok/s",
+                        None,
+                        f"transformers generate {theirs:.0f} tok/s, x{ours / theirs:.2f}",
+                    )  # fmt: skip
+                )
     rows.append(
         Row(
             "throughput",

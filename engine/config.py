@@ -50,6 +50,14 @@ class EngineConfig(BaseModel):
         default=True, description="Reuse full KV blocks of identical prompt prefixes."
     )
     seed: int = Field(default=0, description="Seed for unseeded sampling and test weights.")
+    cuda_graphs: bool = Field(
+        default=True,
+        description=(
+            "On CUDA, replay decode steps from CUDA graphs captured over batch-size buckets "
+            "at start-up (prefill and mixed steps run eagerly); false = every step eager. "
+            "Ignored on a CPU."
+        ),
+    )
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> EngineConfig:

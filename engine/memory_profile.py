@@ -63,8 +63,9 @@ def run_profile_step(runner: ModelRunner, num_tokens: int | None = None) -> int:
         runner.max_model_len,
         cfg.block_size,
     )
-    saved, connector = runner.kv_cache, runner.kv_connector
+    saved, connector, graphs = runner.kv_cache, runner.kv_connector, runner.decode_graphs
     runner.kv_connector = None  # the profile step sends nothing
+    runner.decode_graphs = None  # captured graphs are bound to the real pool: run eagerly
     runner.kv_cache = torch.zeros(
         runner.kv_cache_shape(num_blocks), dtype=runner.model_config.dtype, device=runner.device
     )
@@ -73,7 +74,7 @@ def run_profile_step(runner: ModelRunner, num_tokens: int | None = None) -> int:
         # The sampler's worst temporaries: a full-vocabulary sort (top-p) of every row.
         torch.sort(logits, dim=-1)
     finally:
-        runner.kv_cache, runner.kv_connector = saved, connector
+        runner.kv_cache, runner.kv_connector, runner.decode_graphs = saved, connector, graphs
     return num_blocks
 
 

@@ -13,6 +13,7 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -124,6 +125,7 @@ class ModelRunner:
         self.kv_cache_allocator = kv_cache_allocator or default_kv_cache_allocator
         self.kv_connector = kv_connector
         self.kv_cache: torch.Tensor | None = None
+        self.decode_graphs: Any = None  # cuda_graphs.DecodeGraphs, captured by warm_up()
 
     def _load_model(self) -> torch.nn.Module:
         cfg = self.model_config
@@ -202,7 +204,13 @@ class ModelRunner:
         memory_profile.run_profile_step(self, self.config.max_num_seqs)  # a decode batch
         memory_profile.run_profile_step(self, 1)  # a single decode
         torch.cuda.synchronize(self.device)
-        return calls + 3
+        captured = 0
+        if self.config.cuda_graphs:
+            from pdserve.engine.cuda_graphs import DecodeGraphs
+
+            self.decode_graphs = DecodeGraphs(self)
+            captured = self.decode_graphs.capture()
+        return calls + 3 + captured
 
     # ---- one step -------------------------------------------------------------------------
 
@@ -289,6 +297,15 @@ class ModelRunner:
         connector = self.kv_connector
         if connector is not None:
             connector.begin_step(list(out.kv_sends))
+        graphs = self.decode_graphs
+        if (
+            graphs is not None
+            and connector is None
+            and batch.meta.decode_only
+            and graphs.fits(len(out.chunks), batch.meta.block_tables.shape[1])
+        ):
+            logits = graphs.run(batch.input_ids, batch.positions, batch.meta)
+            return batch, logits.index_select(0, batch.sample_rows)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.meta, connector)
         logits = self.model.compute_logits(hidden[batch.sample_rows]).float()
         return batch, logits

@@ -90,5 +90,5 @@ def test_engine_and_disagg_steps_run_on_cpu(monkeypatch, tmp_path: Path) -> None
     monkeypatch.setattr(steps, "DEVICE", "cpu")
     monkeypatch.setattr(steps, "VARIANTS", ("mqa",))
     rows = steps.engine_vs_transformers(tmp_path) + steps.disaggregated(tmp_path)
-    assert [r.ok for r in rows] == [True] * 4, rows
-    assert rows[3].note == "transport ['torch_dist']"
+    assert [r.ok for r in rows] == [True] * 5, rows
+    assert rows[4].note == "transport ['torch_dist']"

@@ -1,0 +1,90 @@
+"""Decode CUDA graphs, the parts a CPU can check: the batch buckets, and the persistent
+buffers a replay reads (a batch padded to its bucket, the block table to the full width)
+giving the eager step's logits. Capture itself needs CUDA (``bench.gpu_verify``); here a
+"graph" replays the same forward eagerly over the same buffers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.cuda_graphs import DecodeGraphs, batch_buckets, bucket_for
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
+
+
+def test_buckets_cover_every_batch_size_up_to_max_num_seqs() -> None:
+    assert batch_buckets(128) == [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 112, 128]
+    assert batch_buckets(8) == [1, 2, 4, 8] and batch_buckets(1) == [1]
+    assert batch_buckets(20) == [1, 2, 4, 8, 16, 20]
+    buckets = batch_buckets(100)
+    for n in range(1, 101):
+        b = bucket_for(n, buckets)
+        assert b is not None and b >= n and (b - n < 16)
+    assert bucket_for(101, buckets) is None
+
+
+class _EagerReplay:
+    """Stands in for a captured graph: the same forward over the same persistent buffers."""
+
+    def __init__(self, graphs: DecodeGraphs, b: int) -> None:
+        self.graphs, self.b, self.replays = graphs, b, 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        self.graphs.logits[self.b].copy_(self.graphs._forward(self.b))
+
+
+def test_a_padded_replay_gives_the_eager_logits(tiny_model_dir: Path) -> None:
+    runner = ModelRunner(
+        EngineConfig(model=str(tiny_model_dir), device="cpu", block_size=16, max_num_seqs=8)
+    )
+    runner.allocate_kv_cache(32)
+    greedy = SamplingParams(temperature=0.0)
+    prompts = [[5, 6, 7, 8, 9], list(range(10, 40)), [3]]
+    tables = [[0], [1, 2], [3]]
+    chunks = [ScheduledChunk(f"r{i}", p, 0, tables[i], True, greedy, 0)
+              for i, p in enumerate(prompts)]  # fmt: skip
+    runner.compute_logits(SchedulerOutput(chunks, sum(len(p) for p in prompts)))
+    decode = SchedulerOutput(
+        [
+            ScheduledChunk(f"r{i}", [42 + i], len(p), tables[i], True, greedy, 1)
+            for i, p in enumerate(prompts)
+        ],  # fmt: skip
+        3,
+    )
+    pool_before = runner.kv_cache.clone()
+    _, eager = runner.compute_logits(decode)
+    written = runner.kv_cache.clone()
+    runner.kv_cache.copy_(pool_before)  # the graph step writes the same slots again
+
+    graphs = DecodeGraphs(runner)
+    replays = {}
+    for b in graphs.buckets:
+        graphs.logits[b] = torch.zeros(b, runner.model_config.vocab_size)
+        graphs.graphs[b] = replays[b] = _EagerReplay(graphs, b)
+    graphs.slots.fill_(123)  # stale values from an earlier, larger batch
+    runner.decode_graphs = graphs
+    _, replayed = runner.compute_logits(decode)
+    assert replays[4].replays == 1 and sum(r.replays for r in replays.values()) == 1
+    # Equal up to the float32 rounding of a batch of 4 rows instead of 3.
+    torch.testing.assert_close(replayed, eager, atol=2e-4, rtol=1e-3)
+    assert torch.equal(replayed.argmax(-1), eager.argmax(-1))
+    # The padding row wrote nowhere: outside the three decode slots the pool is untouched,
+    # and those hold the eager step's K/V (up to the same rounding).
+    slots = [(0, 5), (2, 14), (3, 1)]  # (block, offset) of positions 5, 30 and 1
+    mask = torch.zeros(runner.kv_cache.shape[2:4], dtype=torch.bool)
+    for block, offset in slots:
+        mask[block, offset] = True
+    assert torch.equal(runner.kv_cache[:, :, ~mask], pool_before[:, :, ~mask])
+    torch.testing.assert_close(
+        runner.kv_cache[:, :, mask], written[:, :, mask], atol=2e-4, rtol=1e-3
+    )
+    # A prefill step never replays a graph.
+    runner.compute_logits(
+        SchedulerOutput([ScheduledChunk("x", [1, 2], 0, [5], True, greedy, 0)], 2)
+    )
+    assert sum(r.replays for r in replays.values()) == 1
