@@ -7,12 +7,12 @@ arrivals (loopback only, bounded in count and time):
 - step: 1x -> ``--factor``x -> 1x the sustainable rate (measured first with a short
   closed-loop probe, or ``--base-rate``), a mix of interactive and batch requests
   (``x-pdserve-priority``);
-- ramp (``--ramp``): 0.5x -> 4x -> 0.5x on a copy of the config with autoscaling on and
+- ramp (``--mode ramp``): 0.5x -> 4x -> 0.5x on a copy of the config with autoscaling on and
   ``decode.max_replicas: 2``, Serve's replica counts polled over time.
 
 Per request it records the status, the time to the response headers (how fast a 429
 came), Retry-After, TTFT and whether the stream ended properly. It prints a table and
-writes ``overload.json`` and ``overload.png`` (TTFT and admitted/shed rate over time) in
+writes ``overload-<mode>.json`` and ``<mode>.png`` (TTFT and admitted/shed rate over time) in
 ``--out-dir``, with the decode replica's predicted-vs-observed TTFT
 (``DecodeServer.admission_report``) and its integrity after the run (no request, block or
 transfer left). Targets (issue 18): admitted interactive TTFT p99 <= 2x SLO in the
@@ -291,6 +291,11 @@ class ClusterView:
             os.chdir(cwd)
         self.app = state.serve.app_name
 
+    def close(self) -> None:
+        import ray
+
+        ray.shutdown()
+
     def replicas(self) -> dict[str, int]:
         from ray import serve
 
@@ -331,6 +336,7 @@ def run_phase_set(
         tag, config, args.out_dir / f"state-{tag}", args.out_dir / f"{tag}.log", up_args=up_args
     )
     uptime_before = Path("/proc/loadavg").read_text().split()[:3]
+    view: ClusterView | None = None
     try:
         url = start_with_retries(server, args.start_timeout_s, args.start_attempts)
         model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
@@ -375,6 +381,8 @@ def run_phase_set(
             time.sleep(2)
             integrity, admission = view.decode_reports()
     finally:
+        if view is not None:
+            view.close()  # before the cluster goes: a driver without its GCS exits
         server.stop()
     rows = summarize(outcomes, slo_s)
     errors = [abs(p - a) for rep in admission for p, a in rep["samples"]]
@@ -450,8 +458,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-fraction", type=float, default=0.2)
     p.add_argument("--max-requests", type=int, default=3000)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ramp", action="store_true", help="also run the autoscaling ramp")
-    p.add_argument("--ramp-only", action="store_true")
+    p.add_argument(
+        "--mode",
+        choices=("step", "ramp"),
+        default="step",
+        help="step: 1x -> factor x -> 1x; ramp: 0.5x -> 4x -> 0.5x with autoscaling on "
+        "(one cluster per run: a Ray driver connects to one cluster per process)",
+    )
     p.add_argument("--start-timeout-s", type=float, default=300.0)
     p.add_argument("--start-attempts", type=int, default=3)
     p.add_argument("--out-dir", type=Path, default=None)
@@ -471,39 +484,36 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [builder.build(args.prompt_len)[0] for _ in range(64)]
     up_args = args.up_args.split()
     results: dict[str, Any] = {}
-    if not args.ramp_only:
-        step = [
+    if args.mode == "step":
+        phases = [
             ("1x", 1.0, args.phase_s),
             (f"{args.factor:g}x", args.factor, args.phase_s),
             ("1x-after", 1.0, args.phase_s),
         ]
-        results["step"] = run_phase_set(
-            args, args.config, up_args, step, "step", prompts, args.base_rate
-        )
-        print(
-            f"\nstep {args.config.name}: 1x = {results['step']['base_rate_rps']:.2f} req/s, "
-            f"load {results['step']['loadavg_before']}"
-        )
-        print(format_table(results["step"]["summary"]))
-        print(
-            f"idle after: {results['step']['idle_after']}; median |predicted - actual| TTFT: "
-            f"{results['step']['median_abs_ttft_prediction_error_s']}"
-        )
-    if args.ramp or args.ramp_only:
-        base = results.get("step", {}).get("base_rate_rps", args.base_rate)
-        ramp = [("0.5x", 0.5, 30.0), ("4x", 4.0, 60.0), ("0.5x-after", 0.5, 60.0)]
-        results["ramp"] = run_phase_set(
-            args, ramp_config(args.config, args.out_dir), up_args, ramp, "ramp", prompts, base
-        )
-        print(f"\nramp: 1x = {results['ramp']['base_rate_rps']:.2f} req/s")
-        print(format_table(results["ramp"]["summary"]))
-        counts = results["ramp"]["replicas_over_time"]
+        config = args.config
+    else:
+        phases = [("0.5x", 0.5, 30.0), ("4x", 4.0, 60.0), ("0.5x-after", 0.5, 60.0)]
+        config = ramp_config(args.config, args.out_dir)
+    result = run_phase_set(args, config, up_args, phases, args.mode, prompts, args.base_rate)
+    results[args.mode] = result
+    print(
+        f"\n{args.mode} {config.name}: 1x = {result['base_rate_rps']:.2f} req/s, "
+        f"loadavg before {result['loadavg_before']} after {result['loadavg_after']}"
+    )
+    print(format_table(result["summary"]))
+    print(
+        f"idle after: {result['idle_after']}; median |predicted - actual| TTFT: "
+        f"{result['median_abs_ttft_prediction_error_s']} s over {result['prediction_samples']}"
+    )
+    if args.mode == "ramp":
+        counts = result["replicas_over_time"]
         print(
             "replicas (t, decode, prefill):",
             [(round(c["t"]), c["decode"], c["prefill"]) for c in counts],
         )
-    (args.out_dir / "overload.json").write_text(json.dumps(results, indent=1, default=str))
-    print(f"\nwrote {args.out_dir}/overload.json and the PNGs")
+    out = args.out_dir / f"overload-{args.mode}.json"
+    out.write_text(json.dumps(results, indent=1, default=str))
+    print(f"\nwrote {out} and {args.out_dir / (args.mode + '.png')}")
     return 0
 
 

@@ -246,7 +246,8 @@ class ShedHint:
 def ingress_overloaded(loop_lag_s: float, priority: Priority, ttft_slo_s: float) -> bool:
     """Whether the ingress itself is the queue: every request and every streamed chunk
     waits for its event loop, twice before a first token reaches the client (the request
-    in, the chunk out), so a lag of a quarter of the SLO already spends half of it. Batch
-    yields first, at a tenth."""
-    share = 0.25 if priority == "interactive" else 0.1
+    in, the chunk out, each behind the backlog that the lag measures), and a lag that grew
+    to a tenth of the SLO grows on while requests keep coming: shed there. Batch yields
+    first, at half that."""
+    share = 0.1 if priority == "interactive" else 0.05
     return loop_lag_s > share * ttft_slo_s

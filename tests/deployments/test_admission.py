@@ -149,7 +149,7 @@ def test_the_ingress_sheds_within_the_drain_time_a_replica_reported() -> None:
 
 
 def test_a_lagging_ingress_loop_sheds_batch_first() -> None:
-    assert not admission.ingress_overloaded(0.1, "interactive", 2.0)
-    assert admission.ingress_overloaded(0.3, "batch", 2.0)
-    assert not admission.ingress_overloaded(0.3, "interactive", 2.0)
-    assert admission.ingress_overloaded(0.6, "interactive", 2.0)
+    assert not admission.ingress_overloaded(0.05, "batch", 2.0)
+    assert admission.ingress_overloaded(0.15, "batch", 2.0)
+    assert not admission.ingress_overloaded(0.15, "interactive", 2.0)
+    assert admission.ingress_overloaded(0.3, "interactive", 2.0)
