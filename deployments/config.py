@@ -146,6 +146,10 @@ class EngineLimits(_Strict):
     enable_prefix_caching: bool = Field(
         default=True, description="Reuse KV blocks of identical prompt prefixes."
     )
+    cuda_graphs: bool = Field(
+        default=True,
+        description="On a GPU, replay decode steps from CUDA graphs (false = every step eager).",
+    )
 
 
 class CpuSettings(_Strict):

@@ -100,4 +100,5 @@ def engine_config(cfg: AppConfig, role: PoolRole, model_dir: str) -> EngineConfi
         max_num_seqs=limits.max_num_seqs,
         max_model_len=limits.max_model_len,
         enable_prefix_caching=limits.enable_prefix_caching,
+        cuda_graphs=limits.cuda_graphs,
     )

@@ -362,7 +362,8 @@ def test_kv_pool_sizing_and_injected_allocator(tiny_model_dir: Path) -> None:
         calls.append((shape, dtype, device))
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
-    config = EngineConfig(model=str(tiny_model_dir), block_size=16, max_num_seqs=4)
+    # The CPU's sizing rule (a share of host memory); a GPU's is gpu_verify's.
+    config = EngineConfig(model=str(tiny_model_dir), block_size=16, max_num_seqs=4, device="cpu")
     runner = ModelRunner(config, kv_cache_allocator=allocator)
     mc = runner.model_config
     per_seq = -(-runner.max_model_len // 16)

@@ -98,8 +98,10 @@ def prefill_engine_main(conn: Connection, model_dir: str, num_kv_blocks: int) ->
         if engine is None:
             # The engine registers its pool with the connector, which builds its sender.
             connector = PrefillKVConnector()
+            # CPU on every host: these tests are about the shm and gloo transports
+            # (bench.gpu_verify runs the CUDA ones).
             engine = LLMEngine.from_pretrained(
-                model_dir, kv_connector=connector, num_kv_blocks=num_kv_blocks
+                model_dir, kv_connector=connector, num_kv_blocks=num_kv_blocks, device="cpu"
             )
         assert connector is not None
         firsts: dict[str, int] = {}

@@ -34,8 +34,10 @@ def _params() -> SamplingParams:
 
 def _decode_engine(model_dir: Path, transport: str) -> tuple[Any, KVReceiver, SharedKVAllocator]:
     alloc = SharedKVAllocator()
+    # CPU on every host: the shared-memory pool and the shm/gloo transports are the subject
+    # (bench.gpu_verify runs the CUDA transports).
     engine = engine_mod.LLMEngine.from_pretrained(
-        model_dir, kv_cache_allocator=alloc, num_kv_blocks=BLOCKS
+        model_dir, kv_cache_allocator=alloc, num_kv_blocks=BLOCKS, device="cpu"
     )
     receiver = KVReceiver(
         engine.kv_cache,
@@ -81,7 +83,9 @@ def references(tiny_model_dir: Path) -> Iterator[dict[tuple[int, ...], list[int]
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     prompts = [list(range(3, 40)), [7, 99, 512, 3, 3, 1024] * 6, list(range(200, 216))]
-    single = engine_mod.LLMEngine.from_pretrained(tiny_model_dir, num_kv_blocks=BLOCKS)
+    single = engine_mod.LLMEngine.from_pretrained(
+        tiny_model_dir, num_kv_blocks=BLOCKS, device="cpu"
+    )
     outs = single.generate(prompts, _params())
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     gc = GenerationConfig(max_new_tokens=NUM_NEW, do_sample=False, eos_token_id=None)
@@ -181,7 +185,7 @@ def test_prefill_frees_blocks_when_the_decode_side_is_gone(tiny_model_dir: Path)
 
     connector = PrefillKVConnector()  # the engine registers its pool: the sender is built
     engine = engine_mod.LLMEngine.from_pretrained(
-        tiny_model_dir, kv_connector=connector, num_kv_blocks=BLOCKS
+        tiny_model_dir, kv_connector=connector, num_kv_blocks=BLOCKS, device="cpu"
     )
     connector.register_target("gone", target)
     engine.add_request("gone", prompt, _params(), prefill_only=True)
