@@ -10,9 +10,7 @@ Called unchanged, as the Serve app calls it:
   each remote prefill, the deadline of ``RemotePrefill``: predicted compute + timeout);
 - prefill routing: ``routers.rank_prefill`` with each decode replica's own router books;
 - load reports: ``load.replica_stats`` and ``RateMeter``;
-- autoscaling: the policy classes of ``autoscaling.py`` built from ``app.autoscaling_config``
-  and called with an ``AutoscalingContext``-shaped object; Serve's up/down-scale delays and
-  bounds are applied around them as Serve does;
+- autoscaling: ``SimAutoscaler`` (``autoscaler.py``);
 - admission: an optional ``Admission`` asked after the policy placed the request (issue 18's
   admission control plugs in here: ``pdserve.sim.admission.LiveAdmission``); with one, the
   policy itself never sheds, as in the decode server that runs it.
@@ -24,19 +22,14 @@ which only the last layer's share shows after the prefill when the link keeps pa
 
 from __future__ import annotations
 
-import importlib
 from collections import deque
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any, Protocol
 
-from pdserve.deployments.app import autoscaling_config
 from pdserve.deployments.config import AppConfig, PoolRole
 from pdserve.deployments.load import (
     Ema,
     RateMeter,
-    decode_autoscaling_stats,
-    prefill_autoscaling_stats,
     replica_stats,
 )
 from pdserve.deployments.messages import ReplicaStats
@@ -55,6 +48,7 @@ from pdserve.deployments.routers import (
     rank_prefill_stats,
 )
 from pdserve.engine.stats import EngineStats
+from pdserve.sim.autoscaler import SimAutoscaler
 from pdserve.sim.config import SimSettings
 from pdserve.sim.cost import CostModel
 from pdserve.sim.engine import EngineShape, Seq, SimEngine
@@ -167,11 +161,10 @@ class SimCluster:
         # Where each request went: (decode replica, prefill replica or None).
         self.routes: dict[int, tuple[str, str | None]] = {}
         self.counts = {"local": 0, "remote": 0, "fallback": 0, "shed": 0, "failed": 0}
-        self._scalers = {role: self._scaler(role) for role in ("prefill", "decode")}
-        self._want: dict[str, tuple[int, float]] = {}
+        self.autoscaler = SimAutoscaler(self)
         for role in ("prefill", "decode"):
             for _ in range(app.pool(role).start_replicas):
-                self._start_replica(role, ready_in=0.0)  # type: ignore[arg-type]
+                self.start_replica(role, ready_in=0.0)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ setup
     def _shape(self, role: str) -> EngineShape:
@@ -182,15 +175,7 @@ class SimCluster:
             limits.max_num_batched_tokens, limits.max_num_seqs, limits.block_size, blocks
         )
 
-    def _scaler(self, role: str) -> Any:
-        pool = self.app.pool(role)  # type: ignore[arg-type]
-        if not self.app.autoscaling or pool.min_replicas == pool.max_replicas:
-            return None
-        policy = autoscaling_config(self.app, role)["policy"]  # type: ignore[arg-type]
-        module, _, name = policy["policy_function"].partition(":")
-        return getattr(importlib.import_module(module), name)(**policy["policy_kwargs"])
-
-    def _start_replica(self, role: PoolRole, ready_in: float) -> SimReplica:
+    def start_replica(self, role: PoolRole, ready_in: float) -> SimReplica:
         self._next_id += 1
         gpus = (
             self.s.gpus_per_prefill_replica if role == "prefill" else self.s.gpus_per_decode_replica
@@ -232,8 +217,8 @@ class SimCluster:
         for req in requests:
             self.loop.at(req.arrival, self._arrive, req)
         self.loop.after(0.0, self._publish_all)
-        if any(self._scalers.values()):
-            self.loop.after(0.0, self._autoscale)
+        if self.autoscaler.active:
+            self.loop.after(0.0, self.autoscaler.tick)
         last = requests[-1].arrival if requests else 0.0
         self.loop.run(until=until if until is not None else last + self.s.max_queue_s)
         end = self.loop.now
@@ -253,6 +238,10 @@ class SimCluster:
 
     def _done(self) -> None:
         self._open -= 1
+
+    @property
+    def open_requests(self) -> int:
+        return self._open
 
     # ------------------------------------------------------------------ stats (live code)
     def _publish(self, replica: SimReplica) -> None:
@@ -413,7 +402,7 @@ class SimCluster:
     def _release_prefill(self, replica: SimReplica, seq_p: Seq) -> None:
         replica.engine.release(seq_p)
         if replica.draining and replica.engine.idle:
-            self._retire(replica)
+            self.retire(replica)
 
     def _landed(self, rid: int) -> None:
         remote = self._remote.pop(rid, None)
@@ -463,72 +452,11 @@ class SimCluster:
         replica.ongoing -= 1
         self.ingress_books.completed(str(req.rid))
         if replica.draining and replica.ongoing == 0 and replica.engine.idle:
-            self._retire(replica)
+            self.retire(replica)
         if self.backlog:
             self._drain_backlog()
 
-    # ------------------------------------------------------------------ autoscaling (live)
-    def _metrics(self, role: str) -> dict[str, dict[str, float]]:
-        """Serve's ``aggregated_metrics``: each ready replica's ``record_autoscaling_stats``
-        (the live ``load.*_autoscaling_stats``), by metric name then replica."""
-        out: dict[str, dict[str, float]] = {}
-        for r in self.pools[role]:
-            if not r.ready:
-                continue
-            rate = r.arrivals.rate() if r.arrivals else 0.0
-            stats = r.engine.stats()
-            report = (
-                prefill_autoscaling_stats(stats, rate)
-                if role == "prefill"
-                else decode_autoscaling_stats(stats, r.itl.value, rate)
-            )
-            for name, value in report.items():
-                out.setdefault(name, {})[r.replica_id] = value
-        return out
-
-    def _autoscale(self) -> None:
-        now = self.loop.now
-        for role, scaler in self._scalers.items():
-            if scaler is None:
-                continue
-            pool = self.app.pool(role)  # type: ignore[arg-type]
-            live = [r for r in self.pools[role] if not r.draining]
-            ctx = SimpleNamespace(
-                aggregated_metrics=self._metrics(role),
-                current_num_replicas=sum(r.ready for r in live),
-                target_num_replicas=len(live),
-                policy_state={},
-            )
-            wanted, _ = scaler(ctx)
-            wanted = min(max(wanted, pool.min_replicas), pool.max_replicas)
-            self._apply(role, pool, live, wanted, now)
-        self.timeline.append(
-            (now, *(sum(not r.draining for r in self.pools[p]) for p in ("prefill", "decode")))
-        )
-        if self._open > 0:
-            self.loop.after(self.s.autoscale_period_s, self._autoscale)
-
-    def _apply(self, role: str, pool: Any, live: list[SimReplica], wanted: int, now: float) -> None:
-        """Serve's delays: a new target holds for upscale/downscale_delay_s before it acts."""
-        if wanted == len(live):
-            self._want.pop(role, None)
-            return
-        target, since = self._want.get(role, (wanted, now))
-        if (target > len(live)) != (wanted > len(live)):
-            since = now
-        self._want[role] = (wanted, since)
-        delay = pool.upscale_delay_s if wanted > len(live) else pool.downscale_delay_s
-        if now - since < delay:
-            return
-        self._want.pop(role, None)
-        for _ in range(wanted - len(live)):
-            self._start_replica(role, ready_in=self.s.replica_startup_s)  # type: ignore[arg-type]
-        for replica in sorted(live, key=lambda r: r.ongoing)[: max(0, len(live) - wanted)]:
-            replica.draining = True
-            if replica.ongoing == 0 and replica.engine.idle:
-                self._retire(replica)
-
-    def _retire(self, replica: SimReplica) -> None:
+    def retire(self, replica: SimReplica) -> None:
         if replica not in self.pools[replica.role]:
             return
         self.pools[replica.role].remove(replica)

@@ -18,6 +18,10 @@ host here; its bandwidth and per-request latency are options, not measured.
 ``--helper-min-tokens`` tokens run with that many more torch threads, as the engine's
 ``StepThreads`` does.
 
+``--config YAML --role decode|prefill`` builds the engine as that pool's replicas do
+(``deployments.engine_factory``: dtype, torch and helper threads, niceness), which is what
+a simulation of that config should be calibrated with.
+
 Prints a table and writes JSON (``StepProfile``). Needs torch (the real engine).
 """
 
@@ -30,6 +34,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -40,23 +45,29 @@ DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 CONTEXTS = (16, 512, 1536)
 
 
-def _engine(model_dir: str, dtype: str, budget: int):  # -> LLMEngine (torch: imported late)
+def _engine(model_dir: str, dtype: str, budget: int, pool: tuple[Any, str] | None = None):
+    """The engine to time (torch: imported late). With ``pool`` = (AppConfig, role) it is
+    built as that pool's replicas build theirs (``engine_factory``: the pool's dtype and
+    device runtime: torch threads, helper threads, niceness), with room for the profile's
+    batches."""
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.llm_engine import LLMEngine
 
-    return LLMEngine(
-        EngineConfig(
-            model=model_dir,
-            dtype=dtype,
-            device="cpu",
-            block_size=16,
-            num_kv_blocks=64 * 4096 // 16 // 4,
-            max_num_batched_tokens=budget,
-            max_num_seqs=64,
-            max_model_len=4096,
-            enable_prefix_caching=False,
-        )
-    )
+    sizes = {
+        "block_size": 16,
+        "num_kv_blocks": 64 * 4096 // 16 // 4,
+        "max_num_batched_tokens": budget,
+        "max_num_seqs": 64,
+        "max_model_len": 4096,
+        "enable_prefix_caching": False,
+    }
+    if pool is not None:
+        from pdserve.deployments.engine_factory import engine_config, runtime_settings
+
+        cfg, role = pool
+        config = engine_config(cfg, role, model_dir).model_copy(update=sizes)
+        return LLMEngine(config, runtime_settings=runtime_settings(cfg.pool(role)))
+    return LLMEngine(EngineConfig(model=model_dir, dtype=dtype, device="cpu", **sizes))
 
 
 def _prompt(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
@@ -117,21 +128,25 @@ def measure(
     model_dir: str,
     dtype: str,
     repeats: int,
-    threads: Threads,
+    threads: Threads | None,
     transfer_bytes_per_s: float,
     transfer_latency_s: float,
+    pool: tuple[Any, str] | None = None,
 ) -> tuple[StepProfile, dict]:
+    """``threads`` None: the engine's own runtime sets them per step (a pool's engine)."""
     rng = np.random.default_rng(0)
-    engine = _engine(model_dir, dtype, budget=max(PREFILL_POINTS[-1], 64 * CONTEXTS[-1]))
+    budget = max(PREFILL_POINTS[-1], 64 * CONTEXTS[-1])
+    engine = _engine(model_dir, dtype, budget, pool)
+    apply = threads.apply if threads is not None else (lambda n: None)
     time_prefill(engine, 64, 2, rng)  # warm-up: first-call allocations
     prefill, decode, ctx = {}, {}, {}
     for n in PREFILL_POINTS:
-        threads.apply(n)
+        apply(n)
         prefill[n] = time_prefill(engine, n, repeats, rng)
     for b in DECODE_BATCHES:
-        threads.apply(b)
+        apply(b)
         decode[b] = time_decode(engine, b, 16, 8, rng)
-    threads.apply(8)
+    apply(8)
     for c in CONTEXTS:
         ctx[c] = time_decode(engine, 8, c, 8, rng)
 
@@ -165,7 +180,7 @@ def measure(
         transfer_bytes_per_s=transfer_bytes_per_s,
         transfer_latency_s=transfer_latency_s,
         num_layers=int(cfg.num_layers),
-        source=f"{model_dir} dtype {cfg.dtype} {threads}",
+        source=f"{model_dir} dtype {cfg.dtype} {threads or pool[1] + ' pool runtime'}",
     )
     raw = {"prefill_s": prefill, "decode_s": decode, "decode8_ctx_s": ctx, "fit_a_b": [a, b]}
     return profile, raw
@@ -180,6 +195,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads (a replica's num_cpus)")
     p.add_argument("--helper-threads", type=int, default=0, help="the pool's helper_threads")
     p.add_argument("--helper-min-tokens", type=int, default=32, help="the pool's helper_min_tokens")
+    p.add_argument(
+        "--config",
+        type=Path,
+        help="AppConfig YAML: build the engine as this config's --role replicas do (its "
+        "dtype and device runtime; --threads/--helper-* are then ignored)",
+    )
+    p.add_argument("--role", choices=["prefill", "decode"], default="decode")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--transfer-gbps", type=float, default=2.0, help="KV copy GB/s (shm)")
     p.add_argument("--transfer-latency-ms", type=float, default=5.0, help="per remote prefill")
@@ -191,7 +213,12 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     model_dir = str(args.model or ensure_test_model(args.size))
-    threads = Threads(args.threads, args.helper_threads, args.helper_min_tokens)
+    pool = None
+    threads: Threads | None = Threads(args.threads, args.helper_threads, args.helper_min_tokens)
+    if args.config is not None:
+        from pdserve.deployments.config import AppConfig
+
+        pool, threads = (AppConfig.from_yaml(args.config), args.role), None
     profile, raw = measure(
         model_dir,
         args.dtype,
@@ -199,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         threads,
         args.transfer_gbps * 1e9,
         args.transfer_latency_ms / 1e3,
+        pool,
     )
     print(f"{'tokens/step':>12}{'step ms':>10}")
     for x, y in zip(profile.token_points, profile.token_seconds, strict=True):

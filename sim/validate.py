@@ -7,7 +7,9 @@
 
 ``measure`` starts a real cluster (``pdserve up`` / ``serve`` / ``down``, always stopped),
 runs ``bench.serve --save-requests`` once per rate (bounded by --num-requests and
---max-duration-s) and leaves one ``summary.json`` per rate. ``compare`` replays each run's
+--max-duration-s; each rate with its own seed: the engines cache prompt prefixes, and a
+run that repeated the previous one's prompts would prefill almost nothing) and leaves one
+``summary.json`` per rate. ``compare`` replays each run's
 requests (send times, prompt and output lengths) through the simulator, configured by the
 same YAML and calibrated by a ``pdserve.sim.profile`` step profile, and prints predicted
 vs measured TTFT and TPOT p50/p90 with the relative error; JSON goes next to it.
@@ -56,14 +58,14 @@ def measure(args: argparse.Namespace) -> int:
             serve = recorded["serve"]
             url = f"http://{serve['http_host']}:{serve['http_port']}"
             url += serve["route_prefix"].rstrip("/")
-            for rate in args.rates:
+            for i, rate in enumerate(args.rates):
                 run_dir = out_dir / f"{Path(args.config).stem}-rate{rate:g}"
                 _run(
                     [sys.executable, "-m", "pdserve.bench.serve", "--endpoint", f"pdserve={url}",
                      "--tokenizer", tokenizer, "--request-rate", str(rate),
                      "--num-requests", str(args.num_requests), "--max-duration-s",
                      str(args.max_duration_s), "--prompt-len", args.prompt_len,
-                     "--output-len", args.output_len, "--warmup", "2", "--seed", str(args.seed),
+                     "--output-len", args.output_len, "--warmup", "2", "--seed", str(args.seed + i),
                      "--save-requests", "--no-plot", "--request-timeout-s", "120",
                      "--out-dir", str(run_dir)],
                     args.max_duration_s + 300,
@@ -81,11 +83,12 @@ def _pcts(values: list[float]) -> tuple[float, float]:
     return float(p50), float(p90)
 
 
-def compare_one(name: str, config: Path, summary: Path, profile: StepProfile, s: SimSettings):
+def compare_one(
+    config: Path, summary: Path, prefill: StepProfile, decode: StepProfile, s: SimSettings
+) -> dict:
     app = AppConfig.from_yaml(config)
     run = replay(summary)
-    cost = ProfileCost(profile)
-    report, cluster = simulate(app, run.requests, cost, cost, s)
+    report, cluster = simulate(app, run.requests, ProfileCost(prefill), ProfileCost(decode), s)
     sim_ttft = [r.ttft for r in run.requests if r.ttft is not None]
     sim_tpot = [r.tpot for r in run.requests if r.tpot is not None]
     rows = {}
@@ -124,10 +127,18 @@ def compare(args: argparse.Namespace) -> int:
     for spec in args.run:
         name, _, rest = spec.partition("=")
         config, _, summary = rest.partition(":")
-        profile = profiles.get(name.split("@")[0]) or profiles.get("")
-        if profile is None:
-            raise ValueError(f"no --profile for run {name!r} (give NAME=FILE or a default)")
-        rows = compare_one(name, Path(config), Path(summary), profile, settings)
+        base = name.split("@")[0]
+        pools = []
+        for role in ("prefill", "decode"):
+            found = [profiles.get(k) for k in (f"{base}:{role}", base, "")]
+            profile = next((f for f in found if f is not None), None)
+            if profile is None:
+                raise ValueError(
+                    f"no --profile for the {role} pool of run {name!r} (give "
+                    f"{base}:{role}=FILE, {base}=FILE or a default FILE)"
+                )
+            pools.append(profile)
+        rows = compare_one(Path(config), Path(summary), pools[0], pools[1], settings)
         results[name] = rows
         for metric in ("ttft", "tpot"):
             r = rows[metric]
@@ -158,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--out-dir", default=f"bench/results/sim-validate-{time.strftime('%H%M%S')}")
     c = sub.add_parser("compare", help="predicted vs measured")
     c.add_argument("--profile", action="append", required=True,
-                   help="FILE (default) or NAME=FILE for runs named NAME@...")  # fmt: skip
+                   help="FILE (default), NAME=FILE for runs named NAME@..., or "
+                   "NAME:prefill=FILE / NAME:decode=FILE for one pool")  # fmt: skip
     c.add_argument("--run", action="append", required=True, help="NAME=CONFIG:SUMMARY")
     c.add_argument("--rpc-ms", type=float, default=1.0, help="one process hop")
     c.add_argument("--ingress-ms", type=float, default=3.0, help="ingress parse + tokenize")
