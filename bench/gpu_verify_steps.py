@@ -216,8 +216,6 @@ def prefill_process(conn: Connection, model_dir: str, device: str) -> None:
     """Prefill-role engine (spawned): for each batch [(rid, prompt, target_json)] prefill
     with the targets registered and answer [(rid, first_token, result_json)]."""
     from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.engine.sampling_params import SamplingParams
-    from pdserve.kvtransfer import KVTarget
     from pdserve.kvtransfer.connector import PrefillKVConnector
 
     connector = PrefillKVConnector()
@@ -226,23 +224,34 @@ def prefill_process(conn: Connection, model_dir: str, device: str) -> None:
     )
     conn.send("ready")
     while (batch := conn.recv()) is not None:
-        firsts: dict[str, int] = {}
-        for rid, prompt, target_json in batch:
-            connector.register_target(rid, KVTarget.model_validate_json(target_json))
-            params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
-            engine.add_request(rid, prompt, params, prefill_only=True)
-        deadline = time.time() + 60
-        while (engine.has_pending_work() or len(firsts) < len(batch)) and time.time() < deadline:
-            for out in engine.step():
-                if out.finished and out.token_ids:
-                    firsts[out.request_id] = out.token_ids[0]
-            if not engine.has_unfinished_requests():
-                time.sleep(0.002)
-        answers = []
-        for rid, *_ in batch:
-            result = connector.take_result(rid, timeout=10)
-            answers.append((rid, firsts.get(rid), result.model_dump_json() if result else None))
-        conn.send(answers)
+        conn.send(prefill_batch(engine, connector, [(r, p, NUM_NEW, t) for r, p, t in batch]))
+
+
+def prefill_batch(
+    engine: Any, connector: Any, batch: list[tuple[str, list[int], int, str]]
+) -> list[tuple[str, int | None, str | None]]:
+    """Prefill ``[(rid, prompt, max_tokens, target_json)]`` with the KV targets registered,
+    step until every send ended; ``[(rid, first token, transfer result json)]``."""
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.kvtransfer import KVTarget
+
+    firsts: dict[str, int] = {}
+    for rid, prompt, max_tokens, target_json in batch:
+        connector.register_target(rid, KVTarget.model_validate_json(target_json))
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        engine.add_request(rid, prompt, params, prefill_only=True)
+    deadline = time.time() + 60
+    while (engine.has_pending_work() or len(firsts) < len(batch)) and time.time() < deadline:
+        for out in engine.step():
+            if out.finished and out.token_ids:
+                firsts[out.request_id] = out.token_ids[0]
+        if not engine.has_unfinished_requests():
+            time.sleep(0.002)  # only sends left: let them land
+    answers = []
+    for rid, *_ in batch:
+        result = connector.take_result(rid, timeout=10)
+        answers.append((rid, firsts.get(rid), result.model_dump_json() if result else None))
+    return answers
 
 
 def disaggregated(model_root: Path) -> list[Row]:

@@ -85,8 +85,8 @@ def prefill_engine_main(conn: Connection, model_dir: str, num_kv_blocks: int) ->
     add the requests ``prefill_only`` with their targets, step until every send ended, and
     answer [(request_id, first_token_id, transfer_result_json)]. ``None`` ends the loop."""
     torch.set_num_threads(1)
+    from pdserve.bench.gpu_verify_steps import prefill_batch
     from pdserve.engine.llm_engine import LLMEngine
-    from pdserve.engine.sampling_params import SamplingParams
     from pdserve.kvtransfer.connector import PrefillKVConnector
 
     connector: PrefillKVConnector | None = None
@@ -104,23 +104,8 @@ def prefill_engine_main(conn: Connection, model_dir: str, num_kv_blocks: int) ->
                 model_dir, kv_connector=connector, num_kv_blocks=num_kv_blocks, device="cpu"
             )
         assert connector is not None
-        firsts: dict[str, int] = {}
-        for rid, prompt, max_tokens, target_json in batch:
-            connector.register_target(rid, KVTarget.model_validate_json(target_json))
-            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-            engine.add_request(rid, prompt, params, prefill_only=True)
-        deadline = time.time() + 60
-        while (engine.has_pending_work() or len(firsts) < len(batch)) and time.time() < deadline:
-            for out in engine.step():
-                if out.finished and out.token_ids:
-                    firsts[out.request_id] = out.token_ids[0]
-            if not engine.has_unfinished_requests():
-                time.sleep(0.002)  # only sends left: let them land
+        answers = prefill_batch(engine, connector, batch)
         engine.check_integrity()
         stats = engine.stats()
         leaked = stats.num_total_blocks - stats.num_free_blocks
-        answers = []
-        for rid, *_ in batch:
-            result = connector.take_result(rid, timeout=5)
-            answers.append((rid, firsts.get(rid), result.model_dump_json() if result else None))
         conn.send((answers, leaked))
