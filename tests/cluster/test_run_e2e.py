@@ -37,7 +37,10 @@ observability:
   tracing_exporter: console
 """
 # Longer than policy.local_prefill_max_tokens (64): the decode replica prefills it remotely.
-OPERATIONS = ("text_completion", "decode", "prefill_remote", "prefill", "kv_transfer")
+# The root span follows the GenAI conventions ("{operation} {model}"); the internal ones are
+# pdserve's own ("pdserve.{stage}").
+ROOT_OPERATION = "text_completion"
+STAGES = ("decode", "prefill_remote", "prefill", "kv_transfer")
 LONG_PROMPT = " ".join(["the river runs past the old mill to the sea"] * 12)
 
 
@@ -246,13 +249,13 @@ def _check_trace(root_dir: Path, response_id: str, model: str, timeout_s: float 
             if any(s.attributes.get("pdserve.request_id") == response_id for s in t)
         ]
         names = {s.name for t in roots for s in t}
-        needed = {f"{op} {model}" for op in OPERATIONS}
+        needed = {f"{ROOT_OPERATION} {model}"} | {f"pdserve.{stage}" for stage in STAGES}
         if len(roots) == 1 and needed <= names:
             break
         assert time.monotonic() < deadline, f"trace of {response_id}: {len(roots)}, {names}"
         time.sleep(1.0)
     (spans,) = roots
-    by_name = {s.name.removesuffix(f" {model}"): s for s in spans}
+    by_name = {s.name.removesuffix(f" {model}").removeprefix("pdserve."): s for s in spans}
     files = {by_name[n].source for n in ("text_completion", "decode", "prefill")}
     assert len(files) == 3, files  # three processes, one trace id
     # One tree: a single root (the HTTP server span when FastAPI is instrumented, else the
@@ -266,3 +269,6 @@ def _check_trace(root_dir: Path, response_id: str, model: str, timeout_s: float 
     # The KV listener binds the replica's Ray node address, not 127.0.0.1 or a wildcard.
     assert prefill.attributes["pdserve.kv_target.address"].startswith("127.0.0.2:")
     assert by_name["kv_transfer"].attributes["pdserve.kv_transfer.bytes"] > 0
+    # Token usage is counted once: on the root span only.
+    counted = [s.name for s in spans if "gen_ai.usage.input_tokens" in s.attributes]
+    assert counted == [f"{ROOT_OPERATION} {model}"], counted
