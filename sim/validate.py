@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from pdserve.deployments.config import AppConfig
+from pdserve.sim.admission import LiveAdmission, live_admission_available
 from pdserve.sim.config import SimSettings
 from pdserve.sim.cost import ProfileCost, StepProfile
 from pdserve.sim.scenario import simulate
@@ -88,7 +89,11 @@ def compare_one(
 ) -> dict:
     app = AppConfig.from_yaml(config)
     run = replay(summary)
-    report, cluster = simulate(app, run.requests, ProfileCost(prefill), ProfileCost(decode), s)
+    # The decode servers run issue 18's admission control; so does the simulation.
+    admission = LiveAdmission(app) if live_admission_available() else None
+    report, cluster = simulate(
+        app, run.requests, ProfileCost(prefill), ProfileCost(decode), s, admission
+    )
     sim_ttft = [r.ttft for r in run.requests if r.ttft is not None]
     sim_tpot = [r.tpot for r in run.requests if r.tpot is not None]
     rows = {}
@@ -107,6 +112,7 @@ def compare_one(
             "error_p90": (p90 - m90) / m90,
         }
     rows["placements"] = dict(cluster.counts)
+    rows["measured_failed"] = len(run.requests) - len(run.measured_ttft)
     rows["requests"] = len(run.requests)
     return rows
 
@@ -140,6 +146,10 @@ def compare(args: argparse.Namespace) -> int:
             pools.append(profile)
         rows = compare_one(Path(config), Path(summary), pools[0], pools[1], settings)
         results[name] = rows
+        print(
+            f"{name:<18}simulated placements {rows['placements']}; "
+            f"measured failed/shed {rows['measured_failed']}"
+        )
         for metric in ("ttft", "tpot"):
             r = rows[metric]
             print(
