@@ -46,6 +46,8 @@ class QueueAhead:
     queued_prefill_tokens: int  # prompt tokens waiting to prefill where this one will
     prefill_tokens_per_s: float  # measured rate there (> 0)
     prefill_overhead_s: float = 0.0  # remote prefill: RPC + transfer beyond the compute
+    # False while prefill_tokens_per_s is still a configured prior, not a measurement.
+    rate_measured: bool = True
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,7 @@ class TTFTPrediction:
     prefill_s: float
     first_step_s: float
     calibration: float = 1.0
+    measured: bool = True  # False: the prefill time rests on a configured prior rate
 
     @property
     def remaining_s(self) -> float:
@@ -103,7 +106,7 @@ class AdmissionRules:
 @dataclass(frozen=True)
 class AdmissionDecision:
     action: Action
-    reason: str  # admitted | queued_past_slo | ttft_slo | queue_full | deadline
+    reason: str  # admitted | queued_past_slo | unmeasured | ttft_slo | queue_full | deadline
     predicted_ttft_s: float
     retry_after_s: float | None  # set when shed
 
@@ -135,6 +138,7 @@ def predict_ttft(q: QueueAhead, uncached_tokens: int, calibration: float = 1.0) 
         prefill_s=prefill_s,
         first_step_s=q.step_s,
         calibration=calibration,
+        measured=q.rate_measured,
     )
 
 
@@ -165,6 +169,11 @@ def decide(
         return AdmissionDecision("admit", "admitted", total, None)
     if not sheds:
         return AdmissionDecision("admit", "queued_past_slo", total, None)
+    if not prediction.measured:
+        # A prediction from the configured prior rate (a cold pool) never sheds: shedding on
+        # a guess turned a whole cold burst away, and a shed request never produces the
+        # measurement that would correct the guess.
+        return AdmissionDecision("admit", "unmeasured", total, None)
     return AdmissionDecision("shed", "ttft_slo", total, retry_after_s(prediction, threshold))
 
 

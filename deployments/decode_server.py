@@ -256,10 +256,12 @@ class DecodeServer:
             est = self.remote_estimate
             queued = max(est.in_flight_tokens, self._pending.tokens("remote"))
             rate, overhead, uncached = est.tokens_per_s, est.overhead_s, n
+            measured = est.rate_measured
         else:
             queued = max(stats.queued_prefill_tokens, self._pending.tokens("local"))
             rate = stats.prefill_tokens_per_s or self.cfg.router.default_prefill_tokens_per_s
             overhead, uncached = 0.0, max(1, n - cached)
+            measured = stats.prefill_tokens_per_s > 0
         in_engine = stats.num_running + stats.num_waiting + stats.num_waiting_remote_kv
         ahead = admission.QueueAhead(
             waited_s=now - req.arrival_time if req.arrival_time is not None else 0.0,
@@ -270,6 +272,7 @@ class DecodeServer:
             queued_prefill_tokens=queued,
             prefill_tokens_per_s=rate,
             prefill_overhead_s=overhead,
+            rate_measured=measured,
         )
         prediction = admission.predict_ttft(ahead, uncached, self._calibration.value)
         verdict = admission.decide(prediction, req.slo_class, self._rules, self._pending.num_open)

@@ -60,6 +60,7 @@ class RemotePrefillEstimator:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
         self._alpha = alpha
         self.tokens_per_s = default_tokens_per_s
+        self.rate_measured = False  # tokens_per_s is still the configured prior
         self.overhead_s = 0.0
         self.in_flight_tokens = 0
         self.num_observed = 0
@@ -82,7 +83,14 @@ class RemotePrefillEstimator:
         observed time adds beyond it counts as overhead."""
         a = self._alpha
         if tokens_per_s > 0:
-            self.tokens_per_s = (1 - a) * self.tokens_per_s + a * tokens_per_s
+            # The first measured rate replaces the configured prior outright: the prior is a
+            # guess (GPU-sized by default), and averaging it in kept predictions, deadlines
+            # and shedding wrong for many requests after a cold start.
+            measured = self.rate_measured
+            self.tokens_per_s = (
+                (1 - a) * self.tokens_per_s + a * tokens_per_s if measured else tokens_per_s
+            )
+            self.rate_measured = True
         expected = (ahead_tokens + num_tokens) / self.tokens_per_s
         overhead = max(0.0, total_s - expected)
         self.overhead_s = (

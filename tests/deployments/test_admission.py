@@ -153,3 +153,16 @@ def test_a_lagging_ingress_loop_sheds_batch_first() -> None:
     assert admission.ingress_overloaded(0.15, "batch", 2.0)
     assert not admission.ingress_overloaded(0.15, "interactive", 2.0)
     assert admission.ingress_overloaded(0.3, "interactive", 2.0)
+
+
+def test_a_prediction_from_the_configured_prior_rate_never_sheds() -> None:
+    """A cold pool has no measured prefill rate yet: over the threshold it queues (reason
+    'unmeasured'), since shedding on the prior would turn a whole cold burst away."""
+    q = ahead(queued_prefill_tokens=1400, rate_measured=False)
+    p = admission.predict_ttft(q, 100)
+    assert p.total_s > RULES.threshold_s("interactive")
+    d = admission.decide(p, "interactive", RULES)
+    assert (d.action, d.reason, d.retry_after_s) == ("admit", "unmeasured", None)
+    # The same queue with a measured rate sheds.
+    measured = admission.predict_ttft(dataclasses.replace(q, rate_measured=True), 100)
+    assert admission.decide(measured, "interactive", RULES).action == "shed"

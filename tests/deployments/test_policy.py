@@ -113,3 +113,14 @@ def test_estimator_learns_rate_and_overhead_from_observations() -> None:
         RemotePrefillEstimator(1000.0, alpha=0.0)
     with pytest.raises(ValueError, match="num_prompt_tokens"):
         decide(policy(), 0)
+
+
+def test_the_first_measured_rate_replaces_the_configured_prior() -> None:
+    est = RemotePrefillEstimator(default_tokens_per_s=250.0, alpha=0.3)
+    assert not est.rate_measured
+    est.observe(num_tokens=128, total_s=0.2)  # a failed call reports no rate
+    assert (est.tokens_per_s, est.rate_measured) == (250.0, False)
+    est.observe(num_tokens=128, total_s=0.2, tokens_per_s=800.0)
+    assert (est.tokens_per_s, est.rate_measured) == (pytest.approx(800.0), True)
+    est.observe(num_tokens=128, total_s=0.2, tokens_per_s=1000.0)  # then an average
+    assert est.tokens_per_s == pytest.approx(0.7 * 800.0 + 0.3 * 1000.0)

@@ -230,11 +230,13 @@ def test_shedding_when_no_placement_meets_the_slo(model_dir: str) -> None:
     )
     decode = DecodeServer(cfg, model_dir, prefill=None)
     try:
+        # The batch request (which queues) runs first: it gives the engine a measured
+        # prefill rate, and a prediction from the configured prior alone never sheds.
+        batch = asyncio.run(collect(decode, request("batch", SHORT, slo_class="batch")))
+        assert batch[-1].finish_reason == "length" and batch[0].prefill_location == "local"
         shed = asyncio.run(collect(decode, request("shed-me", LONG_A)))
         assert len(shed) == 1 and shed[0].error is not None
         assert shed[0].error.code == 429 and (shed[0].error.retry_after_s or 0) >= 1.0
-        batch = asyncio.run(collect(decode, request("batch", SHORT, slo_class="batch")))
-        assert batch[-1].finish_reason == "length" and batch[0].prefill_location == "local"
         assert decode.counters().shed == 1
     finally:
         decode.shutdown()
