@@ -270,25 +270,15 @@ class ClusterView:
     """A Ray driver on the bench's cluster: replica counts, integrity, admission reports."""
 
     def __init__(self, state_dir: Path) -> None:
+        from pdserve.cluster.serving import connect_driver
         from pdserve.cluster.state import load_state, ray_client_env
 
         state = load_state(state_dir)
         assert state is not None and state.serve is not None
         # Before Ray is imported: it reads its auth settings from the environment then.
         os.environ.update(ray_client_env(state))
-        import ray
 
-        cwd = os.getcwd()
-        os.chdir(state.root_dir)  # keep the checkout off the workers' sys.path
-        try:
-            ray.init(
-                address=state.gcs_address,
-                _node_ip_address=state.node_ip,
-                log_to_driver=False,
-                logging_level="WARNING",
-            )
-        finally:
-            os.chdir(cwd)
+        connect_driver(state)
         self.app = state.serve.app_name
 
     def close(self) -> None:

@@ -95,6 +95,29 @@ def _describe(status: ServeStatus, app_name: str) -> str:
     return f"application {app.status.lower()}: " + "; ".join(parts)
 
 
+def connect_driver(state: ClusterState) -> None:
+    """``ray.init`` this process as a driver of the cluster ``state`` describes.
+
+    Ray puts the driver's working directory first on every worker's sys.path. In a checkout
+    of pdserve that directory holds the source folders (``kernels``, ``engine``...), which
+    would shadow same-named packages in the replicas (transformers imports Hugging Face's
+    ``kernels``); so the driver connects from the cluster's own directory.
+    """
+    import ray
+
+    cwd = os.getcwd()
+    os.chdir(state.root_dir)
+    try:
+        ray.init(
+            address=state.gcs_address,
+            _node_ip_address=state.node_ip,
+            log_to_driver=False,
+            logging_level="WARNING",
+        )
+    finally:
+        os.chdir(cwd)
+
+
 def deploy(
     state: ClusterState, config: AppConfig, *, timeout_s: float, progress: Progress
 ) -> ServeRecord:
@@ -110,21 +133,7 @@ def deploy(
         # ray.init replaces SIGINT/SIGTERM handlers with its own (which end the process at
         # once); the caller's handlers decide what a signal means here (`run` cleans up).
         handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-        # Ray puts the driver's working directory first on every worker's sys.path. In a
-        # checkout of pdserve that directory holds the source folders (`kernels`, `engine`,
-        # ...), which would shadow same-named packages in the replicas (transformers imports
-        # Hugging Face's `kernels`); so the driver connects from the cluster's own directory.
-        cwd = os.getcwd()
-        os.chdir(state.root_dir)
-        try:
-            ray.init(
-                address=state.gcs_address,
-                _node_ip_address=state.node_ip,
-                log_to_driver=False,
-                logging_level="WARNING",
-            )
-        finally:
-            os.chdir(cwd)
+        connect_driver(state)
         for sig, handler in handlers.items():
             if handler is not None:
                 signal.signal(sig, handler)

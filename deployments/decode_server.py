@@ -301,21 +301,13 @@ class DecodeServer:
         self._counts["shed"] += 1
         self.metrics.record_shed(verdict.reason, req.slo_class)
         retry = verdict.retry_after_s or 1.0
-        return GenerateChunk(
-            request_id=req.request_id,
-            num_prompt_tokens=len(req.prompt_token_ids),
-            error=ErrorInfo(
-                code=429,
-                type="rate_limit_error",
-                message=(
-                    f"overloaded ({verdict.reason}): predicted time to first token "
-                    f"{verdict.predicted_ttft_s:.1f}s exceeds what a {req.slo_class} request "
-                    f"may wait (TTFT objective {self.cfg.slo.ttft_ms / 1000:.1f}s); "
-                    f"retry after {retry:g}s"
-                ),
-                retry_after_s=retry,
-            ),
+        message = (
+            f"overloaded ({verdict.reason}): predicted time to first token "
+            f"{verdict.predicted_ttft_s:.1f}s exceeds what a {req.slo_class} request "
+            f"may wait (TTFT objective {self.cfg.slo.ttft_ms / 1000:.1f}s); "
+            f"retry after {retry:g}s"
         )
+        return GenerateChunk.overloaded(req, message, retry_after_s=retry)
 
     async def _stream(
         self, req: GenerateRequest, decision: Decision, start: float, span: Any

@@ -43,7 +43,6 @@ from pdserve.deployments.grpc import pdserve_pb2 as pb2
 from pdserve.deployments.ingress_telemetry import IngressTelemetry
 from pdserve.deployments.load import LoopLag
 from pdserve.deployments.messages import (
-    ErrorInfo,
     GenerateChunk,
     GenerateRequest,
     SLOClass,
@@ -324,19 +323,11 @@ class OpenAIIngress:
             reason, wait_s = "ingress_lag", 2 * lag  # the lag in, and again out
         if reason:
             self._shed_metrics.record_shed(reason, request.slo_class)
-            yield GenerateChunk(
-                request_id=request.request_id,
-                num_prompt_tokens=len(request.prompt_token_ids),
-                error=ErrorInfo(
-                    code=429,
-                    type="rate_limit_error",
-                    message=(
-                        f"overloaded ({reason}): predicted time to first token over what a "
-                        f"{request.slo_class} request may wait; the queue drains in "
-                        f"{wait_s:.1f}s"
-                    ),
-                    retry_after_s=wait_s,
-                ),
+            yield GenerateChunk.overloaded(
+                request,
+                f"overloaded ({reason}): predicted time to first token over what a "
+                f"{request.slo_class} request may wait; the queue drains in {wait_s:.1f}s",
+                retry_after_s=wait_s,
             )
             return
         response = self._decode.options(stream=True).generate.remote(request)

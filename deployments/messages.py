@@ -180,6 +180,19 @@ class GenerateChunk(_Message):
     error: ErrorInfo | None = Field(default=None, description="Set when the request failed.")
 
     @classmethod
+    def overloaded(
+        cls, request: GenerateRequest, message: str, retry_after_s: float
+    ) -> GenerateChunk:
+        """The one chunk of a shed request: 429 with the drain time as Retry-After."""
+        return cls(
+            request_id=request.request_id,
+            num_prompt_tokens=len(request.prompt_token_ids),
+            error=ErrorInfo(
+                code=429, type="rate_limit_error", message=message, retry_after_s=retry_after_s
+            ),
+        )
+
+    @classmethod
     def from_output(cls, out: RequestOutput, tokenizer: Any, **extra: Any) -> GenerateChunk:
         """The chunk streaming the engine output ``out``'s new tokens; ``extra`` sets
         further fields (e.g. ``prefill_location`` on the first chunk)."""

@@ -20,9 +20,7 @@ def test_kernels_compile_for_sm90() -> None:
     if not ptxas.exists():
         pytest.skip("this triton build ships no ptxas")
     # PYTHONSAFEPATH would keep `tests` (found from cwd) off sys.path.
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTHONSAFEPATH")
-    }
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTHONSAFEPATH")}
     result = subprocess.run(
         [sys.executable, "-m", "tests.kernels.aot_compile"],
         cwd=REPO,
