@@ -27,7 +27,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from pdserve.deployments.config import PolicyConfig, SLOConfig
 
 Priority = Literal["interactive", "batch"]
 Action = Literal["admit", "shed"]
@@ -91,6 +94,23 @@ class AdmissionRules:
         for name in ("interactive_factor", "batch_factor"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+    @classmethod
+    def from_config(
+        cls, policy: PolicyConfig, slo: SLOConfig, max_admitted: int = 0
+    ) -> AdmissionRules:
+        """The rules of an application's ``policy`` and ``slo`` sections."""
+        slo_s = slo.ttft_ms / 1000.0
+        return cls(
+            ttft_slo_s=slo_s,
+            interactive_factor=policy.shed_ttft_factor,
+            batch_factor=policy.batch_shed_ttft_factor,
+            interactive_on_miss=policy.on_slo_miss,
+            batch_on_miss=policy.batch_on_slo_miss,
+            interactive_max_wait_s=policy.max_queue_wait_factor * slo_s,
+            batch_max_wait_s=policy.batch_max_queue_wait_s,
+            max_admitted=max_admitted,
+        )
 
     def threshold_s(self, priority: Priority) -> float:
         factor = self.interactive_factor if priority == "interactive" else self.batch_factor

@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict
 from ray.serve.handle import DeploymentHandle
 
 from pdserve.deployments import admission, tracing
-from pdserve.deployments.config import AppConfig, PolicyConfig, SLOConfig
+from pdserve.deployments.config import AppConfig
 from pdserve.deployments.engine_factory import (
     EngineFactory,
     default_engine_factory,
@@ -92,22 +92,6 @@ class AdmissionReport(BaseModel):
     median_abs_error_s: float | None
     calibration: float
     samples: list[tuple[float, float]]  # (predicted, actual) TTFT of recent requests
-
-
-def admission_rules(
-    policy: PolicyConfig, slo: SLOConfig, max_admitted: int = 0
-) -> admission.AdmissionRules:
-    slo_s = slo.ttft_ms / 1000.0
-    return admission.AdmissionRules(
-        ttft_slo_s=slo_s,
-        interactive_factor=policy.shed_ttft_factor,
-        batch_factor=policy.batch_shed_ttft_factor,
-        interactive_on_miss=policy.on_slo_miss,
-        batch_on_miss=policy.batch_on_slo_miss,
-        interactive_max_wait_s=policy.max_queue_wait_factor * slo_s,
-        batch_max_wait_s=policy.batch_max_queue_wait_s,
-        max_admitted=max_admitted,
-    )
 
 
 class DecodeServer:
@@ -175,7 +159,7 @@ class DecodeServer:
         self._open_streams = 0
         self._itl = Ema()
         # Half of Serve's slots for admitted requests, the rest free to answer 429s at once.
-        self._rules = admission_rules(
+        self._rules = admission.AdmissionRules.from_config(
             self.cfg.policy, self.cfg.slo, max(1, self.cfg.decode.ongoing_limit // 2)
         )
         self._calibration = admission.Calibration()

@@ -4,9 +4,8 @@ one set of books per decode replica, as each ``DecodeServer`` keeps its own.
 
 The ``QueueAhead`` a decode server hands ``predict_ttft`` is assembled inside
 ``DecodeServer._admit`` (a method, being written, that needs the replica's engine); here it
-is assembled from the same signals of the simulated replica. The rules come from the
-``PolicyConfig`` fields ``DecodeServer.admission_rules`` reads (importing the decode server
-would pull in torch). Both are the two places to keep in step with that module.
+is assembled from the same signals of the simulated replica; that is the one place to keep
+in step with the decode server. The rules are the live ``AdmissionRules.from_config``.
 """
 
 from __future__ import annotations
@@ -33,16 +32,7 @@ class LiveAdmission:
         from pdserve.deployments import admission
 
         self._a = admission
-        policy, slo_s = app.policy, app.slo.ttft_ms / 1000.0
-        self.rules = admission.AdmissionRules(
-            ttft_slo_s=slo_s,
-            interactive_factor=policy.shed_ttft_factor,
-            batch_factor=getattr(policy, "batch_shed_ttft_factor", policy.shed_ttft_factor),
-            interactive_on_miss=policy.on_slo_miss,
-            batch_on_miss=getattr(policy, "batch_on_slo_miss", policy.on_slo_miss),
-            interactive_max_wait_s=getattr(policy, "max_queue_wait_factor", 1e9) * slo_s,
-            batch_max_wait_s=getattr(policy, "batch_max_queue_wait_s", 1e9),
-        )
+        self.rules = admission.AdmissionRules.from_config(app.policy, app.slo)
         self._tpot_s = app.slo.tpot_ms / 1000.0
         self._books: dict[str, tuple[Any, Any]] = {}  # replica -> (calibration, pending)
         self._where: dict[int, str] = {}  # admitted request -> its replica
