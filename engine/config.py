@@ -59,6 +59,24 @@ class EngineConfig(BaseModel):
         ),
     )
 
+    tensor_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        description=(
+            "Ranks the model is split over (Megatron-style: attention heads, MLP columns and "
+            "the vocabulary); rank 0 runs the scheduler and samples, every rank holds the KV "
+            "heads it computes. NCCL between GPUs, gloo between CPU processes."
+        ),
+    )
+    tp_workers: Literal["auto", "mp", "ray"] = Field(
+        default="auto",
+        description=(
+            "How ranks 1..tp-1 are started: 'mp' = child processes of this one, 'ray' = Ray "
+            "actors in the bundles of the caller's placement group (a Serve replica's "
+            "placement_group_bundles), 'auto' = ray inside a placement group, else mp."
+        ),
+    )
+
     @model_validator(mode="after")
     def _check_cross_fields(self) -> EngineConfig:
         if self.num_kv_blocks is not None and self.max_model_len is not None:
