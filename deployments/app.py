@@ -8,7 +8,9 @@ Usable three ways:
 
 Each pool gets its node-pool ``label_selector``, CPUs/GPUs, its request router
 (``request_router_config``) and, when its replica count may vary, pdserve's custom
-autoscaling policy. Nothing here starts Ray or reads environment variables.
+autoscaling policy. A pool with ``tensor_parallel_size`` > 1 also gets a placement group per
+replica: one bundle per rank, STRICT_PACK on one node of the pool (``placement_options``).
+Nothing here starts Ray or reads environment variables.
 """
 
 from __future__ import annotations
@@ -86,8 +88,11 @@ def build_application(
 def deployment_options(cfg: AppConfig, role: PoolRole) -> dict[str, Any]:
     """``Deployment.options`` for one pool: placement, resources, routing, scaling."""
     pool = cfg.pool(role)
+    gpus = cfg.gpus_per_rank(role)
     options: dict[str, Any] = {
-        "ray_actor_options": actor_options(pool, role, cfg.gpus_per_replica(role)),
+        # With tensor parallelism the replica actor is rank 0: exactly bundle 0.
+        "ray_actor_options": actor_options(pool, role, gpus),
+        **placement_options(pool, role, gpus),
         # Bounds from the engine limits: a flood waits in Serve's queue only up to
         # max_queued_requests per caller, then gets back-pressure; admission control on
         # the decode replica sheds the rest with 429 before any work.
@@ -114,8 +119,9 @@ def deployment_options(cfg: AppConfig, role: PoolRole) -> dict[str, Any]:
 def actor_options(
     pool: PoolConfig, role: PoolRole, num_gpus: float | None = None
 ) -> dict[str, Any]:
-    """A replica's Ray resources; ``num_gpus`` is ``AppConfig.gpus_per_replica`` (the pool's
-    own setting, or 1 on a GPU node type when unset)."""
+    """A replica actor's Ray resources: one rank's (the whole replica's without tensor
+    parallelism); ``num_gpus`` is ``AppConfig.gpus_per_rank`` (the pool's own setting, or 1
+    on a GPU node type when unset)."""
     if num_gpus is None:
         num_gpus = (
             pool.num_gpus if pool.num_gpus is not None else float(pool.accelerator_type is not None)
@@ -124,6 +130,30 @@ def actor_options(
     selector = pool.label_selector(role)
     if selector:
         options["label_selector"] = selector
+    return options
+
+
+def placement_options(pool: PoolConfig, role: PoolRole, num_gpus: float) -> dict[str, Any]:
+    """Serve's placement-group options for a tensor-parallel pool (none when
+    ``tensor_parallel_size`` is 1): a bundle per rank of the rank's CPUs and GPUs, all on one
+    node (STRICT_PACK: the ranks all-reduce every layer), each bundle selecting the pool's
+    nodes. Serve pins the replica actor (rank 0) in bundle 0, whose resources equal its
+    ``ray_actor_options``; the engine starts ranks 1.. as actors in bundles 1.., which the
+    replica's placement group captures. The actor keeps its own ``label_selector`` too (Ray
+    applies it inside the bundle, and it names the same nodes)."""
+    tp = pool.tensor_parallel_size
+    if tp == 1:
+        return {}
+    bundle: dict[str, float] = {"CPU": float(pool.num_cpus)}
+    if num_gpus:
+        bundle["GPU"] = float(num_gpus)
+    options: dict[str, Any] = {
+        "placement_group_bundles": [dict(bundle) for _ in range(tp)],
+        "placement_group_strategy": "STRICT_PACK",
+    }
+    selector = pool.label_selector(role)
+    if selector:
+        options["placement_group_bundle_label_selector"] = [dict(selector) for _ in range(tp)]
     return options
 
 

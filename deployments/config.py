@@ -220,15 +220,34 @@ class PoolConfig(_Strict):
         default=None,
         description="GPU type (e.g. 'H100'); adds 'ray.io/accelerator-type' to the selector.",
     )
+    tensor_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        description=(
+            "Ranks each replica's model is split over (tensor parallelism), all on one node: "
+            "the replica gets a placement group of this many bundles of num_cpus CPUs and "
+            "num_gpus GPUs each (strategy STRICT_PACK); rank 0 runs in the replica's process "
+            "(bundle 0), ranks 1.. are Ray actors the engine starts in the other bundles. "
+            "1 = one process, no placement group."
+        ),
+    )
     num_cpus: float = Field(
-        default=1.0, gt=0, description="CPUs per replica; also the replica's torch threads."
+        default=1.0,
+        gt=0,
+        description=(
+            "CPUs per rank (= per replica when tensor_parallel_size is 1); also each rank's "
+            "torch threads. A replica reserves tensor_parallel_size x this on its node."
+        ),
     )
     num_gpus: float | None = Field(
         default=None,
         ge=0,
         description=(
-            "GPUs per replica; None = 1 when the pool runs on CUDA (model.device 'cuda', or "
-            "'auto' with an accelerator_type), else 0 (see AppConfig.gpus_per_replica)."
+            "GPUs per rank (= per replica when tensor_parallel_size is 1; a replica reserves "
+            "tensor_parallel_size x this on its node). None = 1 when the pool runs on CUDA "
+            "(model.device 'cuda', or 'auto' with an accelerator_type), else 0 (see "
+            "AppConfig.gpus_per_rank). With tensor_parallel_size > 1 it must be 0 or 1: "
+            "each rank drives one whole GPU."
         ),
     )
     cpu: CpuSettings = Field(
@@ -289,6 +308,20 @@ class PoolConfig(_Strict):
             )
         if self.accelerator_type is not None and self.num_gpus == 0:
             raise ValueError("accelerator_type is set but num_gpus is 0: give the pool GPUs")
+        tp = self.tensor_parallel_size
+        if tp > 1 and self.num_gpus is not None and self.num_gpus not in (0, 1):
+            if self.num_gpus < 1:
+                reason = (
+                    "a fraction would put several ranks of one replica on one GPU, and each "
+                    "rank (one NCCL peer) needs a GPU of its own"
+                )
+            else:
+                reason = "a rank drives one GPU, so the others would sit idle"
+            raise ValueError(
+                f"num_gpus ({self.num_gpus:g}) with tensor_parallel_size {tp}: num_gpus is "
+                f"per rank and must be 1 (or 0 on a CPU); {reason}. A replica of this pool "
+                f"spans tensor_parallel_size = {tp} GPUs with num_gpus: 1"
+            )
         if self.node_labels:
             for key in self.node_labels:
                 if key.startswith("ray.io/") and key != ACCELERATOR_LABEL_KEY:
@@ -618,13 +651,18 @@ class AppConfig(_Strict):
     def pool(self, role: PoolRole) -> PoolConfig:
         return self.prefill if role == "prefill" else self.decode
 
-    def gpus_per_replica(self, role: PoolRole) -> float:
-        """What a replica of the pool asks Ray for: ``num_gpus`` when set, else 1 on CUDA
-        (``device: cuda``, or ``auto`` on a GPU node type) and 0 on a CPU."""
+    def gpus_per_rank(self, role: PoolRole) -> float:
+        """What each rank of a replica (the replica itself without tensor parallelism) asks
+        Ray for: ``num_gpus`` when set, else 1 on CUDA (``device: cuda``, or ``auto`` on a
+        GPU node type) and 0 on a CPU."""
         pool = self.pool(role)
         if pool.num_gpus is not None:
             return pool.num_gpus
         return 1.0 if self.pool_device(role) == "cuda" else 0.0
+
+    def gpus_per_replica(self, role: PoolRole) -> float:
+        """GPUs one replica occupies on its node: ``gpus_per_rank`` x tensor_parallel_size."""
+        return self.gpus_per_rank(role) * self.pool(role).tensor_parallel_size
 
     def pool_device(self, role: PoolRole) -> Literal["cpu", "cuda", "auto"]:
         """The device a pool's engines run on: ``model.device``, with 'auto' settled where

@@ -78,17 +78,26 @@ def require_device(cfg: AppConfig, role: PoolRole, cuda_available: bool | None =
         cuda_available = torch.cuda.is_available()
     if not cuda_available:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        tp = cfg.pool(role).tensor_parallel_size
+        if tp == 1:
+            asked = f"{cfg.gpus_per_replica(role):g} GPU per replica"
+        else:
+            asked = f"{cfg.gpus_per_rank(role):g} GPU per rank, {tp} ranks per replica"
         raise RuntimeError(
-            f"{role} replica: the pool runs on CUDA ({cfg.gpus_per_replica(role):g} GPU per "
-            f"replica) but this process sees no GPU (CUDA_VISIBLE_DEVICES={visible!r}); "
-            "check the node's GPUs and the pool's num_gpus, or set model.device: cpu"
+            f"{role} replica: the pool runs on CUDA ({asked}) but this process sees no GPU "
+            f"(CUDA_VISIBLE_DEVICES={visible!r}); check the node's GPUs and the pool's "
+            "num_gpus, or set model.device: cpu"
         )
     return device
 
 
 def engine_config(cfg: AppConfig, role: PoolRole, model_dir: str) -> EngineConfig:
-    """The ``EngineConfig`` of one pool's replicas (checks the replica got its GPU)."""
-    limits = cfg.pool(role).engine
+    """The ``EngineConfig`` of one pool's replicas (checks the replica got its GPU). Its
+    ``tensor_parallel_size`` is the pool's; ``tp_workers`` stays 'auto': inside a Serve
+    replica's placement group (``app.placement_options``) ranks 1.. become Ray actors in
+    bundles 1.., elsewhere (a profiler, a test) child processes."""
+    pool = cfg.pool(role)
+    limits = pool.engine
     return EngineConfig(
         model=model_dir,
         dtype=cfg.model.dtype,
@@ -101,4 +110,5 @@ def engine_config(cfg: AppConfig, role: PoolRole, model_dir: str) -> EngineConfi
         max_model_len=limits.max_model_len,
         enable_prefix_caching=limits.enable_prefix_caching,
         cuda_graphs=limits.cuda_graphs,
+        tensor_parallel_size=pool.tensor_parallel_size,
     )

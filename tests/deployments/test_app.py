@@ -12,7 +12,7 @@ from ray.serve._private.build_app import build_app as serve_build_app
 from ray.serve.config import AutoscalingConfig
 from ray.serve.schema import ServeDeploySchema
 
-from pdserve.deployments.app import build_app, deployment_options
+from pdserve.deployments.app import build_app, build_application, deployment_options
 from pdserve.deployments.autoscaling import DecodeAutoscalingPolicy, PrefillAutoscalingPolicy
 from pdserve.deployments.config import AppConfig
 from pdserve.deployments.routers import DecodeRequestRouter, PrefillRequestRouter
@@ -34,10 +34,98 @@ def test_pools_get_placement_resources_router_and_fixed_size() -> None:
         "label_selector": {"pdserve.io/pool": "prefill", "ray.io/accelerator-type": "L4"},
     }
     assert prefill["request_router_config"].request_router_class.endswith("PrefillRequestRouter")
+    # TP=1 (the default): no placement group, the replica actor alone holds its resources.
+    assert not {k for k in prefill if k.startswith("placement_group")}
     decode = deployment_options(cfg, "decode")
     assert decode["num_replicas"] == 2 and "autoscaling_config" not in decode
     assert decode["ray_actor_options"]["label_selector"] == {"pdserve.io/pool": "decode"}
     assert decode["request_router_config"].request_router_class.endswith("DecodeRequestRouter")
+
+
+def test_tensor_parallel_pools_get_one_bundle_per_rank_on_one_node() -> None:
+    cfg = AppConfig.from_dict(
+        {
+            "model": {"device": "cuda"},
+            "prefill": {"num_cpus": 4, "accelerator_type": "H100", "tensor_parallel_size": 4},
+            "decode": {"num_cpus": 2, "tensor_parallel_size": 2},
+        }
+    )
+    prefill = deployment_options(cfg, "prefill")
+    selector = {"pdserve.io/pool": "prefill", "ray.io/accelerator-type": "H100"}
+    # The replica actor is rank 0: exactly bundle 0, as Serve requires.
+    assert prefill["ray_actor_options"] == {
+        "num_cpus": 4.0,
+        "num_gpus": 1.0,
+        "label_selector": selector,
+    }
+    assert prefill["placement_group_bundles"] == [{"CPU": 4.0, "GPU": 1.0}] * 4
+    assert prefill["placement_group_strategy"] == "STRICT_PACK"
+    assert prefill["placement_group_bundle_label_selector"] == [selector] * 4
+    decode = deployment_options(cfg, "decode")
+    assert decode["placement_group_bundles"] == [{"CPU": 2.0, "GPU": 1.0}] * 2
+    assert decode["placement_group_bundle_label_selector"] == [{"pdserve.io/pool": "decode"}] * 2
+    assert decode["ray_actor_options"]["num_gpus"] == 1.0
+    # Bundles are separate objects (Serve and Ray may normalise them in place).
+    assert decode["placement_group_bundles"][0] is not decode["placement_group_bundles"][1]
+
+
+def test_a_tensor_parallel_cpu_pool_asks_for_no_gpu_and_may_place_anywhere() -> None:
+    cfg = AppConfig.from_dict(
+        {
+            "model": {"device": "cpu"},
+            "decode": {"num_cpus": 1.5, "tensor_parallel_size": 2, "node_labels": {}},
+        }
+    )
+    decode = deployment_options(cfg, "decode")
+    assert decode["placement_group_bundles"] == [{"CPU": 1.5}, {"CPU": 1.5}]
+    assert decode["placement_group_strategy"] == "STRICT_PACK"
+    assert "placement_group_bundle_label_selector" not in decode  # node_labels {}: anywhere
+    assert decode["ray_actor_options"] == {"num_cpus": 1.5, "num_gpus": 0.0}
+
+
+def test_serve_accepts_the_tensor_parallel_options() -> None:
+    """Serve's own validation (ReplicaConfig: the actor fits bundle 0, the selectors match
+    the bundles; DeploymentSchema: the config-file shape) takes the options as built."""
+    from ray.serve.schema import DeploymentSchema
+
+    cfg = AppConfig.from_dict(
+        {
+            "model": TINY,
+            "prefill": {"tensor_parallel_size": 2, "num_cpus": 2},
+            "decode": {
+                "tensor_parallel_size": 4,
+                "num_cpus": 0.5,
+                "num_gpus": 1,
+                "accelerator_type": "L4",
+            },
+        }
+    )
+    deployments = {d.name: d for d in _deployments(build_application(cfg))}
+    for name, tp in (("PrefillServer", 2), ("DecodeServer", 4)):
+        replica = deployments[name]._replica_config
+        assert len(replica.placement_group_bundles) == tp
+        assert replica.placement_group_strategy == "STRICT_PACK"
+        assert len(replica.placement_group_bundle_label_selector) == tp
+        assert replica.ray_actor_options["num_cpus"] == replica.placement_group_bundles[0]["CPU"]
+    assert deployments["DecodeServer"]._replica_config.placement_group_bundles[0] == {
+        "CPU": 0.5,
+        "GPU": 1.0,
+    }
+    assert deployments["OpenAIIngress"]._replica_config.placement_group_bundles is None
+    for role in ("prefill", "decode"):
+        options = deployment_options(cfg, role)  # type: ignore[arg-type]
+        schema = DeploymentSchema.model_validate(
+            {
+                "name": role,
+                "ray_actor_options": options["ray_actor_options"],
+                "placement_group_bundles": options["placement_group_bundles"],
+                "placement_group_strategy": options["placement_group_strategy"],
+                "placement_group_bundle_label_selector": options[
+                    "placement_group_bundle_label_selector"
+                ],
+            }
+        )
+        assert schema.placement_group_strategy == "STRICT_PACK"
 
 
 def test_scaling_pools_use_pdserve_policies_that_serve_can_load() -> None:

@@ -81,6 +81,12 @@ def test_unknown_field_is_rejected_with_its_path(tmp_path: Path) -> None:
         ({"transport": {"kind": "carrier-pigeon"}}, "transport.kind"),
         ({"transport": {"host": "0.0.0.0"}}, "transport.host"),
         ({"transport": {"host": "[::]"}}, "transport.host"),
+        ({"decode": {"tensor_parallel_size": 0}}, "decode.tensor_parallel_size"),
+        (
+            {"prefill": {"tensor_parallel_size": 2, "num_gpus": 0.5}},
+            "num_gpus (0.5) with tensor_parallel_size 2: num_gpus is per rank",
+        ),
+        ({"decode": {"tensor_parallel_size": 4, "num_gpus": 2}}, "others would sit idle"),
     ],
 )
 def test_invalid_values_name_the_field(data: dict, needle: str) -> None:
@@ -151,3 +157,43 @@ def test_a_cuda_pool_without_a_gpu_fails_its_start_with_the_reason() -> None:
         require_device(zero, "decode", cuda_available=False)
     cpu = AppConfig.from_dict({"model": {"device": "cpu"}})
     assert require_device(cpu, "prefill", cuda_available=False) == "cpu"
+
+
+def test_tensor_parallel_pools_count_resources_per_rank() -> None:
+    from pdserve.deployments.engine_factory import engine_config
+
+    cfg = AppConfig.from_dict(
+        {
+            "model": {"device": "cuda"},
+            "prefill": {"tensor_parallel_size": 4, "num_cpus": 2},
+            "decode": {"tensor_parallel_size": 2, "num_gpus": 1},
+        }
+    )
+    assert cfg.gpus_per_rank("prefill") == 1.0 and cfg.gpus_per_replica("prefill") == 4.0
+    assert cfg.gpus_per_rank("decode") == 1.0 and cfg.gpus_per_replica("decode") == 2.0
+    assert cfg.prefill.num_cpus == 2.0  # per rank: the replica reserves 8 CPUs
+    # A CPU pool may split over ranks too (gloo), and a fractional GPU is fine at TP=1.
+    cpu = AppConfig.from_dict(
+        {"model": {"device": "cpu"}, "decode": {"tensor_parallel_size": 2, "num_gpus": 0}}
+    )
+    assert cpu.gpus_per_replica("decode") == 0.0
+    assert AppConfig.from_dict({"decode": {"num_gpus": 0.5}}).gpus_per_replica("decode") == 0.5
+    # Each replica's engine gets its pool's TP size.
+    tiny = AppConfig.from_dict(
+        {
+            "model": {"device": "cpu"},
+            "prefill": {"tensor_parallel_size": 2},
+            "decode": {"tensor_parallel_size": 4},
+        }
+    )
+    assert engine_config(tiny, "prefill", "/models/m").tensor_parallel_size == 2
+    assert engine_config(tiny, "decode", "/models/m").tensor_parallel_size == 4
+    assert engine_config(AppConfig(), "decode", "/models/m").tensor_parallel_size == 1
+
+
+def test_a_tensor_parallel_cuda_pool_without_a_gpu_names_its_ranks() -> None:
+    from pdserve.deployments.engine_factory import require_device
+
+    cfg = AppConfig.from_dict({"model": {"device": "cuda"}, "decode": {"tensor_parallel_size": 2}})
+    with pytest.raises(RuntimeError, match="1 GPU per rank, 2 ranks per replica"):
+        require_device(cfg, "decode", cuda_available=False)
