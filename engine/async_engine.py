@@ -228,6 +228,9 @@ class AsyncLLMEngine:
         self._commands.put(lambda: None)  # wake the thread
         self._thread.join(timeout)
         self._fail_all(EngineDeadError("engine was shut down"))
+        release = getattr(self.engine, "shutdown", None)
+        if release is not None and not self._thread.is_alive():  # else a step still runs
+            release()
 
     # ------------------------------------------------------------------ event-loop side
     def _new_stream(self) -> _Stream:

@@ -58,9 +58,24 @@ class LLMEngine:
         kv_connector: KVConnector | None = None,
         model_runner: ModelRunnerLike | None = None,
         runtime_settings: RuntimeSettings | None = None,
+        kv_cache_allocator_factory: Any = None,
+        kv_connector_factory: Any = None,
     ) -> None:
+        """``kv_cache_allocator_factory`` / ``kv_connector_factory`` (picklable callables)
+        build the allocator and connector of ranks 1..tp-1 under tensor parallelism."""
         self.config = config
-        if model_runner is None:
+        if model_runner is None and config.tensor_parallel_size > 1:
+            from pdserve.engine.tp_executor import TPExecutor  # starts ranks 1..tp-1
+
+            model_runner = TPExecutor(
+                config,
+                kv_cache_allocator=kv_cache_allocator,
+                kv_connector=kv_connector,
+                runtime_settings=runtime_settings,
+                kv_cache_allocator_factory=kv_cache_allocator_factory,
+                kv_connector_factory=kv_connector_factory,
+            )
+        elif model_runner is None:
             from pdserve.engine.model_runner import ModelRunner  # torch and the model load here
 
             model_runner = ModelRunner(
@@ -112,6 +127,8 @@ class LLMEngine:
         kv_cache_allocator: Any = None,
         kv_connector: KVConnector | None = None,
         runtime_settings: RuntimeSettings | None = None,
+        kv_cache_allocator_factory: Any = None,
+        kv_connector_factory: Any = None,
         **config_overrides: Any,
     ) -> LLMEngine:
         config = EngineConfig(model=str(model_dir), **config_overrides)
@@ -120,6 +137,8 @@ class LLMEngine:
             kv_cache_allocator=kv_cache_allocator,
             kv_connector=kv_connector,
             runtime_settings=runtime_settings,
+            kv_cache_allocator_factory=kv_cache_allocator_factory,
+            kv_connector_factory=kv_connector_factory,
         )
 
     def _resolve_max_model_len(self, num_blocks: int) -> int:
@@ -373,3 +392,9 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> None:
         self.kv_cache_manager.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        """Release what the runner holds outside this process (tensor-parallel workers)."""
+        shutdown = getattr(self.runner, "shutdown", None)
+        if shutdown is not None:
+            shutdown()

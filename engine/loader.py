@@ -194,14 +194,15 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-def iter_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, CPU tensor) for every tensor of every shard, one shard open at a time."""
+def iter_weight_slices(model_dir: str | Path) -> Iterator[tuple[str, Any]]:
+    """Yield (name, lazy slice) for every tensor: indexing a slice reads only those rows or
+    columns from the file, so a tensor-parallel rank loads just its shard."""
     from safetensors import safe_open
 
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                yield name, f.get_tensor(name)
+                yield name, f.get_slice(name)
 
 
 def load_tokenizer(model_dir: str | Path) -> Any:

@@ -23,13 +23,14 @@ from pdserve.engine.grammar import GrammarBackend
 from pdserve.engine.kv_connector import KVConnector
 from pdserve.engine.loader import (
     ModelConfig,
-    iter_weights,
+    iter_weight_slices,
     load_model_config,
     load_tokenizer,
     resolve_dtype,
 )
 from pdserve.engine.models import build_model
 from pdserve.engine.models.llama import AttentionMetadata
+from pdserve.engine.parallel import SINGLE, TPGroup, check_model
 from pdserve.engine.sampler import SampledToken, Sampler, SamplingRow
 from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.kernels import ops
@@ -65,11 +66,17 @@ class BatchInputs:
     sampling: list[SamplingRow]  # [R]
 
 
-def _resolve_device(requested: str) -> torch.device:
+def resolve_device(requested: str, rank: int = 0) -> torch.device:
+    """The device of tensor-parallel rank ``rank``: on CUDA, GPU ``rank`` where this
+    process sees several (child processes of one replica), else its only one (a Ray actor
+    sees just the GPU of its placement-group bundle)."""
     if requested == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device: 'cuda' requested but CUDA is not available")
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device: 'cuda' requested but CUDA is not available")
+        count = torch.cuda.device_count()
+        return torch.device("cuda", rank if count > rank else 0)
     return torch.device(requested)
 
 
@@ -94,15 +101,22 @@ class ModelRunner:
         kv_cache_allocator: KVCacheAllocator | None = None,
         kv_connector: KVConnector | None = None,
         runtime_settings: RuntimeSettings | None = None,
+        tp: TPGroup = SINGLE,
     ) -> None:
         self.config = config
-        self.device = _resolve_device(config.device)
+        self.tp = tp
+        self.device = resolve_device(config.device, tp.rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         # Threads, pinning and allocator of the device: the engine calls its hooks.
         self.runtime: DeviceRuntime = make_runtime(self.device, runtime_settings)
         self.runtime.prepare_process()
         model_config = load_model_config(config.model)
         dtype = resolve_dtype(config.dtype, model_config.checkpoint_dtype, self.device)
         self.model_config: ModelConfig = replace(model_config, dtype=dtype)
+        check_model(self.model_config, tp.size)
+        # The KV heads this rank holds (all of them without tensor parallelism).
+        self.kv_heads = tp.shard.kv_heads(self.model_config.num_kv_heads)
         limit = self.model_config.max_context
         if config.max_model_len is not None and config.max_model_len > limit:
             raise ValueError(
@@ -131,12 +145,12 @@ class ModelRunner:
         cfg = self.model_config
         # Build on the meta device, then materialise on the target: no double allocation.
         with torch.device("meta"):
-            model = build_model(cfg, self.max_model_len).to(cfg.dtype)
+            model = build_model(cfg, self.max_model_len, self.tp).to(cfg.dtype)
         model = model.to_empty(device=self.device)
         if cfg.tie_word_embeddings:  # to_empty() unties shared parameters
             model.lm_head.weight = model.model.embed_tokens.weight
         with torch.no_grad():
-            model.load_weights(iter_weights(self.config.model))
+            model.load_weights(iter_weight_slices(self.config.model))
         # CPU: oneDNN-packed bf16 weights (native bf16), or bf16-held weights of a bf16
         # checkpoint served in float32 (AVX2); elsewhere the nn.Linear layers stay.
         pack_linears(model)
@@ -146,14 +160,17 @@ class ModelRunner:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes one KV block takes across all layers (K and V)."""
+        """Bytes one KV block takes on this rank across all layers (K and V)."""
         c = self.model_config
         elem = torch.empty((), dtype=c.dtype).element_size()
-        return c.num_layers * 2 * self.config.block_size * c.num_kv_heads * c.head_dim * elem
+        heads = len(self.kv_heads)
+        return c.num_layers * 2 * self.config.block_size * heads * c.head_dim * elem
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """This rank's pool: ``[L, 2, N, B, Hkv_rank, D]``."""
         c = self.model_config
-        return (c.num_layers, 2, num_blocks, self.config.block_size, c.num_kv_heads, c.head_dim)
+        heads = len(self.kv_heads)
+        return (c.num_layers, 2, num_blocks, self.config.block_size, heads, c.head_dim)
 
     def profile_num_blocks(self) -> int:
         """How many KV blocks to allocate when ``num_kv_blocks`` is not configured.
@@ -172,6 +189,7 @@ class ModelRunner:
             logger.info("KV pool: step peak %.1f MiB, %.1f MiB free", act / 2**20, free / 2**20)
         else:
             budget = min(_available_memory_bytes() * _CPU_KV_MEMORY_FRACTION, _CPU_KV_MEMORY_CAP)
+            budget /= self.tp.size  # the ranks of a CPU replica share the host's memory
         affordable = int(budget // self.block_bytes)
         if affordable < per_seq:
             raise ValueError(
@@ -197,8 +215,9 @@ class ModelRunner:
         if self.device.type != "cuda":
             return 0
         c = self.model_config
+        heads = c.num_heads // self.tp.size
         calls = ops.warm_up_attention(
-            c.num_heads, c.num_kv_heads, c.head_dim, self.config.block_size, c.dtype, self.device
+            heads, len(self.kv_heads), c.head_dim, self.config.block_size, c.dtype, self.device
         )
         memory_profile.run_profile_step(self)  # prefill / mixed path
         memory_profile.run_profile_step(self, self.config.max_num_seqs)  # a decode batch

@@ -116,6 +116,13 @@ VARIANTS: dict[str, TestModelSpec] = {
         rope_theta=1000000.0,
         seed=12,
     ),
+    "mha": replace(
+        SIZES["tiny"],
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=4,
+        seed=14,
+    ),
     "mqa": replace(
         SIZES["tiny"],
         architecture="MistralForCausalLM",

@@ -6,6 +6,7 @@ from torch import nn
 
 from pdserve.engine.loader import SUPPORTED_ARCHITECTURES, ModelConfig
 from pdserve.engine.models.llama import LlamaForCausalLM
+from pdserve.engine.parallel import SINGLE, TPGroup
 
 _REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -25,6 +26,7 @@ def model_class(architecture: str) -> type[nn.Module]:
         ) from None
 
 
-def build_model(cfg: ModelConfig, max_position: int) -> LlamaForCausalLM:
+def build_model(cfg: ModelConfig, max_position: int, tp: TPGroup = SINGLE) -> LlamaForCausalLM:
+    """The model (this rank's shard of it under tensor parallelism)."""
     cls = model_class(cfg.architecture)
-    return cls(cfg, max_position)  # type: ignore[return-value]
+    return cls(cfg, max_position, tp)  # type: ignore[return-value]

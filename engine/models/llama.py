@@ -16,12 +16,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from pdserve.engine.loader import ModelConfig
+from pdserve.engine.parallel import SINGLE, TPGroup
 from pdserve.kernels import ops
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -52,16 +53,17 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+    """This rank's heads: column-parallel QKV, row-parallel O (then an all-reduce)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-        )
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.tp = tp
+        self.num_heads = len(tp.shard.split(cfg.num_heads, "num_attention_heads"))
+        self.num_kv_heads = len(tp.shard.kv_heads(cfg.num_kv_heads))
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, cfg.o_bias)
@@ -90,26 +92,51 @@ class Attention(nn.Module):
             out = ops.paged_attention(
                 q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, self.scale
             )
-        return self.o_proj(out.reshape(t, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.reshape(t, self.q_size)))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """This rank's intermediate columns: column-parallel gate/up, row-parallel down."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias)
+        self.tp = tp
+        inter = len(tp.shard.split(cfg.intermediate_size, "intermediate_size"))
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, cfg.mlp_bias)
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.tp.all_reduce(self.down_proj(ops.silu_and_mul(self.gate_up_proj(x))))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """This rank's rows of the embedding; a token outside them contributes zeros, and the
+    all-reduce sums the one rank that holds it."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        rows = tp.shard.vocab(vocab_size)
+        self.start, self.stop = rows.start, rows.stop
+        self.weight = nn.Parameter(torch.empty(len(rows), hidden_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return nn.functional.embedding(input_ids, self.weight)
+        outside = (input_ids < self.start) | (input_ids >= self.stop)
+        local = (input_ids - self.start).masked_fill(outside, 0)
+        x = nn.functional.embedding(local, self.weight)
+        x.masked_fill_(outside.unsqueeze(-1), 0)
+        return self.tp.all_reduce(x)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_idx)
+        self.self_attn = Attention(cfg, layer_idx, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(
         self,
@@ -132,21 +159,23 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
     """Llama / Mistral / Qwen2 decoder over a paged KV cache."""
 
-    def __init__(self, cfg: ModelConfig, max_position: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_position: int, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tp = tp
+        self.model = LlamaModel(cfg, tp)
+        # Vocab-parallel: this rank's rows of the (padded) vocabulary.
+        self.lm_head = nn.Linear(cfg.hidden_size, len(tp.shard.vocab(cfg.vocab_size)), bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.max_position = max_position
@@ -188,20 +217,44 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, V]
-        return self.lm_head(hidden)
+        """Every rank gets the full logits (an all-gather of the vocabulary shards; rank 0
+        samples); every rank must call this in the same step."""
+        logits = self.lm_head(hidden)
+        if self.tp.size == 1:
+            return logits
+        return self.tp.all_gather_last(logits)[..., : self.config.vocab_size]
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (HF names) into the fused parameters; strict about names."""
-        cfg = self.config
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        inter = cfg.intermediate_size
-        # checkpoint suffix -> (fused parameter suffix, row offset, rows)
-        fused = {
-            "q_proj": ("qkv_proj", 0, q),
-            "k_proj": ("qkv_proj", q, kv),
-            "v_proj": ("qkv_proj", q + kv, kv),
-            "gate_proj": ("gate_up_proj", 0, inter),
-            "up_proj": ("gate_up_proj", inter, inter),
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """Copy checkpoint tensors (HF names) into this rank's fused parameters; strict about
+        names and shapes.
+
+        ``weights`` yields (name, tensor) or (name, lazy safetensors slice): only this
+        rank's rows/columns are read from a slice, so a rank never materialises the others'
+        shards (``pdserve.engine.loader.iter_weight_slices``)."""
+        cfg, shard = self.config, self.tp.shard
+        d = cfg.head_dim
+        heads = shard.split(cfg.num_heads, "num_attention_heads")
+        kv_heads = shard.kv_heads(cfg.num_kv_heads)
+        inter = shard.split(cfg.intermediate_size, "intermediate_size")
+        vocab = shard.vocab(cfg.vocab_size)
+        q, kv, n_inter = len(heads) * d, len(kv_heads) * d, len(inter)
+        q_rows = slice(heads.start * d, heads.stop * d)
+        kv_rows = slice(kv_heads.start * d, kv_heads.stop * d)
+        inter_rows = slice(inter.start, inter.stop)
+        vocab_rows = slice(min(vocab.start, cfg.vocab_size), min(vocab.stop, cfg.vocab_size))
+        n_vocab = vocab_rows.stop - vocab_rows.start
+        # checkpoint suffix -> (parameter suffix, destination rows, source rows, source cols)
+        every = slice(None)
+        plan = {
+            "q_proj": ("qkv_proj", slice(0, q), q_rows, every),
+            "k_proj": ("qkv_proj", slice(q, q + kv), kv_rows, every),
+            "v_proj": ("qkv_proj", slice(q + kv, q + 2 * kv), kv_rows, every),
+            "o_proj": ("o_proj", every, every, q_rows),
+            "gate_proj": ("gate_up_proj", slice(0, n_inter), inter_rows, every),
+            "up_proj": ("gate_up_proj", slice(n_inter, 2 * n_inter), inter_rows, every),
+            "down_proj": ("down_proj", every, every, inter_rows),
+            "embed_tokens": ("embed_tokens", slice(0, n_vocab), vocab_rows, every),
+            "lm_head": ("lm_head", slice(0, n_vocab), vocab_rows, every),
         }
         params = dict(self.named_parameters())
         if cfg.tie_word_embeddings:
@@ -209,27 +262,57 @@ class LlamaForCausalLM(nn.Module):
         expected: dict[str, int] = {}  # parameter -> rows still to fill (to detect gaps)
         for name, p in params.items():
             expected[name] = p.shape[0]
-        for name, tensor in weights:
+            if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+                pad = len(vocab) - n_vocab  # padding rows: zeros, never a token
+                p.data[p.shape[0] - pad :].zero_()
+                expected[name] -= pad
+        for name, source in weights:
             if "rotary_emb.inv_freq" in name:
                 continue  # derived from the config, some old checkpoints store it
             if cfg.tie_word_embeddings and name == "lm_head.weight":
                 continue
-            parts = name.rsplit(".", 2)  # [..., "q_proj", "weight"]
-            target, rows = name, slice(None)
-            if len(parts) == 3 and parts[1] in fused:
-                fused_name, offset, size = fused[parts[1]]
-                target = f"{parts[0]}.{fused_name}.{parts[2]}"
-                rows = slice(offset, offset + size)
+            prefix, module, kind = (["", *name.rsplit(".", 2)])[-3:]
+            target, rows, index = name, every, (every,)
+            if module in plan:
+                fused, rows, src_rows, src_cols = plan[module]
+                target = f"{prefix}.{fused}.{kind}" if prefix else f"{fused}.{kind}"
+                if kind == "bias" and src_cols is not every:
+                    # Row-parallel bias: added once (rank 0) to the all-reduced sum.
+                    index = (every,) if shard.rank == 0 else None
+                else:
+                    index = (src_rows,) if src_cols is every else (src_rows, src_cols)
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {cfg.architecture}")
             dest = params[target].data[rows]
-            if dest.shape != tensor.shape:
-                raise ValueError(
-                    f"checkpoint tensor {name!r}: shape {tuple(tensor.shape)}, "
-                    f"expected {tuple(dest.shape)}"
-                )
-            dest.copy_(tensor)
+            if index is None:
+                dest.zero_()
+            else:
+                tensor = _read(source, index, name)
+                if dest.shape != tensor.shape:
+                    raise ValueError(
+                        f"checkpoint tensor {name!r}: shape {_shape(source)}, expected "
+                        f"{tuple(dest.shape)} on rank {shard.rank} of {shard.size}"
+                    )
+                dest.copy_(tensor)
             expected[target] -= dest.shape[0]
         missing = sorted(n for n, left in expected.items() if left > 0)
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}")
+
+
+def _shape(source: Any) -> tuple[int, ...]:
+    return tuple(source.get_shape() if hasattr(source, "get_shape") else source.shape)
+
+
+def _read(source: Any, index: tuple[slice, ...], name: str) -> torch.Tensor:
+    """``source[index]`` from a tensor or a lazy safetensors slice (reads only those bytes)."""
+    shape = _shape(source)
+    if len(index) > len(shape):
+        raise ValueError(f"checkpoint tensor {name!r}: shape {shape} has too few dimensions")
+    for dim, sl in enumerate(index):
+        if sl.stop is not None and sl.stop > shape[dim]:
+            raise ValueError(
+                f"checkpoint tensor {name!r}: shape {shape}, too small for rows/columns "
+                f"[{sl.start}, {sl.stop}) of dimension {dim}"
+            )
+    return source[index]

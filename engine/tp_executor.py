@@ -1,0 +1,427 @@
+"""A tensor-parallel engine's ranks: rank 0 (this process) schedules, samples and drives
+ranks 1..tp-1, which each hold their shard of the weights and KV heads and run every step.
+
+Rank 0's ``TPExecutor`` stands where the single-device ``ModelRunner`` stands for
+``LLMEngine``: each step it sends the scheduler's plan to every worker, runs its own shard
+(the layers' all-reduces and the logits' all-gather meet the workers' in the TP group),
+samples, then collects the workers' replies. The plan is small (token ids and block tables),
+as in vLLM's multiprocessing executor; the tensors stay on the ranks.
+
+Workers are started one of two ways (``EngineConfig.tp_workers``):
+- ``mp``: child processes (spawned) talking over pipes; a worker exits when its pipe
+  closes, so nothing outlives rank 0;
+- ``ray``: Ray actors in bundles 1..tp-1 of the caller's placement group (a Serve replica
+  deployed with ``placement_group_bundles``, STRICT_PACK on one node); Ray ends them with
+  the replica that owns them.
+
+A worker that dies fails the step with ``TPWorkerError`` (the engine loop stops, the
+replica's health check fails and Serve replaces it); the survivors' collectives fail when
+the group's connection closes or times out, so no rank hangs.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import threading
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv_connector import KVConnector
+from pdserve.engine.parallel import TPGroup, join_group, store_master
+from pdserve.engine.scheduler_output import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+# How long a worker may take to start (load its shard, join the group) and a step to reply.
+_START_TIMEOUT_S = 600.0
+_GROUP_TIMEOUT_S = 300.0
+
+
+class TPWorkerError(RuntimeError):
+    """A tensor-parallel worker failed or died; the replica cannot compute any more."""
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker rank needs to start (pickled to the child process / actor)."""
+
+    config: EngineConfig
+    rank: int
+    store_address: tuple[str, int]
+    runtime_settings: Any = None
+    # Built in the worker (the objects themselves hold threads, sockets, shared memory).
+    kv_cache_allocator_factory: Callable[[], Any] | None = None
+    kv_connector_factory: Callable[[], KVConnector] | None = None
+    group_timeout_s: float = _GROUP_TIMEOUT_S
+
+
+class TPWorker:
+    """Rank r >= 1: its shard of the model and of the KV pool, stepped by rank 0."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        from pdserve.engine.model_runner import ModelRunner, resolve_device
+
+        config = spec.config
+        device = resolve_device(config.device, spec.rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        tp = join_group(
+            spec.rank,
+            config.tensor_parallel_size,
+            spec.store_address,
+            device,
+            spec.group_timeout_s,
+        )
+        allocator = spec.kv_cache_allocator_factory() if spec.kv_cache_allocator_factory else None
+        self.connector = spec.kv_connector_factory() if spec.kv_connector_factory else None
+        self.runner = ModelRunner(
+            config,
+            kv_cache_allocator=allocator,
+            kv_connector=self.connector,
+            runtime_settings=spec.runtime_settings,
+            tp=tp,
+        )
+
+    def call(self, method: str, *args: Any) -> Any:
+        """The one entry point of both transports: run ``method`` of this worker."""
+        if method not in _WORKER_METHODS:
+            raise ValueError(f"unknown worker method {method!r}")
+        return getattr(self, method)(*args)
+
+    def profile_num_blocks(self) -> int:
+        return self.runner.profile_num_blocks()
+
+    def allocate_kv_cache(self, num_blocks: int, model_name: str) -> None:
+        cache = self.runner.allocate_kv_cache(num_blocks)
+        if self.connector is not None:
+            self.connector.register_kv_caches(cache, model_name)
+
+    def warm_up(self) -> int:
+        return self.runner.warm_up()
+
+    def execute(self, out: SchedulerOutput, connector_meta: Any) -> Any:
+        """Run this rank's shard of the step (the all-gathered logits are rank 0's to
+        sample); returns what the rank's KV connector reports for the step."""
+        connector = self.connector
+        if connector is not None:
+            connector.bind_step_meta(connector_meta)  # type: ignore[attr-defined]
+        if out.chunks:
+            self.runner.runtime.before_step(out.num_batched_tokens)
+            try:
+                self.runner.compute_logits(out)
+            finally:
+                if connector is not None:
+                    done = connector.end_step()
+        elif connector is not None:
+            done = connector.poll_finished()
+        if connector is None:
+            return None
+        return connector.step_report(done)  # type: ignore[attr-defined]
+
+    def connector_call(self, method: str, *args: Any) -> Any:
+        """A call on this rank's KV connector (e.g. a decode rank's receiver) outside the
+        step loop."""
+        if self.connector is None:
+            raise ValueError("this worker has no KV connector")
+        return getattr(self.connector, method)(*args)
+
+    def shutdown(self) -> None:
+        close = getattr(self.connector, "close", None)
+        if close is not None:
+            close()
+        self.runner.tp.abort()
+
+
+_WORKER_METHODS = frozenset(
+    {
+        "profile_num_blocks",
+        "allocate_kv_cache",
+        "warm_up",
+        "execute",
+        "connector_call",
+        "shutdown",
+    }
+)
+
+
+# ---- transports: how rank 0 reaches a worker ------------------------------------------------
+
+
+class WorkerHandle(Protocol):
+    def submit(self, method: str, *args: Any) -> None:
+        """Start ``method`` on the worker (returns at once)."""
+
+    def result(self, timeout: float) -> Any:
+        """The reply to the oldest submitted call; TPWorkerError if the worker failed."""
+
+    def close(self) -> None: ...
+
+
+def _mp_worker_main(spec: WorkerSpec, conn: mp.connection.Connection) -> None:
+    """A worker child process: start, then answer calls until the pipe closes."""
+    try:
+        worker = TPWorker(spec)
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        return
+    conn.send(("ok", None))
+    while True:
+        try:
+            method, args = conn.recv()
+        except (EOFError, OSError):  # rank 0 is gone: so is this replica
+            os._exit(0)
+        try:
+            conn.send(("ok", worker.call(method, *args)))
+        except BaseException:
+            conn.send(("error", traceback.format_exc()))
+        if method == "shutdown":
+            return
+
+
+class _ProcessWorker:
+    """A worker in a child process of this one."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        ctx = mp.get_context("spawn")
+        self.rank = spec.rank
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(
+            target=_mp_worker_main, args=(spec, child), name=f"pdserve-tp{spec.rank}", daemon=True
+        )
+        self.process.start()
+        child.close()
+        self._lock = threading.Lock()
+
+    def submit(self, method: str, *args: Any) -> None:
+        try:
+            self._conn.send((method, args))
+        except (BrokenPipeError, OSError) as exc:
+            raise TPWorkerError(f"tensor-parallel rank {self.rank} is gone: {exc}") from exc
+
+    def result(self, timeout: float) -> Any:
+        try:
+            if not self._conn.poll(timeout):
+                raise TPWorkerError(f"tensor-parallel rank {self.rank}: no reply in {timeout} s")
+            status, value = self._conn.recv()
+        except (EOFError, OSError) as exc:
+            code = self.process.exitcode
+            raise TPWorkerError(
+                f"tensor-parallel rank {self.rank} died (exit code {code})"
+            ) from exc
+        if status != "ok":
+            raise TPWorkerError(f"tensor-parallel rank {self.rank} failed:\n{value}")
+        return value
+
+    def close(self) -> None:
+        self._conn.close()
+        self.process.join(5)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+
+
+class _RayWorker:
+    """A worker as a Ray actor in bundle ``rank`` of the caller's placement group."""
+
+    def __init__(self, spec: WorkerSpec, placement_group: Any) -> None:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.rank = spec.rank
+        bundle = placement_group.bundle_specs[spec.rank]
+        actor_cls = ray.remote(TPWorker)
+        self.actor = actor_cls.options(
+            num_cpus=bundle.get("CPU", 0),
+            num_gpus=bundle.get("GPU", 0),
+            max_concurrency=4,  # connector calls run beside a step
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=placement_group, placement_group_bundle_index=spec.rank
+            ),
+            name=None,
+        ).remote(spec)
+        self._pending: list[Any] = [self.actor.__ray_ready__.remote()]
+
+    def submit(self, method: str, *args: Any) -> None:
+        self._pending.append(self.actor.call.remote(method, *args))
+
+    def result(self, timeout: float) -> Any:
+        import ray
+
+        ref = self._pending.pop(0)
+        try:
+            return ray.get(ref, timeout=timeout)
+        except ray.exceptions.GetTimeoutError as exc:
+            why = f"tensor-parallel rank {self.rank}: no reply in {timeout} s"
+            raise TPWorkerError(why) from exc
+        except ray.exceptions.RayError as exc:
+            raise TPWorkerError(f"tensor-parallel rank {self.rank} failed: {exc}") from exc
+
+    def close(self) -> None:
+        import ray
+
+        ray.kill(self.actor)
+
+
+def _current_placement_group() -> Any:
+    try:
+        import ray
+        from ray.util import get_current_placement_group
+    except ImportError:
+        return None
+    if not ray.is_initialized():
+        return None
+    return get_current_placement_group()
+
+
+def start_workers(specs: list[WorkerSpec], how: str) -> list[WorkerHandle]:
+    """Start ranks 1..tp-1 (``how``: 'mp', 'ray' or 'auto')."""
+    pg = _current_placement_group() if how in ("auto", "ray") else None
+    if how == "ray" and pg is None:
+        raise ValueError(
+            "tp_workers: 'ray' needs a placement group (deploy the pool with "
+            "placement_group_bundles, one bundle per rank)"
+        )
+    if pg is not None:
+        size = len(specs) + 1
+        if len(pg.bundle_specs) < size:
+            raise ValueError(
+                f"tensor_parallel_size {size} needs {size} placement-group bundles, the "
+                f"replica has {len(pg.bundle_specs)}"
+            )
+        return [_RayWorker(spec, pg) for spec in specs]
+    return [_ProcessWorker(spec) for spec in specs]
+
+
+# ---- rank 0 ---------------------------------------------------------------------------------
+
+
+class TPExecutor:
+    """Rank 0 of a tensor-parallel engine: the ``ModelRunner`` of its shard plus the workers.
+
+    It offers what ``LLMEngine`` needs of a model runner; every call that touches the
+    model or the pool runs on all ranks."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        kv_cache_allocator: Any = None,
+        kv_connector: KVConnector | None = None,
+        runtime_settings: Any = None,
+        kv_cache_allocator_factory: Callable[[], Any] | None = None,
+        kv_connector_factory: Callable[[], KVConnector] | None = None,
+    ) -> None:
+        from pdserve.engine.model_runner import ModelRunner, resolve_device
+
+        size = config.tensor_parallel_size
+        if size < 2:
+            raise ValueError(f"TPExecutor needs tensor_parallel_size >= 2, got {size}")
+        if kv_connector is not None and kv_connector_factory is None:
+            raise ValueError("a KV connector on rank 0 needs kv_connector_factory for the others")
+        host = "127.0.0.1"  # every rank of a replica is on its node (STRICT_PACK)
+        store = store_master(host, size, _GROUP_TIMEOUT_S)
+        specs = [
+            WorkerSpec(
+                config=config,
+                rank=rank,
+                store_address=(host, store.port),
+                runtime_settings=runtime_settings,
+                kv_cache_allocator_factory=kv_cache_allocator_factory,
+                kv_connector_factory=kv_connector_factory,
+            )
+            for rank in range(1, size)
+        ]
+        self.workers = start_workers(specs, config.tp_workers)
+        try:
+            device = resolve_device(config.device, 0)
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            tp = join_group(0, size, (host, store.port), device, _GROUP_TIMEOUT_S, store=store)
+            self.runner = ModelRunner(
+                config,
+                kv_cache_allocator=kv_cache_allocator,
+                kv_connector=kv_connector,
+                runtime_settings=runtime_settings,
+                tp=tp,
+            )
+            for w in self.workers:
+                w.result(_START_TIMEOUT_S)  # started: shard loaded, group joined
+        except BaseException:
+            self.shutdown()
+            raise
+        self._store = store  # rank 0 hosts the rendezvous for the group's lifetime
+        self.kv_connector = kv_connector
+        self.config = config
+        # What LLMEngine and the serving layer read of a model runner.
+        self.runtime = self.runner.runtime
+        self.model_config = self.runner.model_config
+        self.tokenizer = self.runner.tokenizer
+        self.sampler = self.runner.sampler
+        self.device = self.runner.device
+        self.max_model_len = self.runner.max_model_len
+        self.tp: TPGroup = self.runner.tp
+
+    @property
+    def kv_cache(self) -> torch.Tensor | None:
+        return self.runner.kv_cache
+
+    def _all(self, method: str, *args: Any, timeout: float = _GROUP_TIMEOUT_S) -> list[Any]:
+        for w in self.workers:
+            w.submit(method, *args)
+        return [w.result(timeout) for w in self.workers]
+
+    def profile_num_blocks(self) -> int:
+        """The fewest blocks any rank can afford (every rank holds the same block ids)."""
+        for w in self.workers:
+            w.submit("profile_num_blocks")
+        own = self.runner.profile_num_blocks()
+        return min([own, *(w.result(_GROUP_TIMEOUT_S) for w in self.workers)])
+
+    def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        self._all("allocate_kv_cache", num_blocks, self.model_config.model_name)
+        return self.runner.allocate_kv_cache(num_blocks)
+
+    def warm_up(self) -> int:
+        for w in self.workers:
+            w.submit("warm_up")
+        calls = self.runner.warm_up()
+        for w in self.workers:
+            w.result(_START_TIMEOUT_S)
+        return calls
+
+    def execute(self, out: SchedulerOutput) -> dict[str, Any]:
+        connector = self.kv_connector
+        meta = connector.step_meta() if connector is not None else None  # type: ignore[attr-defined]
+        for w in self.workers:
+            w.submit("execute", out, meta)
+        try:
+            sampled = self.runner.execute(out)
+        finally:
+            # Every worker's reply is read even when this rank failed: a worker's error
+            # (or death) is the cause worth reporting, and the pipes stay in step.
+            reports = [w.result(_GROUP_TIMEOUT_S) for w in self.workers]
+        if connector is not None:
+            connector.worker_reports(reports)  # type: ignore[attr-defined]
+        return sampled
+
+    def shutdown(self) -> None:
+        """Stop the workers (best effort: they may already be gone)."""
+        for w in getattr(self, "workers", []):
+            try:
+                w.submit("shutdown")
+                w.result(10.0)
+            except TPWorkerError:
+                pass
+            w.close()
+        self.workers = []
+        runner = getattr(self, "runner", None)
+        if runner is not None:
+            runner.tp.abort()
