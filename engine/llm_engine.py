@@ -59,10 +59,11 @@ class LLMEngine:
         model_runner: ModelRunnerLike | None = None,
         runtime_settings: RuntimeSettings | None = None,
         kv_cache_allocator_factory: Any = None,
-        kv_connector_factory: Any = None,
+        kv_agent_factory: Any = None,
     ) -> None:
-        """``kv_cache_allocator_factory`` / ``kv_connector_factory`` (picklable callables)
-        build the allocator and connector of ranks 1..tp-1 under tensor parallelism."""
+        """``kv_cache_allocator_factory`` / ``kv_agent_factory`` (picklable callables)
+        build the KV allocator and KV agent of ranks 1..tp-1 under tensor parallelism
+        (``pdserve.engine.tp_executor``)."""
         self.config = config
         if model_runner is None and config.tensor_parallel_size > 1:
             from pdserve.engine.tp_executor import TPExecutor  # starts ranks 1..tp-1
@@ -73,7 +74,7 @@ class LLMEngine:
                 kv_connector=kv_connector,
                 runtime_settings=runtime_settings,
                 kv_cache_allocator_factory=kv_cache_allocator_factory,
-                kv_connector_factory=kv_connector_factory,
+                kv_agent_factory=kv_agent_factory,
             )
         elif model_runner is None:
             from pdserve.engine.model_runner import ModelRunner  # torch and the model load here
@@ -128,7 +129,7 @@ class LLMEngine:
         kv_connector: KVConnector | None = None,
         runtime_settings: RuntimeSettings | None = None,
         kv_cache_allocator_factory: Any = None,
-        kv_connector_factory: Any = None,
+        kv_agent_factory: Any = None,
         **config_overrides: Any,
     ) -> LLMEngine:
         config = EngineConfig(model=str(model_dir), **config_overrides)
@@ -138,7 +139,7 @@ class LLMEngine:
             kv_connector=kv_connector,
             runtime_settings=runtime_settings,
             kv_cache_allocator_factory=kv_cache_allocator_factory,
-            kv_connector_factory=kv_connector_factory,
+            kv_agent_factory=kv_agent_factory,
         )
 
     def _resolve_max_model_len(self, num_blocks: int) -> int:

@@ -21,6 +21,9 @@ the group's connection closes or times out, so no rank hangs.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import itertools
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
@@ -35,7 +38,7 @@ import torch
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_connector import KVConnector
-from pdserve.engine.parallel import TPGroup, join_group, store_master
+from pdserve.engine.parallel import TPGroup, TPShard, join_group, store_master
 from pdserve.engine.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -59,8 +62,42 @@ class WorkerSpec:
     runtime_settings: Any = None
     # Built in the worker (the objects themselves hold threads, sockets, shared memory).
     kv_cache_allocator_factory: Callable[[], Any] | None = None
-    kv_connector_factory: Callable[[], KVConnector] | None = None
+    kv_agent_factory: KVAgentFactory | None = None
     group_timeout_s: float = _GROUP_TIMEOUT_S
+
+
+class RankKVAgent(Protocol):
+    """What a worker rank runs beside its shard to move KV (built by the serving layer's
+    ``KVAgentFactory`` once the rank's pool exists): on a prefill rank a KV connector the
+    forward pass feeds, on a decode rank a receiver; rank 0 reaches it through the step
+    (``apply_step_meta`` / ``step_report``) and through ``TPExecutor.agent_call``."""
+
+    connector: KVConnector | None  # hooked into this rank's forward pass, if any
+
+    def apply_step_meta(self, meta: Any) -> None:
+        """What rank 0's connector sent along with the step (e.g. new KV targets)."""
+
+    def step_report(self, finished: list[str]) -> Any:
+        """What rank 0's connector gets back for the step (e.g. finished sends)."""
+
+    def close(self) -> None: ...
+
+
+# (pool, model name, the rank's shard, the model's KV heads) -> the rank's agent
+KVAgentFactory = Callable[[torch.Tensor, str, TPShard, int], RankKVAgent]
+
+
+class TPConnector(KVConnector, Protocol):
+    """Rank 0's KV connector under tensor parallelism: it speaks for every rank."""
+
+    def attach(self, executor: TPExecutor) -> None:
+        """Called once by the executor (to poll the workers between steps)."""
+
+    def step_meta(self) -> Any:
+        """What the workers' agents get with the next step."""
+
+    def worker_reports(self, reports: list[Any]) -> None:
+        """The workers' ``step_report`` answers, rank order."""
 
 
 class TPWorker:
@@ -81,13 +118,10 @@ class TPWorker:
             spec.group_timeout_s,
         )
         allocator = spec.kv_cache_allocator_factory() if spec.kv_cache_allocator_factory else None
-        self.connector = spec.kv_connector_factory() if spec.kv_connector_factory else None
+        self.agent_factory = spec.kv_agent_factory
+        self.agent: RankKVAgent | None = None
         self.runner = ModelRunner(
-            config,
-            kv_cache_allocator=allocator,
-            kv_connector=self.connector,
-            runtime_settings=spec.runtime_settings,
-            tp=tp,
+            config, kv_cache_allocator=allocator, runtime_settings=spec.runtime_settings, tp=tp
         )
 
     def call(self, method: str, *args: Any) -> Any:
@@ -101,42 +135,53 @@ class TPWorker:
 
     def allocate_kv_cache(self, num_blocks: int, model_name: str) -> None:
         cache = self.runner.allocate_kv_cache(num_blocks)
-        if self.connector is not None:
-            self.connector.register_kv_caches(cache, model_name)
+        if self.agent_factory is not None:
+            cfg = self.runner.model_config
+            self.agent = self.agent_factory(
+                cache, model_name, self.runner.tp.shard, cfg.num_kv_heads
+            )
+            self.runner.kv_connector = self.agent.connector
 
     def warm_up(self) -> int:
         return self.runner.warm_up()
 
-    def execute(self, out: SchedulerOutput, connector_meta: Any) -> Any:
+    def execute(self, out: SchedulerOutput, meta: Any) -> Any:
         """Run this rank's shard of the step (the all-gathered logits are rank 0's to
-        sample); returns what the rank's KV connector reports for the step."""
-        connector = self.connector
-        if connector is not None:
-            connector.bind_step_meta(connector_meta)  # type: ignore[attr-defined]
-        if out.chunks:
-            self.runner.runtime.before_step(out.num_batched_tokens)
-            try:
-                self.runner.compute_logits(out)
-            finally:
-                if connector is not None:
-                    done = connector.end_step()
-        elif connector is not None:
-            done = connector.poll_finished()
-        if connector is None:
-            return None
-        return connector.step_report(done)  # type: ignore[attr-defined]
+        sample); returns the rank's KV agent's report of the step."""
+        agent = self.agent
+        if agent is not None:
+            agent.apply_step_meta(meta)
+        connector = self.runner.kv_connector
+        done: list[str] = []
+        self.runner.runtime.before_step(out.num_batched_tokens)
+        try:
+            self.runner.compute_logits(out)
+        finally:
+            if connector is not None:
+                done = connector.end_step()
+        return agent.step_report(done) if agent is not None else None
 
-    def connector_call(self, method: str, *args: Any) -> Any:
-        """A call on this rank's KV connector (e.g. a decode rank's receiver) outside the
-        step loop."""
-        if self.connector is None:
-            raise ValueError("this worker has no KV connector")
-        return getattr(self.connector, method)(*args)
+    def poll(self, meta: Any) -> Any:
+        """Between steps: the agent's report of what finished meanwhile."""
+        agent = self.agent
+        if agent is None:
+            return None
+        agent.apply_step_meta(meta)
+        connector = agent.connector
+        return agent.step_report(connector.poll_finished() if connector is not None else [])
+
+    def agent_call(self, method: str, *args: Any) -> Any:
+        """``method`` of this rank's KV agent (a decode rank's receiver: expect, wait,
+        cancel), outside the step loop."""
+        if self.agent is None:
+            raise ValueError("this rank has no KV agent")
+        if method.startswith("_"):
+            raise ValueError(f"agent method {method!r} is private")
+        return getattr(self.agent, method)(*args)
 
     def shutdown(self) -> None:
-        close = getattr(self.connector, "close", None)
-        if close is not None:
-            close()
+        if self.agent is not None:
+            self.agent.close()
         self.runner.tp.abort()
 
 
@@ -146,7 +191,8 @@ _WORKER_METHODS = frozenset(
         "allocate_kv_cache",
         "warm_up",
         "execute",
-        "connector_call",
+        "poll",
+        "agent_call",
         "shutdown",
     }
 )
@@ -162,16 +208,42 @@ class WorkerHandle(Protocol):
     def result(self, timeout: float) -> Any:
         """The reply to the oldest submitted call; TPWorkerError if the worker failed."""
 
+    def call_agent(self, method: str, args: tuple[Any, ...], timeout: float) -> Any:
+        """``TPWorker.agent_call`` now, beside the step loop (thread-safe, concurrent)."""
+
     def close(self) -> None: ...
 
 
-def _mp_worker_main(spec: WorkerSpec, conn: mp.connection.Connection) -> None:
+def _serve_control(worker: TPWorker, ctl: mp.connection.Connection) -> None:
+    """The worker's control pipe: each agent call on its own thread, answered by id."""
+    lock = threading.Lock()
+
+    def answer(call_id: int, method: str, args: tuple[Any, ...]) -> None:
+        try:
+            reply = (call_id, "ok", worker.agent_call(method, *args))
+        except BaseException:
+            reply = (call_id, "error", traceback.format_exc())
+        with lock, contextlib.suppress(OSError):
+            ctl.send(reply)
+
+    while True:
+        try:
+            call_id, method, args = ctl.recv()
+        except (EOFError, OSError):
+            return
+        threading.Thread(target=answer, args=(call_id, method, args), daemon=True).start()
+
+
+def _mp_worker_main(
+    spec: WorkerSpec, conn: mp.connection.Connection, ctl: mp.connection.Connection
+) -> None:
     """A worker child process: start, then answer calls until the pipe closes."""
     try:
         worker = TPWorker(spec)
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         return
+    threading.Thread(target=_serve_control, args=(worker, ctl), daemon=True).start()
     conn.send(("ok", None))
     while True:
         try:
@@ -193,12 +265,56 @@ class _ProcessWorker:
         ctx = mp.get_context("spawn")
         self.rank = spec.rank
         self._conn, child = ctx.Pipe()
+        self._ctl, child_ctl = ctx.Pipe()
         self.process = ctx.Process(
-            target=_mp_worker_main, args=(spec, child), name=f"pdserve-tp{spec.rank}", daemon=True
+            target=_mp_worker_main,
+            args=(spec, child, child_ctl),
+            name=f"pdserve-tp{spec.rank}",
+            daemon=True,
         )
         self.process.start()
         child.close()
-        self._lock = threading.Lock()
+        child_ctl.close()
+        self._ctl_lock = threading.Lock()
+        self._calls: dict[int, concurrent.futures.Future[Any]] = {}
+        self._ids = itertools.count()
+        threading.Thread(target=self._read_control, daemon=True).start()
+
+    def _read_control(self) -> None:
+        while True:
+            try:
+                call_id, status, value = self._ctl.recv()
+            except (EOFError, OSError):
+                break
+            with self._ctl_lock:
+                fut = self._calls.pop(call_id, None)
+            if fut is None:
+                continue
+            if status == "ok":
+                fut.set_result(value)
+            else:
+                why = f"tensor-parallel rank {self.rank} agent call failed:\n{value}"
+                fut.set_exception(TPWorkerError(why))
+        with self._ctl_lock:
+            pending, self._calls = list(self._calls.values()), {}
+        for fut in pending:
+            fut.set_exception(TPWorkerError(f"tensor-parallel rank {self.rank} is gone"))
+
+    def call_agent(self, method: str, args: tuple[Any, ...], timeout: float) -> Any:
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._ctl_lock:
+            call_id = next(self._ids)
+            self._calls[call_id] = fut
+            try:
+                self._ctl.send((call_id, method, args))
+            except (BrokenPipeError, OSError) as exc:
+                del self._calls[call_id]
+                raise TPWorkerError(f"tensor-parallel rank {self.rank} is gone: {exc}") from exc
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError as exc:
+            why = f"tensor-parallel rank {self.rank}: {method} took over {timeout} s"
+            raise TPWorkerError(why) from exc
 
     def submit(self, method: str, *args: Any) -> None:
         try:
@@ -222,6 +338,7 @@ class _ProcessWorker:
 
     def close(self) -> None:
         self._conn.close()
+        self._ctl.close()
         self.process.join(5)
         if self.process.is_alive():
             self.process.kill()
@@ -263,6 +380,15 @@ class _RayWorker:
             raise TPWorkerError(why) from exc
         except ray.exceptions.RayError as exc:
             raise TPWorkerError(f"tensor-parallel rank {self.rank} failed: {exc}") from exc
+
+    def call_agent(self, method: str, args: tuple[Any, ...], timeout: float) -> Any:
+        import ray
+
+        try:
+            return ray.get(self.actor.call.remote("agent_call", method, *args), timeout=timeout)
+        except ray.exceptions.RayError as exc:
+            why = f"tensor-parallel rank {self.rank}: {method} failed: {exc}"
+            raise TPWorkerError(why) from exc
 
     def close(self) -> None:
         import ray
@@ -314,18 +440,18 @@ class TPExecutor:
         config: EngineConfig,
         *,
         kv_cache_allocator: Any = None,
-        kv_connector: KVConnector | None = None,
+        kv_connector: TPConnector | None = None,
         runtime_settings: Any = None,
         kv_cache_allocator_factory: Callable[[], Any] | None = None,
-        kv_connector_factory: Callable[[], KVConnector] | None = None,
+        kv_agent_factory: KVAgentFactory | None = None,
     ) -> None:
         from pdserve.engine.model_runner import ModelRunner, resolve_device
 
         size = config.tensor_parallel_size
         if size < 2:
             raise ValueError(f"TPExecutor needs tensor_parallel_size >= 2, got {size}")
-        if kv_connector is not None and kv_connector_factory is None:
-            raise ValueError("a KV connector on rank 0 needs kv_connector_factory for the others")
+        if kv_connector is not None and kv_agent_factory is None:
+            raise ValueError("a KV connector on rank 0 needs kv_agent_factory for the others")
         host = "127.0.0.1"  # every rank of a replica is on its node (STRICT_PACK)
         store = store_master(host, size, _GROUP_TIMEOUT_S)
         specs = [
@@ -335,7 +461,7 @@ class TPExecutor:
                 store_address=(host, store.port),
                 runtime_settings=runtime_settings,
                 kv_cache_allocator_factory=kv_cache_allocator_factory,
-                kv_connector_factory=kv_connector_factory,
+                kv_agent_factory=kv_agent_factory,
             )
             for rank in range(1, size)
         ]
@@ -368,6 +494,8 @@ class TPExecutor:
         self.device = self.runner.device
         self.max_model_len = self.runner.max_model_len
         self.tp: TPGroup = self.runner.tp
+        if kv_connector is not None:
+            kv_connector.attach(self)
 
     @property
     def kv_cache(self) -> torch.Tensor | None:
@@ -399,7 +527,7 @@ class TPExecutor:
 
     def execute(self, out: SchedulerOutput) -> dict[str, Any]:
         connector = self.kv_connector
-        meta = connector.step_meta() if connector is not None else None  # type: ignore[attr-defined]
+        meta = connector.step_meta() if connector is not None else None
         for w in self.workers:
             w.submit("execute", out, meta)
         try:
@@ -409,8 +537,18 @@ class TPExecutor:
             # (or death) is the cause worth reporting, and the pipes stay in step.
             reports = [w.result(_GROUP_TIMEOUT_S) for w in self.workers]
         if connector is not None:
-            connector.worker_reports(reports)  # type: ignore[attr-defined]
+            connector.worker_reports(reports)
         return sampled
+
+    def poll_workers(self, meta: Any) -> list[Any]:
+        """Between steps (on the engine's thread): every worker agent's report."""
+        return self._all("poll", meta)
+
+    def agent_call(self, rank: int, method: str, *args: Any, timeout: float = 60.0) -> Any:
+        """``method`` of worker ``rank``'s KV agent, from any thread, beside the steps."""
+        if not 1 <= rank <= len(self.workers):
+            raise ValueError(f"rank {rank}: workers are ranks 1..{len(self.workers)}")
+        return self.workers[rank - 1].call_agent(method, args, timeout)
 
     def shutdown(self) -> None:
         """Stop the workers (best effort: they may already be gone)."""
