@@ -46,7 +46,9 @@ def _pool(min_replicas: int) -> dict[str, Any]:
             # The decode pool serves every request: AppConfig requires one replica at least.
             "minReplicas": {"type": "integer", "minimum": min_replicas},
             "maxReplicas": {"type": "integer", "minimum": 1},
-            # Per replica = per pod; more than one is refused by the templates (no TP).
+            # Ranks per replica (one replica per pod, its ranks all on the pod).
+            "tensorParallelSize": {"type": "integer", "minimum": 1},
+            # Per rank; more than one is refused by the templates (a rank drives one GPU).
             "gpus": INT,
             "cpus": {"type": "number", "exclusiveMinimum": 0},
             "gpuProduct": _string(),
@@ -56,7 +58,7 @@ def _pool(min_replicas: int) -> dict[str, Any]:
             "nodeSelector": MAP,
             "tolerations": LIST,
         },
-        required=["minReplicas", "maxReplicas", "gpus", "cpus"],
+        required=["minReplicas", "maxReplicas", "tensorParallelSize", "gpus", "cpus"],
     )
 
 

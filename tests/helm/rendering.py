@@ -18,7 +18,7 @@ H200 = "NVIDIA-H200"
 
 # Every install the tests render: the chart's defaults, and the three a GPU-cluster user
 # starts from (weights on a PVC, from the Hub with a token, and a CPU-only cluster), plus
-# an object-store model and an incremental upgrade.
+# tensor-parallel pools, an object-store model and an incremental upgrade.
 VALUE_SETS: dict[str, dict[str, Any] | None] = {
     "defaults": None,
     "h100-prefill-h200-decode-pvc": {
@@ -77,6 +77,23 @@ VALUE_SETS: dict[str, dict[str, Any] | None] = {
         "app": {
             "model": {"hf_id": None, "test_model": "tiny", "device": "cpu", "dtype": "float32"}
         },
+    },
+    # Tensor parallelism: a 72B model over 4 GPUs per prefill replica and 2 per decode
+    # replica (one replica per pod: its ranks all on that pod).
+    "tensor-parallel": {
+        "pools": {
+            "prefill": {
+                "tensorParallelSize": 4,
+                "cpus": 4,
+                "maxReplicas": 2,
+                "resources": {
+                    "requests": {"cpu": "18", "memory": "256Gi"},
+                    "limits": {"cpu": "18", "memory": "256Gi"},
+                },
+            },
+            "decode": {"tensorParallelSize": 2, "cpus": 4, "maxReplicas": 4},
+        },
+        "app": {"model": {"hf_id": "Qwen/Qwen2.5-72B-Instruct"}},
     },
     "object-store-uri": {
         "app": {"model": {"hf_id": None, "uri": "s3://models/llama-3.1-8b-instruct"}},

@@ -1,13 +1,15 @@
 """The pools can scale: Ray's own KubeRay autoscaling-config builder reads each rendered
 RayCluster spec, and Ray's v2 autoscaler scheduler (what `autoscalerOptions.version: v2`
 runs) is asked for each pool's replicas at their maximum, with the resources and label
-selector the app builder gives them. Every replica must find a group, and every group must
-grow to its maxReplicas and no further."""
+selector the app builder gives them (a tensor-parallel replica: its STRICT_PACK placement
+group). Every replica must find a group, and every group must grow to its maxReplicas and
+no further."""
 
 from __future__ import annotations
 
 import copy
 from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -15,7 +17,7 @@ import yaml
 
 pytest.importorskip("helm_python", reason="helm-python-sdk renders the chart")
 
-from pdserve.deployments.app import actor_options  # noqa: E402
+from pdserve.deployments.app import actor_options, deployment_options  # noqa: E402
 from pdserve.deployments.config import AppConfig, PoolRole  # noqa: E402
 from tests.helm.rendering import VALUE_SETS, app_args, rayservice  # noqa: E402
 
@@ -35,25 +37,61 @@ def autoscaling_config(svc: dict[str, Any]) -> dict[str, Any]:
     return _derive_autoscaling_config_from_ray_cr(ray_cluster)
 
 
-def replica_request(cfg: AppConfig, role: PoolRole, count: int) -> Any:
-    """``count`` replicas of a pool as the resource demand Ray's GCS reports for them."""
-    from ray.autoscaler.v2.utils import ResourceRequestUtil
-    from ray.core.generated.autoscaler_pb2 import ResourceRequestByCount
+@dataclass
+class Demand:
+    """Pending replicas as Ray's GCS reports them to the autoscaler."""
+
+    requests: list[Any] = field(default_factory=list)  # ResourceRequestByCount: actors
+    gangs: list[Any] = field(default_factory=list)  # GangResourceRequest: placement groups
+
+
+def _selector(labels: dict[str, str] | None) -> list[Any] | None:
     from ray.core.generated.common_pb2 import LabelSelectorOperator
 
-    options = actor_options(cfg.pool(role), role)  # what Serve's replica actors ask for
-    bundle = {"CPU": float(options["num_cpus"])}
-    if options["num_gpus"]:
-        bundle["GPU"] = float(options["num_gpus"])
     selector = []
-    for key, value in options.get("label_selector", {}).items():
+    for key, value in (labels or {}).items():
         assert not value.startswith(("!", "in(")), "plain equality selectors only"
         selector.append((key, LabelSelectorOperator.LABEL_OPERATOR_IN, [value]))
-    request = ResourceRequestUtil.make(bundle, label_selectors=[selector] if selector else None)
-    return ResourceRequestByCount(request=request, count=count)
+    return [selector] if selector else None
 
 
-def schedule(config: dict[str, Any], requests: list[Any]) -> Any:
+def replica_demand(cfg: AppConfig, role: PoolRole, count: int) -> Demand:
+    """``count`` replicas of a pool, from the options the app builder gives Serve: a TP=1
+    replica is one actor's resource request; a TP>1 replica is its placement group, a gang
+    whose bundles GCS ties with an affinity constraint on the group's ``_PG_<id>`` label
+    (its STRICT_PACK), each with its bundle label selector."""
+    from ray.autoscaler.v2.utils import ResourceRequestUtil
+    from ray.core.generated.autoscaler_pb2 import GangResourceRequest, ResourceRequestByCount
+
+    options = deployment_options(cfg, role)
+    bundles = options.get("placement_group_bundles")
+    if bundles is None:
+        actor = options["ray_actor_options"]
+        assert actor == actor_options(cfg.pool(role), role)  # what Serve's replicas ask for
+        bundle = {"CPU": float(actor["num_cpus"])}
+        if actor["num_gpus"]:
+            bundle["GPU"] = float(actor["num_gpus"])
+        request = ResourceRequestUtil.make(
+            bundle, label_selectors=_selector(actor.get("label_selector"))
+        )
+        return Demand(requests=[ResourceRequestByCount(request=request, count=count)])
+    assert options["placement_group_strategy"] == "STRICT_PACK"
+    selectors = options.get("placement_group_bundle_label_selector") or [{}] * len(bundles)
+    affinity = ResourceRequestUtil.PlacementConstraintType.AFFINITY
+    gangs = []
+    for index in range(count):
+        pg_label = f"_PG_{role}{index:04d}"
+        requests = [
+            ResourceRequestUtil.make(
+                bundle, constraints=[(affinity, pg_label, "")], label_selectors=_selector(labels)
+            )
+            for bundle, labels in zip(bundles, selectors, strict=True)
+        ]
+        gangs.append(GangResourceRequest(requests=requests, details=f"{role} replica {index}"))
+    return Demand(gangs=gangs)
+
+
+def schedule(config: dict[str, Any], demands: list[Demand]) -> Any:
     from ray.autoscaler.v2.instance_manager.config import AutoscalingConfig
     from ray.autoscaler.v2.scheduler import ResourceDemandScheduler, SchedulingRequest
 
@@ -63,9 +101,14 @@ def schedule(config: dict[str, Any], requests: list[Any]) -> Any:
             disable_launch_config_check=True,
             node_type_configs=node_types,
             max_num_nodes=config["max_workers"],
-            resource_requests=requests,
+            resource_requests=[r for d in demands for r in d.requests],
+            gang_resource_requests=[g for d in demands for g in d.gangs],
         )
     )
+
+
+def unplaced(reply: Any) -> int:
+    return len(reply.infeasible_resource_requests) + len(reply.infeasible_gang_resource_requests)
 
 
 def launched(reply: Any) -> Counter[str]:
@@ -92,15 +135,15 @@ def test_every_pool_scales_to_its_maximum_and_no_further(name: str) -> None:
         assert pool.label_selector(role).items() <= node_type["labels"].items()
     # Ask for one replica more than each pool's maximum: the surplus must stay unplaced
     # and every group must grow to exactly its maximum.
-    requests = [replica_request(cfg, role, cfg.pool(role).max_replicas + 1) for role in ROLES]
-    reply = schedule(config, requests)
+    demands = [replica_demand(cfg, role, cfg.pool(role).max_replicas + 1) for role in ROLES]
+    reply = schedule(config, demands)
     assert launched(reply) == Counter({role: cfg.pool(role).max_replicas for role in ROLES})
-    assert len(reply.infeasible_resource_requests) == len(ROLES)
+    assert unplaced(reply) == len(ROLES)
     # At the minimum the groups already hold every replica: nothing more is launched.
-    at_min = [replica_request(cfg, role, cfg.pool(role).min_replicas) for role in ROLES]
+    at_min = [replica_demand(cfg, role, cfg.pool(role).min_replicas) for role in ROLES]
     reply = schedule(config, at_min)
     assert launched(reply) == Counter({role: cfg.pool(role).min_replicas for role in ROLES})
-    assert list(reply.infeasible_resource_requests) == []
+    assert unplaced(reply) == 0
 
 
 def test_a_group_missing_the_accelerator_label_never_scales() -> None:
@@ -111,7 +154,7 @@ def test_a_group_missing_the_accelerator_label_never_scales() -> None:
     broken = copy.deepcopy(svc)
     for group in broken["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
         group["labels"] = {"pdserve.io/pool": group["groupName"]}
-    reply = schedule(autoscaling_config(broken), [replica_request(cfg, "decode", 2)])
+    reply = schedule(autoscaling_config(broken), [replica_demand(cfg, "decode", 2)])
     assert launched(reply) == Counter({"prefill": 1, "decode": 1})  # the minimum only
     assert len(reply.infeasible_resource_requests) == 2
 
@@ -122,8 +165,27 @@ def test_replicas_do_not_land_on_the_other_pool() -> None:
     svc = rayservice(values)
     cfg = AppConfig.from_dict(app_args(svc))
     assert cfg.prefill.accelerator_type == cfg.decode.accelerator_type == "H200"
-    reply = schedule(autoscaling_config(svc), [replica_request(cfg, "decode", 5)])
+    reply = schedule(autoscaling_config(svc), [replica_demand(cfg, "decode", 5)])
     assert launched(reply) == Counter({"prefill": 1, "decode": 5})
+
+
+def test_a_tensor_parallel_replica_needs_its_ranks_on_one_pod() -> None:
+    """A TP=2 decode replica fits a pod with 2 GPUs; had the pod kept 1 GPU (the chart's
+    count not following tensorParallelSize), the group would never grow: two 1-GPU pods
+    hold the GPUs but not on one node, which STRICT_PACK needs."""
+    values = {"pools": {"decode": {"tensorParallelSize": 2, "cpus": 4, "maxReplicas": 3}}}
+    svc = rayservice(values)
+    cfg = AppConfig.from_dict(app_args(svc))
+    reply = schedule(autoscaling_config(svc), [replica_demand(cfg, "decode", 3)])
+    assert launched(reply) == Counter({"prefill": 1, "decode": 3})
+    assert unplaced(reply) == 0
+    one_gpu = copy.deepcopy(svc)
+    for group in one_gpu["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+        group["rayStartParams"]["num-gpus"] = "1"
+        group["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] = 1
+    reply = schedule(autoscaling_config(one_gpu), [replica_demand(cfg, "decode", 3)])
+    assert launched(reply) == Counter({"prefill": 1, "decode": 1})  # the minimum only
+    assert len(reply.infeasible_gang_resource_requests) == 3
 
 
 def test_serve_config_bounds_match_the_groups() -> None:

@@ -243,8 +243,48 @@ def test_value_set_renders_a_valid_rayservice(name: str, rayservice_schema: dict
             pool.min_replicas,
             pool.max_replicas,
         )
+        # One replica per pod: the pod holds every rank's GPUs and CPUs (STRICT_PACK).
         limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
-        assert limits.get("nvidia.com/gpu", 0) == pool.num_gpus
+        pod_gpus = pool.num_gpus * pool.tensor_parallel_size
+        assert limits.get("nvidia.com/gpu", 0) == pod_gpus == cfg.gpus_per_replica(role)
+        assert int(group["rayStartParams"].get("num-gpus", 0)) == pod_gpus
+        assert pool.num_cpus * pool.tensor_parallel_size <= float(limits["cpu"])
+
+
+def test_tensor_parallel_pools_get_gpus_per_pod_and_tp_in_the_app_config() -> None:
+    from pdserve.deployments.app import deployment_options
+
+    svc = rayservice(VALUE_SETS["tensor-parallel"])
+    cfg = AppConfig.from_dict(app_args(svc))
+    assert app_args(svc)["prefill"]["tensor_parallel_size"] == 4
+    assert (cfg.prefill.tensor_parallel_size, cfg.decode.tensor_parallel_size) == (4, 2)
+    by_name = groups(svc)
+    for role, tp in (("prefill", 4), ("decode", 2)):
+        group = by_name[role]
+        (container,) = group["template"]["spec"]["containers"]
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == tp
+        assert group["rayStartParams"]["num-gpus"] == str(tp)
+        # What Serve reserves for one replica is exactly what its pod offers Ray.
+        bundles = deployment_options(cfg, role)["placement_group_bundles"]
+        assert len(bundles) == tp and sum(b["GPU"] for b in bundles) == tp
+        assert sum(b["CPU"] for b in bundles) <= float(container["resources"]["limits"]["cpu"])
+    # At TP=1 the app config says so too, and the pod keeps one GPU.
+    default = rayservice()
+    assert app_args(default)["decode"]["tensor_parallel_size"] == 1
+    assert groups(default)["decode"]["rayStartParams"]["num-gpus"] == "1"
+
+
+def test_a_cpu_pool_splits_over_processes_without_gpus() -> None:
+    values = copy.deepcopy(VALUE_SETS["cpu-only"])
+    values["pools"]["decode"].update({"tensorParallelSize": 2, "cpus": 1})
+    svc = rayservice(values)
+    cfg = AppConfig.from_dict(app_args(svc))
+    assert cfg.decode.tensor_parallel_size == 2 and cfg.gpus_per_replica("decode") == 0
+    decode = groups(svc)["decode"]
+    assert "num-gpus" not in decode["rayStartParams"]
+    assert (
+        "nvidia.com/gpu" not in decode["template"]["spec"]["containers"][0]["resources"]["limits"]
+    )
 
 
 def test_pvc_model_is_mounted_read_only_on_every_ray_pod() -> None:

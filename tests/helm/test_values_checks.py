@@ -10,7 +10,7 @@ import pytest
 
 helm_python = pytest.importorskip("helm_python", reason="helm-python-sdk renders the chart")
 
-from pdserve.deployments.config import ACCELERATOR_LABEL_KEY, AppConfig, EngineLimits  # noqa: E402
+from pdserve.deployments.config import ACCELERATOR_LABEL_KEY, AppConfig  # noqa: E402
 from tests.helm.rendering import app_args, groups, rayservice, render  # noqa: E402
 
 # --- the accelerator label is what Ray sets on the node ---------------------------------------
@@ -86,7 +86,34 @@ def test_accelerator_type_without_gfd_labels_comes_from_the_value() -> None:
             },
             "pools.decode.cpus=8 exceeds",
         ),
-        ({"pools": {"decode": {"gpus": 2}}}, "no tensor parallelism"),
+        ({"pools": {"decode": {"gpus": 2}}}, "pools.decode.gpus=2: gpus is per rank"),
+        (
+            {"pools": {"prefill": {"tensorParallelSize": 2}}},
+            "pools.prefill: cpus=8 per rank x tensorParallelSize=2 = 16 CPUs exceeds the pod's "
+            "CPU limit 10",
+        ),
+        (
+            {
+                "pools": {
+                    "decode": {
+                        "tensorParallelSize": 2,
+                        "cpus": 4,
+                        "resources": {"limits": {"cpu": "10", "nvidia.com/gpu": 1}},
+                    }
+                }
+            },
+            "pools.decode.resources.limits.nvidia.com/gpu=1 contradicts gpus x "
+            "tensorParallelSize = 1 x 2 = 2",
+        ),
+        (
+            {"pools": {"prefill": {"resources": {"requests": {"nvidia.com/gpu": "4"}}}}},
+            "pools.prefill.resources.requests.nvidia.com/gpu=4 contradicts",
+        ),
+        ({"pools": {"decode": {"tensorParallelSize": 0}}}, "/pools/decode/tensorParallelSize"),
+        (
+            {"app": {"decode": {"tensor_parallel_size": 2}}},
+            "app.decode.tensor_parallel_size is set by the chart",
+        ),
         (
             {"head": {"resources": {"limits": {"cpu": "2", "memory": "4Gi"}}}},
             "head.resources: requests.cpu (4) exceeds limits.cpu (2)",
@@ -149,7 +176,11 @@ def test_contradictions_fail_at_render_time(values: dict, message: str) -> None:
         render(values)
 
 
-def test_tensor_parallel_check_is_in_step_with_the_engine() -> None:
-    # The chart refuses gpus > 1 per replica because the engine has no tensor parallelism;
-    # when EngineLimits grows such a field, lift the check in templates/_validate.tpl.
-    assert not [f for f in EngineLimits.model_fields if "parallel" in f or f.startswith("tp")]
+def test_gpus_per_rank_check_is_in_step_with_the_app_config() -> None:
+    # The chart refuses gpus > 1 because a rank drives one GPU; AppConfig refuses the same
+    # num_gpus at tensor_parallel_size > 1, and the rendered pool carries both fields.
+    with pytest.raises(ValueError, match="num_gpus is per rank"):
+        AppConfig.from_dict({"decode": {"tensor_parallel_size": 2, "num_gpus": 2}})
+    args = app_args(rayservice({"pools": {"decode": {"tensorParallelSize": 2, "cpus": 4}}}))
+    assert (args["decode"]["num_gpus"], args["decode"]["tensor_parallel_size"]) == (1, 2)
+    assert AppConfig.from_dict(args).gpus_per_replica("decode") == 2

@@ -82,14 +82,14 @@ worker group's ray.io/accelerator-type label and the replicas' label_selector.
 
 {{/*
 The Serve application's args: values.app (AppConfig fields) with each pool's replica bounds,
-resources and accelerator taken from values.pools, the front door from values.ports, the
+TP size, per-rank resources and accelerator taken from values.pools, the front door from values.ports, the
 model cache from values.modelStorage and the drain timeout from values.drain.
 */}}
 {{- define "pdserve.appArgs" -}}
 {{- $app := deepCopy .Values.app }}
 {{- range $role := list "prefill" "decode" }}
 {{- $pool := index $.Values.pools $role }}
-{{- $sized := dict "min_replicas" (int $pool.minReplicas) "max_replicas" (int $pool.maxReplicas) "num_gpus" $pool.gpus "num_cpus" $pool.cpus }}
+{{- $sized := dict "min_replicas" (int $pool.minReplicas) "max_replicas" (int $pool.maxReplicas) "tensor_parallel_size" (int $pool.tensorParallelSize) "num_gpus" $pool.gpus "num_cpus" $pool.cpus }}
 {{- $accelerator := include "pdserve.accelerator" (dict "root" $ "role" $role) }}
 {{- if $accelerator }}
 {{- $_ := set $sized "accelerator_type" $accelerator }}
@@ -242,13 +242,20 @@ initContainers:
 {{- end }}
 {{- end }}
 
+{{/* GPUs on one pod of a pool (dict "root" . "role" <pool>): one replica per pod, whose
+tensorParallelSize ranks take gpus each, all on that pod (STRICT_PACK). */}}
+{{- define "pdserve.podGpus" -}}
+{{- $pool := index .root.Values.pools .role }}
+{{- mul (int $pool.gpus) (int $pool.tensorParallelSize) }}
+{{- end }}
+
 {{/* One worker group: a node pool whose Ray nodes carry pdserve.io/pool=<role> and, on
 GPUs, ray.io/accelerator-type: every label the pool's replicas select on. */}}
 {{- define "pdserve.workerGroup" -}}
 {{- $root := .root }}
 {{- $role := .role }}
 {{- $pool := index $root.Values.pools $role }}
-{{- $gpus := int $pool.gpus }}
+{{- $gpus := include "pdserve.podGpus" (dict "root" $root "role" $role) | int }}
 {{- $accelerator := include "pdserve.accelerator" (dict "root" $root "role" $role) }}
 - groupName: {{ $role }}
   replicas: {{ int $pool.minReplicas }}
@@ -261,6 +268,10 @@ GPUs, ray.io/accelerator-type: every label the pool's replicas select on. */}}
     {{- end }}
   rayStartParams:
     metrics-export-port: {{ $root.Values.ports.metrics | quote }}
+    {{- if gt $gpus 0 }}
+    # The GPUs Ray schedules on the node: every rank of the pod's replica.
+    num-gpus: {{ $gpus | quote }}
+    {{- end }}
   template:
     metadata:
       labels:

@@ -38,10 +38,21 @@ fails with the message instead of deploying pods that can never become ready.
 {{- if gt (int $pool.minReplicas) (int $pool.maxReplicas) }}
 {{- fail (printf "%s: minReplicas (%v) exceeds maxReplicas (%v)" $where $pool.minReplicas $pool.maxReplicas) }}
 {{- end }}
-{{- /* The engine runs one model copy per GPU: no tensor parallelism (EngineLimits has no
-such field; tests/helm keeps this check in step with it). */}}
+{{- /* gpus is per rank and a rank drives one GPU (PoolConfig refuses num_gpus other than
+0 or 1 at tensor_parallel_size > 1); a replica spans GPUs through tensorParallelSize. */}}
+{{- $tp := int $pool.tensorParallelSize }}
 {{- if gt (int $pool.gpus) 1 }}
-{{- fail (printf "%s.gpus=%v: a pdserve replica uses one GPU (the engine has no tensor parallelism); scale with maxReplicas instead" $where $pool.gpus) }}
+{{- fail (printf "%s.gpus=%v: gpus is per rank and a rank drives one GPU; set tensorParallelSize to split a replica over several GPUs (its pod then gets gpus x tensorParallelSize), or scale with maxReplicas" $where $pool.gpus) }}
+{{- end }}
+{{- /* One replica per pod, its ranks all on it (STRICT_PACK): the pod's GPU count is
+gpus x tensorParallelSize, set by the chart; a different count given by hand would leave a
+rank unplaceable or GPUs idle. */}}
+{{- $podGpus := include "pdserve.podGpus" (dict "root" $ "role" $role) | int }}
+{{- range $kind := list "limits" "requests" }}
+{{- $given := index (default dict (index (default dict $pool.resources) $kind)) "nvidia.com/gpu" }}
+{{- if and (not (kindIs "invalid" $given)) (ne (int $given) $podGpus) }}
+{{- fail (printf "%s.resources.%s.nvidia.com/gpu=%v contradicts gpus x tensorParallelSize = %v x %d = %d (one replica per pod, all its ranks on it); leave it unset: the chart sets it" $where $kind $given $pool.gpus $tp $podGpus) }}
+{{- end }}
 {{- end }}
 {{- if gt (int $pool.gpus) 0 }}
 {{- $anyGpu = true }}
@@ -63,8 +74,12 @@ such field; tests/helm keeps this check in step with it). */}}
 {{- if gt (float64 $pool.cpus) (include "pdserve.quantity" $cpuLimit | float64) }}
 {{- fail (printf "%s.cpus=%v exceeds the pod's CPU limit %v: the replica could never be placed" $where $pool.cpus $cpuLimit) }}
 {{- end }}
+{{- $replicaCpus := mulf (float64 $pool.cpus) $tp }}
+{{- if and (gt $tp 1) (gt $replicaCpus (include "pdserve.quantity" $cpuLimit | float64)) }}
+{{- fail (printf "%s: cpus=%v per rank x tensorParallelSize=%d = %v CPUs exceeds the pod's CPU limit %v: a replica's ranks all run on its pod (STRICT_PACK), so it could never be placed; lower cpus or raise resources.limits.cpu" $where $pool.cpus $tp $replicaCpus $cpuLimit) }}
+{{- end }}
 {{- $appPool := default dict (index $app $role) }}
-{{- range $key := list "min_replicas" "max_replicas" "num_gpus" "num_cpus" "accelerator_type" "node_labels" }}
+{{- range $key := list "min_replicas" "max_replicas" "tensor_parallel_size" "num_gpus" "num_cpus" "accelerator_type" "node_labels" }}
 {{- if hasKey $appPool $key }}
 {{- fail (printf "app.%s.%s is set by the chart from %s (the worker group must match it); set it there" $role $key $where) }}
 {{- end }}
