@@ -142,6 +142,12 @@ class AsyncLLMEngine:
             raise EngineDeadError(f"engine loop stopped: {self._error!r}") from self._error
         if self._stopped.is_set():
             raise EngineDeadError("engine was shut down")
+        alive = getattr(self.engine, "check_health", None)
+        if alive is not None:  # e.g. a tensor-parallel rank died between steps
+            try:
+                alive()
+            except Exception as exc:
+                raise EngineDeadError(f"engine cannot compute: {exc}") from exc
 
     async def generate(
         self,

@@ -394,6 +394,12 @@ class LLMEngine:
     def reset_prefix_cache(self) -> None:
         self.kv_cache_manager.reset_prefix_cache()
 
+    def check_health(self) -> None:
+        """Raise if the runner cannot compute any more (a tensor-parallel rank is gone)."""
+        check = getattr(self.runner, "check_health", None)
+        if check is not None:
+            check()
+
     def shutdown(self) -> None:
         """Release what the runner holds outside this process (tensor-parallel workers)."""
         shutdown = getattr(self.runner, "shutdown", None)

@@ -211,6 +211,9 @@ class WorkerHandle(Protocol):
     def call_agent(self, method: str, args: tuple[Any, ...], timeout: float) -> Any:
         """``TPWorker.agent_call`` now, beside the step loop (thread-safe, concurrent)."""
 
+    def check_alive(self) -> None:
+        """TPWorkerError if the worker is gone."""
+
     def close(self) -> None: ...
 
 
@@ -336,6 +339,11 @@ class _ProcessWorker:
             raise TPWorkerError(f"tensor-parallel rank {self.rank} failed:\n{value}")
         return value
 
+    def check_alive(self) -> None:
+        if not self.process.is_alive():
+            code = self.process.exitcode
+            raise TPWorkerError(f"tensor-parallel rank {self.rank} died (exit code {code})")
+
     def close(self) -> None:
         self._conn.close()
         self._ctl.close()
@@ -389,6 +397,14 @@ class _RayWorker:
         except ray.exceptions.RayError as exc:
             why = f"tensor-parallel rank {self.rank}: {method} failed: {exc}"
             raise TPWorkerError(why) from exc
+
+    def check_alive(self) -> None:
+        import ray
+
+        try:
+            ray.get(self.actor.__ray_ready__.remote(), timeout=10)
+        except ray.exceptions.RayError as exc:
+            raise TPWorkerError(f"tensor-parallel rank {self.rank} is gone: {exc}") from exc
 
     def close(self) -> None:
         import ray
@@ -549,6 +565,11 @@ class TPExecutor:
         if not 1 <= rank <= len(self.workers):
             raise ValueError(f"rank {rank}: workers are ranks 1..{len(self.workers)}")
         return self.workers[rank - 1].call_agent(method, args, timeout)
+
+    def check_health(self) -> None:
+        """TPWorkerError if a worker is gone (checked between steps, by the replica)."""
+        for w in self.workers:
+            w.check_alive()
 
     def shutdown(self) -> None:
         """Stop the workers (best effort: they may already be gone)."""

@@ -126,6 +126,8 @@ def test_a_dead_worker_fails_the_step_instead_of_hanging(tiny_model_dir: Path) -
         worker = engine.runner.workers[0].process
         os.kill(worker.pid, signal.SIGKILL)
         worker.join(10)
+        with pytest.raises(TPWorkerError, match="rank 1 died"):
+            engine.check_health()  # the replica's health check sees it between steps
         start = time.monotonic()
         with pytest.raises(TPWorkerError, match="rank 1"):
             for _ in range(50):
