@@ -3,6 +3,11 @@
 Reads only: the state file, Ray's state API (through the dashboard), Serve's REST view of
 its applications and each node's Prometheus metrics (pdserve's load gauges). No driver joins
 the cluster, so status is quick and changes nothing.
+
+A tensor-parallel replica owns a placement group of one bundle per rank, named like the
+replica's actor: its bundle count is the replica's TP size (no group: TP 1), and its bundles
+are what the replica reserves on its node (the rank actors inside ask for the group's
+resources, not plain CPUs).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from pdserve.kernels.cpu.cpus import format_cpu_list
 
 if TYPE_CHECKING:  # Ray is imported only when status runs
     from ray.serve.schema import ApplicationDetails
-    from ray.util.state.common import NodeState
+    from ray.util.state.common import NodeState, PlacementGroupState
 
 HTTP_TIMEOUT_S = 5.0
 # Prometheus family of each pdserve load gauge -> its key in ReplicaStatus.load.
@@ -54,6 +59,45 @@ class ReplicaStatus:
     node: str  # our node name (head/prefill/decode) or the Ray node id
     pid: int | None
     load: dict[str, float] = field(default_factory=dict)  # running / waiting / kv
+    tp: int = 1  # ranks of its tensor-parallel group (bundles of its placement group)
+
+
+@dataclass(frozen=True)
+class PlacementGroup:
+    """What status needs of one placement group from Ray's state API."""
+
+    name: str
+    state: str  # CREATED / PENDING / RESCHEDULING / REMOVED
+    bundles: list[tuple[str, float]]  # per bundle: Ray node id ("" = not placed), CPUs
+
+    @classmethod
+    def from_state(cls, pg: PlacementGroupState) -> PlacementGroup:
+        return cls(
+            name=pg.name,
+            state=pg.state,
+            bundles=[
+                (b.get("node_id") or "", float((b.get("unit_resources") or {}).get("CPU", 0.0)))
+                for b in pg.bundles or []
+            ],
+        )
+
+
+def tp_by_actor(groups: list[PlacementGroup]) -> dict[str, int]:
+    """TP size per replica actor name: Serve names a replica's placement group after the
+    replica's actor, one bundle per rank."""
+    return {g.name: len(g.bundles) for g in groups if g.name and g.state != "REMOVED"}
+
+
+def reserved_by_groups(groups: list[PlacementGroup]) -> dict[str, float]:
+    """CPUs the placed bundles of live placement groups hold, per Ray node id."""
+    reserved: dict[str, float] = defaultdict(float)
+    for group in groups:
+        if group.state == "REMOVED":
+            continue
+        for node_id, cpus in group.bundles:
+            if node_id:
+                reserved[node_id] += cpus
+    return reserved
 
 
 @dataclass(frozen=True)
@@ -110,14 +154,14 @@ def replica_load(load: dict[str, dict[str, float]], replica_id: str) -> dict[str
 
 def _ray_nodes(
     state: ClusterState, problems: list[str]
-) -> tuple[dict[str, NodeState], dict[str, float]]:
-    """Alive Ray nodes by our node name, and CPUs reserved by alive actors per Ray node id."""
+) -> tuple[dict[str, NodeState], dict[str, float], list[PlacementGroup]]:
+    """Alive Ray nodes by our node name, CPUs reserved per Ray node id (by alive actors
+    outside placement groups and by placed bundles) and the placement groups."""
     if state.dashboard_url is None:
         problems.append("no dashboard: Ray's state API is unavailable")
-        return {}, {}
-    from ray.util.state import list_actors, list_nodes
+        return {}, {}, []
+    from ray.util.state import list_actors, list_nodes, list_placement_groups
 
-    reserved: dict[str, float] = defaultdict(float)
     try:
         nodes = list_nodes(address=state.dashboard_url, detail=True, raise_on_missing_output=False)
         actors = list_actors(
@@ -126,9 +170,18 @@ def _ray_nodes(
             detail=True,
             raise_on_missing_output=False,
         )
+        groups = [
+            PlacementGroup.from_state(pg)
+            for pg in list_placement_groups(
+                address=state.dashboard_url, detail=True, raise_on_missing_output=False
+            )
+        ]
     except Exception as err:  # the state API raises several kinds; status must still print
         problems.append(f"Ray state API at {state.dashboard_url} did not answer: {err}")
-        return {}, {}
+        return {}, {}, []
+    # An actor in a placement group asks for the group's resources (CPU_group_...), not
+    # CPU: its share is counted once, through the group's bundles.
+    reserved = reserved_by_groups(groups)
     for actor in actors:
         reserved[actor.node_id] += float((actor.required_resources or {}).get("CPU", 0.0))
     by_name = {
@@ -136,7 +189,7 @@ def _ray_nodes(
         for n in nodes
         if n.state == "ALIVE"
     }
-    return by_name, reserved
+    return by_name, reserved, groups
 
 
 def _node_status(
@@ -196,7 +249,8 @@ def collect_status(state: ClusterState) -> ClusterStatus:
     (``pdserve.cluster.state.ray_client_env``), which the CLI sets before Ray is imported.
     """
     problems: list[str] = []
-    ray_nodes, reserved = _ray_nodes(state, problems)
+    ray_nodes, reserved, groups = _ray_nodes(state, problems)
+    tp = tp_by_actor(groups)
     nodes = [_node_status(r, ray_nodes.get(r.name), reserved) for r in state.nodes]
     app = _serve_app(state, problems)
     replicas: list[ReplicaStatus] = []
@@ -214,6 +268,7 @@ def collect_status(state: ClusterState) -> ClusterStatus:
                         node=id_to_name.get(node_id, node_id[:8]),
                         pid=rep.pid,
                         load=replica_load(load, rep.replica_id),
+                        tp=tp.get(rep.actor_name or "", 1),
                     )
                 )
     return ClusterStatus(
@@ -274,7 +329,10 @@ def format_status(status: ClusterStatus) -> str:
         for r in on_node:
             counts[f"{r.deployment} {r.state.lower()}"] += 1
         summary = ", ".join(f"{c} {k}" for k, c in sorted(counts.items())) or "no replicas"
-        lines.append(f"  {n.labels[POOL_LABEL_KEY]:8s} node {n.name}: {summary}")
+        # TP per pool: its replicas' (two sizes while a redeploy changes it).
+        sizes = "/".join(str(t) for t in sorted({r.tp for r in on_node}))
+        tp_text = f"  tp {sizes}" if sizes else ""
+        lines.append(f"  {n.labels[POOL_LABEL_KEY]:8s} node {n.name}: {summary}{tp_text}")
     if st.serve is None:
         lines.append("serve    not deployed (run `pdserve serve`)")
     else:
@@ -287,7 +345,7 @@ def format_status(status: ClusterStatus) -> str:
             lines.append(f"  message: {status.app_message}")
         if status.replicas:
             lines.append("replicas")
-            rows = [["DEPLOYMENT", "REPLICA", "STATE", "NODE", "PID", "LOAD"]]
+            rows = [["DEPLOYMENT", "REPLICA", "STATE", "NODE", "TP", "PID", "LOAD"]]
             for r in sorted(status.replicas, key=lambda r: (r.deployment, r.replica_id)):
                 rows.append(
                     [
@@ -295,6 +353,7 @@ def format_status(status: ClusterStatus) -> str:
                         r.replica_id,
                         r.state,
                         r.node,
+                        str(r.tp),
                         str(r.pid or "-"),
                         _fmt_load(r.load),
                     ]

@@ -12,10 +12,13 @@ from pdserve.cluster.state import ClusterState, NodeRecord, ServeRecord
 from pdserve.cluster.status import (
     ClusterStatus,
     NodeStatus,
+    PlacementGroup,
     ReplicaStatus,
     format_status,
     replica_load,
+    reserved_by_groups,
     scrape_load,
+    tp_by_actor,
 )
 
 METRICS = """\
@@ -104,7 +107,7 @@ def test_format_status_shows_nodes_pools_replicas_and_load() -> None:
         NodeStatus("decode", 12, False, "unknown", "", {"pdserve.io/pool": "decode"}, 0, 0),
     ]
     replicas = [
-        ReplicaStatus("PrefillServer", "pre1", "RUNNING", "prefill", 21),
+        ReplicaStatus("PrefillServer", "pre1", "RUNNING", "prefill", 21, tp=2),
         ReplicaStatus("DecodeServer", "dec1", "STARTING", "decode", 22, {"running": 3, "kv": 0.5}),
     ]
     text = format_status(ClusterStatus(state, nodes, replicas, "DEPLOYING", "", ["dashboard slow"]))
@@ -112,10 +115,63 @@ def test_format_status_shows_nodes_pools_replicas_and_load() -> None:
     assert lines[0] == "cluster  gcs 127.0.0.2:6000  dashboard http://127.0.0.2:6001"
     (decode_row,) = [line for line in lines if line.split()[:2] == ["decode", "12"]]
     assert "gone" in decode_row and "unknown" in decode_row
-    assert "  prefill  node prefill: 1 PrefillServer running" in lines
-    assert "  decode   node decode: 1 DecodeServer starting" in lines
+    assert "  prefill  node prefill: 1 PrefillServer running  tp 2" in lines
+    assert "  decode   node decode: 1 DecodeServer starting  tp 1" in lines
     assert "serve    pdserve: DEPLOYING  http://127.0.0.2:6002" in lines
+    (header,) = [line for line in lines if line.split()[:1] == ["DEPLOYMENT"]]
+    assert header.split() == ["DEPLOYMENT", "REPLICA", "STATE", "NODE", "TP", "PID", "LOAD"]
     (dec_replica,) = [line for line in lines if line.split()[:1] == ["DecodeServer"]]
-    assert dec_replica.split()[1:5] == ["dec1", "STARTING", "decode", "22"]
+    assert dec_replica.split()[1:6] == ["dec1", "STARTING", "decode", "1", "22"]
     assert dec_replica.endswith("3 running, kv 50%")
+    (pre_replica,) = [line for line in lines if line.split()[:1] == ["PrefillServer"]]
+    assert pre_replica.split()[1:6] == ["pre1", "RUNNING", "prefill", "2", "21"]
     assert lines[-1] == "warning: dashboard slow"
+
+
+def test_a_replicas_tp_and_reservation_come_from_its_placement_group() -> None:
+    from ray.util.state.common import PlacementGroupState
+
+    def bundle(index: int, node_id: str, cpus: float) -> dict:
+        return {
+            "bundle_id": {"placement_group_id": "pg1", "bundle_index": index},
+            "unit_resources": {"CPU": cpus, "GPU": 1.0},
+            "node_id": node_id,
+            "label_selector": {"pdserve.io/pool": "prefill"},
+        }
+
+    # As Ray's state API returns them: Serve names a replica's group after its actor.
+    placed = PlacementGroupState(
+        placement_group_id="pg1",
+        name="SERVE_REPLICA::pdserve#PrefillServer#abc",
+        creator_job_id="01000000",
+        state="CREATED",
+        bundles=[bundle(i, "node-p", 2.0) for i in range(4)],
+        is_detached=True,
+        stats={},
+    )
+    pending = PlacementGroupState(
+        placement_group_id="pg2",
+        name="SERVE_REPLICA::pdserve#PrefillServer#def",
+        creator_job_id="01000000",
+        state="PENDING",
+        bundles=[bundle(i, "", 2.0) for i in range(4)],
+        is_detached=True,
+        stats={},
+    )
+    removed = PlacementGroupState(
+        placement_group_id="pg3",
+        name="SERVE_REPLICA::pdserve#PrefillServer#old",
+        creator_job_id="01000000",
+        state="REMOVED",
+        bundles=[bundle(i, "node-p", 2.0) for i in range(2)],
+        is_detached=True,
+        stats={},
+    )
+    groups = [PlacementGroup.from_state(g) for g in (placed, pending, removed)]
+    assert groups[0].bundles == [("node-p", 2.0)] * 4
+    assert tp_by_actor(groups) == {
+        "SERVE_REPLICA::pdserve#PrefillServer#abc": 4,
+        "SERVE_REPLICA::pdserve#PrefillServer#def": 4,  # known before it is placed
+    }
+    # Only placed bundles of live groups hold CPUs (4 ranks x 2 CPUs on one node).
+    assert reserved_by_groups(groups) == {"node-p": 8.0}
