@@ -62,6 +62,7 @@ from pdserve.deployments.replica import (
     runtime_report,
     transfer_host,
 )
+from pdserve.deployments.tp_kv import DecodeAgentFactory, rank_layout, tp_executor_of
 from pdserve.engine.outputs import RequestOutput
 from pdserve.kvtransfer.blocks import pool_layout
 from pdserve.kvtransfer.config import KVTransferConfig
@@ -114,17 +115,37 @@ class DecodeServer:
             enabled=self.cfg.observability.metrics_enabled,
         )
         allocator = _shared_allocator(self.cfg)
+        t = self.cfg.transport
+        transfer = KVTransferConfig(
+            transport=t.kind, host=transfer_host(t.host), connect_timeout_s=t.connect_timeout_s
+        )
         factory = engine_factory or default_engine_factory
         self.engine = factory(
             engine_config(self.cfg, "decode", model_dir),
-            pool_hooks(self.cfg, "decode", kv_cache_allocator=allocator),
+            pool_hooks(
+                self.cfg,
+                "decode",
+                kv_cache_allocator=allocator,
+                # Tensor parallel: ranks 1.. receive the KV heads they hold themselves.
+                kv_agent_factory=DecodeAgentFactory(transfer)
+                if self.cfg.decode.tensor_parallel_size > 1
+                else None,
+            ),
         )
         self.block_size: int = self.engine.block_size
         self.max_num_seqs = self.cfg.decode.engine.max_num_seqs
         kv_cache = self.engine.kv_cache
-        layout = pool_layout(kv_cache, self.engine.model_config.model_name)
-        self.kv_bytes_per_token = layout.block_bytes() * layout.num_layers // layout.block_size
-        t = self.cfg.transport
+        model = self.engine.model_config
+        executor = tp_executor_of(self.engine)
+        layout = (
+            rank_layout(kv_cache, model.model_name, executor.tp.shard, model.num_kv_heads)
+            if executor is not None
+            else pool_layout(kv_cache, model.model_name)
+        )
+        # A token's KV over the whole replica (every rank's heads, each once).
+        self.kv_bytes_per_token = (
+            layout.block_bytes() * layout.num_layers * model.num_kv_heads
+        ) // (layout.num_kv_heads * layout.block_size)
         self.transfer_observer = TransferMetricsObserver(self.metrics)
         self._allocator = allocator
         # Serve injects a DeploymentHandle to PrefillServer; tests may pass a PrefillClient.
@@ -140,11 +161,7 @@ class DecodeServer:
                 engine=self.engine,
                 client=client,
                 layout=layout,
-                transfer=KVTransferConfig(
-                    transport=t.kind,
-                    host=transfer_host(t.host),
-                    connect_timeout_s=t.connect_timeout_s,
-                ),
+                transfer=transfer,
                 shm_segment=allocator.segment_for(kv_cache) if allocator is not None else None,
                 observer=self.transfer_observer,
                 estimate=self.remote_estimate,

@@ -27,6 +27,8 @@ class EngineHooks:
     role: PoolRole
     kv_cache_allocator: Any = None  # KVCacheAllocator: the decode pool's shared-memory pool
     kv_connector: KVConnector | None = None  # the prefill side's KV sender
+    # Tensor parallel: builds the KV agent (sender / receiver) of each rank 1.. on that rank.
+    kv_agent_factory: Any = None
     runtime: RuntimeSettings | None = None  # what the replica asks of the device runtime
 
 
@@ -62,6 +64,7 @@ def default_engine_factory(config: EngineConfig, hooks: EngineHooks) -> Any:
         kv_cache_allocator=hooks.kv_cache_allocator,
         kv_connector=hooks.kv_connector,
         runtime_settings=hooks.runtime,
+        kv_agent_factory=hooks.kv_agent_factory,
     )
     return AsyncLLMEngine(llm)
 

@@ -215,12 +215,16 @@ class GenerateChunk(_Message):
 
 
 class PrefillRequest(_Message):
-    """Decode -> prefill: compute this prompt and push its KV to ``kv_target``."""
+    """Decode -> prefill: compute this prompt and push its KV to ``kv_targets``."""
 
     request_id: str = Field(min_length=1, description="Same id as the decode-side request.")
     prompt_token_ids: list[int] = Field(min_length=1, description="Prompt token ids.")
     sampling: SamplingOptions = Field(description="Sampling of the first token.")
-    kv_target: KVTarget = Field(description="Where the KV goes (decode replica's blocks).")
+    kv_targets: tuple[KVTarget, ...] = Field(
+        min_length=1,
+        description="Where the KV goes: one target per rank of the decode replica (its "
+        "blocks in that rank's pool, the KV heads that rank holds), rank order.",
+    )
     trace_carrier: dict[str, str] = Field(default_factory=dict, description="W3C context.")
 
 

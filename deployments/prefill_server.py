@@ -40,6 +40,7 @@ from pdserve.deployments.replica import (
     runtime_report,
     transfer_host,
 )
+from pdserve.deployments.tp_kv import PrefillAgentFactory, TPPrefillConnector
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.connector import PrefillKVConnector
 from pdserve.kvtransfer.types import KVTransferError
@@ -70,18 +71,25 @@ class PrefillServer:
             enabled=self.cfg.observability.metrics_enabled,
         )
         t = self.cfg.transport
-        self.connector = PrefillKVConnector(
-            KVTransferConfig(
-                transport=t.kind,
-                host=transfer_host(t.host),
-                connect_timeout_s=t.connect_timeout_s,
-            ),
-            observer=TransferMetricsObserver(self.metrics),
+        transfer = KVTransferConfig(
+            transport=t.kind, host=transfer_host(t.host), connect_timeout_s=t.connect_timeout_s
+        )
+        local = PrefillKVConnector(transfer, observer=TransferMetricsObserver(self.metrics))
+        # Tensor parallel: every rank sends the KV heads it holds; rank 0's connector hands
+        # the targets to the others' and merges their results.
+        tp = self.cfg.prefill.tensor_parallel_size > 1
+        self.connector: PrefillKVConnector | TPPrefillConnector = (
+            TPPrefillConnector(local) if tp else local
         )
         factory = engine_factory or default_engine_factory
         self.engine = factory(
             engine_config(self.cfg, "prefill", model_dir),
-            pool_hooks(self.cfg, "prefill", kv_connector=self.connector),
+            pool_hooks(
+                self.cfg,
+                "prefill",
+                kv_connector=self.connector,
+                kv_agent_factory=PrefillAgentFactory(transfer) if tp else None,
+            ),
         )
         # The engine registered its pool with the connector, which built the sender.
         self.sender = self.connector.sender
@@ -93,7 +101,7 @@ class PrefillServer:
         self._arrivals = RateMeter()
 
     async def prefill(self, req: PrefillRequest) -> PrefillResponse:
-        """Compute the prompt, push its KV to ``req.kv_target``, return the first token.
+        """Compute the prompt, push its KV to ``req.kv_targets``, return the first token.
 
         Raises on any failure (bad request, engine error, transfer failure or timeout): the
         caller recomputes locally. Cancelling the call aborts the request here.
@@ -106,11 +114,12 @@ class PrefillServer:
         attrs = {
             tracing.USAGE_INPUT_TOKENS: num_tokens,
             # Where this replica pushes the KV (the decode replica's listener).
-            "pdserve.kv_target.address": req.kv_target.address,
-            "pdserve.kv_target.transport": req.kv_target.transport,
+            "pdserve.kv_target.address": req.kv_targets[0].address,
+            "pdserve.kv_target.transport": req.kv_targets[0].transport,
         }
         with tracing.span("prefill", self.model_name, carrier=req.trace_carrier, attributes=attrs):
-            self.connector.register_target(rid, req.kv_target)
+            targets = req.kv_targets  # one per rank of the decode replica
+            self.connector.register_target(rid, targets[0] if len(targets) == 1 else targets)
             last = None
             try:
                 async for out in self.engine.generate(
@@ -124,7 +133,7 @@ class PrefillServer:
             if last is None or last.finish_reason == "abort" or not last.token_ids:
                 raise RuntimeError(f"prefill of {rid!r} ended without a first token")
             # The sender's verdict: every layer landed and the decode side confirmed it.
-            timeout = max(0.0, req.kv_target.deadline - time.time()) + RESULT_GRACE_S
+            timeout = max(0.0, req.kv_targets[0].deadline - time.time()) + RESULT_GRACE_S
             result = await asyncio.to_thread(self.connector.take_result, rid, timeout)
             if result is None:
                 raise TimeoutError(f"KV transfer of {rid!r} did not finish within {timeout:.1f}s")

@@ -22,6 +22,7 @@ from pdserve.deployments import tracing
 from pdserve.deployments.messages import GenerateRequest, PrefillRequest, PrefillResponse
 from pdserve.deployments.metrics import ServingMetrics
 from pdserve.deployments.policy import RemotePrefillEstimator
+from pdserve.deployments.tp_kv import TPReceiver, tp_executor_of
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kvtransfer.config import KVTransferConfig
@@ -77,8 +78,13 @@ class RemotePrefill:
         metrics: ServingMetrics,
     ) -> None:
         self.engine = engine
-        self.receiver = KVReceiver(
+        receiver = KVReceiver(
             engine.kv_cache, layout, transfer, shm_segment=shm_segment, observer=observer
+        )
+        executor = tp_executor_of(engine)
+        # A tensor-parallel replica receives on every rank (each holds its KV heads).
+        self.receiver: KVReceiver | TPReceiver = (
+            TPReceiver(receiver, executor) if executor is not None else receiver
         )
         self.client = client
         self.estimate = estimate
@@ -114,11 +120,12 @@ class RemotePrefill:
         # every timed-out call, and so would the time to detect a stuck replica.)
         deadline = time.time() + self.estimate.compute_s(len(ids)) + self.timeout_s
         try:
-            target = self.receiver.expect(rid, blocks, deadline, num_tokens=len(ids))
+            expected = self.receiver.expect(rid, blocks, deadline, num_tokens=len(ids))
+            targets = (expected,) if isinstance(expected, KVTarget) else expected
         except BaseException:
             await self.engine.abort(rid)
             raise
-        handoff = asyncio.create_task(self._handoff(req, target))
+        handoff = asyncio.create_task(self._handoff(req, targets))
         stream = self.engine.stream(rid)
         try:
             async for out in stream:
@@ -133,9 +140,10 @@ class RemotePrefill:
             await asyncio.to_thread(self.receiver.cancel, rid)
             await stream.aclose()
 
-    async def _handoff(self, req: GenerateRequest, target: KVTarget) -> None:
+    async def _handoff(self, req: GenerateRequest, targets: tuple[KVTarget, ...]) -> None:
         """Run the remote prefill and hand its KV to the engine, or fall back to local."""
         rid, n = req.request_id, len(req.prompt_token_ids)
+        deadline = targets[0].deadline  # the same on every rank
         began = time.perf_counter()
         ahead = self.estimate.started(n)
         try:
@@ -147,13 +155,13 @@ class RemotePrefill:
                                 request_id=rid,
                                 prompt_token_ids=req.prompt_token_ids,
                                 sampling=req.sampling,
-                                kv_target=target,
+                                kv_targets=targets,
                                 trace_carrier=tracing.inject(),
                             )
                         ),
-                        timeout=max(0.0, target.deadline - time.time()) + PREFILL_CALL_GRACE_S,
+                        timeout=max(0.0, deadline - time.time()) + PREFILL_CALL_GRACE_S,
                     )
-                    result = await asyncio.to_thread(self.receiver.wait, rid, target.deadline)
+                    result = await asyncio.to_thread(self.receiver.wait, rid, deadline)
                     end_ns = time.time_ns()
                     tracing.record_span(
                         "kv_transfer",

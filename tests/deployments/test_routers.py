@@ -125,7 +125,7 @@ def test_prefill_router_tracks_what_it_routed_until_completion() -> None:
         b = FakeReplica("b", prefill_stats(queued=300, rate=1000.0))
         req = PrefillRequest(
             request_id="r1", prompt_token_ids=list(range(500)),
-            sampling=SamplingOptions(), kv_target=make_kv_target("r1", 32),
+            sampling=SamplingOptions(), kv_targets=(make_kv_target("r1", 32),),
         )  # fmt: skip
         pending = _pending(req, "i1")
         tiers = await router.choose_replicas([a, b], pending)

@@ -1,0 +1,360 @@
+"""KV hand-off of tensor-parallel replicas: every rank moves the KV heads it holds.
+
+A prefill replica of TP=a and a decode replica of TP=b exchange KV rank to rank: each
+decode rank has its own ``KVReceiver`` (its pool holds its heads) and so its own
+``KVTarget``; each prefill rank's connector sends, to every target, the heads it holds
+canonically that the target's rank holds (``pdserve.kvtransfer`` maps the heads). Rank 0 of
+each replica speaks for all ranks to the serving layer:
+
+- prefill: ``TPPrefillConnector`` (rank 0's engine connector) hands each request's targets
+  to the workers' connectors with the next step and merges their results: a request's
+  transfer succeeded only if every rank's sends did;
+- decode: ``TPReceiver`` expects a request on every rank (the workers' receivers through
+  the executor's control channel) and waits for all of them.
+
+The workers' halves are built on the worker ranks by the picklable factories
+``PrefillAgentFactory`` / ``DecodeAgentFactory`` (``pdserve.engine.tp_executor``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pdserve.engine.parallel import TPShard
+from pdserve.kvtransfer.blocks import pool_layout
+from pdserve.kvtransfer.config import KVTransferConfig
+from pdserve.kvtransfer.connector import PrefillKVConnector
+from pdserve.kvtransfer.receiver import KVReceiver
+from pdserve.kvtransfer.types import (
+    KVLayout,
+    KVTarget,
+    KVTransferError,
+    KVTransferTimeoutError,
+    TransferResult,
+)
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from pdserve.engine.kv_connector import PendingSend
+    from pdserve.engine.tp_executor import TPExecutor
+
+
+def rank_layout(kv_cache: torch.Tensor, model_name: str, shard: TPShard, kv_heads: int) -> KVLayout:
+    """The layout of one rank's pool: its KV heads among the model's ``kv_heads``."""
+    heads = shard.kv_heads(kv_heads)
+    return pool_layout(
+        kv_cache,
+        model_name,
+        kv_head_start=heads.start,
+        total_kv_heads=kv_heads,
+        kv_head_replica=shard.kv_replica(kv_heads),
+        tp_size=shard.size,
+        tp_rank=shard.rank,
+    )
+
+
+def merge_results(request_id: str, parts: list[TransferResult]) -> TransferResult:
+    """One request's result over all ranks: ok if every rank's was; bytes summed."""
+    errors = [f"rank {i}: {p.error}" for i, p in enumerate(parts) if not p.ok]
+    return TransferResult(
+        request_id=request_id,
+        ok=not errors,
+        bytes=sum(p.bytes for p in parts),
+        seconds=max((p.seconds for p in parts), default=0.0),
+        error="; ".join(errors) or None,
+        transport=parts[0].transport if parts else "",
+    )
+
+
+def tp_executor_of(engine: Any) -> TPExecutor | None:
+    """The ``TPExecutor`` behind an engine (``AsyncLLMEngine`` or ``LLMEngine``), if any."""
+    from pdserve.engine.tp_executor import TPExecutor
+
+    llm = getattr(engine, "engine", engine)
+    runner = getattr(llm, "runner", None)
+    return runner if isinstance(runner, TPExecutor) else None
+
+
+# ---- prefill ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepTargets:
+    """What rank 0 sends the workers' connectors with a step."""
+
+    register: tuple[tuple[str, tuple[KVTarget, ...]], ...] = ()
+    unregister: tuple[str, ...] = ()
+
+
+class PrefillRankAgent:
+    """A worker rank's prefill connector (``RankKVAgent``)."""
+
+    def __init__(self, connector: PrefillKVConnector) -> None:
+        self.connector = connector
+
+    def apply_step_meta(self, meta: StepTargets | None) -> None:
+        if meta is None:
+            return
+        for rid in meta.unregister:
+            self.connector.unregister_target(rid)
+        for rid, targets in meta.register:
+            self.connector.register_target(rid, targets)
+
+    def step_report(self, finished: list[str]) -> list[tuple[str, TransferResult]]:
+        report = []
+        for rid in finished:
+            result = self.connector.take_result(rid, timeout=0)
+            if result is not None:
+                report.append((rid, result))
+        return report
+
+    def close(self) -> None:
+        sender = self.connector._sender  # noqa: SLF001 - closed with the rank
+        if sender is not None:
+            sender.close()
+
+
+@dataclass(frozen=True)
+class PrefillAgentFactory:
+    """Builds a worker rank's ``PrefillRankAgent`` (sent to the rank by value)."""
+
+    transfer: KVTransferConfig
+
+    def __call__(
+        self, kv_cache: torch.Tensor, model_name: str, shard: TPShard, kv_heads: int
+    ) -> PrefillRankAgent:
+        connector = PrefillKVConnector(self.transfer)
+        connector.register_kv_caches(
+            kv_cache, model_name, layout=rank_layout(kv_cache, model_name, shard, kv_heads)
+        )
+        return PrefillRankAgent(connector)
+
+
+class TPPrefillConnector:
+    """Rank 0's engine connector for a tensor-parallel prefill replica (``TPConnector``).
+
+    The serving layer uses it as it uses a ``PrefillKVConnector``: ``register_target`` (one
+    target per decode rank), ``unregister_target``, ``take_result``."""
+
+    def __init__(self, local: PrefillKVConnector) -> None:
+        self.local = local
+        self._executor: TPExecutor | None = None
+        self._lock = threading.Lock()
+        self._register: dict[str, tuple[KVTarget, ...]] = {}
+        self._unregister: list[str] = []
+        self._parts: dict[str, list[TransferResult]] = {}
+        self._results: dict[str, TransferResult] = {}
+        self._result_ready = threading.Condition(self._lock)
+
+    @property
+    def sender(self) -> Any:
+        return self.local.sender
+
+    # ---- TPConnector
+    def attach(self, executor: TPExecutor) -> None:
+        self._executor = executor
+
+    def step_meta(self) -> StepTargets:
+        with self._lock:
+            meta = StepTargets(tuple(self._register.items()), tuple(self._unregister))
+            self._register, self._unregister = {}, []
+        return meta
+
+    def worker_reports(self, reports: list[Any]) -> None:
+        for report in reports:
+            for rid, result in report or ():
+                self._parts.setdefault(rid, []).append(result)
+
+    # ---- serving-layer side
+    def register_target(self, request_id: str, targets: KVTarget | tuple[KVTarget, ...]) -> None:
+        targets = (targets,) if isinstance(targets, KVTarget) else tuple(targets)
+        self.local.register_target(request_id, targets)
+        with self._lock:
+            self._register[request_id] = targets
+
+    def unregister_target(self, request_id: str) -> None:
+        self.local.unregister_target(request_id)
+        with self._lock:
+            if self._register.pop(request_id, None) is None:
+                self._unregister.append(request_id)
+
+    def take_result(self, request_id: str, timeout: float | None = None) -> TransferResult | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._result_ready:
+            while request_id not in self._results:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return None
+                self._result_ready.wait(remaining)
+            return self._results.pop(request_id)
+
+    # ---- KVConnector (rank 0's engine thread)
+    def register_kv_caches(self, kv_cache: torch.Tensor, model_name: str) -> None:
+        executor = self._executor
+        if executor is None:
+            raise RuntimeError("TPPrefillConnector: the executor did not attach")
+        heads = executor.model_config.num_kv_heads
+        layout = rank_layout(kv_cache, model_name, executor.tp.shard, heads)
+        self.local.register_kv_caches(kv_cache, model_name, layout=layout)
+
+    def begin_step(self, sends: list[PendingSend]) -> None:
+        self.local.begin_step(sends)
+
+    def layer_computed(self, layer_idx: int, kv_cache: torch.Tensor) -> None:
+        self.local.layer_computed(layer_idx, kv_cache)
+
+    def end_step(self) -> list[str]:
+        return self._settle(self.local.end_step())
+
+    def poll_finished(self) -> list[str]:
+        executor = self._executor
+        if executor is not None:
+            self.worker_reports(executor.poll_workers(self.step_meta()))
+        return self._settle(self.local.poll_finished())
+
+    def _settle(self, local_done: list[str]) -> list[str]:
+        """Requests whose sends finished on every rank (their blocks may be freed)."""
+        for rid in local_done:
+            result = self.local.take_result(rid, timeout=0)
+            if result is not None:
+                self._parts.setdefault(rid, []).append(result)
+        size = self._executor.tp.size if self._executor is not None else 1
+        done = [rid for rid, parts in self._parts.items() if len(parts) >= size]
+        with self._result_ready:
+            for rid in done:
+                self._results[rid] = merge_results(rid, self._parts.pop(rid))
+            self._result_ready.notify_all()
+        return done
+
+
+# ---- decode ----------------------------------------------------------------------------------
+
+
+class DecodeRankAgent:
+    """A worker rank's receiver (``RankKVAgent``); rank 0 calls it through the executor."""
+
+    connector = None
+
+    def __init__(self, receiver: KVReceiver) -> None:
+        self.receiver = receiver
+
+    def apply_step_meta(self, meta: Any) -> None:
+        pass
+
+    def step_report(self, finished: list[str]) -> None:
+        return None
+
+    def expect(
+        self, request_id: str, block_ids: tuple[int, ...], deadline: float, num_tokens: int
+    ) -> KVTarget:
+        return self.receiver.expect(request_id, block_ids, deadline, num_tokens=num_tokens)
+
+    def wait(self, request_id: str, deadline: float) -> TransferResult:
+        return self.receiver.wait(request_id, deadline)
+
+    def cancel(self, request_id: str) -> None:
+        self.receiver.cancel(request_id)
+
+    def pending(self) -> list[str]:
+        return self.receiver.pending()
+
+    def close(self) -> None:
+        self.receiver.close()
+
+
+@dataclass(frozen=True)
+class DecodeAgentFactory:
+    """Builds a worker rank's ``DecodeRankAgent`` (its pool is private memory, so the
+    rank offers torch.distributed, or CUDA IPC on a GPU, not shared memory)."""
+
+    transfer: KVTransferConfig
+
+    def __call__(
+        self, kv_cache: torch.Tensor, model_name: str, shard: TPShard, kv_heads: int
+    ) -> DecodeRankAgent:
+        layout = rank_layout(kv_cache, model_name, shard, kv_heads)
+        return DecodeRankAgent(KVReceiver(kv_cache, layout, self.transfer))
+
+
+class TPReceiver:
+    """Rank 0's view of a tensor-parallel decode replica's receivers: the API of
+    ``KVReceiver`` that ``RemotePrefill`` uses, over every rank."""
+
+    def __init__(self, local: KVReceiver, executor: TPExecutor) -> None:
+        self.local = local
+        self.executor = executor
+        self.ranks = range(1, executor.tp.size)
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=4 * len(self.ranks), thread_name_prefix="pdserve-tp-kv"
+        )
+
+    @property
+    def layout(self) -> KVLayout:
+        return self.local.layout
+
+    def expect(
+        self,
+        request_id: str,
+        block_ids: list[int] | tuple[int, ...],
+        deadline: float | None = None,
+        *,
+        num_tokens: int,
+    ) -> tuple[KVTarget, ...]:
+        """Expect the request on every rank: one target per rank, rank order."""
+        ids = tuple(block_ids)
+        first = self.local.expect(request_id, ids, deadline, num_tokens=num_tokens)
+        targets = [first]
+        try:
+            for rank in self.ranks:
+                targets.append(
+                    self.executor.agent_call(
+                        rank, "expect", request_id, ids, first.deadline, num_tokens
+                    )
+                )
+        except BaseException:
+            self.cancel(request_id)
+            raise
+        return tuple(targets)
+
+    def wait(self, request_id: str, deadline: float | None = None) -> TransferResult:
+        """Every rank's KV landed (returns the merged result) or one failed (raises, after
+        cancelling the others so no peer still writes)."""
+        timeout = None if deadline is None else max(0.0, deadline - time.time()) + 5.0
+        futures = [
+            self._pool.submit(
+                self.executor.agent_call, rank, "wait", request_id, deadline, timeout=timeout
+            )
+            for rank in self.ranks
+        ]
+        parts: list[TransferResult] = []
+        try:
+            parts.append(self.local.wait(request_id, deadline))
+            parts.extend(f.result() for f in futures)
+        except Exception as exc:
+            self.cancel(request_id)
+            if isinstance(exc, KVTransferError):
+                raise
+            if isinstance(exc, TimeoutError):
+                raise KVTransferTimeoutError(f"request {request_id!r}: {exc}") from exc
+            raise KVTransferError(f"request {request_id!r}: {exc}") from exc
+        return merge_results(request_id, parts)
+
+    def cancel(self, request_id: str) -> None:
+        self.local.cancel(request_id)
+        for rank in self.ranks:
+            # A dead rank writes nothing any more (and takes the replica down).
+            with contextlib.suppress(Exception):
+                self.executor.agent_call(rank, "cancel", request_id)
+
+    def pending(self) -> list[str]:
+        return self.local.pending()
+
+    def close(self) -> None:
+        self.local.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
