@@ -13,7 +13,9 @@ Steps (``gpu_verify_steps``), each a list of report rows:
    tokens equal the single engine; byte checks of CUDA IPC, and NCCL with two GPUs;
 4. throughput: decode tokens/s at batch 1/8/32/128, CUDA graphs on and off, vs
    transformers ``generate``, and
-   Triton compilations after warm-up (must be 0).
+   Triton compilations after warm-up (must be 0);
+5. tp: tensor parallelism over two GPUs (NCCL): greedy tokens equal transformers with
+   chunked prefill and preemption (skipped, with the reason, on one GPU).
 
 Writes ``DIR/gpu_verify.json`` and ``DIR/gpu_verify.txt`` (the table), exits 1 if any
 check failed or any step raised. ``--dry-run`` plans the steps and imports everything they
@@ -33,7 +35,7 @@ import traceback
 from dataclasses import asdict
 from pathlib import Path
 
-STEPS = ("kernels", "engine", "disagg", "throughput")
+STEPS = ("kernels", "engine", "disagg", "throughput", "tp")
 BUDGET_S = 8 * 60
 # What the steps import on the device (the dry run imports each; none may need Ray).
 DEVICE_MODULES = (
@@ -52,6 +54,8 @@ DEVICE_MODULES = (
     "pdserve.kernels.triton.gpu_check",
     "pdserve.kernels.triton.jit_count",
     "pdserve.engine.llm_engine",
+    "pdserve.engine.parallel",
+    "pdserve.engine.tp_executor",
     "pdserve.engine.model_runner",
     "pdserve.engine.testmodel",
     "pdserve.engine.scheduler_output",
@@ -100,6 +104,8 @@ def _run_step(name: str, model_root: Path, quick: bool) -> list:
         return s.engine_vs_transformers(model_root)
     if name == "disagg":
         return s.disaggregated(model_root)
+    if name == "tp":
+        return s.tensor_parallel(model_root)
     return s.throughput(model_root, quick)
 
 

@@ -35,7 +35,7 @@ DEVICE = "cuda"
 
 def _sync() -> None:
     if DEVICE == "cuda":
-        _sync()
+        torch.cuda.synchronize()
 
 
 @dataclass
@@ -340,6 +340,71 @@ def disaggregated(model_root: Path) -> list[Row]:
                 note=f"skipped: {torch.cuda.device_count()} GPU visible, the pair needs two",
             )  # fmt: skip
         )
+    return rows
+
+
+# ---- 5. tensor parallelism over two GPUs ---------------------------------------------------
+
+TP_VARIANTS = ("llama3-gqa", "mqa")  # KV heads split over the ranks; one KV head replicated
+
+
+def tensor_parallel(model_root: Path) -> list[Row]:
+    """TP=2 (NCCL between two GPUs, ranks as child processes): greedy tokens equal
+    transformers (fp32) with chunked prefill and preemption, on GQA and MQA. Skipped with
+    the reason when fewer than two GPUs are visible."""
+    from transformers import AutoModelForCausalLM
+
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.testmodel import ensure_test_model
+
+    visible = torch.cuda.device_count() if DEVICE == "cuda" else 2
+    if visible < 2:
+        return [
+            Row(
+                "tp",
+                "TP=2 greedy == transformers",
+                None,
+                note=f"skipped: {visible} GPU visible, TP=2 needs two",
+            )
+        ]
+    dev = torch.device(DEVICE)
+    rows: list[Row] = []
+    for variant in TP_VARIANTS:
+        model_dir = ensure_test_model(variant, model_root)
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(dev).eval()
+        arrivals = [
+            (t, f"r{i}", _prompt(n, 300 + i, hf.config.vocab_size))
+            for i, (t, n) in enumerate(PREEMPT_ARRIVALS)
+        ]
+        expected = {rid: _hf_greedy(hf, p, dev) for _, rid, p in arrivals}
+        engine = LLMEngine.from_pretrained(
+            model_dir,
+            dtype="float32",
+            device=DEVICE,
+            tensor_parallel_size=2,
+            tp_workers="mp",
+            num_kv_blocks=48,
+            max_model_len=640,
+            max_num_batched_tokens=128,
+        )
+        try:
+            got = _run_arrivals(engine, arrivals)
+            preempted = engine.stats().num_preemptions
+        finally:
+            engine.shutdown()
+        same = sum(got[rid] == expected[rid] for rid in expected)
+        rows.append(
+            Row(
+                "tp",
+                f"{variant} TP=2 fp32 greedy == transformers, chunked + preemption",
+                same == len(expected) and preempted > 0,
+                same,
+                f"of {len(expected)} requests",
+                None,
+                f"{preempted} preemptions",
+            )  # fmt: skip
+        )
+        del hf
     return rows
 
 

@@ -42,7 +42,7 @@ def test_dry_run_through_the_launcher_with_ray_blocked(tmp_path: Path) -> None:
         PYTHONPATH=str(site),
     )
     assert plan["failed"] == {} and plan["ray_modules_loaded"] == []
-    assert plan["steps"] == ["kernels", "engine", "disagg", "throughput"]
+    assert plan["steps"] == ["kernels", "engine", "disagg", "throughput", "tp"]
     # The tree was imported through the launcher's symlink farm, not an installed copy.
     assert "pdserve-farm" in plan["pdserve_from"]
     assert "pdserve.bench.gpu_verify_steps" in plan["imported"]
@@ -92,3 +92,20 @@ def test_engine_and_disagg_steps_run_on_cpu(monkeypatch, tmp_path: Path) -> None
     rows = steps.engine_vs_transformers(tmp_path) + steps.disaggregated(tmp_path)
     assert [r.ok for r in rows] == [True] * 5, rows
     assert rows[4].note == "transport ['torch_dist']"
+
+
+def test_tp_step_runs_on_cpu_and_skips_with_one_gpu(monkeypatch, tmp_path: Path) -> None:
+    """Step 5 pointed at the CPU (gloo between the two ranks) passes; on a device with one
+    GPU it is a skip row that says why."""
+    import torch
+
+    from pdserve.bench import gpu_verify_steps as steps
+
+    monkeypatch.setattr(steps, "DEVICE", "cpu")
+    monkeypatch.setattr(steps, "TP_VARIANTS", ("mqa",))
+    rows = steps.tensor_parallel(tmp_path)
+    assert [r.ok for r in rows] == [True] and rows[0].value == 8, rows
+    monkeypatch.setattr(steps, "DEVICE", "cuda")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    [skip] = steps.tensor_parallel(tmp_path)
+    assert skip.ok is None and skip.note == "skipped: 1 GPU visible, TP=2 needs two"
