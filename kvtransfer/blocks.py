@@ -75,12 +75,9 @@ def copy_blocks(
     n = len(src_ids)
     plan = runs(src_ids, dst_ids)
     if src.device.type == "cuda" or dst.device.type == "cuda":
-        if _few(len(plan), n):
-            dim = src.dim() - 4
-            torch._foreach_copy_(
-                [dst.narrow(dim, d, k) for _, d, k in plan],
-                [src.narrow(dim, s, k) for s, _, k in plan],
-            )
+        if _few(len(plan), n) or not (src.is_contiguous() and dst.is_contiguous()):
+            # A head slice is strided: torch's copies and index kernels handle it.
+            _copy_strided(src, dst, plan, src_ids, dst_ids)
         else:
             src_index = torch.tensor(src_ids, dtype=torch.int64, device=src.device)
             dst_index = torch.tensor(dst_ids, dtype=torch.int64, device=dst.device)
@@ -88,11 +85,7 @@ def copy_blocks(
         return
     src_rows, dst_rows = _rows(src), _rows(dst)
     if src_rows is None or dst_rows is None or src_rows.dtype != dst_rows.dtype:
-        dim = src.dim() - 4  # strided pools: one (strided) copy per run
-        torch._foreach_copy_(
-            [dst.narrow(dim, d, k) for _, d, k in plan],
-            [src.narrow(dim, s, k) for s, _, k in plan],
-        )
+        _copy_strided(src, dst, plan, src_ids, dst_ids)  # e.g. a slice of the heads
         return
     n_src, n_dst = src.shape[-4], dst.shape[-4]
     lead = math.prod(src.shape[:-4])
@@ -124,9 +117,32 @@ def copy_blocks(
             d_rows.index_copy_(0, dst_index, tmp)
 
 
+def _copy_strided(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    plan: list[tuple[int, int, int]],
+    src_ids: list[int],
+    dst_ids: list[int],
+) -> None:
+    """Block copy for views that are not plain rows (a slice of the heads, or pools on two
+    devices): one strided copy per run when runs are few, else the index kernels."""
+    dim = src.dim() - 4
+    if _few(len(plan), len(src_ids)):
+        torch._foreach_copy_(
+            [dst.narrow(dim, d, k) for _, d, k in plan],
+            [src.narrow(dim, s, k) for s, _, k in plan],
+        )
+        return
+    picked = src.index_select(dim, torch.tensor(src_ids, dtype=torch.int64, device=src.device))
+    index = torch.tensor(dst_ids, dtype=torch.int64, device=dst.device)
+    dst.index_copy_(dim, index, picked.to(dst.device))
+
+
 def gather(kv: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """[..., N, B, H, D] -> [..., n, B, H, D] contiguous."""
+    """[..., N, B, H, D] -> [..., n, B, H, D] contiguous (``kv`` may be a head slice)."""
     if kv.device.type == "cuda":
+        if not kv.is_contiguous():  # a head slice: torch's index kernel takes any strides
+            return kv.index_select(kv.dim() - 4, block_ids.to(kv.device)).contiguous()
         return ops.gather_blocks(kv, block_ids)
     ids = block_ids.tolist()
     buf = kv.new_empty((*kv.shape[:-4], len(ids), *kv.shape[-3:]))
@@ -135,9 +151,13 @@ def gather(kv: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
 
 
 def scatter(buf: torch.Tensor, kv: torch.Tensor, block_ids: torch.Tensor) -> None:
-    """Write ``buf`` [..., n, B, H, D] into blocks ``block_ids`` of ``kv`` in place."""
+    """Write ``buf`` [..., n, B, H, D] into blocks ``block_ids`` of ``kv`` in place (``kv``
+    may be a head slice)."""
     if kv.device.type == "cuda":
-        ops.scatter_blocks(buf, kv, block_ids)
+        if not kv.is_contiguous():
+            kv.index_copy_(kv.dim() - 4, block_ids.to(kv.device), buf.to(kv.device))
+        else:
+            ops.scatter_blocks(buf, kv, block_ids)
         return
     ids = block_ids.tolist()
     copy_blocks(buf, list(range(len(ids))), kv, ids)
@@ -147,8 +167,21 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def pool_layout(kv_cache: torch.Tensor, model: str) -> KVLayout:
-    """The layout of an engine's pool ``[L, 2, N, B, H, D]`` filled by model ``model``."""
+def pool_layout(
+    kv_cache: torch.Tensor,
+    model: str,
+    *,
+    kv_head_start: int = 0,
+    total_kv_heads: int | None = None,
+    kv_head_replica: int = 0,
+    tp_size: int = 1,
+    tp_rank: int = 0,
+) -> KVLayout:
+    """The layout of an engine's pool ``[L, 2, N, B, H, D]`` filled by model ``model``.
+
+    A tensor-parallel rank's pool holds the global KV heads ``[kv_head_start,
+    kv_head_start + H)`` of the model's ``total_kv_heads``; ``kv_head_replica`` > 0 marks a
+    replicated copy (more ranks than KV heads), which never sends."""
     if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
         raise ValueError(f"kv_cache: shape {tuple(kv_cache.shape)} is not [L, 2, N, B, H, D]")
     num_layers, _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
@@ -159,7 +192,20 @@ def pool_layout(kv_cache: torch.Tensor, model: str) -> KVLayout:
         head_dim=head_dim,
         block_size=block_size,
         dtype=dtype_name(kv_cache.dtype),
+        kv_head_start=kv_head_start,
+        total_kv_heads=total_kv_heads,
+        kv_head_replica=kv_head_replica,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
     )
+
+
+def heads(kv: torch.Tensor, start: int, count: int) -> torch.Tensor:
+    """The view of heads ``[start, start + count)`` of ``kv`` [..., H, D] (``kv`` itself,
+    still contiguous, when that is every head)."""
+    if start == 0 and count == kv.shape[-2]:
+        return kv
+    return kv.narrow(-2, start, count)
 
 
 def check_pool(kv_cache: torch.Tensor, layout: KVLayout) -> None:

@@ -3,11 +3,14 @@
 It implements pdserve.engine.kv_connector.KVConnector on top of a ``KVSender``. As in vLLM
 v1, the connector is built before the engine and the engine registers its KV pool with it
 once allocated (``register_kv_caches``): that is when the sender, which needs the pool's
-layout and device, is created. The serving layer registers a ``KVTarget`` per request id
-before the request is added with ``prefill_only=True``; when the engine's step completes
-that prefill, the connector opens the transfer and enqueues each layer as the model computes
-it. A request without a target, or whose transfer fails, is still reported finished so the
-engine frees its blocks; its ``TransferResult`` says what went wrong.
+layout and device, is created. The serving layer registers a request's ``KVTarget``s (one
+per rank of the decode replica) before the request is added with ``prefill_only=True``; when
+the engine's step completes that prefill, the connector opens one send per target that gets
+heads from this pool (a tensor-parallel rank sends the heads it holds canonically to the
+decode ranks holding them, see ``tp_plan``; a replica copy sends nothing) and enqueues each
+layer as the model computes it. The request's ``TransferResult`` is ok only if every send
+succeeded; its bytes are their sum. A request without a target, or whose transfer fails, is
+still reported finished so the engine frees its blocks; its result says what went wrong.
 
 The decode side of a hand-off is driven by the serving layer
 (``pdserve.deployments.remote_prefill``) straight on ``KVReceiver``; it has no glue here.
@@ -19,16 +22,18 @@ import collections
 import math
 import threading
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
-from pdserve.kvtransfer.blocks import pool_layout
+from pdserve.kvtransfer import tp_plan
+from pdserve.kvtransfer.blocks import check_pool, pool_layout
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.metrics import TransferObserver
 from pdserve.kvtransfer.send_handle import SendHandle
 from pdserve.kvtransfer.sender import KVSender
-from pdserve.kvtransfer.types import KVTarget, KVTransferError, TransferResult
+from pdserve.kvtransfer.types import KVLayout, KVTarget, KVTransferError, TransferResult
 
 if TYPE_CHECKING:  # the engine's protocol types; kvtransfer does not import engine at runtime
     from pdserve.engine.kv_connector import PendingSend
@@ -50,8 +55,8 @@ class PrefillKVConnector:
         self.observer = observer
         self._sender: KVSender | None = None
         self._lock = threading.Lock()
-        self._targets: dict[str, KVTarget] = {}
-        self._active: dict[str, SendHandle] = {}
+        self._targets: dict[str, tuple[KVTarget, ...]] = {}
+        self._active: dict[str, list[SendHandle]] = {}  # a request's sends, one per target
         self._step: list[SendHandle] = []
         self._in_step: set[str] = set()
         # Results wait here for take_result(); bounded, oldest dropped, in case a caller
@@ -68,14 +73,19 @@ class PrefillKVConnector:
         return self._sender
 
     # ---- serving-layer side
-    def register_target(self, request_id: str, target: KVTarget) -> None:
-        """Say where request ``request_id``'s KV goes (call before adding the request)."""
-        if target.request_id != request_id:
-            raise ValueError(
-                f"target.request_id: {target.request_id!r} differs from {request_id!r}"
-            )
+    def register_target(self, request_id: str, target: KVTarget | Sequence[KVTarget]) -> None:
+        """Say where request ``request_id``'s KV goes (call before adding the request): one
+        target, or one per rank of a tensor-parallel decode replica."""
+        targets = (target,) if isinstance(target, KVTarget) else tuple(target)
+        if not targets:
+            raise ValueError(f"target: no KVTarget given for request {request_id!r}")
+        for t in targets:
+            if not isinstance(t, KVTarget):
+                raise TypeError(f"target: expected KVTarget, got {type(t).__name__}")
+            if t.request_id != request_id:
+                raise ValueError(f"target.request_id: {t.request_id!r} differs from {request_id!r}")
         with self._lock:
-            self._targets[request_id] = target
+            self._targets[request_id] = targets
 
     def unregister_target(self, request_id: str) -> None:
         with self._lock:
@@ -93,11 +103,19 @@ class PrefillKVConnector:
             return self._results.pop(request_id)
 
     # ---- engine side (KVConnector protocol)
-    def register_kv_caches(self, kv_cache: torch.Tensor, model_name: str) -> None:
+    def register_kv_caches(
+        self, kv_cache: torch.Tensor, model_name: str, *, layout: KVLayout | None = None
+    ) -> None:
+        """The engine's pool. A tensor-parallel rank passes ``layout`` (``pool_layout``
+        with its head range); the default is a single-rank pool holding every head."""
         if self._sender is not None:
             raise RuntimeError("a KV pool is already registered with this connector")
+        if layout is None:
+            layout = pool_layout(kv_cache, model_name)
+        else:
+            check_pool(kv_cache, layout)
         self._sender = KVSender(
-            pool_layout(kv_cache, model_name),
+            layout,
             self.config,
             device=kv_cache.device.type,
             observer=self.observer,
@@ -107,29 +125,55 @@ class PrefillKVConnector:
         handles: list[SendHandle] = []
         for send in sends:
             with self._lock:
-                target = self._targets.pop(send.request_id, None)
-            if target is None:
+                targets = self._targets.pop(send.request_id, None)
+            if targets is None:
                 self._settle_now(send.request_id, "no KVTarget registered for this request")
                 continue
-            needed = math.ceil(send.num_tokens / target.layout.block_size)
-            if needed != len(target.block_ids):
-                self._settle_now(
-                    send.request_id,
-                    f"the target has {len(target.block_ids)} blocks for {send.num_tokens} "
-                    f"tokens ({needed} blocks)",
-                )
-                continue
             try:
-                handle = self.sender.open(target, list(send.block_ids))
+                opened = self._open_sends(send, targets)
             except (ValueError, KVTransferError) as exc:
                 self._settle_now(send.request_id, str(exc))
                 continue
-            handles.append(handle)
+            if not opened:  # e.g. a replica copy of the heads: the canonical rank sends
+                self._settle_now(send.request_id, None)
+                continue
+            with self._lock:
+                self._active[send.request_id] = opened
+            handles += opened
         with self._lock:
-            for h in handles:
-                self._active[h.request_id] = h
             self._step = handles
             self._in_step = {s.request_id for s in sends}
+
+    def _open_sends(self, send: PendingSend, targets: tuple[KVTarget, ...]) -> list[SendHandle]:
+        """One send per target that gets heads from this pool (checks every target first:
+        sizes, layouts, and that every head this pool sends has a target)."""
+        layout = self.sender.layout
+        slices = []
+        for target in targets:
+            needed = math.ceil(send.num_tokens / target.layout.block_size)
+            if needed != len(target.block_ids):
+                raise ValueError(
+                    f"the target has {len(target.block_ids)} blocks for {send.num_tokens} "
+                    f"tokens ({needed} blocks)"
+                )
+            slices.append(tp_plan.send_slice(layout, target.layout))  # raises on mismatch
+        covered = {h for s in slices if s is not None for h in s.heads}
+        missing = [h for h in layout.canonical_heads if h not in covered]
+        if missing:
+            raise ValueError(
+                f"targets: none holds heads {missing} of this pool ({layout.describe_heads()}); "
+                f"the targets hold {[t.layout.describe_heads() for t in targets]}"
+            )
+        opened: list[SendHandle] = []
+        try:
+            for target, heads in zip(targets, slices, strict=True):
+                if heads is not None:
+                    opened.append(self.sender.open(target, list(send.block_ids)))
+        except (ValueError, KVTransferError) as exc:
+            for handle in opened:  # the request failed: its other sends stop too
+                self.sender.fail(handle, KVTransferError(f"another send of the request: {exc}"))
+            raise
+        return opened
 
     def layer_computed(self, layer_idx: int, kv_cache: torch.Tensor) -> None:
         for handle in self._step:
@@ -151,21 +195,28 @@ class PrefillKVConnector:
         with self._lock:
             # A send past its deadline is over even if the peer never answered (finish()
             # below then fails it at once): the engine must get its blocks back.
-            done = [h for h in self._active.values() if h.done() or now > h.target.deadline]
-            for h in done:
-                del self._active[h.request_id]
-        for h in done:
-            # Blocks may be freed now: every write into the peer has completed or stopped.
-            self._record(h.request_id, self.sender.finish(h, check=False))
+            done = {
+                rid: sends
+                for rid, sends in self._active.items()
+                if all(h.done() or now > h.target.deadline for h in sends)
+            }
+            for rid in done:
+                del self._active[rid]
+        for rid, sends in done.items():
+            # Blocks may be freed now: every write into the peers has completed or stopped.
+            self._record(rid, _merge(rid, [self.sender.finish(h, check=False) for h in sends]))
         with self._lock:
             finished = [rid for rid in self._finished if rid not in exclude]
             self._finished = [rid for rid in self._finished if rid in exclude]
         return finished
 
-    def _settle_now(self, request_id: str, error: str) -> None:
+    def _settle_now(self, request_id: str, error: str | None) -> None:
+        """Settle a request that sends nothing: failed with ``error``, or (None) ok."""
         self._record(
             request_id,
-            TransferResult(request_id=request_id, ok=False, bytes=0, seconds=0.0, error=error),
+            TransferResult(
+                request_id=request_id, ok=error is None, bytes=0, seconds=0.0, error=error
+            ),
         )
 
     def _record(self, request_id: str, result: TransferResult) -> None:
@@ -175,3 +226,16 @@ class PrefillKVConnector:
                 self._results.popitem(last=False)
             self._finished.append(request_id)
             self._result_ready.notify_all()
+
+
+def _merge(request_id: str, results: list[TransferResult]) -> TransferResult:
+    """A request's result over its sends: ok only if every one was; bytes summed."""
+    errors = [r.error or "failed" for r in results if not r.ok]
+    return TransferResult(
+        request_id=request_id,
+        ok=not errors,
+        bytes=sum(r.bytes for r in results),
+        seconds=max(r.seconds for r in results),
+        error="; ".join(errors) if errors else None,
+        transport="+".join(sorted({r.transport for r in results if r.transport})),
+    )

@@ -2,10 +2,13 @@
 
 ``KVReceiver`` owns a control listener (bound to the cluster-internal address) and the table
 of expected requests. A prefill peer connects once, proves its pool layout matches, and then
-opens requests by id and token; each opened request must deliver every layer exactly once,
-with exactly the expected bytes, before ``wait`` reports it complete. Every outcome releases
-the request's entry; a cancelled or timed-out request is fenced (the sender confirms it has
-stopped writing) before ``wait``/``cancel`` return, so the caller may reuse its blocks.
+opens requests by id and token, each for a share of this pool's KV heads (the ranks of a
+tensor-parallel prefill replica each send the heads they hold; shares must not overlap: a
+head landing twice fails the request). Every layer of every head of this pool must land
+exactly once, with exactly the expected bytes, before ``wait`` reports the request
+complete. Every outcome releases the request's entry; a cancelled or timed-out request is
+fenced (its senders confirm they have stopped writing) before ``wait``/``cancel`` return, so
+the caller may reuse its blocks.
 It never allocates or frees engine blocks itself.
 """
 
@@ -32,7 +35,7 @@ from pdserve.kvtransfer.node import (
     receive_transports,
     receiver_offer,
 )
-from pdserve.kvtransfer.receiver_state import PeerConn, Session
+from pdserve.kvtransfer.receiver_state import HeadShare, PeerConn, Session
 from pdserve.kvtransfer.shm import ShmSegment
 from pdserve.kvtransfer.transport import TransportUnavailableError
 from pdserve.kvtransfer.types import (
@@ -137,7 +140,8 @@ class KVReceiver:
             block_ids=ids,
             block_index=torch.tensor(ids, dtype=torch.int64, device=self.kv_cache.device),
             deadline=deadline,
-            layer_bytes=len(ids) * self.layout.block_bytes(),
+            num_layers=self.layout.num_layers,
+            heads=self.layout.kv_heads,
         )
         with self._lock:
             if self._closed:
@@ -170,7 +174,9 @@ class KVReceiver:
         with session.lock:
             if session.state in ("expected", "open"):
                 self._set_final(
-                    session, "cancelled", f"transfer missed its deadline ({session.state})"
+                    session,
+                    "cancelled",
+                    f"transfer missed its deadline ({session.state}: {session.progress()})",
                 )
                 timed_out = True
             else:
@@ -237,17 +243,19 @@ class KVReceiver:
         with self._lock:
             if self._sessions.get(session.request_id) is session:
                 del self._sessions[session.request_id]
-        conn = session.conn
-        if session.state != "done" and conn is not None and conn.alive:
-            self._fence(conn, session.request_id)
+        shares = list(session.shares.values())
+        for share in shares:  # a share whose layers all landed writes nothing any more
+            if session.state != "done" and not session.share_complete(share) and share.conn.alive:
+                self._fence(share.conn, session.request_id)
         start = session.opened if session.opened is not None else session.created
+        names = sorted({s.conn.transport_name for s in shares})
         result = TransferResult(
             request_id=session.request_id,
             ok=session.state == "done",
             bytes=session.bytes,
             seconds=max(0.0, time.perf_counter() - start),
             error=session.error,
-            transport=conn.transport_name if conn is not None else self.transport,
+            transport="+".join(names) if names else self.transport,
         )
         notify(self._observer, "recv", result)
         return result
@@ -313,6 +321,7 @@ class KVReceiver:
             conn.send(wire.Error(code="transport", message=str(exc)))
             return False
         conn.transport = transport
+        conn.layout = hello.layout
         conn.send(
             wire.HelloOk(
                 transport=hello.transport,
@@ -349,8 +358,9 @@ class KVReceiver:
             return refuse(f"unknown request id {msg.request_id!r}")
         if not hmac.compare_digest(session.token.encode(), msg.token.encode()):
             return refuse(f"wrong token for request {msg.request_id!r}")
+        heads = range(msg.head_start, msg.head_start + msg.num_heads)
         with session.lock:
-            if session.state != "expected":
+            if session.state not in ("expected", "open"):
                 return refuse(f"request {msg.request_id!r} is {session.state}, not expected")
             if time.time() > session.deadline:
                 return refuse(f"request {msg.request_id!r} is past its deadline")
@@ -359,19 +369,73 @@ class KVReceiver:
                     f"num_blocks: sender has {msg.num_blocks} blocks, "
                     f"receiver expects {len(session.block_ids)}"
                 )
+            problem = self._heads_problem(conn, heads)
+            if problem is not None:
+                return refuse(f"request {msg.request_id!r}: {problem}")
+            twice = self._heads_twice(session, conn, heads)
+            if twice is not None:  # an authenticated peer broke the protocol: end it all
+                refuse(twice)
+                if session.state in ("expected", "open"):
+                    self._set_final(session, "failed", twice)
+                return None
+            nbytes = len(session.block_ids) * self.layout.block_bytes(len(heads))
+            session.shares[conn] = HeadShare(conn=conn, heads=heads, layer_bytes=nbytes)
             session.state = "open"
-            session.conn = conn
-            session.opened = time.perf_counter()
-        conn.send(wire.OpenOk(request_id=msg.request_id, block_ids=session.block_ids))
+            if session.opened is None:
+                session.opened = time.perf_counter()
+        conn.send(
+            wire.OpenOk(
+                request_id=msg.request_id,
+                block_ids=session.block_ids,
+                head_offset=heads.start - self.layout.kv_head_start,
+            )
+        )
+        return None
+
+    def _heads_problem(self, conn: PeerConn, heads: range) -> str | None:
+        """Why a peer may not write ``heads`` (global) into this pool, if it may not."""
+        mine, peer = self.layout.kv_heads, conn.layout
+        assert peer is not None  # set by the handshake
+        if heads.start < mine.start or heads.stop > mine.stop:
+            return (
+                f"heads [{heads.start}, {heads.stop}) are not all held by this pool "
+                f"({self.layout.describe_heads()})"
+            )
+        if peer.kv_head_replica:
+            return f"the prefill pool ({peer.describe_heads()}) is a replica copy: it never sends"
+        if heads.start < peer.kv_head_start or heads.stop > peer.kv_head_start + peer.num_kv_heads:
+            return (
+                f"heads [{heads.start}, {heads.stop}) are not all held by the prefill pool "
+                f"({peer.describe_heads()})"
+            )
+        return None
+
+    def _heads_twice(self, session: Session, conn: PeerConn, heads: range) -> str | None:
+        """The protocol violation if ``heads`` were already opened (caller holds the lock)."""
+        for share in session.shares.values():
+            overlap = [h for h in heads if h in share.heads]
+            if overlap:
+                who = (
+                    "this peer" if share.conn is conn else f"prefill peer {share.conn.channel.peer}"
+                )
+                return (
+                    f"heads {overlap} of request {session.request_id!r} were already opened by "
+                    f"{who} (heads [{share.heads.start}, {share.heads.stop})): a KV head "
+                    "would land twice"
+                )
+        return None
 
     def _on_layer(self, conn: PeerConn, msg: wire.Layer) -> None:
         with self._lock:
             session = self._sessions.get(msg.request_id)
         problem = self._layer_problem(conn, session, msg)
+        if problem is None:
+            assert session is not None
+            session.shares[conn].announced.add(msg.layer)  # only this connection's thread
         conn.transport.land(conn, session if problem is None else None, msg)
         if problem is not None:
             conn.send(wire.Error(code="refused", message=problem, request_id=msg.request_id))
-            if session is not None and session.conn is conn:
+            if session is not None and conn in session.shares:
                 with session.lock:
                     if session.state == "open":
                         self._set_final(session, "failed", problem)
@@ -379,28 +443,43 @@ class KVReceiver:
     def _layer_problem(
         self, conn: PeerConn, session: Session | None, msg: wire.Layer
     ) -> str | None:
-        if session is None or session.conn is not conn:
+        share = None if session is None else session.shares.get(conn)
+        if session is None or share is None:
             return f"layer for request {msg.request_id!r} that this peer has not opened"
         if session.state != "open":
             return f"request {msg.request_id!r} is {session.state}"
         if not 0 <= msg.layer < self.layout.num_layers:
             return f"layer {msg.layer} out of range [0, {self.layout.num_layers})"
-        if msg.layer in session.announced:
-            return f"layer {msg.layer} of request {msg.request_id!r} sent twice"
-        if msg.nbytes != session.layer_bytes:
-            return f"layer {msg.layer}: {msg.nbytes} bytes, expected {session.layer_bytes}"
+        heads = range(msg.head_start, msg.head_start + msg.num_heads)
+        if heads != share.heads:
+            return (
+                f"layer {msg.layer}: heads [{heads.start}, {heads.stop}), but this peer opened "
+                f"[{share.heads.start}, {share.heads.stop})"
+            )
+        if msg.layer in share.announced:
+            return (
+                f"layer {msg.layer} (heads [{heads.start}, {heads.stop})) of request "
+                f"{msg.request_id!r} sent twice"
+            )
+        if msg.nbytes != share.layer_bytes:
+            return f"layer {msg.layer}: {msg.nbytes} bytes, expected {share.layer_bytes}"
         if time.time() > session.deadline:
             return f"layer {msg.layer} of request {msg.request_id!r} arrived past the deadline"
         return None
 
     def record_layer(self, conn: PeerConn, session: Session, msg: wire.Layer) -> None:
-        """Count a landed layer; the last one completes the session. Caller holds
+        """Count a landed layer of the peer's share: the share's last one is confirmed to
+        the peer; the session completes once every head's last one landed. Caller holds
         ``session.lock``."""
-        session.layers.add(msg.layer)
+        share = session.shares[conn]
+        share.layers.add(msg.layer)
+        share.bytes += msg.nbytes
         session.bytes += msg.nbytes
-        if len(session.layers) == self.layout.num_layers:
+        if not session.share_complete(share):
+            return
+        conn.send(wire.Done(request_id=session.request_id, ok=True, bytes=share.bytes))
+        if session.complete():
             self._set_final(session, "done", None)
-            conn.send(wire.Done(request_id=session.request_id, ok=True, bytes=session.bytes))
 
     def fail_session(self, session: Session, error: str) -> None:
         """Caller holds ``session.lock``."""
@@ -413,13 +492,15 @@ class KVReceiver:
             conn.transport.disconnect(conn)
         with self._lock:
             self._conns.discard(conn)
-            sessions = [s for s in self._sessions.values() if s.conn is conn]
+            sessions = [s for s in self._sessions.values() if conn in s.shares]
         for session in sessions:
             with session.lock:
-                if session.state == "open":
+                share = session.shares[conn]
+                if session.state == "open" and not session.share_complete(share):
                     self._set_final(
                         session,
                         "failed",
                         f"prefill peer {conn.channel.peer} went away after "
-                        f"{len(session.layers)}/{self.layout.num_layers} layers",
+                        f"{len(share.layers)}/{self.layout.num_layers} layers of heads "
+                        f"[{share.heads.start}, {share.heads.stop})",
                     )

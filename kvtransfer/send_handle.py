@@ -8,17 +8,21 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.kvtransfer.tp_plan import HeadSlice
 from pdserve.kvtransfer.types import KVTarget, KVTransferError, TransferResult
 
 
 @dataclass
 class SendHandle:
-    """One request's transfer on the prefill side."""
+    """One request's transfer to one decode pool on the prefill side: the heads ``heads``
+    of its blocks."""
 
     target: KVTarget
     src_block_ids: list[int]
+    heads: HeadSlice
     started: float = field(default_factory=time.perf_counter)
     dst_block_ids: list[int] = field(default_factory=list)
+    dst_head_start: int = 0  # the receiver's word (OpenOk), for direct writes
     bytes_sent: int = 0
     layers_sent: int = 0
     result: TransferResult | None = None
@@ -37,3 +41,8 @@ class SendHandle:
 
     def done(self) -> bool:
         return self.finished.is_set()
+
+    @property
+    def layer_bytes(self) -> int:
+        """Bytes of one layer of this send: its blocks, K and V, its heads."""
+        return len(self.src_block_ids) * self.target.layout.block_bytes(self.heads.num_heads)

@@ -1,5 +1,8 @@
 """Prefill side of a KV hand-off: stream each computed layer of a request to its decode peer.
 
+A tensor-parallel rank sends each decode pool (one per decode rank) only the KV heads both
+hold, and only if it holds the canonical copy (``tp_plan``).
+
 ``KVSender.open(target, src_block_ids)`` and ``send_layer`` only enqueue work and return at
 once, so the model keeps computing the next layer while this one moves; a worker thread per
 decode peer does the I/O in order (one message per layer per request: the request's blocks
@@ -16,12 +19,13 @@ import time
 
 import torch
 
-from pdserve.kvtransfer import gpu_ids
+from pdserve.kvtransfer import gpu_ids, tp_plan
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.metrics import TransferObserver, notify
 from pdserve.kvtransfer.node import cupy_installed, local_node_id, send_transport, sender_choice
 from pdserve.kvtransfer.send_handle import SendHandle
 from pdserve.kvtransfer.sender_peer import DecodePeer
+from pdserve.kvtransfer.tp_plan import HeadSlice
 from pdserve.kvtransfer.types import (
     KVLayout,
     KVTarget,
@@ -63,7 +67,9 @@ class KVSender:
 
     def open(self, target: KVTarget, src_block_ids: list[int]) -> SendHandle:
         """Start a transfer of the request's KV from ``src_block_ids`` (prompt order; only
-        the first ``len(target.block_ids)`` are sent). Never blocks on the network."""
+        the first ``len(target.block_ids)`` are sent): the heads this pool holds
+        canonically that the target's pool holds (``tp_plan.send_slice``; ValueError when
+        there are none). Never blocks on the network."""
         src = [int(b) for b in src_block_ids[: len(target.block_ids)]]
         if len(src) < len(target.block_ids):
             raise ValueError(
@@ -82,7 +88,7 @@ class KVSender:
             peer_gpu_local=peer_gpu,
             ipc_capable=self._ipc_capable,
         )
-        handle = SendHandle(target=target, src_block_ids=src)
+        handle = SendHandle(target=target, src_block_ids=src, heads=self._head_slice(target))
         with self._lock:
             key = (target.address, transport)
             peer = self._peers.get(key)
@@ -99,6 +105,20 @@ class KVSender:
             peer.handles[target.request_id] = handle
             peer.jobs.put(("open", handle, None))
         return handle
+
+    def _head_slice(self, target: KVTarget) -> HeadSlice:
+        """The heads of this pool that go to the target's pool (ValueError: none do)."""
+        if self.layout.mismatch(target.layout) is not None:
+            # The pools cannot be paired; the decode side refuses at the handshake, naming
+            # both sides' values (its own layout, not the target's, is the one that counts).
+            return HeadSlice(self.layout.kv_head_start, self.layout.num_kv_heads, 0, 0)
+        heads = tp_plan.send_slice(self.layout, target.layout)
+        if heads is None:
+            raise ValueError(
+                f"target: the decode pool holds {target.layout.describe_heads()}, none of "
+                f"which this pool ({self.layout.describe_heads()}) sends"
+            )
+        return heads
 
     def _peer_gpu_local(self, target: KVTarget) -> int | None:
         """This process's index of the target pool's GPU (None: not visible here)."""

@@ -153,7 +153,13 @@ class DecodePeer:
         assert self.channel is not None
         t = handle.target
         self.channel.send(
-            wire.Open(request_id=t.request_id, token=t.token, num_blocks=len(t.block_ids))
+            wire.Open(
+                request_id=t.request_id,
+                token=t.token,
+                num_blocks=len(t.block_ids),
+                head_start=handle.heads.first_head,
+                num_heads=handle.heads.num_heads,
+            )
         )
         # Writes go straight into the peer's blocks: only after the peer granted them.
         if not handle.opened.wait(max(0.0, t.deadline - time.time())):
@@ -169,7 +175,7 @@ class DecodePeer:
                 f"request {t.request_id!r}: deadline passed before layer {layer}"
             )
         if self.transport.write_layer(handle, layer, src, ready, self.channel):
-            handle.bytes_sent += len(handle.src_block_ids) * t.layout.block_bytes()
+            handle.bytes_sent += handle.layer_bytes
             handle.layers_sent += 1
 
     def _drain_inflight(self) -> None:
@@ -197,6 +203,7 @@ class DecodePeer:
             handle = self.handles.get(getattr(msg, "request_id", None) or "")
             if isinstance(msg, wire.OpenOk) and handle is not None:
                 handle.dst_block_ids = list(msg.block_ids)
+                handle.dst_head_start = msg.head_offset
                 handle.opened.set()
             elif isinstance(msg, wire.Done) and handle is not None:
                 if msg.ok:

@@ -49,29 +49,41 @@ class _DirectSend(SendTransport):
         channel: wire.Channel,
     ) -> bool:
         t = handle.target
+        h = handle.heads
         # ``copy_lock`` spans every copy into the mapping: ``close`` takes it, so a mapping
         # is never unmapped under a copy in flight (a sticky CUDA error on GPUs).
         with handle.write_lock, self.copy_lock:
             pool = self.pool
             if handle.done() or pool is None:  # cancelled, or the peer was dropped
                 return False
+            # Only the send's heads, from/to where each pool holds them.
+            src = blocks.heads(src, h.src_start, h.num_heads)
+            dst = blocks.heads(pool[layer], handle.dst_head_start, h.num_heads)
             if ready is None:
                 blocks.copy_blocks(
-                    src, handle.src_block_ids, pool[layer], handle.dst_block_ids, self.scratch
+                    src, handle.src_block_ids, dst, handle.dst_block_ids, self.scratch
                 )
             else:  # CUDA IPC: copy on a side stream once the layer is computed
                 stream = self.mapping.copy_stream
                 with torch.cuda.stream(stream):
                     stream.wait_event(ready)
-                    _copy_cuda(src, handle, pool[layer])
+                    _copy_cuda(src, handle, dst)
                 stream.synchronize()
-        nbytes = len(handle.src_block_ids) * t.layout.block_bytes()
-        channel.send(wire.Layer(request_id=t.request_id, layer=layer, nbytes=nbytes))
+        channel.send(
+            wire.Layer(
+                request_id=t.request_id,
+                layer=layer,
+                nbytes=handle.layer_bytes,
+                head_start=h.first_head,
+                num_heads=h.num_heads,
+            )
+        )
         return True
 
 
 def _copy_cuda(src: torch.Tensor, handle: SendHandle, dst: torch.Tensor) -> None:
-    """Blocks of ``src`` into ``dst``, which may sit on another (peer-visible) GPU."""
+    """Blocks of ``src`` into ``dst`` (both [2, N, B, h, D], maybe head slices), which may
+    sit on another (peer-visible) GPU."""
     if src.device == dst.device:
         blocks.copy_blocks(src, handle.src_block_ids, dst, handle.dst_block_ids)
         return
@@ -136,7 +148,6 @@ class _DirectReceive(ReceiveTransport):
         if session is None:
             return
         with session.lock:
-            session.announced.add(msg.layer)
             if session.state == "open":
                 self.site.record_layer(conn, session, msg)
 

@@ -68,7 +68,9 @@ class TorchDistSend(SendTransport):
         group = self.group
         assert group is not None
         t = handle.target
-        nbytes = len(handle.src_block_ids) * t.layout.block_bytes()
+        h = handle.heads
+        nbytes = handle.layer_bytes
+        src = blocks.heads(src, h.src_start, h.num_heads)  # only the send's heads
         if ready is not None:  # a CUDA event recorded when the layer was computed
             torch.cuda.current_stream(src.device).wait_event(ready)
         # At most two layers in flight per peer: gather the next while one is on the wire.
@@ -84,7 +86,16 @@ class TorchDistSend(SendTransport):
         else:  # CUDA pool over gloo: gather on the GPU, then one copy to the host
             buf.copy_(blocks.gather(src, self._index(handle.src_block_ids, src.device)))
         self.seq += 1
-        channel.send(wire.Layer(request_id=t.request_id, layer=layer, nbytes=nbytes, seq=self.seq))
+        channel.send(
+            wire.Layer(
+                request_id=t.request_id,
+                layer=layer,
+                nbytes=nbytes,
+                head_start=h.first_head,
+                num_heads=h.num_heads,
+                seq=self.seq,
+            )
+        )
         work = group.send([buf], torchdist.RECEIVER_RANK, torchdist.tag_of(self.seq))
         self.inflight.append((work, flat, handle))
         return True
@@ -172,7 +183,6 @@ class TorchDistReceive(ReceiveTransport):
             raise KVTransferError(f"layer message of {msg.nbytes} bytes from a peer")
         timeout = self.site.config.connect_timeout_s
         if session is not None:
-            session.announced.add(msg.layer)
             timeout = max(1.0, session.deadline - time.time())
         # Post the receive and hand it to the landing thread, which waits for it and
         # scatters: the next layer's receive is posted while this one is in flight.
@@ -223,9 +233,12 @@ class TorchDistReceive(ReceiveTransport):
             try:
                 with session.lock:
                     if session.state == "open":
-                        n = len(session.block_ids)
-                        buf = typed_view(flat, (2, n, *pool.shape[3:]), pool.dtype)
-                        blocks.scatter(buf.to(pool.device), pool[msg.layer], session.block_index)
+                        # The header was checked against the peer's share of the heads.
+                        first = msg.head_start - self.site.layout.kv_head_start
+                        n, (bs, _, dim) = len(session.block_ids), pool.shape[3:]
+                        buf = typed_view(flat, (2, n, bs, msg.num_heads, dim), pool.dtype)
+                        dst = blocks.heads(pool[msg.layer], first, msg.num_heads)
+                        blocks.scatter(buf.to(pool.device), dst, session.block_index)
                         self.site.record_layer(conn, session, msg)
             except Exception as exc:  # noqa: BLE001 - fail the request, keep the peer
                 with session.lock:

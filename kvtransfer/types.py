@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 TransportName = Literal["shm", "torch_dist", "cuda_ipc"]
 
@@ -21,27 +21,100 @@ class _Frozen(BaseModel):
 
 
 class KVLayout(_Frozen):
-    """The shape of one engine's paged KV pool, minus the number of blocks."""
+    """The shape of one engine's paged KV pool, minus the number of blocks.
+
+    A tensor-parallel rank's pool holds only some of the model's KV heads: the global heads
+    ``[kv_head_start, kv_head_start + num_kv_heads)`` of ``total_kv_heads``. With fewer KV
+    heads than ranks the heads are replicated; only the copy with ``kv_head_replica == 0``
+    (the canonical one) is ever sent. The defaults describe a single-rank pool."""
 
     model: str = Field(description="Model identity (name or path) the KV was computed with.")
     num_layers: int = Field(gt=0, description="Transformer layers in the pool.")
-    num_kv_heads: int = Field(gt=0, description="KV heads per layer.")
+    num_kv_heads: int = Field(gt=0, description="KV heads per layer held by this pool.")
     head_dim: int = Field(gt=0, description="Dimension of one head.")
     block_size: int = Field(gt=0, description="Tokens per KV block.")
     dtype: str = Field(description="torch dtype name of the pool, e.g. 'float32'.")
+    kv_head_start: int = Field(
+        default=0, ge=0, description="Global index of this pool's first KV head."
+    )
+    total_kv_heads: int | None = Field(
+        default=None, gt=0, description="KV heads of the whole model; None = num_kv_heads."
+    )
+    kv_head_replica: int = Field(
+        default=0,
+        ge=0,
+        description="0: this pool holds the canonical copy of its heads; >0: a replica "
+        "(tensor parallelism over more ranks than KV heads), which never sends.",
+    )
+    tp_size: int = Field(default=1, gt=0, description="Ranks of the replica's TP group.")
+    tp_rank: int = Field(default=0, ge=0, description="This pool's rank in its TP group.")
+
+    @model_validator(mode="after")
+    def _heads_inside_the_model(self) -> KVLayout:
+        if self.kv_head_start + self.num_kv_heads > self.heads_total:
+            raise ValueError(
+                f"kv heads: [{self.kv_head_start}, {self.kv_head_start + self.num_kv_heads}) "
+                f"run past total_kv_heads={self.heads_total}"
+            )
+        if self.tp_rank >= self.tp_size:
+            raise ValueError(f"tp_rank: {self.tp_rank} is not below tp_size={self.tp_size}")
+        return self
+
+    @property
+    def heads_total(self) -> int:
+        """KV heads of the whole model."""
+        return self.num_kv_heads if self.total_kv_heads is None else self.total_kv_heads
+
+    @property
+    def kv_heads(self) -> range:
+        """Global indices of the KV heads this pool holds."""
+        return range(self.kv_head_start, self.kv_head_start + self.num_kv_heads)
+
+    @property
+    def canonical_heads(self) -> range:
+        """The heads this pool may send: all of its heads, or none for a replica copy."""
+        return (
+            self.kv_heads
+            if self.kv_head_replica == 0
+            else range(self.kv_head_start, self.kv_head_start)
+        )
+
+    def describe_heads(self) -> str:
+        """'heads [a, b) of H (tp rank r/t[, replica k])' for error messages."""
+        replica = f", replica {self.kv_head_replica}" if self.kv_head_replica else ""
+        return (
+            f"heads [{self.kv_head_start}, {self.kv_head_start + self.num_kv_heads}) of "
+            f"{self.heads_total} (tp rank {self.tp_rank}/{self.tp_size}{replica})"
+        )
 
     def mismatch(self, other: KVLayout) -> str | None:
-        """A message naming every field where ``self`` (local) and ``other`` (peer) differ."""
-        diffs = [
-            f"{name}: local={getattr(self, name)!r} peer={getattr(other, name)!r}"
-            for name in type(self).model_fields
-            if getattr(self, name) != getattr(other, name)
-        ]
+        """A message naming every field both sides must agree on where ``self`` (local) and
+        ``other`` (peer) differ. Head ranges and TP placement may differ (the heads are
+        mapped rank to rank, see ``pdserve.kvtransfer.tp_plan``); the model's total heads
+        may not, nor may a head range fall outside the model's heads."""
+        diffs = []
+        for name in ("model", "num_layers", "total_kv_heads", "head_dim", "block_size", "dtype"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if name == "total_kv_heads":
+                mine, theirs = self.heads_total, other.heads_total
+            if mine != theirs:
+                diffs.append(f"{name}: local={mine!r} peer={theirs!r}")
+        if not diffs:  # layouts built with model_construct skip the validator
+            for side, layout in (("local", self), ("peer", other)):
+                heads = layout.kv_heads
+                if heads.start < 0 or heads.stop > layout.heads_total:
+                    diffs.append(
+                        f"kv heads: {side} holds [{heads.start}, {heads.stop}), outside the "
+                        f"model's [0, {layout.heads_total}) (local {self.describe_heads()}; "
+                        f"peer {other.describe_heads()})"
+                    )
         return "; ".join(diffs) if diffs else None
 
-    def block_bytes(self) -> int:
-        """Bytes of one block of one layer, K and V together."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_dim * _dtype_size(self.dtype)
+    def block_bytes(self, num_heads: int | None = None) -> int:
+        """Bytes of one block of one layer, K and V together, over ``num_heads`` heads
+        (default: every head of this pool)."""
+        heads = self.num_kv_heads if num_heads is None else num_heads
+        return 2 * self.block_size * heads * self.head_dim * _dtype_size(self.dtype)
 
 
 class KVTarget(_Frozen):

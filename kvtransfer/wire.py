@@ -50,20 +50,29 @@ class HelloOk(_Msg):
 
 
 class Open(_Msg):
-    """Sender -> receiver: start writing request ``request_id``; proves it with ``token``."""
+    """Sender -> receiver: start writing heads ``[head_start, head_start + num_heads)``
+    (global indices) of request ``request_id``; proves it with ``token``. Several senders
+    (the ranks of a tensor-parallel prefill replica) may each open a disjoint share of the
+    receiver's heads."""
 
     kind: Literal["open"] = "open"
     request_id: str
     token: str
     num_blocks: int
+    head_start: int = Field(ge=0, description="Global index of the first head sent.")
+    num_heads: int = Field(gt=0, description="Heads sent, contiguous from head_start.")
 
 
 class OpenOk(_Msg):
-    """Receiver -> sender: granted; ``block_ids`` are the receiver's own record."""
+    """Receiver -> sender: granted; ``block_ids`` and ``head_offset`` are the receiver's own
+    record (a direct write lands there)."""
 
     kind: Literal["open_ok"] = "open_ok"
     request_id: str
     block_ids: tuple[int, ...]
+    head_offset: int = Field(
+        ge=0, description="Where the opened heads start in the receiver's pool (its head dim)."
+    )
 
 
 class Layer(_Msg):
@@ -74,11 +83,14 @@ class Layer(_Msg):
     request_id: str
     layer: int
     nbytes: int
+    head_start: int = Field(ge=0, description="Global index of the layer's first head.")
+    num_heads: int = Field(gt=0, description="Heads in the layer, as opened.")
     seq: int = 0
 
 
 class Done(_Msg):
-    """Receiver -> sender: the request's transfer ended (all layers landed, or failed)."""
+    """Receiver -> sender: the sender's share of the request ended (every layer of its
+    heads landed, or failed)."""
 
     kind: Literal["done"] = "done"
     request_id: str

@@ -16,6 +16,7 @@ from pdserve.kvtransfer import gpu_ids, transport_direct
 from pdserve.kvtransfer.gpu_ids import GpuId
 from pdserve.kvtransfer.node import receiver_offer, sender_choice
 from pdserve.kvtransfer.send_handle import SendHandle
+from pdserve.kvtransfer.tp_plan import HeadSlice
 from tests.kvtransfer.test_units import LAYOUT
 
 NODE = [  # the node's four GPUs, as nvidia-smi lists them
@@ -97,7 +98,8 @@ def test_dropping_an_ipc_peer_waits_for_the_copy_in_flight(monkeypatch) -> None:
     send.mapping = _Mapping(events)
     send.pool = torch.zeros(LAYOUT.num_layers, 2, 4, 4, 2, 8)
     target = SimpleNamespace(request_id="r", layout=LAYOUT)
-    handle = SendHandle(target=target, src_block_ids=[1])  # type: ignore[arg-type]
+    heads = HeadSlice(first_head=0, num_heads=LAYOUT.num_kv_heads, src_start=0, dst_start=0)
+    handle = SendHandle(target=target, src_block_ids=[1], heads=heads)  # type: ignore[arg-type]
     handle.dst_block_ids = [2]
     channel = SimpleNamespace(send=lambda msg: events.append("announced"))
     src = torch.ones(2, 4, 4, 2, 8)
