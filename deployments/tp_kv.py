@@ -18,6 +18,7 @@ The workers' halves are built on the worker ranks by the picklable factories
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import threading
@@ -43,6 +44,9 @@ from pdserve.kvtransfer.types import (
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from pdserve.engine.kv_connector import PendingSend
     from pdserve.engine.tp_executor import TPExecutor
+
+
+_MAX_UNCLAIMED_RESULTS = 4096
 
 
 def rank_layout(kv_cache: torch.Tensor, model_name: str, shard: TPShard, kv_heads: int) -> KVLayout:
@@ -149,7 +153,8 @@ class TPPrefillConnector:
         self._register: dict[str, tuple[KVTarget, ...]] = {}
         self._unregister: list[str] = []
         self._parts: dict[str, list[TransferResult]] = {}
-        self._results: dict[str, TransferResult] = {}
+        # Results wait for take_result(); bounded (oldest dropped) like the local one's.
+        self._results: collections.OrderedDict[str, TransferResult] = collections.OrderedDict()
         self._result_ready = threading.Condition(self._lock)
 
     @property
@@ -229,6 +234,8 @@ class TPPrefillConnector:
         with self._result_ready:
             for rid in done:
                 self._results[rid] = merge_results(rid, self._parts.pop(rid))
+            while len(self._results) > _MAX_UNCLAIMED_RESULTS:
+                self._results.popitem(last=False)
             self._result_ready.notify_all()
         return done
 

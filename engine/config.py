@@ -55,7 +55,7 @@ class EngineConfig(BaseModel):
         description=(
             "On CUDA, replay decode steps from CUDA graphs captured over batch-size buckets "
             "at start-up (prefill and mixed steps run eagerly); false = every step eager. "
-            "Ignored on a CPU."
+            "Ignored on a CPU and under tensor parallelism (eager there)."
         ),
     )
 

@@ -224,7 +224,9 @@ class ModelRunner:
         memory_profile.run_profile_step(self, 1)  # a single decode
         torch.cuda.synchronize(self.device)
         captured = 0
-        if self.config.cuda_graphs:
+        # Tensor parallel steps run eagerly: capturing c10d's NCCL collectives in a graph
+        # is not supported the way vLLM's own communicator is.
+        if self.config.cuda_graphs and self.tp.size == 1:
             from pdserve.engine.cuda_graphs import DecodeGraphs
 
             self.decode_graphs = DecodeGraphs(self)
