@@ -16,6 +16,7 @@ import os
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pdserve.cluster.local import Progress
@@ -118,6 +119,57 @@ def connect_driver(state: ClusterState) -> None:
         os.chdir(cwd)
 
 
+@dataclass(frozen=True)
+class NodeCapacity:
+    """What one alive Ray node offers: its labels and total resources."""
+
+    name: str
+    labels: dict[str, str]
+    resources: dict[str, float]
+
+
+def unplaceable_pools(config: AppConfig, nodes: list[NodeCapacity]) -> list[str]:
+    """One message per pool whose replica no node can ever hold: a replica needs
+    ``tensor_parallel_size`` x its per-rank CPUs and GPUs on ONE node whose labels match
+    the pool's selector (STRICT_PACK). Serve would otherwise wait for it forever."""
+    problems = []
+    for role in ("prefill", "decode"):
+        pool = config.pool(role)  # type: ignore[arg-type]
+        if role == "prefill" and pool.max_replicas == 0:
+            continue
+        tp = pool.tensor_parallel_size
+        need = {"CPU": pool.num_cpus * tp, "GPU": config.gpus_per_replica(role)}  # type: ignore[arg-type]
+        selector = pool.label_selector(role)  # type: ignore[arg-type]
+        matching = [n for n in nodes if all(n.labels.get(k) == v for k, v in selector.items())]
+        if any(all(n.resources.get(r, 0.0) >= v for r, v in need.items()) for n in matching):
+            continue
+        offered = ", ".join(
+            f"{n.name} ({n.resources.get('CPU', 0):g} CPU, {n.resources.get('GPU', 0):g} GPU)"
+            for n in matching
+        )
+        problems.append(
+            f"{role}: a replica needs {need['CPU']:g} CPU and {need['GPU']:g} GPU on one node "
+            f"(tensor_parallel_size {tp} x per-rank num_cpus {pool.num_cpus:g} / num_gpus "
+            f"{config.gpus_per_rank(role):g}) with labels {selector}; "  # type: ignore[arg-type]
+            f"nodes: {offered or 'none match'}"
+        )
+    return problems
+
+
+def _cluster_nodes() -> list[NodeCapacity]:
+    import ray
+
+    return [
+        NodeCapacity(
+            name=n.get("NodeManagerAddress", "?") + ":" + n.get("NodeID", "")[:8],
+            labels=dict(n.get("Labels") or {}),
+            resources=dict(n.get("Resources") or {}),
+        )
+        for n in ray.nodes()
+        if n.get("Alive")
+    ]
+
+
 def deploy(
     state: ClusterState, config: AppConfig, *, timeout_s: float, progress: Progress
 ) -> ServeRecord:
@@ -138,6 +190,9 @@ def deploy(
             if handler is not None:
                 signal.signal(sig, handler)
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # we report progress ourselves
+    problems = unplaceable_pools(config, _cluster_nodes())
+    if problems:
+        raise ValueError("no node can hold a replica of:\n  " + "\n  ".join(problems))
     grpc_options = None
     if config.grpc.enabled:
         servicers = [GRPC_SERVICER, HEALTH_SERVICER]
