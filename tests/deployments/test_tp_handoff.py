@@ -1,0 +1,169 @@
+"""Prefill and decode replicas of different tensor-parallel sizes hand KV off rank to rank
+(CPU, gloo between the ranks, the serving layer's TP glue of ``deployments.tp_kv``).
+
+The prefill engine (TP=a) runs in a child process with ``TPPrefillConnector``; the decode
+engine (TP=b) runs here with a ``TPReceiver`` over its ranks' receivers. Tokens equal one
+engine doing the whole request; the bytes the prefill ranks put on the wire are the
+request's KV once (every head once per decode rank that holds it: no duplicate heads); no
+block is left held on either side.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from pdserve.deployments.tp_kv import (
+    DecodeAgentFactory,
+    PrefillAgentFactory,
+    TPPrefillConnector,
+    TPReceiver,
+    rank_layout,
+    tp_executor_of,
+)
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.parallel import TPShard
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kvtransfer import KVTarget, KVTransferConfig
+from pdserve.kvtransfer.blocks import pool_layout
+from pdserve.kvtransfer.connector import PrefillKVConnector
+from pdserve.kvtransfer.receiver import KVReceiver
+
+NUM_NEW = 8
+BLOCKS = 48
+PROMPTS = [list(range(3, 40)), [7, 99, 512, 3, 3, 1024] * 6, list(range(200, 216))]
+
+
+def _params() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+
+
+def _config(model_dir: Path, tp: int) -> EngineConfig:
+    return EngineConfig(
+        model=str(model_dir), device="cpu", num_kv_blocks=BLOCKS, tensor_parallel_size=tp
+    )
+
+
+def prefill_main(conn: Connection, model_dir: str, tp: int) -> None:
+    """The prefill replica: for [(rid, prompt, [target json per decode rank])] prefill with
+    the targets registered; answers [(rid, first token, merged result json)]."""
+    torch.set_num_threads(1)
+    transfer = KVTransferConfig(transport="torch_dist")
+    local = PrefillKVConnector(transfer)
+    connector: Any = TPPrefillConnector(local) if tp > 1 else local
+    engine = LLMEngine(
+        _config(Path(model_dir), tp),
+        kv_connector=connector,
+        kv_agent_factory=PrefillAgentFactory(transfer) if tp > 1 else None,
+    )
+    try:
+        batch = conn.recv()
+        firsts: dict[str, int] = {}
+        for rid, prompt, targets_json in batch:
+            targets = tuple(KVTarget.model_validate_json(t) for t in targets_json)
+            connector.register_target(rid, targets)
+            engine.add_request(rid, prompt, _params(), prefill_only=True)
+        deadline = time.time() + 60
+        while (engine.has_pending_work() or len(firsts) < len(batch)) and time.time() < deadline:
+            for out in engine.step():
+                if out.finished and out.token_ids:
+                    firsts[out.request_id] = out.token_ids[0]
+            if not engine.has_unfinished_requests():
+                time.sleep(0.002)  # only sends left
+        answers = []
+        for rid, *_ in batch:
+            result = connector.take_result(rid, timeout=10)
+            answers.append((rid, firsts.get(rid), result.model_dump_json() if result else None))
+        stats = engine.stats()
+        conn.send((answers, stats.num_total_blocks - stats.num_free_blocks))
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def references(tiny_model_dir: Path) -> dict[tuple[int, ...], list[int]]:
+    single = LLMEngine(_config(tiny_model_dir, 1))
+    outs = single.generate(PROMPTS, _params())
+    return {tuple(p): list(o.token_ids) for p, o in zip(PROMPTS, outs, strict=True)}
+
+
+CASES = [(2, 1), (1, 2), (2, 4)]
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), CASES, ids=[f"{a}to{b}" for a, b in CASES])
+def test_kv_moves_between_tp_sizes(
+    tiny_model_dir: Path, references, prefill_tp: int, decode_tp: int
+) -> None:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=prefill_main, args=(child, str(tiny_model_dir), prefill_tp))
+    proc.start()
+    transfer = KVTransferConfig(transport="torch_dist")
+    engine = LLMEngine(
+        _config(tiny_model_dir, decode_tp),
+        kv_agent_factory=DecodeAgentFactory(transfer) if decode_tp > 1 else None,
+    )
+    try:
+        model = engine.model_config
+        executor = tp_executor_of(engine)
+        if executor is not None:
+            shard = TPShard(0, decode_tp)
+            layout = rank_layout(engine.kv_cache, model.model_name, shard, model.num_kv_heads)
+            receiver: Any = TPReceiver(KVReceiver(engine.kv_cache, layout, transfer), executor)
+        else:
+            receiver = KVReceiver(
+                engine.kv_cache, pool_layout(engine.kv_cache, model.model_name), transfer
+            )
+        batch, prompts = [], {}
+        for i, prompt in enumerate(PROMPTS):
+            rid = f"r{i}"
+            blocks = engine.reserve_remote_prefill(rid, prompt, _params())
+            assert blocks is not None
+            expected = receiver.expect(rid, blocks, time.time() + 90, num_tokens=len(prompt))
+            targets = (expected,) if isinstance(expected, KVTarget) else expected
+            assert len(targets) == decode_tp
+            batch.append((rid, prompt, [t.model_dump_json() for t in targets]))
+            prompts[rid] = prompt
+        parent.send(batch)
+        assert parent.poll(180), "the prefill replica did not answer"
+        answers, prefill_held = parent.recv()
+        assert prefill_held == 0
+        elem = engine.kv_cache.element_size()
+        for rid, first, result_json in answers:
+            assert first is not None and result_json is not None and '"ok":true' in result_json
+            sent = int(result_json.split('"bytes":')[1].split(",")[0])
+            # Every block of the prompt, every layer, K and V, each of the model's KV heads
+            # exactly once per decode rank holding it: its 2 heads once, or at decode TP=4
+            # each head twice (two ranks hold a copy of each and each needs its own).
+            blocks = -(-len(prompts[rid]) // 16)
+            heads_on_wire = max(model.num_kv_heads, decode_tp)
+            want = blocks * model.num_layers * 2 * 16 * heads_on_wire * model.head_dim * elem
+            assert sent == want, (rid, sent, want)
+            result = receiver.wait(rid)
+            assert result.ok
+            engine.complete_remote_prefill(rid, first)
+        final: dict[str, list[int]] = {}
+        for _ in range(500):
+            if not engine.has_unfinished_requests():
+                break
+            for out in engine.step():
+                if out.finished:
+                    final[out.request_id] = list(out.token_ids)
+        for rid, prompt in prompts.items():
+            assert final[rid] == references[tuple(prompt)], rid
+        engine.check_integrity()
+        stats = engine.stats()
+        assert stats.num_free_blocks == stats.num_total_blocks
+        assert receiver.pending() == []
+    finally:
+        proc.join(60)
+        if proc.is_alive():
+            proc.kill()
+        engine.shutdown()
