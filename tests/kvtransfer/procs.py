@@ -12,7 +12,8 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from pdserve.kvtransfer import KVLayout, KVTarget, KVTransferConfig
+from pdserve.kvtransfer import KVLayout, KVTarget, KVTransferConfig, TransferResult
+from pdserve.kvtransfer.connector import PrefillKVConnector
 from pdserve.kvtransfer.receiver import KVReceiver
 from pdserve.kvtransfer.sender import KVSender
 from pdserve.kvtransfer.shm import SharedKVAllocator
@@ -109,3 +110,78 @@ def prefill_engine_main(conn: Connection, model_dir: str, num_kv_blocks: int) ->
         stats = engine.stats()
         leaked = stats.num_total_blocks - stats.num_free_blocks
         conn.send((answers, leaked))
+
+
+# ---- tensor-parallel replicas: one pool per rank, holding that rank's KV heads ------------
+
+
+def rank_pool(pool: torch.Tensor, layout: KVLayout) -> torch.Tensor:
+    """Rank ``layout``'s own pool: its heads of the whole model's ``pool``, contiguous."""
+    return pool[..., layout.kv_head_start : layout.kv_head_start + layout.num_kv_heads, :].clone()
+
+
+def prefill_ranks(
+    model_layout: KVLayout, tp: int, pool: torch.Tensor
+) -> tuple[list[PrefillKVConnector], list[torch.Tensor]]:
+    """A TP=``tp`` prefill replica's connectors, each with its rank's pool registered."""
+    from pdserve.kvtransfer.tp_plan import rank_layout
+
+    connectors, pools = [], []
+    for rank in range(tp):
+        layout = rank_layout(model_layout, tp, rank)
+        connector = PrefillKVConnector()
+        pools.append(rank_pool(pool, layout))
+        connector.register_kv_caches(pools[-1], layout.model, layout=layout)
+        connectors.append(connector)
+    return connectors, pools
+
+
+def run_prefill_step(
+    connectors: list[PrefillKVConnector],
+    pools: list[torch.Tensor],
+    jobs: list[tuple[str, list[KVTarget], list[int], int]],
+    timeout: float = 30.0,
+) -> list[dict[str, TransferResult]]:
+    """One engine step on every rank: register each request's targets (one per decode
+    rank), begin the sends, compute the layers, then poll until every rank reported every
+    request; each rank's results by request id."""
+    from pdserve.engine.kv_connector import PendingSend
+
+    sends = [PendingSend(rid, src_ids, num_tokens) for rid, _, src_ids, num_tokens in jobs]
+    for connector in connectors:
+        for rid, targets, _, _ in jobs:
+            connector.register_target(rid, targets)
+        connector.begin_step(sends)
+    for layer in range(pools[0].shape[0]):
+        for connector, pool in zip(connectors, pools, strict=True):
+            connector.layer_computed(layer, pool)
+    seen: list[set[str]] = [set(c.end_step()) for c in connectors]
+    deadline = time.time() + timeout
+    want = {rid for rid, *_ in jobs}
+    while any(s != want for s in seen) and time.time() < deadline:
+        for connector, s in zip(connectors, seen, strict=True):
+            s.update(connector.poll_finished())
+        time.sleep(0.005)
+    results = []
+    for connector in connectors:
+        got = {rid: connector.take_result(rid, timeout=0) for rid in want}
+        results.append({rid: r for rid, r in got.items() if r is not None})
+    return results
+
+
+def tp_prefill_main(conn: Connection, model_layout_json: str, tp: int, seed: int, n: int) -> None:
+    """A TP=``tp`` prefill replica in its own process (every rank's connector here): gets
+    ``[(request_id, [target_json per decode rank], src_ids, num_tokens)]``, runs the step,
+    answers each rank's results as JSON and whether any send is still open."""
+    torch.set_num_threads(1)
+    model_layout = KVLayout.model_validate_json(model_layout_json)
+    connectors, pools = prefill_ranks(model_layout, tp, source_pool(model_layout, n, seed))
+    jobs = [
+        (rid, [KVTarget.model_validate_json(t) for t in targets], ids, tokens)
+        for rid, targets, ids, tokens in conn.recv()
+    ]
+    results = run_prefill_step(connectors, pools, jobs)
+    answer = [{rid: r.model_dump_json() for rid, r in rank.items()} for rank in results]
+    conn.send((answer, [c.sender.open_handles() for c in connectors]))
+    for connector in connectors:
+        connector.sender.close()
