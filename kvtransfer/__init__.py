@@ -4,7 +4,9 @@ Decode side: ``KVReceiver.expect`` -> ``KVTarget`` -> ``wait``/``cancel``. Prefi
 ``KVSender.open`` -> ``send_layer`` per computed layer -> ``finish``. The bytes move through
 one of three transports behind one interface (``transport``: shared memory and CUDA IPC in
 ``transport_direct``, torch.distributed in ``transport_torchdist``), chosen in ``node`` from
-where the two peers are. Knows nothing of Ray.
+where the two peers are. Between tensor-parallel replicas every rank has its own sender or
+receiver and pool (``KVLayout`` states the rank's KV heads); ``tp_plan`` maps the heads, so
+each prefill rank sends each decode rank only the heads both hold. Knows nothing of Ray.
 """
 
 from pdserve.kvtransfer.config import KVTransferConfig
