@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+from dataclasses import asdict
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -36,6 +37,10 @@ class IntegrityReport(BaseModel):
     helper_cpus: list[int] = Field(
         default_factory=list, description="CPUs of the engine's helper threads; [] = none."
     )
+    tp_ranks: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="Tensor parallel: rank, pid and Ray node id of ranks 1.. ([] at TP=1).",
+    )
 
     @property
     def idle(self) -> bool:
@@ -47,12 +52,20 @@ class IntegrityReport(BaseModel):
         )
 
 
-def runtime_report(engine: Any) -> dict[str, list[int]]:
+def runtime_report(engine: Any) -> dict[str, Any]:
     """The integrity report's ``engine_cpus``/``helper_cpus`` from the engine's runtime
-    (test doubles without a runtime report none)."""
+    (test doubles without a runtime report none) and where its other TP ranks run."""
+    from pdserve.deployments.tp_kv import tp_executor_of
+
     describe = getattr(engine, "describe_runtime", None)
     info = describe() if describe is not None else RuntimeInfo()
-    return {"engine_cpus": list(info.engine_cpus), "helper_cpus": list(info.helper_cpus)}
+    executor = tp_executor_of(engine)
+    ranks = [asdict(p) for p in executor.worker_places()] if executor is not None else []
+    return {
+        "engine_cpus": list(info.engine_cpus),
+        "helper_cpus": list(info.helper_cpus),
+        "tp_ranks": ranks,
+    }
 
 
 def _in_ray_worker() -> bool:

@@ -100,6 +100,15 @@ class TPConnector(KVConnector, Protocol):
         """The workers' ``step_report`` answers, rank order."""
 
 
+@dataclass(frozen=True)
+class RankPlace:
+    """Where a worker rank runs."""
+
+    rank: int
+    pid: int
+    node_id: str | None  # Ray node id; None for a child process outside Ray
+
+
 class TPWorker:
     """Rank r >= 1: its shard of the model and of the KV pool, stepped by rank 0."""
 
@@ -170,6 +179,25 @@ class TPWorker:
         connector = agent.connector
         return agent.step_report(connector.poll_finished() if connector is not None else [])
 
+    def where(self) -> RankPlace:
+        """Where this rank runs (operators and tests: ``IntegrityReport.tp_ranks``)."""
+        node_id = None
+        try:
+            import ray
+
+            if ray.is_initialized():
+                node_id = ray.get_runtime_context().get_node_id()
+        except ImportError:  # pragma: no cover - mp workers without Ray installed
+            pass
+        return RankPlace(rank=self.runner.tp.rank, pid=os.getpid(), node_id=node_id)
+
+    def control_call(self, method: str, *args: Any) -> Any:
+        """The control channel (any thread, beside the steps): ``where``, or a method of
+        the rank's KV agent."""
+        if method == "where":
+            return self.where()
+        return self.agent_call(method, *args)
+
     def agent_call(self, method: str, *args: Any) -> Any:
         """``method`` of this rank's KV agent (a decode rank's receiver: expect, wait,
         cancel), outside the step loop."""
@@ -192,7 +220,7 @@ _WORKER_METHODS = frozenset(
         "warm_up",
         "execute",
         "poll",
-        "agent_call",
+        "control_call",
         "shutdown",
     }
 )
@@ -223,7 +251,7 @@ def _serve_control(worker: TPWorker, ctl: mp.connection.Connection) -> None:
 
     def answer(call_id: int, method: str, args: tuple[Any, ...]) -> None:
         try:
-            reply = (call_id, "ok", worker.agent_call(method, *args))
+            reply = (call_id, "ok", worker.control_call(method, *args))
         except BaseException:
             reply = (call_id, "error", traceback.format_exc())
         with lock, contextlib.suppress(OSError):
@@ -393,7 +421,8 @@ class _RayWorker:
         import ray
 
         try:
-            return ray.get(self.actor.call.remote("agent_call", method, *args), timeout=timeout)
+            ref = self.actor.call.remote("control_call", method, *args)
+            return ray.get(ref, timeout=timeout)
         except ray.exceptions.RayError as exc:
             why = f"tensor-parallel rank {self.rank}: {method} failed: {exc}"
             raise TPWorkerError(why) from exc
@@ -570,6 +599,10 @@ class TPExecutor:
         """TPWorkerError if a worker is gone (checked between steps, by the replica)."""
         for w in self.workers:
             w.check_alive()
+
+    def worker_places(self) -> list[RankPlace]:
+        """Where ranks 1.. run (from any thread)."""
+        return [w.call_agent("where", (), 10.0) for w in self.workers]
 
     def shutdown(self) -> None:
         """Stop the workers (best effort: they may already be gone)."""

@@ -1,0 +1,151 @@
+"""Tensor-parallel pools on a real local Ray cluster (issue 22): prefill TP=2 and decode
+TP=2 replicas, each a STRICT_PACK placement group whose ranks 1.. are Ray actors, serve
+greedy outputs equal to a single engine, locally and across the P/D split (KV moving rank
+to rank); a prefill rank killed mid-flight ends in the decode side's local fallback with the
+same tokens, and Serve replaces the broken replica."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ray = pytest.importorskip("ray")
+from ray import serve  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from pdserve.deployments.app import DECODE_DEPLOYMENT, PREFILL_DEPLOYMENT, build_application  # noqa: E402
+from pdserve.deployments.config import AppConfig  # noqa: E402
+from tests.deployments.test_app_cluster import (  # noqa: E402
+    NODE_IP,
+    OBJECT_STORE_BYTES,
+    PD,
+    collect,
+    free_port,
+    prompt,
+    request,
+    tokens,
+    wait_idle,
+)
+
+pytestmark = pytest.mark.cluster
+
+APP = "pdserve-tp-test"
+
+
+def app_config() -> AppConfig:
+    pool = {"num_cpus": 1, "tensor_parallel_size": 2}
+    engine = {"num_kv_blocks": 128, "max_num_seqs": 8}
+    return AppConfig.from_dict(
+        {
+            "name": APP,
+            "model": {"test_model": "tiny", "dtype": "float32", "device": "cpu"},
+            "prefill": {**pool, "engine": engine},
+            "decode": {**pool, "engine": engine},
+            "slo": {"ttft_ms": 60_000},
+            "transport": {"timeout_s": 5.0},
+            "policy": {"local_prefill_max_tokens": 32},
+            "router": {"stats_period_s": 0.5},
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def pd() -> Iterator[PD]:
+    temp_dir = tempfile.mkdtemp(prefix="pdray-", dir="/tmp")
+    Path(ray._private.utils.get_ray_address_file(None)).parent.mkdir(parents=True, exist_ok=True)
+    common = {"node_ip_address": NODE_IP, "object_store_memory": OBJECT_STORE_BYTES}
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={**common, "num_cpus": 0, "temp_dir": temp_dir, "include_dashboard": False},
+    )
+    try:
+        # Two logical CPUs per node: one bundle per rank of a TP=2 replica.
+        prefill = cluster.add_node(**common, num_cpus=2, labels={"pdserve.io/pool": "prefill"})
+        decode = cluster.add_node(**common, num_cpus=2, labels={"pdserve.io/pool": "decode"})
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, _node_ip_address=NODE_IP, log_to_driver=False)
+        port = free_port()
+        serve.start(http_options={"host": NODE_IP, "port": port})
+        serve.run(build_application(app_config()), name=APP, route_prefix="/")
+        yield PD(
+            decode=serve.get_deployment_handle(DECODE_DEPLOYMENT, app_name=APP),
+            prefill=serve.get_deployment_handle(PREFILL_DEPLOYMENT, app_name=APP),
+            prefill_node=prefill.node_id,
+            decode_node=decode.node_id,
+            http=f"http://{NODE_IP}:{port}",
+        )
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+            shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def reference() -> Any:
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.sampling_params import SamplingParams
+
+    model_dir = app_config().model.resolve_path()
+    engine = LLMEngine.from_pretrained(model_dir, dtype="float32", device="cpu", num_kv_blocks=128)
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    return lambda ids: engine.generate([ids], greedy)[0].token_ids
+
+
+def _ranks(handle: Any) -> list[dict[str, Any]]:
+    """Where the replica's ranks 1.. run (its integrity report)."""
+    return handle.check_integrity.remote().result(timeout_s=60).tp_ranks
+
+
+def test_tp_replicas_serve_the_single_engine_tokens(pd: PD, reference) -> None:
+    # Each replica's rank 1 is a Ray actor on its replica's node (STRICT_PACK).
+    assert [(r["rank"], r["node_id"]) for r in _ranks(pd.prefill)] == [(1, pd.prefill_node)]
+    assert [(r["rank"], r["node_id"]) for r in _ranks(pd.decode)] == [(1, pd.decode_node)]
+    prompts = {"long-1": prompt(1, 90), "long-2": prompt(2, 60), "short-1": prompt(3, 9)}
+
+    async def run() -> dict[str, Any]:
+        outs = await asyncio.gather(*(collect(pd, request(r, p)) for r, p in prompts.items()))
+        return dict(zip(prompts, outs, strict=True))
+
+    before = pd.decode.counters.remote().result()
+    results = asyncio.run(run())
+    for rid, ids in prompts.items():
+        assert tokens(results[rid]) == reference(ids), rid
+    where = {rid: chunks[0].prefill_location for rid, chunks in results.items()}
+    assert where == {"long-1": "remote", "long-2": "remote", "short-1": "local"}
+    after = pd.decode.counters.remote().result()
+    assert after.kv_bytes_received > before.kv_bytes_received
+    wait_idle(pd)
+
+
+def test_a_killed_prefill_rank_falls_back_and_is_replaced(pd: PD, reference) -> None:
+    [worker] = _ranks(pd.prefill)
+    os.kill(worker["pid"], signal.SIGKILL)
+    ids = prompt(7, 80)
+    chunks = asyncio.run(collect(pd, request("after-kill", ids)))
+    assert tokens(chunks) == reference(ids)  # recomputed locally, same tokens
+    # Serve sees the replica's failed health check and starts a fresh TP=2 replica.
+    deadline = time.monotonic() + 180
+    for attempt in range(1000):
+        if time.monotonic() > deadline:
+            raise AssertionError("the prefill pool never came back")
+        ids = prompt(100 + attempt, 80)  # new prompts: no prefix-cache hit on the decode side
+        chunks = asyncio.run(collect(pd, request(f"again-{attempt}", ids)))
+        assert tokens(chunks) == reference(ids)
+        if chunks[0].prefill_location == "remote":
+            break
+        time.sleep(2)
+    [fresh] = _ranks(pd.prefill)
+    assert fresh["pid"] != worker["pid"] and fresh["node_id"] == pd.prefill_node
+    wait_idle(pd)
