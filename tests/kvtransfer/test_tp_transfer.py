@@ -312,3 +312,12 @@ def test_register_target_takes_one_or_many() -> None:
             connector.register_target("x", [target, "nope"])  # type: ignore[list-item]
     finally:
         connector.sender.close()
+
+
+def test_the_gpu_checks_tp_step_passes_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+    """``gpu_check``'s TP step (CUDA IPC / NCCL on a GPU) run over gloo: its logic, which
+    the GPU run relies on, holds."""
+    from pdserve.kvtransfer import gpu_check
+
+    assert gpu_check.tp_transfer_check("gloo", "cpu", "cpu", "torch_dist", num_blocks=16)
+    assert "ok   gloo: head slices 4->2 and 1->2" in capsys.readouterr().out
