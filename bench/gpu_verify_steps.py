@@ -328,9 +328,13 @@ def disaggregated(model_root: Path) -> list[Row]:
         return rows
     ipc = gpu_check._transfer_check("CUDA IPC, one GPU", "cuda:0", "cuda:0", "cuda_ipc")
     rows.append(Row("disagg", "CUDA IPC pool-to-pool bytes identical (2 processes)", ipc))
+    tp_ipc = gpu_check.tp_transfer_check("CUDA IPC, TP ranks", "cuda:0", "cuda:0", "cuda_ipc")
+    rows.append(Row("disagg", "CUDA IPC TP head slices (TP=4/TP=1 -> TP=2 rank)", tp_ipc))
     if torch.cuda.device_count() >= 2:
         nccl = gpu_check._transfer_check("NCCL pair", "cuda:0", "cuda:1", "torch_dist")
         rows.append(Row("disagg", "NCCL pair cuda:0 -> cuda:1 bytes identical", nccl))
+        tp_nccl = gpu_check.tp_transfer_check("NCCL, TP ranks", "cuda:0", "cuda:1", "torch_dist")
+        rows.append(Row("disagg", "NCCL TP head slices (TP=4/TP=1 -> TP=2 rank)", tp_nccl))
     else:
         rows.append(
             Row(
