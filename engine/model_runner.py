@@ -33,6 +33,7 @@ from pdserve.engine.models.llama import AttentionMetadata
 from pdserve.engine.parallel import SINGLE, TPGroup, check_model
 from pdserve.engine.sampler import SampledToken, Sampler, SamplingRow
 from pdserve.engine.scheduler_output import SchedulerOutput
+from pdserve.engine.staging import StepStaging
 from pdserve.kernels import ops
 from pdserve.kernels.ops import DeviceRuntime, RuntimeSettings, make_runtime, pack_linears
 
@@ -140,6 +141,7 @@ class ModelRunner:
         self.kv_connector = kv_connector
         self.kv_cache: torch.Tensor | None = None
         self.decode_graphs: Any = None  # cuda_graphs.DecodeGraphs, captured by warm_up()
+        self.staging = StepStaging(self.device)  # pinned host buffers of the step inputs
 
     def _load_model(self) -> torch.nn.Module:
         cfg = self.model_config
@@ -287,23 +289,33 @@ class ModelRunner:
         width = max(len(t) for t in tables)
         # Padding entries are never read (seq_lens bounds every sequence); 0 is a valid id.
         padded = [t + [0] * (width - len(t)) for t in tables]
-        dev = self.device
-
-        def tensor(data: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(data, dtype=dtype).to(dev, non_blocking=True)
-
+        if self.device.type == "cuda":
+            # Pinned staging: one asynchronous host-to-device copy per dtype.
+            ids_t, pos_t, slots_t, rows_t = self.staging.to_device(
+                [input_ids, positions, slots, sample_rows], torch.int64
+            )
+            cu_t, lens_t, tables_t = self.staging.to_device(
+                [cu, seq_lens, [b for t in padded for b in t]], torch.int32
+            )
+            tables_t = tables_t.view(len(padded), width)
+        else:
+            i64 = (input_ids, positions, slots, sample_rows)
+            ids_t, pos_t, slots_t, rows_t = (torch.tensor(v, dtype=torch.int64) for v in i64)
+            cu_t, lens_t, tables_t = (
+                torch.tensor(v, dtype=torch.int32) for v in (cu, seq_lens, padded)
+            )
         meta = AttentionMetadata(
-            slot_mapping=tensor(slots, torch.int64),
-            cu_seqlens_q=tensor(cu, torch.int32),
-            seq_lens=tensor(seq_lens, torch.int32),
-            block_tables=tensor(padded, torch.int32),
+            slot_mapping=slots_t,
+            cu_seqlens_q=cu_t,
+            seq_lens=lens_t,
+            block_tables=tables_t,
             decode_only=len(input_ids) == len(out.chunks),
         )
         return BatchInputs(
-            input_ids=tensor(input_ids, torch.int64),
-            positions=tensor(positions, torch.int64),
+            input_ids=ids_t,
+            positions=pos_t,
             meta=meta,
-            sample_rows=tensor(sample_rows, torch.int64),
+            sample_rows=rows_t,
             sample_request_ids=sample_ids,
             sampling=sampling,
         )
