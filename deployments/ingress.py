@@ -38,11 +38,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pdserve.deployments.admission import ShedHint, ingress_overloaded
 from pdserve.deployments.api_guard import APIGuard, read_body
 from pdserve.deployments.config import APIConfig, ObservabilityConfig
-from pdserve.deployments.decode_stream import DecodeStream
+from pdserve.deployments.decode_stream import DecodeStream, error_from_info
 from pdserve.deployments.grpc import pdserve_pb2 as pb2
 from pdserve.deployments.ingress_telemetry import IngressTelemetry
 from pdserve.deployments.load import LoopLag
 from pdserve.deployments.messages import (
+    ErrorInfo,
     GenerateChunk,
     GenerateRequest,
     SLOClass,
@@ -313,22 +314,42 @@ class OpenAIIngress:
         self._ready_deployments = list(ready_deployments or [])
         self._ready_cache: tuple[float, bool, str] = (0.0, False, "")
 
-    async def _generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateChunk, None]:
+    def _door(self, slo_class: SLOClass) -> tuple[str, float] | None:
+        """(message, Retry-After) when a request of this class is to be shed before any
+        work: the decode pool shed its class within its drain time, or this ingress's own
+        event loop is the queue. Recorded as shed."""
         self._loop_lag.ensure_running()
         lag = self._loop_lag.seconds
-        wait_s = self._shed_hint.remaining_s(request.slo_class, time.monotonic())
+        wait_s = self._shed_hint.remaining_s(slo_class, time.monotonic())
         reason = "drain_hint" if wait_s > 0 else ""
         slo_s = self._ttft_slo_s
-        if not reason and slo_s is not None and ingress_overloaded(lag, request.slo_class, slo_s):
+        if not reason and slo_s is not None and ingress_overloaded(lag, slo_class, slo_s):
             reason, wait_s = "ingress_lag", 2 * lag  # the lag in, and again out
-        if reason:
-            self._shed_metrics.record_shed(reason, request.slo_class)
-            yield GenerateChunk.overloaded(
-                request,
-                f"overloaded ({reason}): predicted time to first token over what a "
-                f"{request.slo_class} request may wait; the queue drains in {wait_s:.1f}s",
-                retry_after_s=wait_s,
+        if not reason:
+            return None
+        self._shed_metrics.record_shed(reason, slo_class)
+        message = (
+            f"overloaded ({reason}): predicted time to first token over what a "
+            f"{slo_class} request may wait; the queue drains in {wait_s:.1f}s"
+        )
+        return message, wait_s
+
+    def _shed_at_the_door(self, headers: Any) -> None:
+        """HTTP: the door check before the body is read, parsed and tokenized, so a flood
+        gets its 429s for the cost of reading headers."""
+        shed = self._door(_slo_class(headers))
+        if shed is not None:
+            message, wait_s = shed
+            info = ErrorInfo(
+                code=429, type="rate_limit_error", message=message, retry_after_s=wait_s
             )
+            raise error_from_info(info)
+
+    async def _generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateChunk, None]:
+        shed = self._door(request.slo_class)  # again: gRPC, and hints set meanwhile
+        if shed is not None:
+            message, wait_s = shed
+            yield GenerateChunk.overloaded(request, message, retry_after_s=wait_s)
             return
         response = self._decode.options(stream=True).generate.remote(request)
         finished = False
@@ -444,6 +465,7 @@ class OpenAIIngress:
         return await self._serve(request, "/v1/completions", lambda: self._completions(request))
 
     async def _completions(self, request: Request) -> Response:
+        self._shed_at_the_door(request.headers)
         req = validate_request(CompletionRequest, await self._json_body(request))
         slo_class = _slo_class(request.headers)
         stream = await self.serving.start_choices(
@@ -461,6 +483,7 @@ class OpenAIIngress:
         return await self._serve(request, "/v1/chat/completions", lambda: self._chat(request))
 
     async def _chat(self, request: Request) -> Response:
+        self._shed_at_the_door(request.headers)
         req = validate_request(ChatCompletionRequest, await self._json_body(request))
         slo_class = _slo_class(request.headers)
         stream = await self.serving.start_choices(
