@@ -56,6 +56,7 @@ DEVICE_MODULES = (
     "pdserve.engine.llm_engine",
     "pdserve.engine.parallel",
     "pdserve.engine.tp_executor",
+    "pdserve.engine.tp_worker",
     "pdserve.engine.model_runner",
     "pdserve.engine.testmodel",
     "pdserve.engine.scheduler_output",
