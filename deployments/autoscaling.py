@@ -10,7 +10,12 @@ averaged by Serve over ``look_back_period_s``.
 
 The sizing math is in pure functions (``prefill_replicas_needed``, ``decode_replicas_needed``,
 ``plan_pools`` which sizes both pools together with hysteresis and never shrinks decode below
-what its running requests need) unit-tested without Ray. ``JointAutoscalingPolicy`` is
+what its running requests need) unit-tested without Ray. Besides KV usage (reserved blocks
+of in-flight remote prefills included: they are allocated) and TPOT, decode sizing counts
+two pressures the averages hide: remote prefills refused a KV reservation
+(``KV_REFUSED_PER_S``: each then prefills locally), and the prompts the disaggregation
+policy keeps on the decode replicas while the prefill pool is saturated
+(``local_prefill_load``: their queue must drain within the TTFT SLO). ``JointAutoscalingPolicy`` is
 Serve's application-level ``autoscaling_policy`` (one decision for both pools, from a Serve
 config's ``applications[].autoscaling_policy``); the per-deployment policies, which
 ``serve.run`` attaches, call the same ``plan_pools`` with what their own pool reports.
@@ -33,6 +38,9 @@ KV_USAGE = "kv_usage"  # fraction of KV blocks in use, 0..1
 TPOT_S = "tpot_s"  # measured time per output token of the running batch
 NUM_WAITING = "num_waiting"
 NUM_IN_BATCH = "num_in_batch"  # decode: requests running or waiting (for the scale-down check)
+# decode: remote prefills per second refused for lack of KV room to reserve the prompt
+# (prefilled locally instead); optional, a pool that does not report it is sized without it.
+KV_REFUSED_PER_S = "kv_refused_per_s"
 PREFILL_METRICS = (PROMPT_TOKENS_PER_S, PREFILL_TOKENS_PER_S, QUEUED_PREFILL_TOKENS)
 DECODE_METRICS = (KV_USAGE, TPOT_S, NUM_WAITING)
 
@@ -77,9 +85,12 @@ def decode_replicas_needed(
     tpot_s: Sequence[float],
     num_waiting: Sequence[float],
     s: DecodeSizing,
+    kv_refused_per_s: Sequence[float] = (),
 ) -> int:
     """Replicas so that mean KV usage stays under ``target_kv_usage`` and the measured TPOT
-    under ``target_tpot_fraction`` x SLO; requests waiting for KV add one replica."""
+    under ``target_tpot_fraction`` x SLO; requests waiting for KV add one replica, and so do
+    remote prefills refused a KV reservation (the pool is out of room where it matters,
+    whatever the mean says)."""
     if current <= 0:
         return 1
     kv = sum(kv_usage) / len(kv_usage) if kv_usage else 0.0
@@ -88,6 +99,8 @@ def decode_replicas_needed(
     by_tpot = current * tpot / (s.tpot_s * s.target_tpot_fraction)
     needed = math.ceil(max(by_kv, by_tpot) - 1e-9)
     if sum(num_waiting) > 0 and kv >= s.target_kv_usage:
+        needed = max(needed, current + 1)
+    if sum(kv_refused_per_s) > 0:
         needed = max(needed, current + 1)
     return max(needed, 1)
 
@@ -140,17 +153,25 @@ def decode_fits(
     return kv_fits and sum(num_in_batch) <= replicas * s.max_num_seqs
 
 
-def plan_decode(decode: PoolLoad, s: JointSizing, prompt_load: int = 0) -> int:
-    """Decode replicas from KV usage and TPOT (and ``prompt_load``: the replicas its local
-    prefills need when there is no prefill pool), with hysteresis, never below what the
+def plan_decode(
+    decode: PoolLoad, s: JointSizing, prompt_load: int = 0, prompt_load_down: int | None = None
+) -> int:
+    """Decode replicas from KV usage, TPOT and KV refusals (and ``prompt_load``: the
+    replicas its local prefills need; ``prompt_load_down``, sized with the scale-down
+    margin, bounds a shrink, default ``prompt_load``), with hysteresis, never below what the
     running requests need."""
     kv, tpot, waiting = (decode.values(n) for n in (KV_USAGE, TPOT_S, NUM_WAITING))
-    up = max(decode_replicas_needed(decode.current, kv, tpot, waiting, s.decode), prompt_load)
+    refused = decode.values(KV_REFUSED_PER_S)
+    needed = decode_replicas_needed(decode.current, kv, tpot, waiting, s.decode, refused)
+    up = max(needed, prompt_load)
     margin = 1 - s.down_margin
     strict = DecodeSizing(
         s.decode.tpot_s, s.decode.target_kv_usage * margin, s.decode.target_tpot_fraction * margin
     )
-    down = max(decode_replicas_needed(decode.current, kv, tpot, waiting, strict), prompt_load)
+    down = max(
+        decode_replicas_needed(decode.current, kv, tpot, waiting, strict, refused),
+        prompt_load if prompt_load_down is None else prompt_load_down,
+    )
     target = with_hysteresis(decode.current, up, down)
     in_batch = decode.values(NUM_IN_BATCH)
     while target < decode.current and not decode_fits(target, kv, in_batch, s):
@@ -176,11 +197,33 @@ def plan_prefill(prefill: PoolLoad, s: JointSizing, arrival_tokens_per_s: float 
     return with_hysteresis(prefill.current, up, down)
 
 
+def local_prefill_load(decode: PoolLoad, s: JointSizing) -> tuple[int, int]:
+    """(up, down): decode replicas that the prompts queued for prefill on the decode replicas
+    need, to start within the TTFT SLO at their measured local prefill rate (the configured
+    prefill rate until one is measured: an overestimate, so it errs towards fewer). With a
+    prefill pool these are the prompts the disaggregation policy keeps local while that pool
+    is saturated, plus the short ones; ``down`` uses the scale-down margin. (0, 0) when
+    nothing is queued."""
+    queued = decode.values(QUEUED_PREFILL_TOKENS)
+    if sum(queued) <= 0:
+        return 0, 0
+    rates = decode.values(PREFILL_TOKENS_PER_S)
+    up = prefill_replicas_needed(decode.current, (), rates, queued, s.prefill)
+    strict = PrefillSizing(
+        s.prefill.ttft_s * (1 - s.down_margin),
+        s.prefill.default_tokens_per_s,
+        s.prefill.target_utilization,
+    )
+    return up, prefill_replicas_needed(decode.current, (), rates, queued, strict)
+
+
 def plan_pools(
     prefill: PoolLoad | None, decode: PoolLoad, s: JointSizing
 ) -> tuple[int | None, int]:
     """(prefill, decode) replica counts decided together. Without a prefill pool (None) the
-    decode replicas prefill every prompt, so the prompt load sizes decode too."""
+    decode replicas prefill every prompt, so the prompt load sizes decode too; with one,
+    the prompts queued for local prefill on the decode replicas (``local_prefill_load``)
+    do."""
     arrival = (
         sum(decode.values(PROMPT_TOKENS_PER_S)) if decode.values(PROMPT_TOKENS_PER_S) else None
     )
@@ -192,7 +235,7 @@ def plan_pools(
         )
         prompt_load = plan_prefill(local, s, None) if arrival else 0
         return None, plan_decode(decode, s, prompt_load)
-    return plan_prefill(prefill, s, arrival), plan_decode(decode, s)
+    return plan_prefill(prefill, s, arrival), plan_decode(decode, s, *local_prefill_load(decode, s))
 
 
 def _values(ctx: Any, name: str) -> list[float]:
@@ -223,7 +266,8 @@ class PrefillAutoscalingPolicy:
 
 
 class DecodeAutoscalingPolicy:
-    """``policy_function`` for the decode deployment (kwargs: tpot_ms, target_kv_usage)."""
+    """``policy_function`` for the decode deployment (kwargs: tpot_ms, target_kv_usage;
+    ttft_ms and default_tokens_per_s to size the prompts prefilled on this pool)."""
 
     def __init__(
         self,
@@ -233,11 +277,17 @@ class DecodeAutoscalingPolicy:
         down_margin: float = 0.0,
         ttft_ms: float | None = None,
         default_tokens_per_s: float | None = None,
+        prefills_locally: bool | None = None,
     ) -> None:
         self.sizing = DecodeSizing(tpot_ms / 1000.0, target_kv_usage)
-        # With ttft_ms the decode replicas prefill every prompt (no prefill pool) and the
-        # prompt load sizes this pool too.
-        self.prefills_locally = ttft_ms is not None and default_tokens_per_s is not None
+        # ttft_ms and default_tokens_per_s let the prompts prefilled on this pool size it:
+        # every prompt when it prefills locally (no prefill pool; the default when both
+        # are given), else the local queue the policy keeps while the prefill pool is
+        # saturated (``local_prefill_load``).
+        self.knows_ttft = ttft_ms is not None and default_tokens_per_s is not None
+        self.prefills_locally = self.knows_ttft if prefills_locally is None else prefills_locally
+        if self.prefills_locally and not self.knows_ttft:
+            raise ValueError("prefills_locally needs ttft_ms and default_tokens_per_s")
         prefill = PrefillSizing((ttft_ms or 1000.0) / 1000.0, default_tokens_per_s or 1.0)
         self.joint = JointSizing(prefill, self.sizing, max_num_seqs, down_margin)
 
@@ -247,6 +297,9 @@ class DecodeAutoscalingPolicy:
         decode = _pool_load(ctx)
         if self.prefills_locally:
             return plan_pools(None, decode, self.joint)[1], ctx.policy_state
+        if self.knows_ttft:
+            spill = local_prefill_load(decode, self.joint)
+            return plan_decode(decode, self.joint, *spill), ctx.policy_state
         return plan_decode(decode, self.joint), ctx.policy_state
 
 

@@ -1,25 +1,52 @@
-"""Autoscaling in the simulated cluster: the live per-deployment policies of
-``pdserve.deployments.autoscaling``, built as ``pdserve serve`` deploys them
-(``app.autoscaling_config``: class path and kwargs) and called every
-``SimSettings.autoscale_period_s`` with an ``AutoscalingContext``-shaped object whose
-metrics are each replica's live ``load.*_autoscaling_stats``. Around them, what Serve does:
-the min/max bounds, a new target acting only after it held for upscale/downscale_delay_s,
-new replicas serving after ``replica_startup_s``, removed ones draining first.
+"""Autoscaling in the simulated cluster: the live policies of
+``pdserve.deployments.autoscaling``, built as pdserve deploys them and called every
+``SimSettings.autoscale_period_s`` with ``AutoscalingContext``-shaped objects whose metrics
+are each replica's live ``load.*_autoscaling_stats`` (plus ``kv_refused_per_s``: remote
+prefills its engine had no KV room to reserve for). ``SimSettings.autoscaling_policy``
+picks which:
+
+- ``"deployment"``: one policy per pool, as ``serve.run`` attaches them
+  (``app.autoscaling_config``: class path and kwargs);
+- ``"application"``: the joint ``JointAutoscalingPolicy`` that a Serve config deploys
+  (``app.application_autoscaling_policy``), one decision for both pools from both pools'
+  reports.
+
+Around them, what Serve does: the min/max bounds, a new target acting only after it held
+for upscale/downscale_delay_s, new replicas serving after ``replica_startup_s``, removed
+ones draining first.
 """
 
 from __future__ import annotations
 
 import importlib
-from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from pdserve.deployments.app import autoscaling_config
+from pdserve.deployments import autoscaling
+from pdserve.deployments.app import (
+    DECODE_DEPLOYMENT,
+    PREFILL_DEPLOYMENT,
+    application_autoscaling_policy,
+    autoscaling_config,
+)
 from pdserve.deployments.load import decode_autoscaling_stats, prefill_autoscaling_stats
 
 if TYPE_CHECKING:
     from pdserve.sim.cluster import SimCluster, SimReplica
 
 ROLES = ("prefill", "decode")
+DEPLOYMENTS = {"prefill": PREFILL_DEPLOYMENT, "decode": DECODE_DEPLOYMENT}
+
+
+class DeploymentKey(NamedTuple):
+    """What an application-level policy keys its contexts by (Serve's ``DeploymentID``)."""
+
+    name: str
+    app_name: str = "pdserve"
+
+
+def _build(spec: dict[str, Any]) -> Any:
+    module, _, name = spec["policy_function"].partition(":")
+    return getattr(importlib.import_module(module), name)(**spec["policy_kwargs"])
 
 
 def live_policy(app: Any, role: str) -> Any:
@@ -27,20 +54,40 @@ def live_policy(app: Any, role: str) -> Any:
     pool = app.pool(role)
     if not app.autoscaling or pool.min_replicas == pool.max_replicas:
         return None
-    policy = autoscaling_config(app, role)["policy"]
-    module, _, name = policy["policy_function"].partition(":")
-    return getattr(importlib.import_module(module), name)(**policy["policy_kwargs"])
+    return _build(autoscaling_config(app, role)["policy"])
+
+
+def live_application_policy(app: Any) -> Any:
+    """The joint policy as a Serve config deploys it; None without autoscaling."""
+    return _build(application_autoscaling_policy(app)) if app.autoscaling else None
+
+
+class Context(NamedTuple):
+    """The fields of Serve's ``AutoscalingContext`` the policies read."""
+
+    aggregated_metrics: dict[str, dict[str, float]]
+    current_num_replicas: int
+    target_num_replicas: int
+    policy_state: dict[str, Any]
 
 
 class SimAutoscaler:
     def __init__(self, cluster: SimCluster) -> None:
         self.cluster = cluster
-        self.policies = {role: live_policy(cluster.app, role) for role in ROLES}
+        self.joint = (
+            live_application_policy(cluster.app)
+            if cluster.s.autoscaling_policy == "application"
+            else None
+        )
+        self.policies = {
+            role: None if self.joint is not None else live_policy(cluster.app, role)
+            for role in ROLES
+        }
         self._want: dict[str, tuple[int, float]] = {}  # role -> (target, since)
 
     @property
     def active(self) -> bool:
-        return any(self.policies.values())
+        return self.joint is not None or any(self.policies.values())
 
     def metrics(self, role: str) -> dict[str, dict[str, float]]:
         """Serve's ``aggregated_metrics``: each ready replica's ``record_autoscaling_stats``
@@ -51,32 +98,37 @@ class SimAutoscaler:
                 continue
             rate = r.arrivals.rate() if r.arrivals else 0.0
             stats = r.engine.stats()
-            report = (
-                prefill_autoscaling_stats(stats, rate)
-                if role == "prefill"
-                else decode_autoscaling_stats(stats, r.itl.value, rate)
-            )
+            if role == "prefill":
+                report = prefill_autoscaling_stats(stats, rate)
+            else:
+                report = decode_autoscaling_stats(stats, r.itl.value, rate)
+                report[autoscaling.KV_REFUSED_PER_S] = r.kv_refused.rate()
             for name, value in report.items():
                 out.setdefault(name, {})[r.replica_id] = value
         return out
 
+    def _context(self, role: str) -> Context:
+        live = [r for r in self.cluster.pools[role] if not r.draining]
+        return Context(self.metrics(role), sum(r.ready for r in live), len(live), {})
+
     def tick(self) -> None:
         c = self.cluster
         now = c.loop.now
+        wanted: dict[str, int] = {}
+        if self.joint is not None:
+            contexts = {DeploymentKey(DEPLOYMENTS[role]): self._context(role) for role in ROLES}
+            decisions, _ = self.joint(contexts)
+            wanted = {role: decisions[DeploymentKey(DEPLOYMENTS[role])] for role in ROLES}
         for role, policy in self.policies.items():
-            if policy is None:
-                continue
+            if policy is not None:
+                wanted[role], _ = policy(self._context(role))
+        for role, n in wanted.items():
             pool = c.app.pool(role)  # type: ignore[arg-type]
+            if pool.min_replicas == pool.max_replicas:
+                continue
             live = [r for r in c.pools[role] if not r.draining]
-            ctx = SimpleNamespace(
-                aggregated_metrics=self.metrics(role),
-                current_num_replicas=sum(r.ready for r in live),
-                target_num_replicas=len(live),
-                policy_state={},
-            )
-            wanted, _ = policy(ctx)
-            wanted = min(max(wanted, pool.min_replicas), pool.max_replicas)
-            self._apply(role, pool, live, wanted, now)
+            n = min(max(n, pool.min_replicas), pool.max_replicas)
+            self._apply(role, pool, live, n, now)
         c.timeline.append(
             (now, *(sum(not r.draining for r in c.pools[p]) for p in ROLES))  # type: ignore[arg-type]
         )
@@ -100,6 +152,4 @@ class SimAutoscaler:
         for _ in range(wanted - len(live)):
             c.start_replica(role, ready_in=c.s.replica_startup_s)  # type: ignore[arg-type]
         for replica in sorted(live, key=lambda r: r.ongoing)[: max(0, len(live) - wanted)]:
-            replica.draining = True
-            if replica.ongoing == 0 and replica.engine.idle:
-                c.retire(replica)
+            c.drain(replica)

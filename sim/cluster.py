@@ -22,7 +22,8 @@ which only the last layer's share shows after the prefill when the link keeps pa
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -107,6 +108,8 @@ class SimReplica:
         self.prefill_books = InflightLoad()
         self.estimate: RemotePrefillEstimator | None = None
         self.arrivals: RateMeter | None = None
+        # Decode replicas: remote prefills refused for lack of KV room (for the autoscaler).
+        self.kv_refused: RateMeter | None = None
 
     @property
     def routing_stats(self) -> dict[str, Any]:
@@ -161,6 +164,17 @@ class SimCluster:
         # Where each request went: (decode replica, prefill replica or None).
         self.routes: dict[int, tuple[str, str | None]] = {}
         self.counts = {"local": 0, "remote": 0, "fallback": 0, "shed": 0, "failed": 0}
+        # The live policy's decisions by (location, reason), and the remote ones placed
+        # locally after all because the decode replica had no KV room to reserve.
+        self.reasons: Counter[tuple[str, str]] = Counter()
+        self.kv_refused = 0
+        # Per pool, (replica, last report) of the replicas a router may pick: rebuilt only
+        # after a report, a replica ready, draining or retired (not once per request).
+        self._pairs: dict[str, list[tuple[SimReplica, ReplicaStats | None]] | None] = {
+            "prefill": None,
+            "decode": None,
+        }
+        self._arrivals: Iterator[SimRequest] = iter(())
         self.autoscaler = SimAutoscaler(self)
         for role in ("prefill", "decode"):
             for _ in range(app.pool(role).start_replicas):
@@ -201,6 +215,7 @@ class SimCluster:
             )
             replica.estimate = RemotePrefillEstimator(self.app.router.default_prefill_tokens_per_s)
             replica.arrivals = RateMeter(clock=lambda: self.loop.now)  # admitted prompt tokens
+            replica.kv_refused = RateMeter(clock=lambda: self.loop.now)
         self.pools[role].append(replica)
         self.loop.after(ready_in, self._ready, replica)
         return replica
@@ -210,16 +225,34 @@ class SimCluster:
         self._publish(replica)
         self._drain_backlog()
 
+    def drain(self, replica: SimReplica) -> None:
+        """Stop routing to ``replica``; it retires once its requests are done."""
+        replica.draining = True
+        self._pairs[replica.role] = None
+        if replica.ongoing == 0 and replica.engine.idle:
+            self.retire(replica)
+
+    def routable(self, role: str) -> list[tuple[SimReplica, ReplicaStats | None]]:
+        """(replica, its last report) for the pool's ready replicas that are not draining,
+        in pool order: what Serve hands the pool's routers."""
+        pairs = self._pairs[role]
+        if pairs is None:
+            pairs = [(r, r.stats) for r in self.pools[role] if r.ready and not r.draining]
+            self._pairs[role] = pairs
+        return pairs
+
     # ------------------------------------------------------------------ run
     def run(self, requests: list[SimRequest], until: float | None = None) -> list[SimRequest]:
-        """Simulate ``requests`` (arrival-ordered) to completion; returns them, filled in."""
+        """Simulate ``requests`` to completion; returns them, filled in."""
         self._open = len(requests)
-        for req in requests:
-            self.loop.at(req.arrival, self._arrive, req)
+        # Arrivals enter the event heap one at a time (each schedules the next), which keeps
+        # the heap as small as the work in flight rather than the whole day's requests.
+        self._arrivals = iter(sorted(requests, key=lambda r: r.arrival))
+        self._next_arrival()
         self.loop.after(0.0, self._publish_all)
         if self.autoscaler.active:
             self.loop.after(0.0, self.autoscaler.tick)
-        last = requests[-1].arrival if requests else 0.0
+        last = max((r.arrival for r in requests), default=0.0)
         self.loop.run(until=until if until is not None else last + self.s.max_queue_s)
         end = self.loop.now
         for req in requests:
@@ -256,6 +289,7 @@ class SimCluster:
                 replica.arrivals.rate() if replica.arrivals and replica.role == "prefill" else 0.0
             ),
         )
+        self._pairs[replica.role] = None
 
     def _publish_all(self) -> None:
         for replica in self.pools["prefill"] + self.pools["decode"]:
@@ -265,16 +299,21 @@ class SimCluster:
             self.loop.after(self.app.router.stats_period_s, self._publish_all)
 
     # ------------------------------------------------------------------ request path
+    def _next_arrival(self) -> None:
+        req = next(self._arrivals, None)
+        if req is not None:
+            # One event for the arrival and the ingress's work (nothing happens in between).
+            self.loop.at(req.arrival + self.s.ingress_s, self._arrive, req)
+
     def _arrive(self, req: SimRequest) -> None:
-        self.loop.after(self.s.ingress_s, self._route_decode, req)
+        self._next_arrival()
+        self._route_decode(req)
 
     def _route_decode(self, req: SimRequest) -> bool:
         # Serve skips replicas at max_ongoing_requests; ranking only the others picks the
         # same replica (the ranking is a stable sort of per-replica scores).
         cap = self.app.decode.ongoing_limit
-        candidates = [
-            r for r in self.pools["decode"] if r.ready and not r.draining and r.ongoing < cap
-        ]
+        candidates = [(r, s) for r, s in self.routable("decode") if r.ongoing < cap]
         if not candidates:
             self.backlog.append(req)  # Serve queues it until a replica has room
             return False
@@ -282,7 +321,7 @@ class SimCluster:
         blocks = decode_blocks_needed(req.prompt_tokens, req.output_tokens, shape.block_size)
         # The live ranking over each replica's last report (parsed once per report).
         ranked = rank_decode_stats(
-            [(r, r.stats) for r in candidates],
+            candidates,
             blocks,
             self.ingress_books.by_replica,
             self.decode_params,
@@ -318,7 +357,7 @@ class SimCluster:
 
     def _on_decode(self, replica: SimReplica, req: SimRequest) -> None:
         load = self._local_load(replica)
-        prefill_pool = [r for r in self.pools["prefill"] if r.ready and not r.draining]
+        prefill_pool = self.routable("prefill")
         remote = replica.estimate if prefill_pool else None
         decision = self.policy.decide(
             num_prompt_tokens=req.prompt_tokens,
@@ -327,6 +366,7 @@ class SimCluster:
             remote=remote,
             sheddable=self.admission is None,
         )
+        self.reasons[decision.location, decision.reason] += 1
         if decision.location == "shed" or (
             self.admission is not None
             and not self.admission.admit(
@@ -350,9 +390,13 @@ class SimCluster:
         assert replica.arrivals is not None
         replica.arrivals.add(req.prompt_tokens)
         seq = Seq(req)
-        if decision.location == "remote" and replica.engine.reserve_remote(seq):
-            self._prefill_remotely(replica, seq, prefill_pool)
-            return
+        if decision.location == "remote":
+            if replica.engine.reserve_remote(seq):
+                self._prefill_remotely(replica, seq, prefill_pool)
+                return
+            assert replica.kv_refused is not None
+            replica.kv_refused.add(1)  # no room for the prompt's KV: prefilled here
+            self.kv_refused += 1
         req.placement = "local"
         self.counts["local"] += 1
         self.routes[req.rid] = (replica.replica_id, None)
@@ -364,14 +408,16 @@ class SimCluster:
         self._release_decode(replica, req)
         self._done()
 
-    def _prefill_remotely(self, replica: SimReplica, seq: Seq, pool: list[SimReplica]) -> None:
+    def _prefill_remotely(
+        self, replica: SimReplica, seq: Seq, pool: list[tuple[SimReplica, ReplicaStats | None]]
+    ) -> None:
         req, est = seq.req, replica.estimate
         assert est is not None
         n = req.prompt_tokens
         deadline_at = self.loop.now + est.compute_s(n) + self.app.transport.timeout_s
         ahead = est.started(n)
         ((target,), *_) = rank_prefill_stats(
-            [(r, r.stats) for r in pool], n, replica.prefill_books.by_replica, self.prefill_params
+            pool, n, replica.prefill_books.by_replica, self.prefill_params
         )
         replica.prefill_books.routed(str(req.rid), target.replica_id, n)
         self.routes[req.rid] = (replica.replica_id, target.replica_id)
@@ -460,5 +506,6 @@ class SimCluster:
         if replica not in self.pools[replica.role]:
             return
         self.pools[replica.role].remove(replica)
+        self._pairs[replica.role] = None
         replica.stopped_at = self.loop.now
         self.retired.append(replica)

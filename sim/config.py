@@ -8,6 +8,8 @@ a YAML under ``configs/`` simulates as it serves.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -40,6 +42,13 @@ class SimSettings(BaseModel):
     )
     autoscale_period_s: float = Field(
         default=1.0, gt=0, description="How often the autoscaling policies are asked."
+    )
+    autoscaling_policy: Literal["deployment", "application"] = Field(
+        default="deployment",
+        description=(
+            "Which live autoscaling the cluster runs: one policy per pool as `serve.run` "
+            "attaches them, or the joint application-level policy a Serve config deploys."
+        ),
     )
     look_back_s: float = Field(
         default=10.0, gt=0, description="Window the autoscaling metrics average over."

@@ -88,6 +88,7 @@ class RooflineCost:
         self._flops_per_token = 2.0 * (m.matmul_params - m.vocab * m.hidden)
         self._flops_per_sample = 2.0 * m.vocab * m.hidden
         self._attn_flops_per_pair = 4.0 * m.num_layers * m.num_heads * m.head_dim
+        self._weight_bytes = model.weight_bytes  # a computed property: once, not per step
         self._peak_flops = gpu.bf16_flops * self.eff.mfu * tp
         self._peak_bytes = gpu.hbm_bytes_per_s * self.eff.mbu * tp
         # Ring all-reduce of the hidden states, twice per layer, over NVLink.
@@ -107,7 +108,7 @@ class RooflineCost:
             + self._flops_per_sample * max(decode_seqs, 1)
             + self._attn_flops_per_pair * (prefill_attn + decode_ctx)
         )
-        traffic = self.model.weight_bytes + self.kv_bytes_per_token * (decode_ctx + tokens)
+        traffic = self._weight_bytes + self.kv_bytes_per_token * (decode_ctx + tokens)
         return (
             max(flops / self._peak_flops, traffic / self._peak_bytes)
             + self.eff.step_overhead_s

@@ -2,11 +2,13 @@
 
     python -m pdserve.sim.day [--gpus 512] [--model llama-3-70b] [--gpu h100] [--tp 8]
         [--trace summarisation] [--base-rate 60] [--peak-rate 300] [--hours 1]
-        [--out-dir bench/results/sim-day]
+        [--autoscaling application|deployment] [--out-dir bench/results/sim-day]
 
 Arrivals follow one diurnal cycle (trough, peak at mid-run, trough). Both pools scale with
 the live autoscaling policies between their bounds, which split the cluster's GPUs
-(``--prefill-share`` of the replicas may be prefill). Prints the wall time, the report and
+(``--prefill-share`` of the replicas may be prefill); ``--autoscaling`` picks the joint
+application-level policy a Serve config deploys (default) or the per-pool policies of
+``serve.run``. Prints the wall time, the report and
 the replica counts over time; writes ``day.json`` and ``day.png`` (rate and replicas over
 time).
 """
@@ -45,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--ttft-ms", type=float, default=3000.0)
     p.add_argument("--tpot-ms", type=float, default=50.0)
+    p.add_argument("--autoscaling", choices=("application", "deployment"), default="application")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", type=Path, default=Path("bench/results/sim-day"))
     args = p.parse_args(argv)
@@ -79,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         gpus_per_decode_replica=args.tp,
         replica_startup_s=60.0,
         autoscale_period_s=5.0,
+        autoscaling_policy=args.autoscaling,
     )
     print(
         f"{args.gpus} x {args.gpu.upper()} = {replicas} replicas of {args.model} (tp={args.tp}),"
@@ -92,6 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     wall, cpu = time.perf_counter() - began, time.process_time() - cpu
     print(format_report("day", report))
     print(f"placements {report.placements}; events {cluster.loop.num_processed}")
+    reasons = {f"{where}:{why}": n for (where, why), n in cluster.reasons.most_common()}
+    print(f"policy decisions {reasons}; remote refused for lack of KV room {cluster.kv_refused}")
+    decode = [d for _, _, d in report.timeline]
+    print(f"decode replicas {min(decode, default=0)}..{max(decode, default=0)} "
+          f"({args.autoscaling} autoscaling)")  # fmt: skip
     peak = max(report.timeline, key=lambda t: t[1] + t[2])
     print(f"peak replicas {peak[1]}P + {peak[2]}D = {(peak[1] + peak[2]) * args.tp} GPUs "
           f"at t={peak[0]:.0f} s; GPU-hours {report.gpu_seconds / 3600:.0f}")  # fmt: skip
@@ -104,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args.out_dir.mkdir(parents=True, exist_ok=True)
     data = {"args": {k: str(v) for k, v in vars(args).items()}, "wall_s": wall, "cpu_s": cpu}
+    data |= {"decisions": reasons, "kv_refused": cluster.kv_refused}
     data |= {"report": report.to_json()}
     (args.out_dir / "day.json").write_text(json.dumps(data, indent=2) + "\n")
     _plot(report.timeline, rate_at, args.tp, args.out_dir / "day.png")

@@ -120,6 +120,7 @@ class SimEngine:
         self.remote: dict[int, Seq] = {}
         self.used_blocks = 0
         self._waiting_tokens = 0
+        self._waiting_holders = 0  # waiting requests that hold blocks (landed remote KV)
         self.prefill_meter = ThroughputMeter()
         self.decode_meter = ThroughputMeter()
         self.num_preemptions = 0
@@ -238,14 +239,17 @@ class SimEngine:
     def _wait(self, seq: Seq, front: bool = False) -> None:
         # A waiting request's uncomputed tokens do not change until it is admitted.
         self._waiting_tokens += seq.uncomputed
+        self._waiting_holders += seq.blocks > 0
         if front:
             self.waiting.appendleft(seq)
         else:
             self.waiting.append(seq)
 
-    def _unwait(self, seq: Seq) -> None:
+    def _unwait(self, seq: Seq, held: bool | None = None) -> None:
+        """``held``: whether it held blocks while waiting (when they changed since)."""
         self.waiting.remove(seq)
         self._waiting_tokens -= seq.uncomputed
+        self._waiting_holders -= (seq.blocks > 0) if held is None else held
 
     # ------------------------------------------------------------------ decode set
     def _join_decoding(self, seq: Seq) -> None:
@@ -274,6 +278,8 @@ class SimEngine:
         if not self._n:
             return 0
         bs, step, total = self.shape.block_size, self._step, 0
+        if k == 1:  # the one-step case of the loop below, as every single step asks
+            return self._phase[-step % bs]
         for phase, count in enumerate(self._phase):
             if count:
                 first = -(phase + step) % bs
@@ -358,16 +364,21 @@ class SimEngine:
                 budget -= n
         if preempted or not self.waiting or self.num_running >= self.shape.max_num_seqs:
             return batch, decodes
-        holders = [s for s in self.waiting if s.blocks]
-        for seq in holders + [s for s in self.waiting if not s.blocks]:
+        if self._waiting_holders:
+            holders = [s for s in self.waiting if s.blocks]
+            queue = holders + [s for s in self.waiting if not s.blocks]
+        else:
+            queue = list(self.waiting)
+        for seq in queue:
             if budget == 0 or self.num_running >= self.shape.max_num_seqs:
                 break
             n = min(seq.uncomputed, budget)
+            held = seq.blocks > 0
             if not self._alloc(seq, n):
-                if seq.blocks:
+                if held:
                     continue
                 break
-            self._unwait(seq)
+            self._unwait(seq, held)
             if len(self._order) > 4 * self.num_running + 64:  # drop the finished ones
                 self._order = [s for s in self._order if s.state in (PREFILLING, DECODING)]
             self._order.append(seq)

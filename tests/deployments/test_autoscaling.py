@@ -16,6 +16,7 @@ from pdserve.deployments.autoscaling import (
     PrefillSizing,
     decode_fits,
     decode_replicas_needed,
+    local_prefill_load,
     plan_decode,
     plan_pools,
     prefill_replicas_needed,
@@ -189,3 +190,52 @@ def test_application_policy_decides_both_pools_together() -> None:
     # Before any decode report every pool holds.
     held, _ = policy({p_id: context(None, 2), d_id: context(None, 3)})
     assert held == {p_id: 2, d_id: 3}
+
+
+def test_kv_refusals_add_a_decode_replica_whatever_the_mean_usage() -> None:
+    # Mean KV 0.3 against a 0.5 target holds 2 replicas...
+    assert decode_replicas_needed(2, [0.3, 0.3], [0.01, 0.01], [0, 0], DECODE) == 2
+    assert plan_decode(decode_load(2, [0.3, 0.3], [1, 1]), JOINT) == 2
+    # ...but remote prefills refused a KV reservation (prefilled locally instead) show the
+    # pool out of room where it mattered: one more replica.
+    refused = [0.5, 0.0]
+    assert decode_replicas_needed(2, [0.3, 0.3], [0.01] * 2, [0, 0], DECODE, refused) == 3
+    assert plan_decode(decode_load(2, [0.3, 0.3], [1, 1], kv_refused_per_s=refused), JOINT) == 3
+    # No refusal in the window: the metric reads 0 and sizes nothing.
+    quiet = decode_load(2, [0.3, 0.3], [1, 1], kv_refused_per_s=[0.0, 0.0])
+    assert plan_decode(quiet, JOINT) == 2
+
+
+def test_prompts_queued_for_local_prefill_on_decode_replicas_size_the_decode_pool() -> None:
+    prefill = PoolLoad(4, {"prompt_tokens_per_s": [500.0] * 4, "prefill_tokens_per_s": [1000.0] * 4,
+                           "queued_prefill_tokens": [0.0] * 4})  # fmt: skip
+
+    def decode(queued: float, rate: float = 1000.0) -> PoolLoad:
+        return decode_load(
+            2, [0.3, 0.3], [4, 4], queued_prefill_tokens=[queued] * 2,
+            prefill_tokens_per_s=[rate, 0.0], prompt_tokens_per_s=[1000.0] * 2,
+        )  # fmt: skip
+
+    # The prefill pool saturated, the policy kept 2 x 3000 tokens on the decode replicas:
+    # at their measured 1000 tok/s they start within the 1 s TTFT on 6 replicas.
+    assert local_prefill_load(decode(3000.0), JOINT) == (6, 8)
+    assert plan_pools(prefill, decode(3000.0), JOINT) == (4, 6)
+    # A short local queue (drains in 1 s on the 2 replicas) changes nothing; nor does none.
+    assert local_prefill_load(decode(500.0), JOINT) == (1, 2)
+    assert plan_pools(prefill, decode(500.0), JOINT) == (4, 2)
+    assert plan_pools(prefill, decode(0.0), JOINT) == (4, 2)
+    # No local rate measured yet: the configured prefill rate (1000 tok/s) stands in.
+    assert local_prefill_load(decode(3000.0, rate=0.0), JOINT) == (6, 8)
+    # The per-deployment decode policy does the same once it knows the TTFT SLO.
+    policy = DecodeAutoscalingPolicy(
+        tpot_ms=100, target_kv_usage=0.5, max_num_seqs=8, ttft_ms=1000,
+        default_tokens_per_s=1000.0, prefills_locally=False,
+    )  # fmt: skip
+    metrics = {"kv_usage": {"a": 0.3, "b": 0.3}, "tpot_s": {"a": 0.01, "b": 0.01},
+               "queued_prefill_tokens": {"a": 3000.0, "b": 3000.0},
+               "prefill_tokens_per_s": {"a": 1000.0, "b": 0.0}}  # fmt: skip
+    assert policy(context(metrics, current=2))[0] == 6
+    # Without it (as deployed before), the local queue is not its business.
+    assert DecodeAutoscalingPolicy(tpot_ms=100, target_kv_usage=0.5)(context(metrics, 2))[0] == 2
+    with pytest.raises(ValueError, match="prefills_locally"):
+        DecodeAutoscalingPolicy(tpot_ms=100, prefills_locally=True)

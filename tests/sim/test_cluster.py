@@ -148,3 +148,43 @@ def test_live_autoscaling_grows_the_pools_under_load() -> None:
     assert peak_p > 1  # the prefill policy asked for more replicas and got them
     assert report.completed + report.shed == 3000  # shed only by the live policy, if at all
     assert report.gpu_seconds > 0
+
+
+def test_prompts_kept_local_by_a_saturated_prefill_pool_scale_decode_jointly() -> None:
+    # One prefill replica that cannot grow: the live policy keeps long prompts on the decode
+    # replicas. The joint (application) policy sizes decode by that local queue; the
+    # per-deployment decode policy, deployed without the TTFT SLO, sees only KV and TPOT.
+    cost = roofline("llama-3-8b", "h100")
+    runs = {}
+    for mode in ("application", "deployment"):
+        app = gpu_app(1, 1, ttft_ms=500, tpot_ms=200, cost=cost, autoscale_to=(1, 8))
+        app = app.model_copy(
+            update={"decode": app.decode.model_copy(update={"upscale_delay_s": 2.0})}
+        )
+        settings = SimSettings(replica_startup_s=5.0, autoscaling_policy=mode)
+        requests = generate("summarisation", 40, 4000, seed=0)
+        report, cluster = simulate(app, requests, cost, cost, settings)
+        assert cluster.reasons["local", "prefill_pool_saturated"] > 0
+        runs[mode] = (max(d for *_, d in report.timeline), report.shed)
+    assert runs["application"][0] > runs["deployment"][0]
+    assert runs["application"][1] < runs["deployment"][1]
+
+
+def test_remote_prefills_refused_for_kv_room_are_counted_for_the_autoscaler() -> None:
+    # The decode replica holds 100 blocks of 16 tokens: the first 1000-token prompt reserves
+    # 63 of them, the second finds no room while the first is in flight and prefills here.
+    app = _app(decode={"min_replicas": 1, "max_replicas": 1, "engine": {"num_kv_blocks": 100}})
+    cluster = SimCluster(app, LinearCost(0.001), LinearCost(0.001), NO_NETWORK)
+    reqs = [SimRequest(0, 0.0, 1000, 2), SimRequest(1, 0.01, 1000, 2)]
+    seen: list[dict[str, dict[str, float]]] = []
+    for t in (0.005, 0.5):  # what the decode pool reports to the autoscaler, before and after
+        cluster.loop.at(t, lambda: seen.append(cluster.autoscaler.metrics("decode")))
+    cluster.run(reqs)
+    assert [r.placement for r in reqs] == ["remote", "local"]
+    assert cluster.kv_refused == 1
+    assert cluster.reasons["remote", "forced"] == 2  # the policy wanted both remote
+    (replica,) = cluster.pools["decode"]
+    assert [m["kv_refused_per_s"] for m in seen] == [
+        {replica.replica_id: 0.0},
+        {replica.replica_id: pytest.approx(0.1)},  # one in the 10 s window
+    ]
