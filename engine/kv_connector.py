@@ -17,15 +17,33 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
 @dataclass(frozen=True)
 class PendingSend:
-    """A prefill_only request whose prefill completes in the current step.
+    """KV of a prefill_only request that the connector sends in the current step.
 
-    ``block_ids`` is the request's block table in prompt order; ``num_tokens`` is the number
-    of prompt tokens whose KV lives in those blocks (the last block may be partly filled).
+    A prompt prefilled in several chunks is sent chunk by chunk: every step that computes
+    one of its chunks announces the blocks that become complete in that step, so their
+    layers go out while the model computes them, not only after the last chunk.
+
+    ``block_ids`` are this step's blocks, in prompt order; they are the request's blocks
+    ``[block_offset, block_offset + len(block_ids))`` (earlier ones were sent in earlier
+    steps). ``num_tokens`` is the number of prompt tokens of the whole request (its blocks:
+    ``ceil(num_tokens / block_size)``; the last one may be partly filled). ``final`` marks
+    the step whose chunk completes the prompt (it carries the last, maybe partial, block).
+    ``cancel`` (no blocks) says the request left before its final chunk (aborted or
+    preempted): its transfer must end now and the decode side be told it failed. The
+    defaults describe a prompt sent whole in one step.
     """
 
     request_id: str
     block_ids: list[int] = field(default_factory=list)
     num_tokens: int = 0
+    block_offset: int = 0
+    final: bool = True
+    cancel: bool = False
+
+    @property
+    def first(self) -> bool:
+        """Whether this step opens the request's transfer (its first blocks)."""
+        return self.block_offset == 0 and not self.cancel
 
 
 @runtime_checkable
@@ -36,7 +54,9 @@ class KVConnector(Protocol):
     its pool (as in vLLM v1, the connector exists before the pool and learns it then);
     ``begin_step`` starts sends (the connector may read the blocks of the listed requests
     from ``layer_computed`` onwards); the engine does not free or reuse those blocks until
-    the request id came back from ``end_step`` or ``poll_finished``.
+    the request id came back from ``end_step`` or ``poll_finished``: that happens once
+    per request, after its final step's blocks were sent and confirmed, after its transfer
+    failed, or after it was cancelled (then no read of its blocks is pending).
     """
 
     def register_kv_caches(self, kv_cache: torch.Tensor, model_name: str) -> None:
@@ -44,7 +64,9 @@ class KVConnector(Protocol):
         fills it (part of the layout both ends of a transfer must agree on)."""
 
     def begin_step(self, sends: list[PendingSend]) -> None:
-        """Announce the requests whose prefill completes in this step (may be empty)."""
+        """Announce this step's sends (may be empty): the blocks each prefill_only request
+        completes in this step (its first step opens the transfer, its ``final`` one closes
+        it) and the transfers to cancel."""
 
     def layer_computed(self, layer_idx: int, kv_cache: torch.Tensor) -> None:
         """Called by the model right after layer ``layer_idx``'s K/V were written. Cheap."""

@@ -299,9 +299,14 @@ class LLMEngine:
                 if connector is not None:
                     sends_done = connector.end_step()
             self._measure(out, time.perf_counter() - start)
-        elif out.finished_request_ids:
-            # No forward pass this step, but the sampler still drops per-request state.
-            self.runner.sampler.forget(out.finished_request_ids)
+        else:
+            if out.finished_request_ids:
+                # No forward pass this step, but the sampler still drops per-request state.
+                self.runner.sampler.forget(out.finished_request_ids)
+            if connector is not None and out.kv_sends:
+                # Only cancels (a request left mid-prefill): no runner call to carry them.
+                connector.begin_step(list(out.kv_sends))
+                sends_done = connector.end_step()
         outputs = self.scheduler.update_from_output(sampled)
         # After the update, so a send of a request that finished in this step is known.
         self.scheduler.finish_sends(sends_done)

@@ -12,8 +12,16 @@ Policy (one ``schedule()`` call):
 ``update_from_output`` then appends the sampled tokens and applies the stop rules.
 
 Role hooks: ``prefill_only`` requests finish after their first token and keep their blocks
-until the KV connector reports their send finished; ``reserve_remote_prefill`` /
-``complete_remote_prefill`` / ``fail_remote_prefill`` serve the decode role.
+until the KV connector reports their send finished. With a connector, every step that
+computes a chunk of such a prompt announces the blocks that chunk completes (``PendingSend``),
+so a long prompt's KV moves while its later chunks are computed. A prefill_only request
+that leaves before its final chunk once its transfer began (aborted, or chosen for
+preemption) gets a ``cancel`` send: the decode side is told the transfer failed and falls
+back to computing the prompt itself. Preemption therefore *aborts* such a request rather
+than restarting it: a restart would send its blocks a second time, which the receiver
+treats as a protocol violation, and the decode side's fallback costs what a restart here
+would. ``reserve_remote_prefill`` / ``complete_remote_prefill`` / ``fail_remote_prefill``
+serve the decode role.
 
 Never imports torch and never touches tensors.
 """
@@ -73,6 +81,10 @@ class Scheduler:
         # Finished prefill_only requests whose blocks the KV connector is still reading.
         self.sending: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}  # every request that holds or may hold blocks
+        # prefill_only requests whose transfer began: blocks announced so far (prompt order).
+        self._blocks_announced: dict[str, int] = {}
+        # Transfers to cancel in the next step (their requests left before the final chunk).
+        self._cancelled_sends: list[str] = []
 
         self._scheduled: list[tuple[Request, ScheduledChunk]] = []
         self._left_ids: list[str] = []
@@ -226,22 +238,45 @@ class Scheduler:
                 ),
             )
             chunks.append(chunk)
-            if request.prefill_only and sample and self.has_kv_connector:
-                request.kv_send_scheduled = True
-                sends.append(
-                    PendingSend(request.request_id, list(request.block_ids), request.num_tokens)
-                )
+            if request.prefill_only and self.has_kv_connector:
+                send = self._announce_blocks(request, end, sample)
+                if send is not None:
+                    sends.append(send)
             if start < request.num_prompt_tokens:
                 self.num_prompt_tokens_computed += min(end, request.num_prompt_tokens) - start
             request.num_computed_tokens = end
             self._scheduled.append((request, chunk))
 
         left, self._left_ids = self._left_ids, []
+        cancels = [PendingSend(rid, final=False, cancel=True) for rid in self._cancelled_sends]
+        self._cancelled_sends = []
         return SchedulerOutput(
             chunks=chunks,
             num_batched_tokens=self.max_num_batched_tokens - budget,
-            kv_sends=sends,
+            kv_sends=cancels + sends,
             finished_request_ids=left,
+        )
+
+    def _announce_blocks(self, request: Request, end: int, final: bool) -> PendingSend | None:
+        """The send of the blocks a prefill chunk ending at token ``end`` completes: every
+        full block not announced before (prefix-cache hits included), and on the final
+        chunk the last, partial one. None when the chunk completes no new block, or when
+        the request's transfer already ended (it failed: nothing more is sent)."""
+        if request.kv_send_done:
+            return None
+        total = self.kv.num_blocks_for(request.num_prompt_tokens)
+        complete = total if final else min(end // self.kv.block_size, total)
+        announced = self._blocks_announced.get(request.request_id, 0)
+        if complete <= announced:
+            return None
+        request.kv_send_scheduled = True
+        self._blocks_announced[request.request_id] = complete
+        return PendingSend(
+            request.request_id,
+            list(request.block_ids[announced:complete]),
+            request.num_prompt_tokens,
+            block_offset=announced,
+            final=final,
         )
 
     def _admit_waiting(
@@ -286,6 +321,13 @@ class Scheduler:
         raise AssertionError("no preemptable request although the current one is running")
 
     def _preempt(self, request: Request) -> None:
+        if request.kv_send_scheduled and not request.kv_send_done:
+            # Its blocks are being sent: abort it (see the module docstring), which cancels
+            # the transfer; the blocks come back once the connector confirms.
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+            self._pending_outputs.append(make_output(request))
+            return
+        self._blocks_announced.pop(request.request_id, None)
         self.running.remove(request)
         self.kv.free(request)
         request.num_computed_tokens = 0
@@ -351,9 +393,12 @@ class Scheduler:
         flush = getattr(request.detokenizer, "flush", None)
         if flush is not None:
             flush()  # emit bytes held back for an incomplete character
+        announced = self._blocks_announced.pop(request.request_id, 0)
         if request.kv_send_scheduled and not request.kv_send_done:
             # The connector may be reading these blocks; it reports every send it was given
-            # (done or failed), and finish_sends() frees them then.
+            # (done, failed or cancelled), and finish_sends() frees them then.
+            if announced < self.kv.num_blocks_for(request.num_prompt_tokens):
+                self._cancelled_sends.append(request.request_id)  # left before its final chunk
             self.sending[request.request_id] = request
             return
         self.kv.free(request)

@@ -4,13 +4,19 @@ It implements pdserve.engine.kv_connector.KVConnector on top of a ``KVSender``. 
 v1, the connector is built before the engine and the engine registers its KV pool with it
 once allocated (``register_kv_caches``): that is when the sender, which needs the pool's
 layout and device, is created. The serving layer registers a request's ``KVTarget``s (one
-per rank of the decode replica) before the request is added with ``prefill_only=True``; when
-the engine's step completes that prefill, the connector opens one send per target that gets
-heads from this pool (a tensor-parallel rank sends the heads it holds canonically to the
-decode ranks holding them, see ``tp_plan``; a replica copy sends nothing) and enqueues each
-layer as the model computes it. The request's ``TransferResult`` is ok only if every send
-succeeded; its bytes are their sum. A request without a target, or whose transfer fails, is
-still reported finished so the engine frees its blocks; its result says what went wrong.
+per rank of the decode replica) before the request is added with ``prefill_only=True``. The
+engine announces, in every step that computes a chunk of that prompt, the blocks the chunk
+completes (``PendingSend``): at the first such step the connector opens one send per target
+that gets heads from this pool (a tensor-parallel rank sends the heads it holds canonically
+to the decode ranks holding them, see ``tp_plan``; a replica copy sends nothing), and in
+every such step it enqueues, as the model computes each layer, that layer of this step's
+blocks only (one message per layer per send), so a long prompt's earlier chunks move while
+its later ones are computed. The transfer ends when the decode side confirmed every block
+of the final chunk, or when it fails, or when the engine cancels it (the request left
+before its final chunk: the decode side is told). The request's ``TransferResult`` is ok
+only if every send succeeded; its bytes are their sum. A request without a target, or whose
+transfer fails, is still reported finished (once) so the engine frees its blocks; its
+result says what went wrong.
 
 The decode side of a hand-off is driven by the serving layer
 (``pdserve.deployments.remote_prefill``) straight on ``KVReceiver``; it has no glue here.
@@ -57,7 +63,7 @@ class PrefillKVConnector:
         self._lock = threading.Lock()
         self._targets: dict[str, tuple[KVTarget, ...]] = {}
         self._active: dict[str, list[SendHandle]] = {}  # a request's sends, one per target
-        self._step: list[SendHandle] = []
+        self._step: list[tuple[SendHandle, range]] = []  # this step's sends and their blocks
         self._in_step: set[str] = set()
         # Results wait here for take_result(); bounded, oldest dropped, in case a caller
         # never asks (e.g. a request aborted after its send began).
@@ -122,27 +128,65 @@ class PrefillKVConnector:
         )
 
     def begin_step(self, sends: list[PendingSend]) -> None:
-        handles: list[SendHandle] = []
+        step: list[tuple[SendHandle, range]] = []
         for send in sends:
-            with self._lock:
-                targets = self._targets.pop(send.request_id, None)
-            if targets is None:
-                self._settle_now(send.request_id, "no KVTarget registered for this request")
-                continue
-            try:
-                opened = self._open_sends(send, targets)
-            except (ValueError, KVTransferError) as exc:
-                self._settle_now(send.request_id, str(exc))
-                continue
-            if not opened:  # e.g. a replica copy of the heads: the canonical rank sends
-                self._settle_now(send.request_id, None)
-                continue
-            with self._lock:
-                self._active[send.request_id] = opened
-            handles += opened
+            if send.cancel:
+                self._cancel(send.request_id)
+            elif send.first:
+                step += self._begin(send)
+            else:
+                step += self._continue(send)
         with self._lock:
-            self._step = handles
+            self._step = step
             self._in_step = {s.request_id for s in sends}
+
+    def _begin(self, send: PendingSend) -> list[tuple[SendHandle, range]]:
+        """The request's first blocks: open its transfer."""
+        with self._lock:
+            targets = self._targets.pop(send.request_id, None)
+        if targets is None:
+            self._settle_now(send.request_id, "no KVTarget registered for this request")
+            return []
+        try:
+            opened = self._open_sends(send, targets)
+        except (ValueError, KVTransferError) as exc:
+            self._settle_now(send.request_id, str(exc))
+            return []
+        if not opened:  # e.g. a replica copy of the heads: the canonical rank sends
+            self._settle_now(send.request_id, None)
+            return []
+        with self._lock:
+            self._active[send.request_id] = opened
+        return [(h, range(len(h.src_block_ids))) for h in opened]
+
+    def _continue(self, send: PendingSend) -> list[tuple[SendHandle, range]]:
+        """A later chunk's blocks: add them to the request's open sends."""
+        with self._lock:
+            handles = self._active.get(send.request_id)
+        if handles is None:
+            return []  # its transfer already ended (failed), and was reported then
+        try:
+            spans = []
+            for handle in handles:
+                if send.block_offset != len(handle.src_block_ids):
+                    raise ValueError(
+                        f"blocks from {send.block_offset} announced, but "
+                        f"{len(handle.src_block_ids)} were sent before"
+                    )
+                spans.append(self.sender.extend(handle, send.block_ids))
+        except ValueError as exc:
+            for handle in handles:
+                self.sender.abort(handle, f"bad chunk of request {send.request_id!r}: {exc}")
+            return []
+        return list(zip(handles, spans, strict=True))
+
+    def _cancel(self, request_id: str) -> None:
+        """The request left before its final chunk: end its sends, tell the decode side."""
+        with self._lock:
+            self._targets.pop(request_id, None)
+            handles = self._active.get(request_id, [])
+        for handle in handles:
+            self.sender.abort(handle, "the request left the prefill engine before its last chunk")
 
     def _open_sends(self, send: PendingSend, targets: tuple[KVTarget, ...]) -> list[SendHandle]:
         """One send per target that gets heads from this pool (checks every target first:
@@ -176,8 +220,8 @@ class PrefillKVConnector:
         return opened
 
     def layer_computed(self, layer_idx: int, kv_cache: torch.Tensor) -> None:
-        for handle in self._step:
-            self.sender.send_layer(handle, layer_idx, kv_cache)
+        for handle, span in self._step:
+            self.sender.send_layer(handle, layer_idx, kv_cache, span)
 
     def end_step(self) -> list[str]:
         # Requests begun in this step are reported from the next poll on: the engine only
@@ -192,6 +236,12 @@ class PrefillKVConnector:
 
     def _collect(self, exclude: set[str]) -> list[str]:
         now = time.time()
+        with self._lock:
+            active = list(self._active.values())
+        for sends in active:  # one send failed: the request failed, its others stop too
+            if any(h.done() and h.error is not None for h in sends):
+                for h in sends:
+                    self.sender.abort(h, "another send of the request failed")
         with self._lock:
             # A send past its deadline is over even if the peer never answered (finish()
             # below then fails it at once): the engine must get its blocks back.
@@ -238,4 +288,5 @@ def _merge(request_id: str, results: list[TransferResult]) -> TransferResult:
         seconds=max(r.seconds for r in results),
         error="; ".join(errors) if errors else None,
         transport="+".join(sorted({r.transport for r in results if r.transport})),
+        layer_messages=sum(r.layer_messages for r in results),
     )

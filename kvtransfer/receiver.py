@@ -4,11 +4,15 @@
 of expected requests. A prefill peer connects once, proves its pool layout matches, and then
 opens requests by id and token, each for a share of this pool's KV heads (the ranks of a
 tensor-parallel prefill replica each send the heads they hold; shares must not overlap: a
-head landing twice fails the request). Every layer of every head of this pool must land
-exactly once, with exactly the expected bytes, before ``wait`` reports the request
-complete. Every outcome releases the request's entry; a cancelled or timed-out request is
-fenced (its senders confirm they have stopped writing) before ``wait``/``cancel`` return, so
-the caller may reuse its blocks.
+head landing twice fails the request). A share arrives in layer messages that each carry
+a run of the request's blocks (a prompt prefilled in chunks is sent chunk by chunk), so
+accounting is per block and layer: every block of every layer of every head of this pool
+must land exactly once, with exactly the expected bytes, before ``wait`` reports the
+request complete (a block sent twice for the same heads fails it). A sender that gives a
+request up (``wire.Abort``: aborted or preempted on the prefill side) fails it at once.
+Every outcome releases the request's entry; a cancelled or timed-out request is fenced (its
+senders confirm they have stopped writing) before ``wait``/``cancel`` return, so the caller
+may reuse its blocks.
 It never allocates or frees engine blocks itself.
 """
 
@@ -204,6 +208,16 @@ class KVReceiver:
         with self._lock:
             return sorted(self._sessions)
 
+    def landed_blocks(self, request_id: str) -> int | None:
+        """(layer, block) pairs of the request landed so far, over every head share (None:
+        not expected): a prompt sent chunk by chunk lands while it is still prefilled."""
+        with self._lock:
+            session = self._sessions.get(request_id)
+        if session is None:
+            return None
+        with session.lock:
+            return sum(s.num_landed for s in session.shares.values())
+
     def num_connections(self) -> int:
         with self._lock:
             return len(self._conns)
@@ -256,6 +270,7 @@ class KVReceiver:
             seconds=max(0.0, time.perf_counter() - start),
             error=session.error,
             transport="+".join(names) if names else self.transport,
+            layer_messages=session.messages,
         )
         notify(self._observer, "recv", result)
         return result
@@ -342,6 +357,8 @@ class KVReceiver:
                 self._on_open(conn, msg)
             elif isinstance(msg, wire.Layer):
                 self._on_layer(conn, msg)
+            elif isinstance(msg, wire.Abort):
+                self._on_abort(conn, msg)
             elif isinstance(msg, wire.CancelAck):
                 conn.on_ack(msg.request_id)
             else:
@@ -378,8 +395,9 @@ class KVReceiver:
                 if session.state in ("expected", "open"):
                     self._set_final(session, "failed", twice)
                 return None
-            nbytes = len(session.block_ids) * self.layout.block_bytes(len(heads))
-            session.shares[conn] = HeadShare(conn=conn, heads=heads, layer_bytes=nbytes)
+            session.shares[conn] = HeadShare(
+                conn=conn, heads=heads, block_bytes=self.layout.block_bytes(len(heads))
+            )
             session.state = "open"
             if session.opened is None:
                 session.opened = time.perf_counter()
@@ -431,7 +449,8 @@ class KVReceiver:
         problem = self._layer_problem(conn, session, msg)
         if problem is None:
             assert session is not None
-            session.shares[conn].announced.add(msg.layer)  # only this connection's thread
+            announced = session.shares[conn].announced.setdefault(msg.layer, set())
+            announced.update(_span(msg))  # only this connection's thread
         conn.transport.land(conn, session if problem is None else None, msg)
         if problem is not None:
             conn.send(wire.Error(code="refused", message=problem, request_id=msg.request_id))
@@ -456,23 +475,39 @@ class KVReceiver:
                 f"layer {msg.layer}: heads [{heads.start}, {heads.stop}), but this peer opened "
                 f"[{share.heads.start}, {share.heads.stop})"
             )
-        if msg.layer in share.announced:
+        span = _span(msg)
+        if span.stop > len(session.block_ids):
             return (
-                f"layer {msg.layer} (heads [{heads.start}, {heads.stop})) of request "
-                f"{msg.request_id!r} sent twice"
+                f"layer {msg.layer}: blocks [{span.start}, {span.stop}) run past the "
+                f"request's {len(session.block_ids)} blocks"
             )
-        if msg.nbytes != share.layer_bytes:
-            return f"layer {msg.layer}: {msg.nbytes} bytes, expected {share.layer_bytes}"
+        twice = [b for b in span if b in share.announced.get(msg.layer, ())]
+        if twice:
+            return (
+                f"layer {msg.layer} (heads [{heads.start}, {heads.stop})) of blocks "
+                f"{twice[:8]} of request {msg.request_id!r} sent twice"
+            )
+        expected = len(span) * share.block_bytes
+        if msg.nbytes != expected:
+            return (
+                f"layer {msg.layer}: {msg.nbytes} bytes for {len(span)} blocks, expected {expected}"
+            )
         if time.time() > session.deadline:
             return f"layer {msg.layer} of request {msg.request_id!r} arrived past the deadline"
         return None
 
     def record_layer(self, conn: PeerConn, session: Session, msg: wire.Layer) -> None:
-        """Count a landed layer of the peer's share: the share's last one is confirmed to
-        the peer; the session completes once every head's last one landed. Caller holds
-        ``session.lock``."""
+        """Count a landed layer of some blocks of the peer's share: once every block of
+        every layer of the share landed it is confirmed to the peer; the session completes
+        once every head's share is. Caller holds ``session.lock``."""
         share = session.shares[conn]
-        share.layers.add(msg.layer)
+        landed = share.landed.setdefault(msg.layer, set())
+        span = _span(msg)
+        assert landed.isdisjoint(span), "a block landed twice (headers are checked)"
+        landed.update(span)
+        share.num_landed += len(span)
+        share.messages += 1
+        session.messages += 1
         share.bytes += msg.nbytes
         session.bytes += msg.nbytes
         if not session.share_complete(share):
@@ -500,7 +535,26 @@ class KVReceiver:
                     self._set_final(
                         session,
                         "failed",
-                        f"prefill peer {conn.channel.peer} went away after "
-                        f"{len(share.layers)}/{self.layout.num_layers} layers of heads "
-                        f"[{share.heads.start}, {share.heads.stop})",
+                        f"prefill peer {conn.channel.peer} went away: "
+                        f"{session.share_progress(share)}",
                     )
+
+    def _on_abort(self, conn: PeerConn, msg: wire.Abort) -> None:
+        """The peer gave the request up (it no longer writes it): fail the request."""
+        with self._lock:
+            session = self._sessions.get(msg.request_id)
+        if session is None or conn not in session.shares:
+            return  # already over here, or never opened by this peer
+        with session.lock:
+            if session.state == "open":
+                self._set_final(
+                    session,
+                    "failed",
+                    f"prefill peer {conn.channel.peer} aborted the transfer ({msg.reason}): "
+                    f"{session.progress()}",
+                )
+
+
+def _span(msg: wire.Layer) -> range:
+    """The request's blocks a layer message carries (indices into its block list)."""
+    return range(msg.block_start, msg.block_start + msg.num_blocks)

@@ -19,13 +19,18 @@ from pdserve.kvtransfer.types import KVLayout
 @dataclass
 class HeadShare:
     """One prefill peer's share of a session: the global heads it opened (the ranks of a
-    tensor-parallel prefill replica each open a disjoint share) and its layers."""
+    tensor-parallel prefill replica each open a disjoint share) and, per layer, which of
+    the request's blocks landed (a prompt prefilled in chunks arrives chunk by chunk)."""
 
     conn: PeerConn
     heads: range
-    layer_bytes: int
-    layers: set[int] = field(default_factory=set)  # landed
-    announced: set[int] = field(default_factory=set)  # headers accepted (torch_dist: in flight)
+    block_bytes: int  # one block of one layer, K and V, of these heads
+    # layer -> indices (into the session's blocks) whose headers were accepted (torch_dist:
+    # maybe still in flight) / that landed.
+    announced: dict[int, set[int]] = field(default_factory=dict)
+    landed: dict[int, set[int]] = field(default_factory=dict)
+    num_landed: int = 0  # (layer, block) pairs landed
+    messages: int = 0  # layer messages landed
     bytes: int = 0
 
 
@@ -43,12 +48,14 @@ class Session:
     state: str = "expected"  # expected | open | done | failed | cancelled
     shares: dict[PeerConn, HeadShare] = field(default_factory=dict)
     bytes: int = 0
+    messages: int = 0  # layer messages landed, over every share
     error: str | None = None
     done: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def share_complete(self, share: HeadShare) -> bool:
-        return len(share.layers) == self.num_layers
+        """Every block of every layer of the share's heads landed."""
+        return share.num_landed == self.num_layers * len(self.block_ids)
 
     def complete(self) -> bool:
         """Every layer of every head landed (shares are disjoint and inside ``heads``)."""
@@ -56,15 +63,52 @@ class Session:
         return landed == len(self.heads)
 
     def progress(self) -> str:
-        """What landed so far, per share, and the heads nobody opened (for errors)."""
-        parts = [
-            f"heads [{s.heads.start}, {s.heads.stop}): {len(s.layers)}/{self.num_layers} layers"
-            for s in sorted(self.shares.values(), key=lambda s: s.heads.start)
-        ]
+        """What landed so far, per share, what is missing, and the heads nobody opened (for
+        errors)."""
+        shares = sorted(self.shares.values(), key=lambda s: s.heads.start)
+        parts = [self.share_progress(s) for s in shares]
         unopened = [h for h in self.heads if not any(h in s.heads for s in self.shares.values())]
         if unopened:
             parts.append(f"heads {unopened} not opened")
         return "; ".join(parts) or "nothing opened"
+
+    def share_progress(self, share: HeadShare) -> str:
+        """'heads [a, b): x/y (layer, block) pairs landed; missing: blocks [i, j) of layers
+        [k, l), ...' for one share."""
+        n, total = len(self.block_ids), self.num_layers * len(self.block_ids)
+        head = f"heads [{share.heads.start}, {share.heads.stop}): {share.num_landed}/{total}"
+        head += f" (layer, block) pairs landed ({n} blocks x {self.num_layers} layers)"
+        if share.num_landed == total:
+            return head
+        # Layers with the same missing blocks are grouped: chunked sends leave a suffix.
+        groups: dict[tuple[tuple[int, int], ...], list[int]] = {}
+        for layer in range(self.num_layers):
+            got = share.landed.get(layer, set())
+            missing = _runs(b for b in range(n) if b not in got)
+            if missing:
+                groups.setdefault(tuple(missing), []).append(layer)
+        shown = [
+            f"blocks {_describe(blocks)} of layers {_describe(_runs(layers))}"
+            for blocks, layers in list(groups.items())[:4]
+        ]
+        more = f" and {len(groups) - 4} more groups" if len(groups) > 4 else ""
+        return f"{head}; missing: {'; '.join(shown)}{more}"
+
+
+def _runs(values: Any) -> list[tuple[int, int]]:
+    """Sorted ints -> maximal [start, stop) runs."""
+    out: list[tuple[int, int]] = []
+    for v in values:
+        if out and out[-1][1] == v:
+            out[-1] = (out[-1][0], v + 1)
+        else:
+            out.append((v, v + 1))
+    return out
+
+
+def _describe(runs: list[tuple[int, int]] | tuple[tuple[int, int], ...]) -> str:
+    text = ", ".join(f"[{a}, {b})" for a, b in runs[:6])
+    return text + (f" and {len(runs) - 6} more runs" if len(runs) > 6 else "")
 
 
 class PeerConn:

@@ -15,7 +15,11 @@ from pdserve.kvtransfer.types import KVTarget, KVTransferError, TransferResult
 @dataclass
 class SendHandle:
     """One request's transfer to one decode pool on the prefill side: the heads ``heads``
-    of its blocks."""
+    of its blocks.
+
+    ``src_block_ids`` are the request's source blocks known so far, in prompt order: a
+    prompt prefilled in chunks gets more as its chunks complete them (``KVSender.extend``;
+    only the engine's thread appends, before it enqueues a write of the new ones)."""
 
     target: KVTarget
     src_block_ids: list[int]
@@ -42,7 +46,19 @@ class SendHandle:
     def done(self) -> bool:
         return self.finished.is_set()
 
-    @property
-    def layer_bytes(self) -> int:
-        """Bytes of one layer of this send: its blocks, K and V, its heads."""
-        return len(self.src_block_ids) * self.target.layout.block_bytes(self.heads.num_heads)
+    def span_bytes(self, span: range) -> int:
+        """Bytes of one layer of the blocks ``span`` (indices into the request's blocks):
+        K and V, this send's heads."""
+        return len(span) * self.target.layout.block_bytes(self.heads.num_heads)
+
+    def count_layer(self, span: range) -> None:
+        """Account a layer message of ``span`` about to be announced (before its header
+        goes out: the decode side's confirmation may follow at once)."""
+        self.bytes_sent += self.span_bytes(span)
+        self.layers_sent += 1
+
+    def src_ids(self, span: range) -> list[int]:
+        return self.src_block_ids[span.start : span.stop]
+
+    def dst_ids(self, span: range) -> list[int]:
+        return self.dst_block_ids[span.start : span.stop]

@@ -5,11 +5,15 @@ hold, and only if it holds the canonical copy (``tp_plan``).
 
 ``KVSender.open(target, src_block_ids)`` and ``send_layer`` only enqueue work and return at
 once, so the model keeps computing the next layer while this one moves; a worker thread per
-decode peer does the I/O in order (one message per layer per request: the request's blocks
-of a layer are coalesced, never sent one by one) and a reader thread per peer collects the
-peer's answers. ``finish`` waits for the decode side's confirmation, bounded by the
-target's deadline. The sender never frees engine blocks; it reports when it is done with
-them (``SendHandle.finished``).
+decode peer does the I/O in order (one message per layer per request and call: the blocks
+written are coalesced, never sent one by one) and a reader thread per peer collects the
+peer's answers. A prompt prefilled in chunks is sent chunk by chunk: ``open`` with the
+blocks the first chunk completes, ``extend`` with each later chunk's, and ``send_layer``
+with the span of blocks to write (the receiver completes once every block of every layer
+landed). ``abort`` gives a transfer up and tells the decode side.
+``finish`` waits for the decode side's confirmation, bounded by the target's deadline.
+The sender never frees engine blocks; it reports when it is done with them
+(``SendHandle.finished``).
 """
 
 from __future__ import annotations
@@ -67,15 +71,13 @@ class KVSender:
 
     def open(self, target: KVTarget, src_block_ids: list[int]) -> SendHandle:
         """Start a transfer of the request's KV from ``src_block_ids`` (prompt order; only
-        the first ``len(target.block_ids)`` are sent): the heads this pool holds
-        canonically that the target's pool holds (``tp_plan.send_slice``; ValueError when
-        there are none). Never blocks on the network."""
+        the first ``len(target.block_ids)`` are sent; a prompt sent in chunks passes the
+        first chunk's blocks and ``extend``s later): the heads this pool holds canonically
+        that the target's pool holds (``tp_plan.send_slice``; ValueError when there are
+        none). Never blocks on the network."""
         src = [int(b) for b in src_block_ids[: len(target.block_ids)]]
-        if len(src) < len(target.block_ids):
-            raise ValueError(
-                f"src_block_ids: {len(src_block_ids)} blocks, the target expects "
-                f"{len(target.block_ids)}"
-            )
+        if not src:
+            raise ValueError("src_block_ids: no block to send")
         if any(b < 0 for b in src):
             raise ValueError("src_block_ids: negative block id")
         same_node = target.node_id == self.node_id
@@ -128,18 +130,47 @@ class KVSender:
             self._gpus = gpu_ids.visible_gpus()
         return gpu_ids.local_index(target.gpu, self._gpus)
 
-    def send_layer(self, handle: SendHandle, layer_idx: int, kv_cache: torch.Tensor) -> None:
-        """Enqueue layer ``layer_idx`` of the request (``kv_cache`` is the whole pool
-        [L, 2, N, B, H, D] or that layer [2, N, B, H, D]). Returns at once."""
+    def extend(self, handle: SendHandle, src_block_ids: list[int]) -> range:
+        """Add the request's next blocks (a later chunk completed them); returns their span
+        (indices into the request's blocks) for ``send_layer``. ValueError past the
+        target's blocks."""
+        src = [int(b) for b in src_block_ids]
+        start = len(handle.src_block_ids)
+        if start + len(src) > len(handle.target.block_ids):
+            raise ValueError(
+                f"src_block_ids: {start + len(src)} blocks sent, the target expects "
+                f"{len(handle.target.block_ids)}"
+            )
+        if any(b < 0 for b in src):
+            raise ValueError("src_block_ids: negative block id")
+        handle.src_block_ids.extend(src)  # read by the worker only at spans enqueued later
+        return range(start, start + len(src))
+
+    def send_layer(
+        self,
+        handle: SendHandle,
+        layer_idx: int,
+        kv_cache: torch.Tensor,
+        span: range | None = None,
+    ) -> None:
+        """Enqueue layer ``layer_idx`` of the request's blocks ``span`` (indices into its
+        blocks; default: every block known so far) as one message; ``kv_cache`` is the
+        whole pool [L, 2, N, B, H, D] or that layer [2, N, B, H, D]. Returns at once."""
         if handle.done():
             return
+        if span is None:
+            span = range(len(handle.src_block_ids))
+        if not span or span.step != 1 or span.start < 0 or span.stop > len(handle.src_block_ids):
+            raise ValueError(
+                f"span: {span} is not a run of the request's {len(handle.src_block_ids)} blocks"
+            )
         src = kv_cache[layer_idx] if kv_cache.dim() == 6 else kv_cache
-        if max(handle.src_block_ids) >= src.shape[1]:
+        top = max(handle.src_ids(span))
+        if top >= src.shape[1]:
             self.fail(
                 handle,
                 KVTransferRefusedError(
-                    f"src_block_ids: {max(handle.src_block_ids)} out of range for a pool of "
-                    f"{src.shape[1]} blocks"
+                    f"src_block_ids: {top} out of range for a pool of {src.shape[1]} blocks"
                 ),
             )
             return
@@ -148,7 +179,16 @@ class KVSender:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(src.device))
         assert handle.peer is not None
-        handle.peer.jobs.put(("layer", handle, (layer_idx, src, ready)))
+        handle.peer.jobs.put(("layer", handle, (layer_idx, src, ready, span)))
+
+    def abort(self, handle: SendHandle, reason: str) -> None:
+        """Give the transfer up: after the writes already enqueued, the decode side is told
+        (it fails the request) and the handle fails. Returns at once; ``handle.finished``
+        is set once no write of it is in flight."""
+        if handle.done():
+            return
+        assert handle.peer is not None
+        handle.peer.jobs.put(("abort", handle, reason))
 
     def finish(self, handle: SendHandle, *, check: bool = True) -> TransferResult:
         """Wait (until the target's deadline) for the decode side to confirm every layer.
@@ -162,7 +202,9 @@ class KVSender:
                 handle,
                 KVTransferTimeoutError(
                     f"request {handle.request_id!r}: no confirmation by the deadline "
-                    f"({handle.layers_sent}/{self.layout.num_layers} layers sent)"
+                    f"({handle.layers_sent} layer messages sent over "
+                    f"{len(handle.src_block_ids)}/{len(handle.target.block_ids)} blocks, "
+                    f"{self.layout.num_layers} layers)"
                 ),
             )
         assert handle.result is not None
@@ -207,6 +249,7 @@ class KVSender:
                 seconds=time.perf_counter() - handle.started,
                 error=None if error is None else str(error),
                 transport=handle.peer.transport.name if handle.peer else "",
+                layer_messages=handle.layers_sent,
             )
             handle.opened.set()
             handle.finished.set()

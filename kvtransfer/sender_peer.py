@@ -97,6 +97,8 @@ class DecodePeer:
                     self._connect()
                 if kind == "open":
                     self._open(handle)
+                elif kind == "abort":
+                    self._abort(handle, arg)
                 else:
                     self._send_layer(handle, *arg)
             except KVTransferError as exc:
@@ -166,17 +168,24 @@ class DecodePeer:
             raise KVTransferTimeoutError(f"request {t.request_id!r}: open not granted in time")
 
     def _send_layer(
-        self, handle: SendHandle, layer: int, src: torch.Tensor, ready: Any | None
+        self, handle: SendHandle, layer: int, src: torch.Tensor, ready: Any | None, span: range
     ) -> None:
         t = handle.target
         assert self.channel is not None
         if time.time() > t.deadline:
             raise KVTransferTimeoutError(
-                f"request {t.request_id!r}: deadline passed before layer {layer}"
+                f"request {t.request_id!r}: deadline passed before layer {layer} of blocks "
+                f"[{span.start}, {span.stop})"
             )
-        if self.transport.write_layer(handle, layer, src, ready, self.channel):
-            handle.bytes_sent += handle.layer_bytes
-            handle.layers_sent += 1
+        self.transport.write_layer(handle, layer, src, ready, self.channel, span)
+
+    def _abort(self, handle: SendHandle, reason: str) -> None:
+        """Every earlier write of the handle is done (jobs run in order): fail it, so no
+        write follows, then tell the decode side."""
+        assert self.channel is not None
+        with handle.write_lock:
+            self.owner.fail(handle, KVTransferError(f"aborted by the prefill side: {reason}"))
+        self.channel.send(wire.Abort(request_id=handle.request_id, reason=reason))
 
     def _drain_inflight(self) -> None:
         try:

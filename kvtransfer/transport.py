@@ -53,9 +53,11 @@ class SendTransport(ABC):
         src: torch.Tensor,  # [2, N, B, H, D]: one layer of the prefill pool
         ready: Any | None,
         channel: wire.Channel,
+        span: range | None = None,
     ) -> bool:
-        """Move layer ``layer`` of the handle's source blocks into the peer's reserved
-        blocks and announce it on ``channel`` with a ``wire.Layer`` header.
+        """Move layer ``layer`` of the handle's blocks ``span`` (indices into the request's
+        blocks; default every block known so far) into the peer's reserved blocks and
+        announce it on ``channel`` with one ``wire.Layer`` header.
 
         ``ready`` is a CUDA event recorded once the layer was computed (None on CPU).
         Returns False when the request was cancelled meanwhile (nothing was written). May

@@ -47,9 +47,12 @@ class _DirectSend(SendTransport):
         src: torch.Tensor,
         ready: Any | None,
         channel: wire.Channel,
+        span: range | None = None,
     ) -> bool:
         t = handle.target
         h = handle.heads
+        span = range(len(handle.src_block_ids)) if span is None else span
+        src_ids, dst_ids = handle.src_ids(span), handle.dst_ids(span)
         # ``copy_lock`` spans every copy into the mapping: ``close`` takes it, so a mapping
         # is never unmapped under a copy in flight (a sticky CUDA error on GPUs).
         with handle.write_lock, self.copy_lock:
@@ -60,37 +63,42 @@ class _DirectSend(SendTransport):
             src = blocks.heads(src, h.src_start, h.num_heads)
             dst = blocks.heads(pool[layer], handle.dst_head_start, h.num_heads)
             if ready is None:
-                blocks.copy_blocks(
-                    src, handle.src_block_ids, dst, handle.dst_block_ids, self.scratch
-                )
+                blocks.copy_blocks(src, src_ids, dst, dst_ids, self.scratch)
             else:  # CUDA IPC: copy on a side stream once the layer is computed
                 stream = self.mapping.copy_stream
                 with torch.cuda.stream(stream):
                     stream.wait_event(ready)
-                    _copy_cuda(src, handle, dst)
+                    _copy_cuda(src, src_ids, dst, dst_ids)
                 stream.synchronize()
+        handle.count_layer(span)
         channel.send(
             wire.Layer(
                 request_id=t.request_id,
                 layer=layer,
-                nbytes=handle.layer_bytes,
+                nbytes=handle.span_bytes(span),
                 head_start=h.first_head,
                 num_heads=h.num_heads,
+                block_start=span.start,
+                num_blocks=len(span),
             )
         )
         return True
 
 
-def _copy_cuda(src: torch.Tensor, handle: SendHandle, dst: torch.Tensor) -> None:
-    """Blocks of ``src`` into ``dst`` (both [2, N, B, h, D], maybe head slices), which may
-    sit on another (peer-visible) GPU."""
+def _copy_cuda(
+    src: torch.Tensor,  # [2, N_src, B, h, D], maybe a head slice
+    src_ids: list[int],
+    dst: torch.Tensor,  # [2, N_dst, B, h, D], maybe a head slice, maybe on a peer GPU
+    dst_ids: list[int],
+) -> None:
+    """Blocks ``src_ids`` of ``src`` into blocks ``dst_ids`` of ``dst``."""
     if src.device == dst.device:
-        blocks.copy_blocks(src, handle.src_block_ids, dst, handle.dst_block_ids)
+        blocks.copy_blocks(src, src_ids, dst, dst_ids)
         return
-    ids = torch.tensor(handle.src_block_ids, dtype=torch.int64, device=src.device)
+    ids = torch.tensor(src_ids, dtype=torch.int64, device=src.device)
     staged = blocks.gather(src, ids).to(dst.device, non_blocking=True)
-    dst_ids = torch.tensor(handle.dst_block_ids, dtype=torch.int64, device=dst.device)
-    blocks.scatter(staged, dst, dst_ids)
+    dst_index = torch.tensor(dst_ids, dtype=torch.int64, device=dst.device)
+    blocks.scatter(staged, dst, dst_index)
 
 
 class ShmSend(_DirectSend):

@@ -64,12 +64,15 @@ class TorchDistSend(SendTransport):
         src: torch.Tensor,
         ready: Any | None,
         channel: wire.Channel,
+        span: range | None = None,
     ) -> bool:
         group = self.group
         assert group is not None
         t = handle.target
         h = handle.heads
-        nbytes = handle.layer_bytes
+        span = range(len(handle.src_block_ids)) if span is None else span
+        src_ids = handle.src_ids(span)
+        nbytes = handle.span_bytes(span)
         src = blocks.heads(src, h.src_start, h.num_heads)  # only the send's heads
         if ready is not None:  # a CUDA event recorded when the layer was computed
             torch.cuda.current_stream(src.device).wait_event(ready)
@@ -79,13 +82,14 @@ class TorchDistSend(SendTransport):
         staging = self.staging or BufferPool(2, "cpu" if self.backend == "gloo" else src.device)
         self.staging = staging
         flat = staging.take(nbytes, timeout=1.0)
-        n = len(handle.src_block_ids)
+        n = len(src_ids)
         buf = typed_view(flat, (*src.shape[:-4], n, *src.shape[-3:]), src.dtype)
         if src.device == buf.device:
-            blocks.copy_blocks(src, handle.src_block_ids, buf, list(range(n)))
+            blocks.copy_blocks(src, src_ids, buf, list(range(n)))
         else:  # CUDA pool over gloo: gather on the GPU, then one copy to the host
-            buf.copy_(blocks.gather(src, self._index(handle.src_block_ids, src.device)))
+            buf.copy_(blocks.gather(src, self._index(src_ids, src.device)))
         self.seq += 1
+        handle.count_layer(span)
         channel.send(
             wire.Layer(
                 request_id=t.request_id,
@@ -93,6 +97,8 @@ class TorchDistSend(SendTransport):
                 nbytes=nbytes,
                 head_start=h.first_head,
                 num_heads=h.num_heads,
+                block_start=span.start,
+                num_blocks=n,
                 seq=self.seq,
             )
         )
@@ -235,10 +241,11 @@ class TorchDistReceive(ReceiveTransport):
                     if session.state == "open":
                         # The header was checked against the peer's share of the heads.
                         first = msg.head_start - self.site.layout.kv_head_start
-                        n, (bs, _, dim) = len(session.block_ids), pool.shape[3:]
+                        n, (bs, _, dim) = msg.num_blocks, pool.shape[3:]
                         buf = typed_view(flat, (2, n, bs, msg.num_heads, dim), pool.dtype)
                         dst = blocks.heads(pool[msg.layer], first, msg.num_heads)
-                        blocks.scatter(buf.to(pool.device), dst, session.block_index)
+                        index = session.block_index[msg.block_start : msg.block_start + n]
+                        blocks.scatter(buf.to(pool.device), dst, index)
                         self.site.record_layer(conn, session, msg)
             except Exception as exc:  # noqa: BLE001 - fail the request, keep the peer
                 with session.lock:

@@ -144,6 +144,12 @@ class TransferResult(_Frozen):
     seconds: float = Field(ge=0, description="From open (sender) / expect (receiver) to end.")
     error: str | None = None
     transport: str = ""
+    layer_messages: int = Field(
+        default=0,
+        ge=0,
+        description="Layer messages sent (sender) / landed (receiver): one per layer per step "
+        "that sent blocks, so a prompt sent in k chunks over L layers gives k * L.",
+    )
 
 
 class KVTransferError(RuntimeError):

@@ -76,8 +76,11 @@ class OpenOk(_Msg):
 
 
 class Layer(_Msg):
-    """Sender -> receiver: one layer of a request was written (shm/IPC) or follows (torch_dist
-    with tag ``seq``)."""
+    """Sender -> receiver: one layer of some of a request's blocks was written (shm/IPC) or
+    follows (torch_dist with tag ``seq``). A prompt prefilled in chunks is sent chunk by
+    chunk: each message carries the blocks ``[block_start, block_start + num_blocks)`` of
+    the request (indices into its block list), and every block of every layer must land
+    exactly once."""
 
     kind: Literal["layer"] = "layer"
     request_id: str
@@ -85,7 +88,18 @@ class Layer(_Msg):
     nbytes: int
     head_start: int = Field(ge=0, description="Global index of the layer's first head.")
     num_heads: int = Field(gt=0, description="Heads in the layer, as opened.")
+    block_start: int = Field(ge=0, description="Index (in the request's blocks) of the first.")
+    num_blocks: int = Field(gt=0, description="Consecutive blocks of the request carried.")
     seq: int = 0
+
+
+class Abort(_Msg):
+    """Sender -> receiver: the prefill side gave the request up (aborted or preempted before
+    its last chunk); nothing more will be written for it. The receiver fails the request."""
+
+    kind: Literal["abort"] = "abort"
+    request_id: str
+    reason: str
 
 
 class Done(_Msg):
@@ -123,7 +137,7 @@ class Error(_Msg):
 
 
 Message = Annotated[
-    Hello | HelloOk | Open | OpenOk | Layer | Done | Cancel | CancelAck | Error,
+    Hello | HelloOk | Open | OpenOk | Layer | Abort | Done | Cancel | CancelAck | Error,
     Field(discriminator="kind"),
 ]
 _ADAPTER: TypeAdapter[Message] = TypeAdapter(Message)

@@ -192,14 +192,22 @@ def test_prefill_to_decode_handoff_matches_local_generation(
         outs += prefill.step()
     (first,) = outs
     assert first.finished and first.token_ids == local.token_ids[:1]
-    (send,) = connector.begun
-    assert send.request_id == "r" and send.num_tokens == 37 and len(send.block_ids) == 3
+    # 37 tokens in chunks of 16, 16 and 5: each step sends the block its chunk completed.
+    sends = connector.begun
+    assert [s.request_id for s in sends] == ["r"] * 3
+    assert [(s.block_offset, len(s.block_ids), s.final) for s in sends] == [
+        (0, 1, False),
+        (1, 1, False),
+        (2, 1, True),
+    ]
+    assert all(s.num_tokens == 37 for s in sends)
+    src = [b for s in sends for b in s.block_ids]
     n_layers = prefill.model_config.num_layers
     assert sorted(set(connector.layers)) == list(range(n_layers))
     # The send is in flight: the prefill engine still holds the blocks.
     assert prefill.stats().num_sending_kv == 1
     # "Transfer": copy the blocks, as kvtransfer would.
-    decode.kv_cache[:, :, dst] = prefill.kv_cache[:, :, send.block_ids]
+    decode.kv_cache[:, :, dst] = prefill.kv_cache[:, :, src]
     connector.done.append("r")
     prefill.step()
     _assert_idle(prefill)

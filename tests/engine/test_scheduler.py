@@ -271,12 +271,18 @@ def test_prefill_only_sends_kv_and_holds_blocks_until_send_done() -> None:
     conn = RecordingConnector()
     h = Harness(max_num_batched_tokens=8, connector=conn)
     h.add(make_request("p", PROMPT, max_tokens=50, prefill_only=True))
-    s1, s2 = h.step(), h.step()
-    assert s1.kv_sends == [] and s2.kv_sends == []
-    s3 = h.step()  # completes the 20-token prompt
-    assert [s.request_id for s in s3.kv_sends] == ["p"]
-    send = s3.kv_sends[0]
-    assert send.num_tokens == 20 and send.block_ids == s3.chunks[0].block_ids
+    s1, s2, s3 = h.step(), h.step(), h.step()  # chunks of 8, 8 and 4 tokens
+    # Each step sends the blocks (of 4 tokens) its chunk completed; the last one is final.
+    sends = [s.kv_sends for s in (s1, s2, s3)]
+    assert [
+        [(x.request_id, x.block_offset, len(x.block_ids), x.final) for x in s] for s in sends
+    ] == [
+        [("p", 0, 2, False)],
+        [("p", 2, 2, False)],
+        [("p", 4, 1, True)],
+    ]
+    assert all(x.num_tokens == 20 for s in sends for x in s)
+    assert [b for s in sends for b in s[0].block_ids] == s3.chunks[0].block_ids
     out = h.final("p")
     assert out.token_ids == reference_generate(PROMPT, 1) and out.finish_reason == "length"
     # Finished for the caller, but the blocks stay held until the connector is done.
@@ -394,9 +400,9 @@ def test_streamed_tokens_are_not_repeated_after_preemption() -> None:
 
 def test_prefill_only_aborted_before_its_send_frees_at_once() -> None:
     conn = RecordingConnector()
-    h = Harness(max_num_batched_tokens=8, connector=conn)
+    h = Harness(max_num_batched_tokens=3, connector=conn)
     h.add(make_request("p", PROMPT, prefill_only=True))
-    h.step()  # first 8 of 20 prompt tokens
+    h.step()  # first 3 of 20 prompt tokens: no block of 4 complete, nothing sent yet
     assert h.scheduler.abort("p") is not None
     assert conn.begun == []
     h.assert_empty()

@@ -112,6 +112,49 @@ def prefill_engine_main(conn: Connection, model_dir: str, num_kv_blocks: int) ->
         conn.send((answers, leaked))
 
 
+def chunked_prefill_main(
+    conn: Connection, model_dir: str, num_kv_blocks: int, max_num_batched_tokens: int
+) -> None:
+    """Prefill-role engine with a small step budget (long prompts are chunked): for each
+    ``(request_id, prompt_ids, max_tokens, target_json)`` prefill it, step until its send
+    ended, and answer ``(first_token_id, transfer_result_json, step_starts, first_token_step,
+    leaked_blocks)``: the wall time each step began and the step that produced the first
+    token (the final chunk's). ``None`` ends the loop."""
+    torch.set_num_threads(1)
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.sampling_params import SamplingParams
+
+    connector = PrefillKVConnector()
+    engine = LLMEngine.from_pretrained(
+        model_dir,
+        kv_connector=connector,
+        num_kv_blocks=num_kv_blocks,
+        max_num_batched_tokens=max_num_batched_tokens,
+        device="cpu",
+    )
+    while (job := conn.recv()) is not None:
+        rid, prompt, max_tokens, target_json = job
+        connector.register_target(rid, KVTarget.model_validate_json(target_json))
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        engine.add_request(rid, prompt, params, prefill_only=True)
+        starts: list[float] = []
+        first, first_step = None, None
+        deadline = time.time() + 60
+        while engine.has_pending_work() and time.time() < deadline:
+            starts.append(time.time())
+            for out in engine.step():
+                if out.finished and out.token_ids:
+                    first, first_step = out.token_ids[0], len(starts) - 1
+            if not engine.has_unfinished_requests():
+                time.sleep(0.002)  # only the send is left: let it land
+        result = connector.take_result(rid, timeout=10)
+        engine.check_integrity()
+        stats = engine.stats()
+        leaked = stats.num_total_blocks - stats.num_free_blocks
+        conn.send((first, result and result.model_dump_json(), starts, first_step, leaked))
+    connector.sender.close()
+
+
 # ---- tensor-parallel replicas: one pool per rank, holding that rank's KV heads ------------
 
 

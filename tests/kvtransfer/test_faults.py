@@ -35,14 +35,18 @@ def test_sender_hangs_then_dies_mid_transfer(transport: str) -> None:
 
         # The sender is alive but stalled after 2 of 4 layers: wait raises by the deadline.
         deadline = time.time() + 1.0
-        with pytest.raises(KVTransferTimeoutError, match="deadline"):
+        # The message says what is missing: every block of the last 2 layers.
+        missing = r"missing: blocks \[0, 3\) of layers \[2, 4\)"
+        with pytest.raises(KVTransferTimeoutError, match=f"deadline.*{missing}"):
             receiver.wait("hang", deadline=deadline)
         assert time.time() <= deadline + SLACK_S
 
         # Now it dies: the other request fails long before its own deadline.
         proc.kill()
         start = time.time()
-        with pytest.raises(KVTransferError, match="went away after 2/4 layers"):
+        with pytest.raises(
+            KVTransferError, match=r"went away: .*4/8 .*missing: blocks \[0, 2\) of layers \[2, 4\)"
+        ):
             receiver.wait("die", deadline=time.time() + 10)
         assert time.time() - start < SLACK_S
         assert receiver.pending() == []

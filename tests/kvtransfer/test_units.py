@@ -139,16 +139,29 @@ def test_configs_and_messages_are_strict() -> None:
     with pytest.raises(pydantic.ValidationError):
         KVLayout(model="m", num_layers=0, num_kv_heads=1, head_dim=1, block_size=1, dtype="x")
     with pytest.raises(pydantic.ValidationError):
-        wire.Layer(request_id="r", layer=0, nbytes=1, head_start=0, num_heads=1, extra=1)  # type: ignore[call-arg]
+        wire.Layer(
+            request_id="r", layer=0, nbytes=1, head_start=0, num_heads=1, num_blocks=1, extra=1
+        )  # type: ignore[call-arg]
 
 
 def test_channel_frames_messages_and_reports_eof() -> None:
     a, b = socket.socketpair()
     left, right = wire.Channel(a), wire.Channel(b)
-    left.send(wire.Layer(request_id="r", layer=3, nbytes=64, head_start=2, num_heads=1, seq=9))
+    left.send(
+        wire.Layer(
+            request_id="r",
+            layer=3,
+            nbytes=64,
+            head_start=2,
+            num_heads=1,
+            block_start=5,
+            num_blocks=2,
+            seq=9,
+        )
+    )
     msg = right.recv()
     assert isinstance(msg, wire.Layer) and (msg.layer, msg.nbytes, msg.seq) == (3, 64, 9)
-    assert (msg.head_start, msg.num_heads) == (2, 1)
+    assert (msg.head_start, msg.num_heads, msg.block_start, msg.num_blocks) == (2, 1, 5, 2)
     a.sendall(struct.pack("!I", wire.MAX_MESSAGE_BYTES + 1))
     with pytest.raises(ConnectionError, match="exceeds"):
         right.recv()
