@@ -1,7 +1,10 @@
 """Moves paged KV blocks from a prefill engine to a decode engine.
 
 Decode side: ``KVReceiver.expect`` -> ``KVTarget`` -> ``wait``/``cancel``. Prefill side:
-``KVSender.open`` -> ``send_layer`` per computed layer -> ``finish``. The bytes move through
+``KVSender.open`` -> ``send_layer`` per computed layer -> ``finish``; a prompt prefilled in
+chunks is sent chunk by chunk (``extend`` with each chunk's blocks, ``send_layer`` of that
+span; ``abort`` when the request leaves early), and the receiver completes a request once
+every block of every layer of every head landed. The bytes move through
 one of three transports behind one interface (``transport``: shared memory and CUDA IPC in
 ``transport_direct``, torch.distributed in ``transport_torchdist``), chosen in ``node`` from
 where the two peers are. Between tensor-parallel replicas every rank has its own sender or

@@ -28,7 +28,8 @@ class SendHandle:
     dst_block_ids: list[int] = field(default_factory=list)
     dst_head_start: int = 0  # the receiver's word (OpenOk), for direct writes
     bytes_sent: int = 0
-    layers_sent: int = 0
+    layers_sent: int = 0  # layer messages announced (one per layer per step that sent)
+    abort_requested: bool = False  # KVSender.abort queued its job (queued once)
     result: TransferResult | None = None
     error: KVTransferError | None = None
     opened: threading.Event = field(default_factory=threading.Event)

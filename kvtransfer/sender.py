@@ -185,8 +185,9 @@ class KVSender:
         """Give the transfer up: after the writes already enqueued, the decode side is told
         (it fails the request) and the handle fails. Returns at once; ``handle.finished``
         is set once no write of it is in flight."""
-        if handle.done():
+        if handle.done() or handle.abort_requested:
             return
+        handle.abort_requested = True
         assert handle.peer is not None
         handle.peer.jobs.put(("abort", handle, reason))
 
