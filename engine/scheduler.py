@@ -315,9 +315,15 @@ class Scheduler:
         return budget
 
     def _newest_unscheduled(self, scheduled: dict[str, int]) -> Request:
-        for request in reversed(self.running):
-            if request.request_id not in scheduled:
+        """The preemption victim: the newest running request not scheduled this step,
+        preferring one whose KV is not being sent (that one is aborted, and its blocks
+        come back only once the connector confirms, not in this step)."""
+        candidates = [r for r in reversed(self.running) if r.request_id not in scheduled]
+        for request in candidates:
+            if not (request.kv_send_scheduled and not request.kv_send_done):
                 return request
+        if candidates:
+            return candidates[0]
         raise AssertionError("no preemptable request although the current one is running")
 
     def _preempt(self, request: Request) -> None:

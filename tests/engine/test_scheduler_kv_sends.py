@@ -130,6 +130,28 @@ def test_preempting_a_request_whose_send_began_aborts_it() -> None:
     h.assert_empty()
 
 
+def test_preemption_prefers_a_request_whose_kv_is_not_being_sent() -> None:
+    # "p" (prefill_only, sending) is the newest running request when the pool runs out;
+    # "q", a plain prefill, is preempted instead (recomputed later), and "p" completes.
+    conn = RecordingConnector()
+    h = Harness(num_blocks=10, block_size=4, max_num_batched_tokens=5, connector=conn)
+    h.add(make_request("n", [5, 6, 7, 8], max_tokens=20, ignore_eos=True))
+    h.step()
+    q_prompt = [(2 * i + 3) % 47 for i in range(12)]
+    h.add(make_request("q", q_prompt, max_tokens=16, ignore_eos=True))
+    h.add(make_request("p", [(3 * i + 1) % 47 for i in range(24)], prefill_only=True))
+    for _ in range(60):
+        h.step()
+        if "p" in h.outputs:
+            break
+    assert h.final("p").finish_reason == "length" and _sends(conn, "p")[-1].final
+    assert h.scheduler.num_preemptions >= 1 and h.scheduler.requests["q"].num_preemptions >= 1
+    conn.done.append("p")
+    h.run()
+    assert h.final("q").token_ids == reference_generate(q_prompt, 16)
+    h.assert_empty()
+
+
 def test_a_transfer_that_fails_mid_way_stops_the_sends_and_frees_at_the_end() -> None:
     conn = RecordingConnector()
     h = Harness(block_size=16, max_num_batched_tokens=128, max_model_len=1024, connector=conn)
