@@ -31,7 +31,8 @@ from pdserve.deployments.app import (
 from pdserve.deployments.load import decode_autoscaling_stats, prefill_autoscaling_stats
 
 if TYPE_CHECKING:
-    from pdserve.sim.cluster import SimCluster, SimReplica
+    from pdserve.sim.cluster import SimCluster
+    from pdserve.sim.replica import SimReplica
 
 ROLES = ("prefill", "decode")
 DEPLOYMENTS = {"prefill": PREFILL_DEPLOYMENT, "decode": DECODE_DEPLOYMENT}

@@ -1,0 +1,78 @@
+"""What the simulated cluster is made of besides its engines: a replica as the routers see it
+(``SimReplica``: its published ``ReplicaStats``, its engine, its books) and the admission
+hook (``Admission``, asked with an ``AdmissionQuery`` after the live policy placed a
+request)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from pdserve.deployments.config import PoolRole
+from pdserve.deployments.load import Ema, RateMeter
+from pdserve.deployments.messages import ReplicaStats
+from pdserve.deployments.policy import Decision, RemotePrefillEstimator
+from pdserve.deployments.routers import InflightLoad
+from pdserve.engine.stats import EngineStats
+from pdserve.sim.engine import SimEngine
+from pdserve.sim.request import SimRequest
+
+
+@dataclass(frozen=True)
+class AdmissionQuery:
+    """What an admission function sees of a request and the decode replica it reached."""
+
+    request: SimRequest
+    now: float
+    replica_id: str
+    decision: Decision  # where the live policy would prefill it
+    engine: EngineStats  # the replica's engine, now
+    ongoing: int  # requests the replica holds (Serve's ongoing count, this one included)
+    step_s: float  # the replica's measured time per output token (EMA; 0 = none yet)
+    mean_output_tokens: float  # of the requests it finished (EMA; 0 = none yet)
+    remote: RemotePrefillEstimator | None  # its estimate of the prefill pool
+    max_num_seqs: int
+    default_prefill_tokens_per_s: float
+
+
+class Admission(Protocol):
+    """Admission control: ``admit`` is asked once per request after the policy decided;
+    the hooks tell it what became of the requests it admitted."""
+
+    def admit(self, q: AdmissionQuery) -> bool: ...
+
+    def first_token(self, request: SimRequest, now: float) -> None: ...
+
+    def finished(self, request: SimRequest) -> None: ...
+
+
+class SimReplica:
+    """One replica as the routers see it (``replica_id``, its published ``ReplicaStats``)
+    and its engine."""
+
+    def __init__(
+        self, replica_id: str, role: PoolRole, engine: SimEngine, gpus: int, now: float
+    ) -> None:
+        self.replica_id = replica_id
+        self.role = role
+        self.engine = engine
+        self.gpus = gpus
+        self.stats: ReplicaStats | None = None  # the last published report
+        self.started_at = now
+        self.ready = False
+        self.draining = False
+        self.stopped_at: float | None = None
+        self.ongoing = 0
+        self.itl = Ema()
+        self.outputs = Ema()  # output tokens of the requests it finished
+        # Decode replicas: their router to the prefill pool and their remote estimator.
+        self.prefill_books = InflightLoad()
+        self.estimate: RemotePrefillEstimator | None = None
+        self.arrivals: RateMeter | None = None
+        # Decode replicas: remote prefills refused for lack of KV room (for the autoscaler).
+        self.kv_refused: RateMeter | None = None
+
+    @property
+    def routing_stats(self) -> dict[str, Any]:
+        """What Serve hands a router (``ReplicaView``)."""
+        return self.stats.model_dump() if self.stats is not None else {}
