@@ -15,10 +15,11 @@ of in-flight remote prefills included: they are allocated) and TPOT, decode sizi
 two pressures the averages hide: remote prefills refused a KV reservation
 (``KV_REFUSED_PER_S``: each then prefills locally), and the prompts the disaggregation
 policy keeps on the decode replicas while the prefill pool is saturated
-(``local_prefill_load``: their queue must drain within the TTFT SLO). ``JointAutoscalingPolicy`` is
-Serve's application-level ``autoscaling_policy`` (one decision for both pools, from a Serve
-config's ``applications[].autoscaling_policy``); the per-deployment policies, which
-``serve.run`` attaches, call the same ``plan_pools`` with what their own pool reports.
+(``local_prefill_load``: their queue must drain within the TTFT SLO).
+``JointAutoscalingPolicy`` is Serve's application-level ``autoscaling_policy`` (one
+decision for both pools, from a Serve config's ``applications[].autoscaling_policy``); the
+per-deployment policies, which ``serve.run`` attaches, call the same ``plan_pools`` with
+what their own pool reports.
 This module must stay importable inside the Serve controller:
 it imports only the standard library at module level.
 """
@@ -199,7 +200,7 @@ def plan_prefill(prefill: PoolLoad, s: JointSizing, arrival_tokens_per_s: float 
 
 def local_prefill_load(decode: PoolLoad, s: JointSizing) -> tuple[int, int]:
     """(up, down): decode replicas that the prompts queued for prefill on the decode replicas
-    need, to start within the TTFT SLO at their measured local prefill rate (the configured
+    need to drain within the TTFT SLO at their measured local prefill rate (the configured
     prefill rate until one is measured: an overestimate, so it errs towards fewer). With a
     prefill pool these are the prompts the disaggregation policy keeps local while that pool
     is saturated, plus the short ones; ``down`` uses the scale-down margin. (0, 0) when
