@@ -304,7 +304,10 @@ class LLMEngine:
                 # No forward pass this step, but the sampler still drops per-request state.
                 self.runner.sampler.forget(out.finished_request_ids)
             if connector is not None and out.kv_sends:
-                # Only cancels (a request left mid-prefill): no runner call to carry them.
+                # Only cancels (a request left mid-prefill): no forward pass to carry them.
+                other_ranks = getattr(self.runner, "run_sends_only", None)
+                if other_ranks is not None:  # tensor parallel: every rank's connector
+                    other_ranks(list(out.kv_sends))
                 connector.begin_step(list(out.kv_sends))
                 sends_done = connector.end_step()
         outputs = self.scheduler.update_from_output(sampled)

@@ -173,6 +173,15 @@ class TPExecutor:
             connector.worker_reports(reports)
         return sampled
 
+    def run_sends_only(self, sends: list[Any]) -> None:
+        """A step without a forward pass that still carries sends (cancels of requests
+        that left mid-prefill): the workers' connectors get them too (rank 0's is called
+        by the engine)."""
+        connector = self.kv_connector
+        if connector is None:
+            return
+        connector.worker_reports(self._all("sends_only", sends, connector.step_meta()))
+
     def poll_workers(self, meta: Any) -> list[Any]:
         """Between steps (on the engine's thread): every worker agent's report."""
         return self._all("poll", meta)

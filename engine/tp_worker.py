@@ -146,6 +146,19 @@ class TPWorker:
                 done = connector.end_step()
         return agent.step_report(done) if agent is not None else None
 
+    def sends_only(self, sends: list[Any], meta: Any) -> Any:
+        """A step without a forward pass that carries sends (cancels): the agent's report."""
+        agent = self.agent
+        if agent is None:
+            return None
+        agent.apply_step_meta(meta)
+        connector = agent.connector
+        done: list[str] = []
+        if connector is not None:
+            connector.begin_step(sends)
+            done = connector.end_step()
+        return agent.step_report(done)
+
     def poll(self, meta: Any) -> Any:
         """Between steps: the agent's report of what finished meanwhile."""
         agent = self.agent
@@ -196,6 +209,7 @@ _WORKER_METHODS = frozenset(
         "warm_up",
         "execute",
         "poll",
+        "sends_only",
         "control_call",
         "shutdown",
     }

@@ -167,3 +167,54 @@ def test_kv_moves_between_tp_sizes(
         if proc.is_alive():
             proc.kill()
         engine.shutdown()
+
+
+def test_an_abort_mid_prefill_stops_every_prefill_rank(tiny_model_dir: Path) -> None:
+    """A TP=2 prefill sends its first chunk, then the request is aborted: the step that
+    carries only the cancel reaches both ranks' connectors, so the transfer ends at once
+    (not at its deadline) on both sides and no block stays held."""
+    from pdserve.kvtransfer.shm import SharedKVAllocator
+    from pdserve.kvtransfer.types import KVTransferError
+
+    alloc = SharedKVAllocator()
+    decode = LLMEngine(_config(tiny_model_dir, 1), kv_cache_allocator=alloc)
+    transfer = KVTransferConfig(transport="shm")
+    receiver = KVReceiver(
+        decode.kv_cache,
+        pool_layout(decode.kv_cache, decode.model_config.model_name),
+        transfer,
+        shm_segment=alloc.segment_for(decode.kv_cache),
+    )
+    connector = TPPrefillConnector(PrefillKVConnector(transfer))
+    prefill = LLMEngine(
+        _config(tiny_model_dir, 2).model_copy(update={"max_num_batched_tokens": 64}),
+        kv_connector=connector,
+        kv_agent_factory=PrefillAgentFactory(transfer),
+    )
+    try:
+        prompt = list(range(10, 310))
+        blocks = decode.reserve_remote_prefill("r", prompt, _params())
+        assert blocks is not None
+        deadline = time.time() + 60
+        target = receiver.expect("r", blocks, deadline, num_tokens=len(prompt))
+        connector.register_target("r", target)
+        prefill.add_request("r", prompt, _params(), prefill_only=True)
+        prefill.step()  # the first 64-token chunk: both ranks send their heads of it
+        prefill.abort("r")
+        began = time.monotonic()
+        result = None
+        while result is None and time.monotonic() - began < 20:
+            prefill.step()
+            result = connector.take_result("r", timeout=0.05)
+        assert result is not None and not result.ok, result
+        with pytest.raises(KVTransferError):
+            receiver.wait("r")
+        assert time.monotonic() - began < 20  # ended by the cancel, not the 60 s deadline
+        decode.abort("r")
+        for engine in (prefill, decode):
+            engine.check_integrity()
+            stats = engine.stats()
+            assert stats.num_free_blocks == stats.num_total_blocks
+    finally:
+        receiver.close()
+        prefill.shutdown()
