@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 from pdserve.deployments.config import AppConfig, PoolRole
 from pdserve.deployments.load import (
@@ -49,23 +48,12 @@ from pdserve.sim.autoscaler import SimAutoscaler
 from pdserve.sim.config import SimSettings
 from pdserve.sim.cost import CostModel
 from pdserve.sim.engine import SimEngine
-from pdserve.sim.events import Event, EventLoop
-from pdserve.sim.replica import Admission, AdmissionQuery, SimReplica
+from pdserve.sim.events import EventLoop
+from pdserve.sim.replica import Admission, AdmissionQuery, RemoteInFlight, SimReplica
 from pdserve.sim.request import SimRequest
 from pdserve.sim.seq import EngineShape, Seq
 
 __all__ = ["Admission", "AdmissionQuery", "SimCluster", "SimReplica"]
-
-
-@dataclass
-class _Remote:
-    decode: SimReplica
-    prefill: SimReplica
-    seq_d: Seq
-    seq_p: Seq
-    began: float
-    ahead: int
-    deadline: Event
 
 
 class SimCluster:
@@ -97,7 +85,7 @@ class SimCluster:
         )
         self.policy = DisaggregationPolicy(app.policy, app.slo, r.default_prefill_tokens_per_s)
         self.shapes = {role: self._shape(role) for role in ("prefill", "decode")}
-        self._remote: dict[int, _Remote] = {}
+        self._remote: dict[int, RemoteInFlight] = {}
         self._open = 0
         self._next_id = 0
         self.timeline: list[tuple[float, int, int]] = []
@@ -365,7 +353,9 @@ class SimCluster:
         self.counts["remote"] += 1
         seq_p = Seq(req, prefill_only=True)
         deadline = self.loop.at(deadline_at, self._fall_back, req.rid)
-        self._remote[req.rid] = _Remote(replica, target, seq, seq_p, self.loop.now, ahead, deadline)
+        self._remote[req.rid] = RemoteInFlight(
+            replica, target, seq, seq_p, self.loop.now, ahead, deadline
+        )
         self.loop.after(self.s.rpc_s, self._on_prefill, target, seq_p)
 
     def _on_prefill(self, target: SimReplica, seq_p: Seq) -> None:

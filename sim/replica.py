@@ -1,7 +1,7 @@
 """What the simulated cluster is made of besides its engines: a replica as the routers see it
-(``SimReplica``: its published ``ReplicaStats``, its engine, its books) and the admission
-hook (``Admission``, asked with an ``AdmissionQuery`` after the live policy placed a
-request)."""
+(``SimReplica``: its published ``ReplicaStats``, its engine, its books), a remote prefill in
+flight between two replicas (``RemoteInFlight``) and the admission hook (``Admission``,
+asked with an ``AdmissionQuery`` after the live policy placed a request)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ from pdserve.deployments.policy import Decision, RemotePrefillEstimator
 from pdserve.deployments.routers import InflightLoad
 from pdserve.engine.stats import EngineStats
 from pdserve.sim.engine import SimEngine
+from pdserve.sim.events import Event
 from pdserve.sim.request import SimRequest
+from pdserve.sim.seq import Seq
 
 
 @dataclass(frozen=True)
@@ -76,3 +78,18 @@ class SimReplica:
     def routing_stats(self) -> dict[str, Any]:
         """What Serve hands a router (``ReplicaView``)."""
         return self.stats.model_dump() if self.stats is not None else {}
+
+
+@dataclass
+class RemoteInFlight:
+    """A request's prompt being prefilled on ``prefill`` for ``decode``: both engines' views
+    of it, when it started, the tokens its decode replica had in flight ahead of it, and the
+    fall-back deadline."""
+
+    decode: SimReplica
+    prefill: SimReplica
+    seq_d: Seq
+    seq_p: Seq
+    began: float
+    ahead: int
+    deadline: Event
