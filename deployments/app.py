@@ -202,11 +202,12 @@ def autoscaling_config(cfg: AppConfig, role: PoolRole) -> dict[str, Any]:
                 "max_num_seqs": pool.engine.max_num_seqs,
                 "down_margin": pool.scale_down_margin,
             }
-            if cfg.policy.mode == "always_local":
-                # No prefill pool: the decode replicas prefill every prompt, so the prompt
-                # load sizes them too (the joint model with no prefill pool).
-                kwargs["ttft_ms"] = cfg.slo.ttft_ms
-                kwargs["default_tokens_per_s"] = cfg.router.default_prefill_tokens_per_s
+            # The prompts prefilled on the decode replicas size them against the TTFT SLO:
+            # all of them without a prefill pool (the joint model with no prefill pool),
+            # else those the policy kept local, whose queue must drain within the SLO.
+            kwargs["ttft_ms"] = cfg.slo.ttft_ms
+            kwargs["default_tokens_per_s"] = cfg.router.default_prefill_tokens_per_s
+            kwargs["prefills_locally"] = cfg.policy.mode == "always_local"
         config["policy"] = {"policy_function": POLICY_PATHS[role], "policy_kwargs": kwargs}
     return config
 

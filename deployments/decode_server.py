@@ -395,8 +395,9 @@ class DecodeServer:
         ).model_dump()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
+        refused = self.remote.kv_refused.rate() if self.remote is not None else 0.0
         return decode_autoscaling_stats(
-            self.engine.stats(), self._itl.value, self._admitted_prompt_tokens.rate()
+            self.engine.stats(), self._itl.value, self._admitted_prompt_tokens.rate(), refused
         )
 
     def check_health(self) -> None:

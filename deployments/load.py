@@ -96,12 +96,17 @@ def prefill_autoscaling_stats(stats: EngineStats, prompt_tokens_per_s: float) ->
 
 
 def decode_autoscaling_stats(
-    stats: EngineStats, tpot_s: float, prompt_tokens_per_s: float = 0.0
+    stats: EngineStats,
+    tpot_s: float,
+    prompt_tokens_per_s: float = 0.0,
+    kv_refused_per_s: float = 0.0,
 ) -> dict[str, float]:
     """KV usage and TPOT size the pool; the batch count keeps a scale-down from stranding
     requests; the prompt tokens admitted here (and the local prefill rate and queue) size
-    the prefill work, on this pool when it prefills locally."""
+    the prefill work, on this pool when it prefills locally; remote prefills refused for
+    lack of KV room (each then prefilled here) call for another replica."""
     return {
+        autoscaling.KV_REFUSED_PER_S: kv_refused_per_s,
         autoscaling.KV_USAGE: stats.kv_usage,
         autoscaling.TPOT_S: tpot_s,
         autoscaling.NUM_WAITING: float(stats.num_waiting),

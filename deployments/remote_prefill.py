@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from pdserve.deployments import tracing
+from pdserve.deployments.load import RateMeter
 from pdserve.deployments.messages import GenerateRequest, PrefillRequest, PrefillResponse
 from pdserve.deployments.metrics import ServingMetrics
 from pdserve.deployments.policy import RemotePrefillEstimator
@@ -92,6 +93,7 @@ class RemotePrefill:
         self.model_name = model_name
         self.metrics = metrics
         self.fallbacks = 0
+        self.kv_refused = RateMeter()  # remote prefills refused for lack of KV room
         # Where a request's prompt really got prefilled when it differs from "remote"
         # (no room to reserve -> "local"; the remote prefill failed -> "fallback").
         self._placed: dict[str, str] = {}
@@ -107,6 +109,7 @@ class RemotePrefill:
         if blocks is None:
             # No room for the whole prompt now: the local scheduler queues it instead.
             self._placed[rid] = "local"
+            self.kv_refused.add(1)  # the decode autoscaler sees the missing KV room
             async with contextlib.aclosing(self.engine.generate(rid, ids, params)) as local:
                 async for out in local:
                     yield out

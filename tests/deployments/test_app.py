@@ -148,6 +148,10 @@ def test_scaling_pools_use_pdserve_policies_that_serve_can_load() -> None:
         AutoscalingConfig(**deployment_options(cfg, "prefill")["autoscaling_config"]).policy
     )
     assert prefill_policy.sizing.ttft_s == 0.5
+    # The decode policy knows the TTFT SLO too: the prompts the disaggregation policy keeps
+    # on decode replicas (prefill pool saturated) must drain within it.
+    decode_policy = _resolve_policy_callable(decode.policy)
+    assert decode_policy.knows_ttft and not decode_policy.prefills_locally
 
 
 def test_routers_disabled_and_autoscaling_off_fall_back_to_serve_defaults() -> None:

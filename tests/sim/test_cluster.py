@@ -152,8 +152,8 @@ def test_live_autoscaling_grows_the_pools_under_load() -> None:
 
 def test_prompts_kept_local_by_a_saturated_prefill_pool_scale_decode_jointly() -> None:
     # One prefill replica that cannot grow: the live policy keeps long prompts on the decode
-    # replicas. The joint (application) policy sizes decode by that local queue; the
-    # per-deployment decode policy, deployed without the TTFT SLO, sees only KV and TPOT.
+    # replicas. Both the joint (application) policy and the per-deployment decode policy
+    # as the app deploys it (with the TTFT SLO) size decode by that local queue.
     cost = roofline("llama-3-8b", "h100")
     runs = {}
     for mode in ("application", "deployment"):
@@ -166,8 +166,7 @@ def test_prompts_kept_local_by_a_saturated_prefill_pool_scale_decode_jointly() -
         report, cluster = simulate(app, requests, cost, cost, settings)
         assert cluster.reasons["local", "prefill_pool_saturated"] > 0
         runs[mode] = (max(d for *_, d in report.timeline), report.shed)
-    assert runs["application"][0] > runs["deployment"][0]
-    assert runs["application"][1] < runs["deployment"][1]
+    assert runs["application"][0] > 1 and runs["deployment"][0] > 1, runs
 
 
 def test_remote_prefills_refused_for_kv_room_are_counted_for_the_autoscaler() -> None:
