@@ -18,7 +18,6 @@ The workers' halves are built on the worker ranks by the picklable factories
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import contextlib
 import threading
@@ -33,6 +32,7 @@ from pdserve.kvtransfer.blocks import pool_layout
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.connector import PrefillKVConnector
 from pdserve.kvtransfer.receiver import KVReceiver
+from pdserve.kvtransfer.results import ResultMailbox, merge_results
 from pdserve.kvtransfer.types import (
     KVLayout,
     KVTarget,
@@ -46,9 +46,6 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from pdserve.engine.tp_executor import TPExecutor
 
 
-_MAX_UNCLAIMED_RESULTS = 4096
-
-
 def rank_layout(kv_cache: torch.Tensor, model_name: str, shard: TPShard, kv_heads: int) -> KVLayout:
     """The layout of one rank's pool: its KV heads among the model's ``kv_heads``."""
     heads = shard.kv_heads(kv_heads)
@@ -60,19 +57,6 @@ def rank_layout(kv_cache: torch.Tensor, model_name: str, shard: TPShard, kv_head
         kv_head_replica=shard.kv_replica(kv_heads),
         tp_size=shard.size,
         tp_rank=shard.rank,
-    )
-
-
-def merge_results(request_id: str, parts: list[TransferResult]) -> TransferResult:
-    """One request's result over all ranks: ok if every rank's was; bytes summed."""
-    errors = [f"rank {i}: {p.error}" for i, p in enumerate(parts) if not p.ok]
-    return TransferResult(
-        request_id=request_id,
-        ok=not errors,
-        bytes=sum(p.bytes for p in parts),
-        seconds=max((p.seconds for p in parts), default=0.0),
-        error="; ".join(errors) or None,
-        transport=parts[0].transport if parts else "",
     )
 
 
@@ -152,10 +136,8 @@ class TPPrefillConnector:
         self._lock = threading.Lock()
         self._register: dict[str, tuple[KVTarget, ...]] = {}
         self._unregister: list[str] = []
-        self._parts: dict[str, list[TransferResult]] = {}
-        # Results wait for take_result(); bounded (oldest dropped) like the local one's.
-        self._results: collections.OrderedDict[str, TransferResult] = collections.OrderedDict()
-        self._result_ready = threading.Condition(self._lock)
+        self._parts: dict[str, list[TransferResult]] = {}  # each rank's, as they arrive
+        self._results = ResultMailbox()  # merged over the ranks, for take_result()
 
     @property
     def sender(self) -> Any:
@@ -190,14 +172,7 @@ class TPPrefillConnector:
                 self._unregister.append(request_id)
 
     def take_result(self, request_id: str, timeout: float | None = None) -> TransferResult | None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._result_ready:
-            while request_id not in self._results:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return None
-                self._result_ready.wait(remaining)
-            return self._results.pop(request_id)
+        return self._results.take(request_id, timeout)
 
     # ---- KVConnector (rank 0's engine thread)
     def register_kv_caches(self, kv_cache: torch.Tensor, model_name: str) -> None:
@@ -231,12 +206,8 @@ class TPPrefillConnector:
                 self._parts.setdefault(rid, []).append(result)
         size = self._executor.tp.size if self._executor is not None else 1
         done = [rid for rid, parts in self._parts.items() if len(parts) >= size]
-        with self._result_ready:
-            for rid in done:
-                self._results[rid] = merge_results(rid, self._parts.pop(rid))
-            while len(self._results) > _MAX_UNCLAIMED_RESULTS:
-                self._results.popitem(last=False)
-            self._result_ready.notify_all()
+        for rid in done:
+            self._results.put(rid, merge_results(rid, self._parts.pop(rid)))
         return done
 
 

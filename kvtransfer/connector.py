@@ -24,7 +24,6 @@ The decode side of a hand-off is driven by the serving layer
 
 from __future__ import annotations
 
-import collections
 import math
 import threading
 import time
@@ -37,15 +36,13 @@ from pdserve.kvtransfer import tp_plan
 from pdserve.kvtransfer.blocks import check_pool, pool_layout
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.metrics import TransferObserver
+from pdserve.kvtransfer.results import ResultMailbox, merge_results
 from pdserve.kvtransfer.send_handle import SendHandle
 from pdserve.kvtransfer.sender import KVSender
 from pdserve.kvtransfer.types import KVLayout, KVTarget, KVTransferError, TransferResult
 
 if TYPE_CHECKING:  # the engine's protocol types; kvtransfer does not import engine at runtime
     from pdserve.engine.kv_connector import PendingSend
-
-
-_MAX_UNCLAIMED_RESULTS = 4096
 
 
 class PrefillKVConnector:
@@ -65,11 +62,8 @@ class PrefillKVConnector:
         self._active: dict[str, list[SendHandle]] = {}  # a request's sends, one per target
         self._step: list[tuple[SendHandle, range]] = []  # this step's sends and their blocks
         self._in_step: set[str] = set()
-        # Results wait here for take_result(); bounded, oldest dropped, in case a caller
-        # never asks (e.g. a request aborted after its send began).
-        self._results: collections.OrderedDict[str, TransferResult] = collections.OrderedDict()
+        self._results = ResultMailbox()  # what take_result() hands out
         self._finished: list[str] = []
-        self._result_ready = threading.Condition(self._lock)
 
     @property
     def sender(self) -> KVSender:
@@ -99,14 +93,7 @@ class PrefillKVConnector:
 
     def take_result(self, request_id: str, timeout: float | None = None) -> TransferResult | None:
         """The request's transfer result once it ended (waits up to ``timeout``)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._result_ready:
-            while request_id not in self._results:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return None
-                self._result_ready.wait(remaining)
-            return self._results.pop(request_id)
+        return self._results.take(request_id, timeout)
 
     # ---- engine side (KVConnector protocol)
     def register_kv_caches(
@@ -254,7 +241,8 @@ class PrefillKVConnector:
                 del self._active[rid]
         for rid, sends in done.items():
             # Blocks may be freed now: every write into the peers has completed or stopped.
-            self._record(rid, _merge(rid, [self.sender.finish(h, check=False) for h in sends]))
+            results = [self.sender.finish(h, check=False) for h in sends]
+            self._record(rid, merge_results(rid, results))
         with self._lock:
             finished = [rid for rid in self._finished if rid not in exclude]
             self._finished = [rid for rid in self._finished if rid in exclude]
@@ -270,23 +258,6 @@ class PrefillKVConnector:
         )
 
     def _record(self, request_id: str, result: TransferResult) -> None:
-        with self._result_ready:
-            self._results[request_id] = result
-            while len(self._results) > _MAX_UNCLAIMED_RESULTS:
-                self._results.popitem(last=False)
+        self._results.put(request_id, result)
+        with self._lock:
             self._finished.append(request_id)
-            self._result_ready.notify_all()
-
-
-def _merge(request_id: str, results: list[TransferResult]) -> TransferResult:
-    """A request's result over its sends: ok only if every one was; bytes summed."""
-    errors = [r.error or "failed" for r in results if not r.ok]
-    return TransferResult(
-        request_id=request_id,
-        ok=not errors,
-        bytes=sum(r.bytes for r in results),
-        seconds=max(r.seconds for r in results),
-        error="; ".join(errors) if errors else None,
-        transport="+".join(sorted({r.transport for r in results if r.transport})),
-        layer_messages=sum(r.layer_messages for r in results),
-    )
