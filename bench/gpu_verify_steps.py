@@ -228,16 +228,21 @@ def prefill_process(conn: Connection, model_dir: str, device: str) -> None:
 
 
 def prefill_batch(
-    engine: Any, connector: Any, batch: list[tuple[str, list[int], int, str]]
+    engine: Any, connector: Any, batch: list[tuple[str, list[int], int, str | list[str]]]
 ) -> list[tuple[str, int | None, str | None]]:
-    """Prefill ``[(rid, prompt, max_tokens, target_json)]`` with the KV targets registered,
+    """Prefill ``[(rid, prompt, max_tokens, target_json)]`` with the KV targets registered
+    (one target, or a list of them: one per rank of a tensor-parallel decode replica),
     step until every send ended; ``[(rid, first token, transfer result json)]``."""
     from pdserve.engine.sampling_params import SamplingParams
     from pdserve.kvtransfer import KVTarget
 
     firsts: dict[str, int] = {}
     for rid, prompt, max_tokens, target_json in batch:
-        connector.register_target(rid, KVTarget.model_validate_json(target_json))
+        if isinstance(target_json, str):
+            connector.register_target(rid, KVTarget.model_validate_json(target_json))
+        else:
+            targets = tuple(KVTarget.model_validate_json(t) for t in target_json)
+            connector.register_target(rid, targets)
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         engine.add_request(rid, prompt, params, prefill_only=True)
     deadline = time.time() + 60

@@ -7,6 +7,7 @@ ingress. One cluster for the module; everything is stopped by the fixture."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -66,8 +67,11 @@ class PD:
     http: str
 
 
-@pytest.fixture(scope="module")
-def pd() -> Iterator[PD]:
+@contextlib.contextmanager
+def serve_on_local_cluster(cfg: AppConfig, pool_cpus: int) -> Iterator[PD]:
+    """A head (no CPUs), a prefill-labelled and a decode-labelled node of ``pool_cpus``
+    logical CPUs each, all on 127.0.0.2, with ``cfg``'s application deployed by Serve;
+    everything is stopped on exit."""
     temp_dir = tempfile.mkdtemp(prefix="pdray-", dir="/tmp")  # short: unix socket paths
     # ray.cluster_utils records the head's address in Ray's default temp dir whatever
     # temp_dir says, and fails where that dir does not exist yet (a fresh machine).
@@ -78,16 +82,20 @@ def pd() -> Iterator[PD]:
         head_node_args={**common, "num_cpus": 0, "temp_dir": temp_dir, "include_dashboard": False},
     )
     try:
-        prefill_node = cluster.add_node(**common, num_cpus=1, labels={"pdserve.io/pool": "prefill"})
-        decode_node = cluster.add_node(**common, num_cpus=1, labels={"pdserve.io/pool": "decode"})
+        prefill_node = cluster.add_node(
+            **common, num_cpus=pool_cpus, labels={"pdserve.io/pool": "prefill"}
+        )
+        decode_node = cluster.add_node(
+            **common, num_cpus=pool_cpus, labels={"pdserve.io/pool": "decode"}
+        )
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, _node_ip_address=NODE_IP, log_to_driver=False)
         port = free_port()
         serve.start(http_options={"host": NODE_IP, "port": port})
-        serve.run(build_application(app_config()), name=APP, route_prefix="/")
+        serve.run(build_application(cfg), name=cfg.name, route_prefix="/")
         yield PD(
-            decode=serve.get_deployment_handle(DECODE_DEPLOYMENT, app_name=APP),
-            prefill=serve.get_deployment_handle(PREFILL_DEPLOYMENT, app_name=APP),
+            decode=serve.get_deployment_handle(DECODE_DEPLOYMENT, app_name=cfg.name),
+            prefill=serve.get_deployment_handle(PREFILL_DEPLOYMENT, app_name=cfg.name),
             prefill_node=prefill_node.node_id,
             decode_node=decode_node.node_id,
             http=f"http://{NODE_IP}:{port}",
@@ -99,6 +107,12 @@ def pd() -> Iterator[PD]:
             ray.shutdown()
             cluster.shutdown()
             shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def pd() -> Iterator[PD]:
+    with serve_on_local_cluster(app_config(), pool_cpus=1) as pd:
+        yield pd
 
 
 @pytest.fixture(scope="module")

@@ -8,30 +8,22 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
-import tempfile
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 ray = pytest.importorskip("ray")
-from ray import serve  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
 
-from pdserve.deployments.app import DECODE_DEPLOYMENT, PREFILL_DEPLOYMENT, build_application  # noqa: E402
 from pdserve.deployments.config import AppConfig  # noqa: E402
 from tests.deployments.test_app_cluster import (  # noqa: E402
-    NODE_IP,
-    OBJECT_STORE_BYTES,
     PD,
     collect,
-    free_port,
     prompt,
     request,
+    serve_on_local_cluster,
     tokens,
     wait_idle,
 )
@@ -60,36 +52,9 @@ def app_config() -> AppConfig:
 
 @pytest.fixture(scope="module")
 def pd() -> Iterator[PD]:
-    temp_dir = tempfile.mkdtemp(prefix="pdray-", dir="/tmp")
-    Path(ray._private.utils.get_ray_address_file(None)).parent.mkdir(parents=True, exist_ok=True)
-    common = {"node_ip_address": NODE_IP, "object_store_memory": OBJECT_STORE_BYTES}
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={**common, "num_cpus": 0, "temp_dir": temp_dir, "include_dashboard": False},
-    )
-    try:
-        # Two logical CPUs per node: one bundle per rank of a TP=2 replica.
-        prefill = cluster.add_node(**common, num_cpus=2, labels={"pdserve.io/pool": "prefill"})
-        decode = cluster.add_node(**common, num_cpus=2, labels={"pdserve.io/pool": "decode"})
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address, _node_ip_address=NODE_IP, log_to_driver=False)
-        port = free_port()
-        serve.start(http_options={"host": NODE_IP, "port": port})
-        serve.run(build_application(app_config()), name=APP, route_prefix="/")
-        yield PD(
-            decode=serve.get_deployment_handle(DECODE_DEPLOYMENT, app_name=APP),
-            prefill=serve.get_deployment_handle(PREFILL_DEPLOYMENT, app_name=APP),
-            prefill_node=prefill.node_id,
-            decode_node=decode.node_id,
-            http=f"http://{NODE_IP}:{port}",
-        )
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            cluster.shutdown()
-            shutil.rmtree(temp_dir, ignore_errors=True)
+    # Two logical CPUs per pool node: one bundle per rank of a TP=2 replica.
+    with serve_on_local_cluster(app_config(), pool_cpus=2) as pd:
+        yield pd
 
 
 @pytest.fixture(scope="module")

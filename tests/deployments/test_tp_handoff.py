@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 
+from pdserve.bench.gpu_verify_steps import prefill_batch
 from pdserve.deployments.tp_kv import (
     DecodeAgentFactory,
     PrefillAgentFactory,
@@ -35,6 +36,7 @@ from pdserve.kvtransfer import KVTarget, KVTransferConfig
 from pdserve.kvtransfer.blocks import pool_layout
 from pdserve.kvtransfer.connector import PrefillKVConnector
 from pdserve.kvtransfer.receiver import KVReceiver
+from tests.kvtransfer.decode_side import assert_no_leak, decode_all, decode_engine
 
 NUM_NEW = 8
 BLOCKS = 48
@@ -64,23 +66,8 @@ def prefill_main(conn: Connection, model_dir: str, tp: int) -> None:
         kv_agent_factory=PrefillAgentFactory(transfer) if tp > 1 else None,
     )
     try:
-        batch = conn.recv()
-        firsts: dict[str, int] = {}
-        for rid, prompt, targets_json in batch:
-            targets = tuple(KVTarget.model_validate_json(t) for t in targets_json)
-            connector.register_target(rid, targets)
-            engine.add_request(rid, prompt, _params(), prefill_only=True)
-        deadline = time.time() + 60
-        while (engine.has_pending_work() or len(firsts) < len(batch)) and time.time() < deadline:
-            for out in engine.step():
-                if out.finished and out.token_ids:
-                    firsts[out.request_id] = out.token_ids[0]
-            if not engine.has_unfinished_requests():
-                time.sleep(0.002)  # only sends left
-        answers = []
-        for rid, *_ in batch:
-            result = connector.take_result(rid, timeout=10)
-            answers.append((rid, firsts.get(rid), result.model_dump_json() if result else None))
+        batch = [(rid, prompt, NUM_NEW, targets) for rid, prompt, targets in conn.recv()]
+        answers = prefill_batch(engine, connector, batch)
         stats = engine.stats()
         conn.send((answers, stats.num_total_blocks - stats.num_free_blocks))
     finally:
@@ -149,18 +136,10 @@ def test_kv_moves_between_tp_sizes(
             result = receiver.wait(rid)
             assert result.ok
             engine.complete_remote_prefill(rid, first)
-        final: dict[str, list[int]] = {}
-        for _ in range(500):
-            if not engine.has_unfinished_requests():
-                break
-            for out in engine.step():
-                if out.finished:
-                    final[out.request_id] = list(out.token_ids)
+        final = decode_all(engine)
         for rid, prompt in prompts.items():
             assert final[rid] == references[tuple(prompt)], rid
-        engine.check_integrity()
-        stats = engine.stats()
-        assert stats.num_free_blocks == stats.num_total_blocks
+        assert_no_leak(engine)
         assert receiver.pending() == []
     finally:
         proc.join(60)
@@ -173,18 +152,10 @@ def test_an_abort_mid_prefill_stops_every_prefill_rank(tiny_model_dir: Path) -> 
     """A TP=2 prefill sends its first chunk, then the request is aborted: the step that
     carries only the cancel reaches both ranks' connectors, so the transfer ends at once
     (not at its deadline) on both sides and no block stays held."""
-    from pdserve.kvtransfer.shm import SharedKVAllocator
     from pdserve.kvtransfer.types import KVTransferError
 
-    alloc = SharedKVAllocator()
-    decode = LLMEngine(_config(tiny_model_dir, 1), kv_cache_allocator=alloc)
+    decode, receiver, _ = decode_engine(tiny_model_dir, "shm", BLOCKS)
     transfer = KVTransferConfig(transport="shm")
-    receiver = KVReceiver(
-        decode.kv_cache,
-        pool_layout(decode.kv_cache, decode.model_config.model_name),
-        transfer,
-        shm_segment=alloc.segment_for(decode.kv_cache),
-    )
     connector = TPPrefillConnector(PrefillKVConnector(transfer))
     prefill = LLMEngine(
         _config(tiny_model_dir, 2).model_copy(update={"max_num_batched_tokens": 64}),
@@ -211,10 +182,8 @@ def test_an_abort_mid_prefill_stops_every_prefill_rank(tiny_model_dir: Path) -> 
             receiver.wait("r")
         assert time.monotonic() - began < 20  # ended by the cancel, not the 60 s deadline
         decode.abort("r")
-        for engine in (prefill, decode):
-            engine.check_integrity()
-            stats = engine.stats()
-            assert stats.num_free_blocks == stats.num_total_blocks
+        assert_no_leak(prefill)
+        assert_no_leak(decode)
     finally:
         receiver.close()
         prefill.shutdown()

@@ -15,11 +15,10 @@ from typing import Any
 
 import pytest
 
-from pdserve.kvtransfer import KVTransferConfig, KVTransferError, TransferResult
-from pdserve.kvtransfer.blocks import pool_layout
+from pdserve.kvtransfer import KVTransferError, TransferResult
 from pdserve.kvtransfer.connector import PrefillKVConnector
 from pdserve.kvtransfer.receiver import KVReceiver
-from pdserve.kvtransfer.shm import SharedKVAllocator
+from tests.kvtransfer.decode_side import assert_no_leak, decode_all, decode_engine
 from tests.kvtransfer.procs import chunked_prefill_main
 
 engine_mod = pytest.importorskip("pdserve.engine.llm_engine")
@@ -38,37 +37,6 @@ def _params() -> SamplingParams:
 def _prompt(seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(4, 2048) for _ in range(600)]
-
-
-def _decode_side(model_dir: Path, transport: str) -> tuple[Any, KVReceiver, SharedKVAllocator]:
-    alloc = SharedKVAllocator()
-    engine = engine_mod.LLMEngine.from_pretrained(
-        model_dir, kv_cache_allocator=alloc, num_kv_blocks=BLOCKS, device="cpu"
-    )
-    receiver = KVReceiver(
-        engine.kv_cache,
-        pool_layout(engine.kv_cache, engine.model_config.model_name),
-        KVTransferConfig(transport=transport),
-        shm_segment=alloc.segment_for(engine.kv_cache),
-    )
-    return engine, receiver, alloc
-
-
-def _decode(engine: Any) -> dict[str, list[int]]:
-    final: dict[str, list[int]] = {}
-    for _ in range(500):
-        if not engine.has_unfinished_requests():
-            break
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = list(out.token_ids)
-    return final
-
-
-def _assert_no_leak(engine: Any) -> None:
-    engine.check_integrity()
-    stats = engine.stats()
-    assert stats.num_free_blocks == stats.num_total_blocks
 
 
 class _FirstLanding:
@@ -102,7 +70,7 @@ def _warm_up(parent: Any, engine: Any, receiver: KVReceiver, rid: str, prompt: l
     first, *_ = parent.recv()
     receiver.wait(rid)
     engine.complete_remote_prefill(rid, first)
-    _decode(engine)
+    decode_all(engine)
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +93,7 @@ def test_long_prompt_is_handed_off_chunk_by_chunk(
         target=chunked_prefill_main, args=(child, str(tiny_model_dir), BLOCKS, BUDGET)
     )
     proc.start()
-    decoders = {t: _decode_side(tiny_model_dir, t) for t in ("shm", "torch_dist")}
+    decoders = {t: decode_engine(tiny_model_dir, t, BLOCKS) for t in ("shm", "torch_dist")}
     try:
         for (transport, (engine, receiver, _)), prompt in zip(
             decoders.items(), prompts_and_references, strict=True
@@ -152,8 +120,8 @@ def test_long_prompt_is_handed_off_chunk_by_chunk(
             assert first_step == NUM_CHUNKS - 1, starts
             assert watch.at is not None and watch.at < starts[first_step], (watch.at, starts)
             engine.complete_remote_prefill(rid, first)
-            assert _decode(engine)[rid] == prompts_and_references[prompt], transport
-            _assert_no_leak(engine)
+            assert decode_all(engine)[rid] == prompts_and_references[prompt], transport
+            assert_no_leak(engine)
             assert receiver.pending() == []
         parent.send(None)
         proc.join(30)
@@ -177,7 +145,7 @@ def test_abort_mid_prefill_ends_the_transfer_on_both_sides(
     missing; it recomputes the prompt into its blocks with the same tokens; both engines
     get every block back and no send or expectation is left."""
     prompt = next(iter(prompts_and_references))
-    engine, receiver, alloc = _decode_side(tiny_model_dir, transport)
+    engine, receiver, alloc = decode_engine(tiny_model_dir, transport, BLOCKS)
     connector = PrefillKVConnector()
     prefill = engine_mod.LLMEngine.from_pretrained(
         tiny_model_dir,
@@ -211,12 +179,12 @@ def test_abort_mid_prefill_ends_the_transfer_on_both_sides(
         assert time.time() < deadline - 30  # failed on the sender's word, not by the deadline
         result = connector.take_result("ab", timeout=5)
         assert result is not None and not result.ok and "aborted" in (result.error or "")
-        _assert_no_leak(prefill)
+        assert_no_leak(prefill)
         assert connector.sender.open_handles() == []
 
         engine.fail_remote_prefill("ab")  # the decode side's fallback: compute it here
-        assert _decode(engine)["ab"] == prompts_and_references[prompt]
-        _assert_no_leak(engine)
+        assert decode_all(engine)["ab"] == prompts_and_references[prompt]
+        assert_no_leak(engine)
         assert receiver.pending() == []
     finally:
         connector.sender.close()

@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 import torch
 
-from pdserve.kvtransfer import KVTarget, KVTransferConfig, KVTransferTimeoutError
-from pdserve.kvtransfer.blocks import pool_layout
+from pdserve.kvtransfer import KVTarget, KVTransferTimeoutError
 from pdserve.kvtransfer.connector import PrefillKVConnector
 from pdserve.kvtransfer.receiver import KVReceiver
-from pdserve.kvtransfer.shm import SharedKVAllocator, list_segments
+from pdserve.kvtransfer.shm import list_segments
+from tests.kvtransfer.decode_side import assert_no_leak, decode_all, decode_engine
 from tests.kvtransfer.procs import prefill_engine_main
 
 engine_mod = pytest.importorskip("pdserve.engine.llm_engine")
@@ -32,22 +32,6 @@ def _params() -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
 
 
-def _decode_engine(model_dir: Path, transport: str) -> tuple[Any, KVReceiver, SharedKVAllocator]:
-    alloc = SharedKVAllocator()
-    # CPU on every host: the shared-memory pool and the shm/gloo transports are the subject
-    # (bench.gpu_verify runs the CUDA transports).
-    engine = engine_mod.LLMEngine.from_pretrained(
-        model_dir, kv_cache_allocator=alloc, num_kv_blocks=BLOCKS, device="cpu"
-    )
-    receiver = KVReceiver(
-        engine.kv_cache,
-        pool_layout(engine.kv_cache, engine.model_config.model_name),
-        KVTransferConfig(transport=transport),
-        shm_segment=alloc.segment_for(engine.kv_cache),
-    )
-    return engine, receiver, alloc
-
-
 def _reserve(
     engine: Any, receiver: KVReceiver, rid: str, prompt: list[int], deadline: float | None = None
 ) -> KVTarget | None:
@@ -57,23 +41,6 @@ def _reserve(
     if blocks is None:
         return None
     return receiver.expect(rid, blocks, deadline, num_tokens=len(prompt))
-
-
-def _decode_all(engine: Any) -> dict[str, list[int]]:
-    final: dict[str, list[int]] = {}
-    for _ in range(500):
-        if not engine.has_unfinished_requests():
-            break
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = list(out.token_ids)
-    return final
-
-
-def _assert_no_leak(engine: Any) -> None:
-    engine.check_integrity()
-    stats = engine.stats()
-    assert stats.num_free_blocks == stats.num_total_blocks
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +74,7 @@ def test_prefill_process_streams_kv_to_decode_engines(
     proc = ctx.Process(target=prefill_engine_main, args=(child, str(tiny_model_dir), BLOCKS))
     proc.start()
     # One prefill process pairs with two decode engines at once, over two transports.
-    decoders = {t: _decode_engine(tiny_model_dir, t) for t in ("shm", "torch_dist")}
+    decoders = {t: decode_engine(tiny_model_dir, t, BLOCKS) for t in ("shm", "torch_dist")}
     segments = [a.segment_for(e.kv_cache).name for e, _, a in decoders.values()]
     try:
         prompts = list(references)
@@ -132,11 +99,11 @@ def test_prefill_process_streams_kv_to_decode_engines(
             engine.complete_remote_prefill(rid, first)
             assert result.ok and result.bytes > 0
         for transport, (engine, receiver, _) in decoders.items():
-            final = _decode_all(engine)
+            final = decode_all(engine)
             for rid, (_, prompt) in handoffs.items():
                 if rid.startswith(transport):
                     assert final[rid] == references[prompt], rid
-            _assert_no_leak(engine)
+            assert_no_leak(engine)
             assert receiver.pending() == []
         parent.send(None)
         proc.join(30)
@@ -156,7 +123,7 @@ def test_lost_prefill_falls_back_to_local_compute(
 ) -> None:
     """Nobody sends the KV: wait raises by the deadline, the decode engine recomputes the
     prompt into the blocks it reserved, the tokens are still right, nothing leaks."""
-    engine, receiver, alloc = _decode_engine(tiny_model_dir, "shm")
+    engine, receiver, alloc = decode_engine(tiny_model_dir, "shm", BLOCKS)
     try:
         prompt = next(iter(references))
         assert _reserve(engine, receiver, "lost", list(prompt), time.time() + 0.5) is not None
@@ -165,8 +132,8 @@ def test_lost_prefill_falls_back_to_local_compute(
             receiver.wait("lost")
         engine.fail_remote_prefill("lost")  # recompute the prompt into the reserved blocks
         assert time.time() - start < 0.5 + 2.0
-        assert _decode_all(engine)["lost"] == references[prompt]
-        _assert_no_leak(engine)
+        assert decode_all(engine)["lost"] == references[prompt]
+        assert_no_leak(engine)
         assert receiver.pending() == []
     finally:
         receiver.close()
@@ -176,7 +143,7 @@ def test_lost_prefill_falls_back_to_local_compute(
 def test_prefill_frees_blocks_when_the_decode_side_is_gone(tiny_model_dir: Path) -> None:
     """The receiver disappears before the prefill runs: the prefill engine still answers,
     its transfer result says what failed, and all its blocks come back."""
-    dec_engine, receiver, alloc = _decode_engine(tiny_model_dir, "torch_dist")
+    dec_engine, receiver, alloc = decode_engine(tiny_model_dir, "torch_dist", BLOCKS)
     prompt = list(range(3, 40))
     target = _reserve(dec_engine, receiver, "gone", prompt)
     assert target is not None
@@ -195,6 +162,6 @@ def test_prefill_frees_blocks_when_the_decode_side_is_gone(tiny_model_dir: Path)
         time.sleep(0.001)
     result = connector.take_result("gone", timeout=1)
     assert result is not None and not result.ok and result.error
-    _assert_no_leak(engine)
+    assert_no_leak(engine)
     assert connector.sender.open_handles() == []
     connector.sender.close()

@@ -1,0 +1,51 @@
+"""The decode side of the hand-off tests: a real engine on a shared-memory KV pool with its
+receiver, stepping to the end, and the no-leak check both sides end with."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pdserve.kvtransfer import KVTransferConfig
+from pdserve.kvtransfer.blocks import pool_layout
+from pdserve.kvtransfer.receiver import KVReceiver
+from pdserve.kvtransfer.shm import SharedKVAllocator
+
+
+def decode_engine(
+    model_dir: Path, transport: str, num_blocks: int
+) -> tuple[Any, KVReceiver, SharedKVAllocator]:
+    """A decode-role engine whose pool lives in shared memory, and its receiver offering
+    ``transport``. CPU on every host: the shm/gloo transports are the subject here
+    (bench.gpu_verify runs the CUDA ones)."""
+    from pdserve.engine.llm_engine import LLMEngine
+
+    alloc = SharedKVAllocator()
+    engine = LLMEngine.from_pretrained(
+        model_dir, kv_cache_allocator=alloc, num_kv_blocks=num_blocks, device="cpu"
+    )
+    receiver = KVReceiver(
+        engine.kv_cache,
+        pool_layout(engine.kv_cache, engine.model_config.model_name),
+        KVTransferConfig(transport=transport),
+        shm_segment=alloc.segment_for(engine.kv_cache),
+    )
+    return engine, receiver, alloc
+
+
+def decode_all(engine: Any) -> dict[str, list[int]]:
+    """Step until every request finished; their token ids."""
+    final: dict[str, list[int]] = {}
+    for _ in range(500):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = list(out.token_ids)
+    return final
+
+
+def assert_no_leak(engine: Any) -> None:
+    engine.check_integrity()
+    stats = engine.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
