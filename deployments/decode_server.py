@@ -255,7 +255,8 @@ class DecodeServer:
         n = len(req.prompt_token_ids)
         if decision.location == "remote":
             est = self.remote_estimate
-            queued = max(est.in_flight_tokens, self._pending.tokens("remote"))
+            # Its queue drains over the whole prefill pool, its own prompt on one replica.
+            queued = est.as_one_queue(max(est.in_flight_tokens, self._pending.tokens("remote")))
             rate, overhead, uncached = est.tokens_per_s, est.overhead_s, n
             measured = est.rate_measured
         else:

@@ -241,6 +241,11 @@ class PrefillResponse(_Message):
     prefill_tokens_per_s: float = Field(
         default=0.0, ge=0, description="The prefill engine's measured compute rate (0 = none)."
     )
+    replica: str = Field(
+        default="",
+        description="The prefill replica that answered (its Serve tag): the decode replica's "
+        "estimate counts the prefill replicas its prompts are spread over.",
+    )
 
 
 class ReplicaStats(_Message):

@@ -64,10 +64,11 @@ class PrefillServer:
         self.cfg = config if isinstance(config, AppConfig) else AppConfig.from_dict(config)
         tracing.setup_tracing(self.cfg.observability)
         self.model_name = self.cfg.model.served_name(model_dir)
+        self.replica = replica_name()  # named in each answer (the decode side counts the pool)
         self.metrics = ServingMetrics(
             model_name=self.model_name,
             role="prefill",
-            replica=replica_name(),
+            replica=self.replica,
             enabled=self.cfg.observability.metrics_enabled,
         )
         t = self.cfg.transport
@@ -151,6 +152,7 @@ class PrefillServer:
             transfer=result,
             num_cached_tokens=last.num_cached_tokens,
             prefill_tokens_per_s=self.engine.stats().prefill_tokens_per_s,
+            replica=self.replica,
         )
 
     # ------------------------------------------------------------------ Serve hooks

@@ -181,7 +181,11 @@ class RemotePrefill:
                         rid, response.first_token_id, first.to_engine() if first else None
                     )
                     self.estimate.observe(
-                        n, time.perf_counter() - began, response.prefill_tokens_per_s, ahead
+                        n,
+                        time.perf_counter() - began,
+                        response.prefill_tokens_per_s,
+                        ahead,
+                        response.replica,
                     )
                 except asyncio.CancelledError:
                     raise

@@ -50,7 +50,8 @@ class LiveAdmission:
         n = req.prompt_tokens
         if q.decision.location == "remote" and q.remote is not None:
             est = q.remote
-            queued = max(est.in_flight_tokens, pending.tokens("remote"))
+            # Its queue drains over the whole prefill pool, its own prompt on one replica.
+            queued = est.as_one_queue(max(est.in_flight_tokens, pending.tokens("remote")))
             rate, overhead = est.tokens_per_s, est.overhead_s
         else:
             queued = max(stats.queued_prefill_tokens, pending.tokens("local"))

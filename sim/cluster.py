@@ -141,7 +141,9 @@ class SimCluster:
                 on_finish=lambda seq, t: self._finished(replica, seq, t),
                 macro_steps=self.s.macro_steps,
             )
-            replica.estimate = RemotePrefillEstimator(self.app.router.default_prefill_tokens_per_s)
+            replica.estimate = RemotePrefillEstimator(
+                self.app.router.default_prefill_tokens_per_s, clock=lambda: self.loop.now
+            )
             replica.arrivals = RateMeter(clock=lambda: self.loop.now)  # admitted prompt tokens
             replica.kv_refused = RateMeter(clock=lambda: self.loop.now)
         self.pools[role].append(replica)
@@ -389,7 +391,11 @@ class SimCluster:
         est = remote.decode.estimate
         assert est is not None
         est.observe(
-            n, self.loop.now - remote.began, remote.prefill.engine.prefill_meter.rate, remote.ahead
+            n,
+            self.loop.now - remote.began,
+            remote.prefill.engine.prefill_meter.rate,
+            remote.ahead,
+            remote.prefill.replica_id,
         )
         est.finished(n)
         remote.decode.prefill_books.completed(str(rid))

@@ -124,3 +124,74 @@ def test_the_first_measured_rate_replaces_the_configured_prior() -> None:
     assert (est.tokens_per_s, est.rate_measured) == (pytest.approx(800.0), True)
     est.observe(num_tokens=128, total_s=0.2, tokens_per_s=1000.0)  # then an average
     assert est.tokens_per_s == pytest.approx(0.7 * 800.0 + 0.3 * 1000.0)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_queue_ahead_drains_over_every_prefill_replica_that_answered() -> None:
+    clock = FakeClock()
+    est = RemotePrefillEstimator(1000.0, alpha=1.0, pool_window_s=60.0, clock=clock)
+    # Answers that name no replica (an older prefill server) leave the pool at one replica.
+    est.observe(num_tokens=100, total_s=0.1, tokens_per_s=1000.0)
+    assert (est.pool_size, est.pool_tokens_per_s()) == (0, pytest.approx(1000.0))
+    # Two replicas answer, at 1000 and 3000 tokens/s (alpha=1: the last rate is the rate).
+    est.observe(num_tokens=100, total_s=0.1, tokens_per_s=1000.0, replica="p1")
+    clock.now = 10.0
+    est.observe(num_tokens=300, total_s=0.1, tokens_per_s=3000.0, replica="p2")
+    assert (est.pool_size, est.pool_tokens_per_s()) == (2, pytest.approx(4000.0))
+    # 8000 tokens in flight drain at 4000 tokens/s: 2 s; a 600-token prompt then computes
+    # on one replica at the last measured 3000 tokens/s: 0.2 s.
+    est.started(8000)
+    assert est.queue_s() == pytest.approx(2.0)
+    assert est.compute_s(600) == pytest.approx(2.2)
+    # As one queue at 3000 tokens/s the same 2 s are 6000 tokens (admission's QueueAhead).
+    assert est.as_one_queue(8000) == 6000
+    # A prompt that waited behind the 8000 tokens and took 2.7 s added 0.5 s of overhead.
+    est.observe(num_tokens=600, total_s=2.7, tokens_per_s=3000.0, ahead_tokens=8000, replica="p2")
+    assert est.overhead_s == pytest.approx(0.5)
+    assert est.predict_s(600) == pytest.approx(2.7)
+    # p1 has not answered for longer than the window: the pool is p2 alone again.
+    clock.now = 60.5
+    assert (est.pool_size, est.pool_tokens_per_s()) == (1, pytest.approx(3000.0))
+    assert est.compute_s(600) == pytest.approx((8000 + 600) / 3000)
+    clock.now = 200.0  # nobody answered for a while: one queue at the measured rate
+    assert (est.pool_size, est.pool_tokens_per_s()) == (0, pytest.approx(3000.0))
+    with pytest.raises(ValueError, match="pool_window_s"):
+        RemotePrefillEstimator(1000.0, pool_window_s=0.0)
+
+
+def test_one_prefill_replica_keeps_the_one_queue_estimate() -> None:
+    # The small real cluster: every answer comes from the same replica.
+    named = RemotePrefillEstimator(1000.0, alpha=0.3)
+    anonymous = RemotePrefillEstimator(1000.0, alpha=0.3)
+    for rate, total in ((800.0, 0.9), (1200.0, 0.4), (900.0, 1.3)):
+        named.observe(num_tokens=400, total_s=total, tokens_per_s=rate, replica="prefill#0")
+        anonymous.observe(num_tokens=400, total_s=total, tokens_per_s=rate)
+    named.started(2000)
+    anonymous.started(2000)
+    assert named.pool_size == 1
+    assert named.pool_tokens_per_s() == pytest.approx(named.tokens_per_s)
+    assert named.predict_s(500) == pytest.approx(anonymous.predict_s(500))
+    assert named.as_one_queue(2000) == 2000
+
+
+def test_a_long_queue_spread_over_the_pool_does_not_saturate_it() -> None:
+    # 2000 tokens in flight: as one queue at 1000 tokens/s the 400-token prompt waits 2.4 s
+    # (misses the 1 s SLO: kept local); spread over four replicas at 1000 tokens/s each,
+    # 0.5 s + 0.4 s = 0.9 s: remote.
+    one = fresh_remote()
+    one.started(2000)
+    assert decide(policy(), 400, remote=one).reason == "prefill_pool_saturated"
+    pool = fresh_remote()
+    for replica in ("p1", "p2", "p3", "p4"):
+        pool.observe(num_tokens=400, total_s=0.4, tokens_per_s=1000.0, replica=replica)
+    pool.started(2000)
+    d = decide(policy(), 400, remote=pool)
+    assert (d.location, d.reason) == ("remote", "long_prompt")
+    assert d.predicted_remote_s == pytest.approx(0.9)

@@ -187,3 +187,46 @@ def test_remote_prefills_refused_for_kv_room_are_counted_for_the_autoscaler() ->
         {replica.replica_id: 0.0},
         {replica.replica_id: pytest.approx(0.1)},  # one in the 10 s window
     ]
+
+
+def test_the_live_estimator_counts_the_prefill_pool_its_prompts_went_to_hand_computed() -> None:
+    # Two prefill replicas, each 1000 tokens/s; the live policy decides (SLO 1 s).
+    app = _app(
+        policy={"mode": "auto", "local_prefill_max_tokens": 16},
+        slo={"ttft_ms": 1000.0, "tpot_ms": 100.0},
+    )
+    reqs = [
+        SimRequest(0, 0.00, prompt_tokens=300, output_tokens=2),
+        SimRequest(1, 0.01, prompt_tokens=300, output_tokens=2),
+        *(SimRequest(i, 1.0, prompt_tokens=600, output_tokens=2) for i in (2, 3, 4)),
+    ]
+    cluster = SimCluster(app, LinearCost(0.001), LinearCost(0.001), NO_NETWORK)
+    (decode,) = cluster.pools["decode"]
+    est = decode.estimate
+    assert est is not None
+    pools: list[tuple[int, float]] = []
+    for t in (0.2, 0.5):  # the pool as the decode replica knows it, before and after answers
+        cluster.loop.at(t, lambda: pools.append((est.pool_size, est.pool_tokens_per_s())))
+    cluster.run(reqs)
+    # 0: nothing in flight, 0.3 s -> remote, prefill-1 (a tie keeps the order).
+    # 1: no answer yet, one queue: (300 + 300) / 1000 = 0.6 s -> remote; the router's books
+    #    hold 300 tokens on prefill-1 -> prefill-2. Both answer by t = 0.31, at 1000 tok/s.
+    # 2: nothing in flight, 0.6 s -> remote, prefill-1.
+    # 3: 600 in flight over the two replicas: 600 / 2000 + 600 / 1000 = 0.9 s -> remote,
+    #    prefill-2 (as one queue, 1.2 s, it would have been kept local).
+    # 4: 1200 in flight: 0.6 + 0.6 = 1.2 s misses the SLO; locally 600 / 1000 = 0.6 s.
+    assert [cluster.routes[r.rid] for r in reqs] == [
+        ("decode-3", "prefill-1"),
+        ("decode-3", "prefill-2"),
+        ("decode-3", "prefill-1"),
+        ("decode-3", "prefill-2"),
+        ("decode-3", None),
+    ]
+    assert cluster.reasons == {
+        ("remote", "long_prompt"): 4,
+        ("local", "prefill_pool_saturated"): 1,
+    }
+    assert pools == [(0, pytest.approx(1000.0)), (2, pytest.approx(2000.0))]
+    assert est.in_flight_tokens == 0
+    # Every answer took exactly its own compute: no overhead was learned.
+    assert est.overhead_s == pytest.approx(0.0)
