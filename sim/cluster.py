@@ -52,6 +52,7 @@ from pdserve.sim.events import EventLoop
 from pdserve.sim.replica import Admission, AdmissionQuery, RemoteInFlight, SimReplica
 from pdserve.sim.request import SimRequest
 from pdserve.sim.seq import EngineShape, Seq
+from pdserve.sim.shared_cpu import SharedCpuCost, SharedCpuLoad
 
 __all__ = ["Admission", "AdmissionQuery", "SimCluster", "SimReplica"]
 
@@ -67,9 +68,14 @@ class SimCluster:
     ) -> None:
         self.app = app
         self.s = settings or SimSettings()
-        self.costs = {"prefill": prefill_cost, "decode": decode_cost}
         self.admission = admission
         self.loop = EventLoop()
+        self.costs: dict[str, CostModel] = {"prefill": prefill_cost, "decode": decode_cost}
+        shared = self.s.shared_cpu
+        self.shared_cpu = SharedCpuLoad(shared, lambda: self.loop.now) if shared else None
+        for role in shared.roles if shared else ():
+            assert self.shared_cpu is not None
+            self.costs[role] = SharedCpuCost(self.costs[role], self.shared_cpu)
         self.pools: dict[str, list[SimReplica]] = {"prefill": [], "decode": []}
         self.retired: list[SimReplica] = []
         self.ingress_books = InflightLoad()
@@ -237,6 +243,8 @@ class SimCluster:
 
     def _arrive(self, req: SimRequest) -> None:
         self._next_arrival()
+        if self.shared_cpu is not None:
+            self.shared_cpu.arrived()
         self._route_decode(req)
 
     def _route_decode(self, req: SimRequest) -> bool:

@@ -12,6 +12,35 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pdserve.deployments.config import PoolRole
+
+
+class SharedCpuSettings(BaseModel):
+    """The CPUs a local cluster's serving processes share with engines that have no CPUs of
+    their own (``pdserve.sim.shared_cpu``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    roles: tuple[PoolRole, ...] = Field(
+        description="Pools whose engines compute on the shared CPUs (the cluster's CPU plan "
+        "gives them none of their own)."
+    )
+    num_cpus: int = Field(default=1, ge=1, description="How many CPUs are shared.")
+    s_per_request: float = Field(
+        ge=0,
+        description="CPU seconds the serving path (ingress, proxy, the decode replica's own "
+        "threads) spends on the shared CPUs per request, measured.",
+    )
+    background: float = Field(
+        default=0.0,
+        ge=0,
+        lt=1,
+        description="Fraction of the shared CPUs the cluster's daemons use with nothing to serve.",
+    )
+    window_s: float = Field(
+        default=10.0, gt=0, description="Window of the arrival rate the load follows."
+    )
+
 
 class SimSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -56,6 +85,11 @@ class SimSettings(BaseModel):
     macro_steps: bool = Field(
         default=True,
         description="Advance decode-only batches many steps per event (exact; much faster).",
+    )
+    shared_cpu: SharedCpuSettings | None = Field(
+        default=None,
+        description="Engines computing on CPUs shared with the serving processes (a small "
+        "local cluster); None = every engine has its hardware to itself.",
     )
     max_queue_s: float = Field(
         default=600.0,

@@ -27,11 +27,14 @@ from pathlib import Path
 
 import numpy as np
 
+from pdserve.cluster.topology import ClusterSpec
 from pdserve.deployments.config import AppConfig
 from pdserve.sim.admission import LiveAdmission, live_admission_available
-from pdserve.sim.config import SimSettings
+from pdserve.sim.config import SharedCpuSettings, SimSettings
 from pdserve.sim.cost import ProfileCost, StepProfile
+from pdserve.sim.cpu_account import CpuSnapshot
 from pdserve.sim.scenario import simulate
+from pdserve.sim.shared_cpu import measured_settings
 from pdserve.sim.workload import replay
 
 PDSERVE = [sys.executable, "-m", "pdserve.cluster.cli"]
@@ -59,8 +62,14 @@ def measure(args: argparse.Namespace) -> int:
             serve = recorded["serve"]
             url = f"http://{serve['http_host']}:{serve['http_port']}"
             url += serve["route_prefix"].rstrip("/")
+            plan = ClusterSpec.for_this_machine(prefill_cpus=1, decode_cpus=2).cpu_plan()
+            # What the cluster's own daemons use of the CPUs with nothing to serve.
+            before = CpuSnapshot.take()
+            time.sleep(args.idle_s)
+            idle = CpuSnapshot.take().since(before)
             for i, rate in enumerate(args.rates):
                 run_dir = out_dir / f"{Path(args.config).stem}-rate{rate:g}"
+                before = CpuSnapshot.take()
                 _run(
                     [sys.executable, "-m", "pdserve.bench.serve", "--endpoint", f"pdserve={url}",
                      "--tokenizer", tokenizer, "--request-rate", str(rate),
@@ -71,7 +80,10 @@ def measure(args: argparse.Namespace) -> int:
                      "--out-dir", str(run_dir)],
                     args.max_duration_s + 300,
                 )  # fmt: skip
-                print(f"measured {run_dir / 'summary.json'}", flush=True)
+                usage = CpuSnapshot.take().since(before)
+                cpu = {"plan": plan.model_dump() if plan else None, "idle": idle, "run": usage}
+                (run_dir / "cpu.json").write_text(json.dumps(cpu, indent=2) + "\n")
+                print(f"measured {run_dir / 'summary.json'} and cpu.json", flush=True)
         finally:
             subprocess.run([*PDSERVE, "down", "--state-dir", state], timeout=300, check=False)
     return 0
@@ -123,6 +135,14 @@ def compare(args: argparse.Namespace) -> int:
         key, _, path = spec.rpartition("=")
         profiles[key] = StepProfile.load(path)
     settings = SimSettings(rpc_s=args.rpc_ms / 1e3, ingress_s=args.ingress_ms / 1e3)
+    runs = [_parse_run(spec) for spec in args.run]
+    shared = {} if args.no_shared_cpu else _shared_cpu_by_config(runs)
+    for config, cpu in shared.items():
+        print(
+            f"{config.stem}: engines of {'/'.join(cpu.roles)} on {cpu.num_cpus} shared CPU(s); "
+            f"serving path {cpu.s_per_request * 1e3:.0f} ms CPU per request, "
+            f"daemons {cpu.background:.1%} (measured, cpu.json)"
+        )
     results = {}
     header = (
         f"{'run':<18}{'metric':<6}{'meas p50':>10}{'sim p50':>10}{'err':>8}"
@@ -130,9 +150,7 @@ def compare(args: argparse.Namespace) -> int:
     )
     print(header)
     print("-" * len(header))
-    for spec in args.run:
-        name, _, rest = spec.partition("=")
-        config, _, summary = rest.partition(":")
+    for name, config, summary in runs:
         base = name.split("@")[0]
         pools = []
         for role in ("prefill", "decode"):
@@ -144,7 +162,9 @@ def compare(args: argparse.Namespace) -> int:
                     f"{base}:{role}=FILE, {base}=FILE or a default FILE)"
                 )
             pools.append(profile)
-        rows = compare_one(Path(config), Path(summary), pools[0], pools[1], settings)
+        run_settings = settings.model_copy(update={"shared_cpu": shared.get(config)})
+        rows = compare_one(config, summary, pools[0], pools[1], run_settings)
+        rows["shared_cpu"] = shared[config].model_dump() if config in shared else None
         results[name] = rows
         print(
             f"{name:<18}simulated placements {rows['placements']}; "
@@ -165,6 +185,28 @@ def compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parse_run(spec: str) -> tuple[str, Path, Path]:
+    name, _, rest = spec.partition("=")
+    config, _, summary = rest.partition(":")
+    return name, Path(config), Path(summary)
+
+
+def _shared_cpu_by_config(runs: list[tuple[str, Path, Path]]) -> dict[Path, SharedCpuSettings]:
+    """Per config, the shared-CPU model measured over its runs (their ``cpu.json``)."""
+    measured: dict[Path, list[tuple[dict, int]]] = {}
+    for _, config, summary in runs:
+        cpu = summary.parent / "cpu.json"
+        if cpu.exists():
+            n = len(replay(summary).requests)
+            measured.setdefault(config, []).append((json.loads(cpu.read_text()), n))
+    out = {}
+    for config, found in measured.items():
+        settings = measured_settings(AppConfig.from_yaml(config), found)
+        if settings is not None:
+            out[config] = settings
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pdserve.sim.validate", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -176,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--prompt-len", default="uniform:64:512")
     m.add_argument("--output-len", default="fixed:32")
     m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--idle-s", type=float, default=10.0, help="CPU use of the idle cluster")
     m.add_argument("--out-dir", default=f"bench/results/sim-validate-{time.strftime('%H%M%S')}")
     c = sub.add_parser("compare", help="predicted vs measured")
     c.add_argument("--profile", action="append", required=True,
@@ -185,6 +228,11 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--rpc-ms", type=float, default=1.0, help="one process hop")
     c.add_argument("--ingress-ms", type=float, default=3.0, help="ingress parse + tokenize")
     c.add_argument("--out", default="bench/results/sim-validate.json")
+    c.add_argument(
+        "--no-shared-cpu",
+        action="store_true",
+        help="ignore cpu.json: every engine computes at its profiled speed",
+    )
     args = p.parse_args(argv)
     return measure(args) if args.command == "measure" else compare(args)
 
