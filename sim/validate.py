@@ -9,10 +9,18 @@
 runs ``bench.serve --save-requests`` once per rate (bounded by --num-requests and
 --max-duration-s; each rate with its own seed: the engines cache prompt prefixes, and a
 run that repeated the previous one's prompts would prefill almost nothing) and leaves one
-``summary.json`` per rate. ``compare`` replays each run's
+``summary.json`` per rate, with a ``cpu.json``: the CPU time of every thread during the run
+and during an idle spell before the runs, by the CPUs it may use and its niceness
+(``sim.cpu_account``), and the cluster's CPU plan. ``compare`` replays each run's
 requests (send times, prompt and output lengths) through the simulator, configured by the
 same YAML and calibrated by a ``pdserve.sim.profile`` step profile, and prints predicted
-vs measured TTFT and TPOT p50/p90 with the relative error; JSON goes next to it.
+vs measured TTFT and TPOT p50/p90 with the relative error; JSON goes next to it. Where the
+CPU plan leaves a pool's engine on the CPUs the serving processes share, its steps get
+what the serving path leaves of them (``sim.shared_cpu``), at the CPU cost per request the
+``cpu.json`` of the config's runs measured (``--no-shared-cpu``: at the profiled speed).
+
+Other jobs on the machine (threads allowed on every CPU) compete with both engines; they
+are recorded in ``cpu.json`` (``cpus=0,1;nice0`` and each CPU's busy time), not modelled.
 """
 
 from __future__ import annotations
