@@ -52,7 +52,7 @@ from pdserve.sim.events import EventLoop
 from pdserve.sim.replica import Admission, AdmissionQuery, RemoteInFlight, SimReplica
 from pdserve.sim.request import SimRequest
 from pdserve.sim.seq import EngineShape, Seq
-from pdserve.sim.shared_cpu import SharedCpuCost, SharedCpuLoad
+from pdserve.sim.shared_cpu import HelperThreadsCost, SharedCpuCost, SharedCpuLoad
 
 __all__ = ["Admission", "AdmissionQuery", "SimCluster", "SimReplica"]
 
@@ -73,9 +73,12 @@ class SimCluster:
         self.costs: dict[str, CostModel] = {"prefill": prefill_cost, "decode": decode_cost}
         shared = self.s.shared_cpu
         self.shared_cpu = SharedCpuLoad(shared, lambda: self.loop.now) if shared else None
-        for role in shared.roles if shared else ():
-            assert self.shared_cpu is not None
-            self.costs[role] = SharedCpuCost(self.costs[role], self.shared_cpu)
+        if shared is not None and self.shared_cpu is not None:
+            for role in shared.roles:
+                self.costs[role] = SharedCpuCost(self.costs[role], self.shared_cpu)
+            for helpers in shared.helpers:
+                role = helpers.role
+                self.costs[role] = HelperThreadsCost(self.costs[role], self.shared_cpu, helpers)
         self.pools: dict[str, list[SimReplica]] = {"prefill": [], "decode": []}
         self.retired: list[SimReplica] = []
         self.ingress_books = InflightLoad()

@@ -146,10 +146,11 @@ def compare(args: argparse.Namespace) -> int:
     runs = [_parse_run(spec) for spec in args.run]
     shared = {} if args.no_shared_cpu else _shared_cpu_by_config(runs)
     for config, cpu in shared.items():
+        on = [*cpu.roles, *(f"{h.role} helpers" for h in cpu.helpers)]
         print(
-            f"{config.stem}: engines of {'/'.join(cpu.roles)} on {cpu.num_cpus} shared CPU(s); "
-            f"serving path {cpu.s_per_request * 1e3:.0f} ms CPU per request, "
-            f"daemons {cpu.background:.1%} (measured, cpu.json)"
+            f"{config.stem}: {', '.join(on)} on {cpu.num_cpus} shared CPU(s); serving path "
+            f"{cpu.s_per_request * 1e3:.0f} ms CPU per request, daemons {cpu.background:.1%} "
+            "(measured, cpu.json)"
         )
     results = {}
     header = (
