@@ -15,11 +15,12 @@ Nothing here starts Ray or reads environment variables.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from ray import serve
 from ray.serve import Application
-from ray.serve.config import RequestRouterConfig
+from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
 from pdserve.deployments.autoscaling import APPLICATION_POLICY_PATH, POLICY_PATHS
 from pdserve.deployments.config import AppConfig, PoolConfig, PoolRole
@@ -73,6 +74,7 @@ def build_application(
         num_replicas=cfg.ingress_replicas,
         ray_actor_options={"num_cpus": cfg.ingress_num_cpus},
         graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
+        **ingress_bounds(cfg),
     ).bind(
         decode,
         model_dir,
@@ -83,6 +85,21 @@ def build_application(
         api=cfg.api,
         ttft_slo_ms=cfg.slo.ttft_ms if cfg.policy.on_slo_miss == "shed" else None,
     )
+
+
+def ingress_bounds(cfg: AppConfig) -> dict[str, Any]:
+    """Serve's bounds on the front door: an ingress replica holds at most as many requests
+    as the decode pool can (``AppConfig.ingress_ongoing_limit``), and Serve's HTTP proxy
+    queues only a few more (``ingress_queued_limit``), then refuses with 429 + Retry-After
+    (gRPC RESOURCE_EXHAUSTED) itself. Without them a flood the front door cannot keep up
+    with waits, unbounded and unseen by admission control, in the proxy."""
+    return {
+        "max_ongoing_requests": cfg.ingress_ongoing_limit,
+        "max_queued_requests": cfg.ingress_queued_limit,
+        "backpressure_config": BackpressureConfig(
+            status_code=429, retry_after_s=float(math.ceil(cfg.slo.ttft_ms / 1000.0))
+        ),
+    }
 
 
 def deployment_options(cfg: AppConfig, role: PoolRole) -> dict[str, Any]:

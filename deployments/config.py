@@ -613,6 +613,29 @@ class AppConfig(_Strict):
     ingress_num_cpus: float = Field(
         default=0.0, ge=0, description="CPUs reserved per ingress replica."
     )
+    ingress_max_ongoing_requests: int | None = Field(
+        default=None,
+        ge=1,
+        description=(
+            "Serve's cap on requests one ingress replica holds at once, streams included. "
+            "None = what the decode pool takes at decode.max_replicas, split over the "
+            "ingress replicas: the requests its admission control admits (half of each "
+            "replica's ongoing cap) when interactive traffic is shed, its ongoing caps when "
+            "it queues. Past it Serve's HTTP proxy queues up to ingress_max_queued_requests, "
+            "then answers 429 itself."
+        ),
+    )
+    ingress_max_queued_requests: int | None = Field(
+        default=None,
+        ge=1,
+        description=(
+            "Requests one Serve proxy queues for a full ingress; past it the proxy refuses "
+            "at once, without a hop to the ingress (HTTP 429 with a Retry-After of the TTFT "
+            "SLO rounded up, gRPC RESOURCE_EXHAUSTED), so a flood the front door cannot "
+            "take grows no queue there. None = a quarter of a decode batch per decode "
+            "replica (decode.engine.max_num_seqs x decode.max_replicas / 4)."
+        ),
+    )
     slo: SLOConfig = Field(default_factory=SLOConfig, description="Latency objectives.")
     transport: TransportConfig = Field(default_factory=TransportConfig, description="KV transport.")
     router: RouterConfig = Field(default_factory=RouterConfig, description="Request routers.")
@@ -650,6 +673,25 @@ class AppConfig(_Strict):
 
     def pool(self, role: PoolRole) -> PoolConfig:
         return self.prefill if role == "prefill" else self.decode
+
+    @property
+    def ingress_ongoing_limit(self) -> int:
+        """``ingress_max_ongoing_requests``, or what the decode pool takes per ingress."""
+        if self.ingress_max_ongoing_requests is not None:
+            return self.ingress_max_ongoing_requests
+        per_replica = self.decode.ongoing_limit
+        if self.policy.on_slo_miss == "shed":
+            # DecodeServer admits at most half its ongoing cap (the rest answers 429s).
+            per_replica = max(1, per_replica // 2)
+        total = self.decode.max_replicas * per_replica
+        return max(1, -(-total // self.ingress_replicas))
+
+    @property
+    def ingress_queued_limit(self) -> int:
+        """``ingress_max_queued_requests``, or a quarter decode batch per decode replica."""
+        if self.ingress_max_queued_requests is not None:
+            return self.ingress_max_queued_requests
+        return max(1, self.decode.engine.max_num_seqs * self.decode.max_replicas // 4)
 
     def gpus_per_rank(self, role: PoolRole) -> float:
         """What each rank of a replica (the replica itself without tensor parallelism) asks

@@ -12,6 +12,8 @@ limits; /health and /metrics can stay open) and bodies past ``api.max_body_bytes
 The request header ``x-pdserve-priority`` (gRPC: metadata of that name; the older
 ``x-pdserve-slo-class`` is read too) is ``interactive`` (default) or ``batch``: admission
 control on the decode replica sheds batch first and lets it queue longer.
+Serve bounds the ingress (``app.ingress_bounds``): past what the decode pool admits, Serve's
+proxy answers 429 itself; a full Serve queue for the decode pool is a 429 here too.
 gRPC: ``pdserve.v1.PDServe.Generate`` (server streaming) and ``.Complete`` (unary) from
 ``deployments/grpc/pdserve.proto``, and ``grpc.health.v1.Health/Check``, through Serve's
 gRPC proxy.
@@ -19,6 +21,7 @@ gRPC proxy.
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from importlib.metadata import version as package_version
@@ -361,8 +364,19 @@ class OpenAIIngress:
                 err = chunk.error
                 if err is not None and err.code == 429 and err.retry_after_s:
                     self._shed_hint.shed(request.slo_class, time.monotonic(), err.retry_after_s)
-        except (BackPressureError, DeploymentUnavailableError, RayActorError) as err:
-            # The decode pool is full or a replica went away: the client may retry.
+        except BackPressureError as err:
+            # Serve's queue for the decode pool is full (its max_queued_requests): overload,
+            # answered like a shed, not as a failure.
+            self._shed_metrics.record_shed("serve_queue_full", request.slo_class)
+            raise OpenAIError(
+                f"overloaded (serve_queue_full): {err}",
+                status_code=429,
+                type="rate_limit_error",
+                code="429",
+                retry_after_s=max(RETRY_AFTER_S, math.ceil(self._ttft_slo_s or 0.0)),
+            ) from err
+        except (DeploymentUnavailableError, RayActorError) as err:
+            # A replica went away (or none is up): the client may retry.
             raise OpenAIError(
                 f"the decode pool is unavailable: {type(err).__name__}",
                 status_code=503,

@@ -19,6 +19,9 @@ pytestmark = [pytest.mark.timeout(600), pytest.mark.cluster]
 OVERRIDES: dict[str, Any] = {
     "slo": {"ttft_ms": 500, "tpot_ms": 200},
     "policy": {"mode": "always_local", "on_slo_miss": "shed", "shed_ttft_factor": 1.5},
+    # The whole flood reaches pdserve's own admission control (the ingress's door and the
+    # decode replica), not Serve's bound in front of the ingress (the test below).
+    "ingress_max_ongoing_requests": 1024,
 }
 PROMPT = "the quick brown fox jumps over the lazy dog " * 20
 
@@ -38,7 +41,11 @@ async def stream(client: httpx.AsyncClient, max_tokens: int, first: asyncio.Even
         result["headers_s"] = time.perf_counter() - began
         result["retry_after"] = resp.headers.get("retry-after")
         if resp.status_code != 200:
-            result["body"] = json.loads(await resp.aread())
+            raw = await resp.aread()
+            try:
+                result["body"] = json.loads(raw)
+            except ValueError:  # Serve's proxy answers its own refusals in plain text
+                result["text"] = raw.decode()
             return result
         async for line in resp.aiter_lines():
             if line == "data: [DONE]":
@@ -87,3 +94,25 @@ def test_a_flood_is_shed_with_429_while_an_admitted_request_streams() -> None:
         assert report.idle, report
         errors = app.decode_handle().admission_report.remote().result(timeout_s=60)
         assert errors.num_observed == 1 + sum(s == 200 for s in statuses)
+
+
+def test_past_the_ingress_bound_serves_proxy_refuses_with_429_at_once() -> None:
+    """With the ingress full (its Serve bound, derived from the decode pool), Serve's proxy
+    answers the rest of a flood 429 + Retry-After itself; the admitted stream and every
+    request the ingress took finish, nothing fails and nothing is left held."""
+    bounded = {**OVERRIDES, "ingress_max_ongoing_requests": 4, "ingress_max_queued_requests": 2}
+    with running_app(overrides=bounded) as app:
+        admitted, flood = asyncio.run(flood_while_streaming(app.http_url))
+
+        assert admitted["status"] == 200 and admitted["done"] and admitted["tokens"] == 64
+        statuses = [r["status"] for r in flood]
+        assert all(s in (200, 429) for s in statuses), statuses
+        refused = [r for r in flood if "text" in r]  # not pdserve's OpenAI body: the proxy's
+        assert len(refused) >= 40, statuses  # 80 at once against 4 slots and a queue of 2
+        assert all(r["status"] == 429 and int(r["retry_after"]) >= 1 for r in refused)
+        for r in flood:
+            if r["status"] == 200:
+                assert r["done"] and r["tokens"] == 32
+
+        report = app.decode_handle().check_integrity.remote().result(timeout_s=60)
+        assert report.idle, report

@@ -202,3 +202,36 @@ def test_always_local_deploys_no_prefill_pool() -> None:
 def _deployments(app: Any) -> list[Any]:
     """The deployments Serve would create for the application (its own graph builder)."""
     return serve_build_app(app, name="pdserve").deployments
+
+
+def test_the_ingress_is_bounded_by_the_decode_pool_and_the_proxy_refuses_with_429() -> None:
+    """A flood the front door cannot take waits nowhere unbounded: the ingress holds at most
+    what the decode pool admits (half of each replica's ongoing cap, at max_replicas, split
+    over the ingress replicas), Serve's proxy queues a quarter batch per decode replica more,
+    then answers 429 with a Retry-After of the TTFT SLO itself."""
+    cfg: dict[str, Any] = {
+        "model": TINY,
+        "policy": {"mode": "always_local"},
+        "ingress_replicas": 2,
+        "slo": {"ttft_ms": 1500},
+        "decode": {"min_replicas": 1, "max_replicas": 3, "engine": {"max_num_seqs": 8}},
+    }
+
+    def ingress_config(config: dict[str, Any]) -> Any:
+        deployments = {d.name: d for d in _deployments(build_app(config))}
+        return deployments["OpenAIIngress"]._deployment_config
+
+    config = ingress_config(cfg)
+    # Decode's ongoing cap is 4 x 8 = 32, it admits 16 of them; 3 replicas over 2 ingresses.
+    assert config.max_ongoing_requests == 3 * 16 // 2
+    assert config.max_queued_requests == 8 * 3 // 4
+    assert config.backpressure_config.status_code == 429
+    assert config.backpressure_config.retry_after_s == 2.0  # 1.5 s rounded up
+
+    # Queueing interactive traffic: the ingress may hold the pool's whole ongoing caps.
+    queueing = {**cfg, "policy": {"mode": "always_local", "on_slo_miss": "queue"}}
+    assert ingress_config(queueing).max_ongoing_requests == 3 * 32 // 2
+
+    given = {**cfg, "ingress_max_ongoing_requests": 50, "ingress_max_queued_requests": 5}
+    config = ingress_config(given)
+    assert (config.max_ongoing_requests, config.max_queued_requests) == (50, 5)
