@@ -168,6 +168,20 @@ class CpuSettings(_Strict):
             "long prompts are prefilled next door."
         ),
     )
+    engine_nice: int = Field(
+        default=0,
+        ge=0,
+        le=19,
+        description=(
+            "Niceness (at least) of the engine's compute threads only: its step thread and "
+            "the OpenMP threads it starts; the replica's serving threads (Ray, the "
+            "event loop that admits requests and streams tokens) keep theirs. Where engines "
+            "share a node's CPUs with the Serve proxy and the ingress, a niced engine lets "
+            "the front door run first: under overload a request still reaches admission "
+            "control and gets its 429 at once, instead of queueing unseen in the proxy "
+            "behind the engine's steps. 0 = unchanged."
+        ),
+    )
     cpu_bind: str = Field(
         default="auto",
         description=(

@@ -43,6 +43,7 @@ def runtime_settings(pool: PoolConfig, environ: Mapping[str, str] = os.environ) 
     return RuntimeSettings(
         num_cpus=pool.num_cpus,
         nice=cpu.nice,
+        engine_nice=cpu.engine_nice,
         cpu_bind=cpu.cpu_bind,
         node_engine_cpus=environ.get(ENGINE_CPUS_ENV, ""),
         helper_threads=cpu.helper_threads,

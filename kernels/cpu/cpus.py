@@ -97,6 +97,7 @@ class RuntimeSettings:
 
     num_cpus: float | None = None  # torch intra-op threads (at least 1); None = torch's own
     nice: int = 0  # niceness added to every thread of the process; 0 = unchanged
+    engine_nice: int = 0  # niceness of the engine's step thread and its OpenMP threads only
     cpu_bind: str = "none"  # 'auto' (the node's reservation), 'none' or a CPU list
     node_engine_cpus: str = ""  # $PDSERVE_ENGINE_CPUS of the node ('' = none reserved)
     helper_threads: int = 0  # OpenMP helpers on the process's other CPUs (bound engines)
@@ -105,8 +106,9 @@ class RuntimeSettings:
     def __post_init__(self) -> None:
         if self.num_cpus is not None and self.num_cpus <= 0:
             raise ValueError(f"num_cpus must be > 0, got {self.num_cpus}")
-        if not 0 <= self.nice <= 19:
-            raise ValueError(f"nice must lie in [0, 19], got {self.nice}")
+        for name in ("nice", "engine_nice"):
+            if not 0 <= getattr(self, name) <= 19:
+                raise ValueError(f"{name} must lie in [0, 19], got {getattr(self, name)}")
         if self.cpu_bind not in ("auto", "none"):
             parse_cpu_list(self.cpu_bind)  # ValueError naming the list
         if self.helper_threads < 0:

@@ -17,7 +17,9 @@ Why each piece exists:
 - helper threads: a bound engine can add OpenMP threads on the process's other (shared)
   CPUs, niced, for big steps only, so a small node's serving CPUs put their idle time into
   prefill.
-- niceness: where pools share CPUs, a niced prefill replica lets decode steps win them.
+- niceness: where pools share CPUs, a niced prefill replica lets decode steps win them; a
+  niced engine thread (``engine_nice``) lets the serving threads of its node (Serve's proxy,
+  the ingress, its own replica's event loop) run first, so they answer under overload.
 - allocator: glibc hands freed activation memory back to the OS (see ``keep_freed_memory``).
 
 It never changes what is computed, only where and on how many threads.
@@ -30,6 +32,8 @@ import ctypes.util
 import functools
 import logging
 import os
+import sys
+import threading
 from collections.abc import Collection
 from dataclasses import dataclass
 
@@ -126,6 +130,26 @@ def lower_cpu_priority(nice: int) -> int:
         except OSError:  # the thread ended meanwhile
             continue
     return changed
+
+
+def lower_thread_priority(nice: int) -> bool:
+    """Raise the calling thread (only it, and the threads it starts later, which inherit
+    it) to at least niceness ``nice``; returns whether it changed. Linux only (elsewhere
+    niceness is per process and this is a logged no-op); only ever lowers priority."""
+    if nice <= 0:
+        return False
+    if not sys.platform.startswith("linux"):
+        logger.warning("per-thread niceness is not supported on this OS; engine not niced")
+        return False
+    tid = threading.get_native_id()
+    try:
+        if os.getpriority(os.PRIO_PROCESS, tid) >= nice:
+            return False
+        os.setpriority(os.PRIO_PROCESS, tid, nice)
+    except OSError as err:
+        logger.warning("could not nice the engine thread to %d: %s", nice, err)
+        return False
+    return True
 
 
 @dataclass
@@ -246,9 +270,10 @@ class CpuRuntime:
 
     Side effects, by hook: ``prepare_process`` sets torch's thread count, the niceness of
     every thread of the process and glibc's malloc thresholds, and builds the native
-    kernels; ``on_engine_thread_start`` binds the calling thread (and helper OpenMP threads)
-    to CPUs; ``before_step`` sets the thread count for the step's size. The engine CPUs are
-    resolved at construction, so a bad CPU list fails before the model loads.
+    kernels; ``on_engine_thread_start`` nices the calling thread (``engine_nice``) and
+    binds it (and helper OpenMP threads) to CPUs; ``before_step`` sets the thread count for
+    the step's size. The engine CPUs are resolved at construction, so a bad CPU list fails
+    before the model loads.
     """
 
     def __init__(self, settings: RuntimeSettings | None = None) -> None:
@@ -268,6 +293,9 @@ class CpuRuntime:
         native.available()  # build the CPU kernels now, not in the first request
 
     def on_engine_thread_start(self) -> None:
+        # Before any OpenMP team exists: the team's threads inherit the step thread's
+        # niceness (helpers are niced further in _start_helpers).
+        lower_thread_priority(self.settings.engine_nice)
         process_cpus = current_thread_cpus()  # inherited: the process's (shared) CPUs
         if self._engine_cpus and bind_current_thread(self._engine_cpus):
             self._info = RuntimeInfo(engine_cpus=self._engine_cpus)

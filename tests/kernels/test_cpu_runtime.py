@@ -128,6 +128,44 @@ def test_niceness_reaches_every_thread_and_later_ones() -> None:
     assert out.stdout.split() == ["True", "{7}", "7"]
 
 
+ENGINE_NICE_CHILD = textwrap.dedent(
+    """
+    import os, threading
+    from pdserve.kernels.cpu.cpus import RuntimeSettings
+    from pdserve.kernels.cpu.runtime import CpuRuntime
+
+    runtime = CpuRuntime(RuntimeSettings(engine_nice=6))
+    runtime.prepare_process()  # the process-wide nice is 0: nothing changes here
+    seen = {}
+    def prio():
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    def engine():
+        runtime.on_engine_thread_start()
+        seen["engine"] = prio()
+        child = threading.Thread(target=lambda: seen.setdefault("child", prio()))
+        child.start(); child.join()
+    t = threading.Thread(target=engine)
+    t.start(); t.join()
+    print(prio(), seen["engine"], seen["child"])
+    """
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness")
+def test_engine_nice_lowers_only_the_engine_thread_and_its_children() -> None:
+    """The serving threads of a replica keep their priority; the step thread and the
+    (OpenMP) threads it starts yield to them."""
+    out = subprocess.run(
+        [sys.executable, "-c", ENGINE_NICE_CHILD],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["0", "6", "6"]
+
+
 def test_bound_replicas_run_one_torch_thread_per_cpu() -> None:
     code = (
         "import torch; from pdserve.kernels.cpu.runtime import set_torch_threads as s; "
