@@ -111,17 +111,24 @@ async def drive(
     batch_fraction: float,
     seed: int,
     max_requests: int,
+    client_lag: list[tuple[float, float]] | None = None,
 ) -> list[Outcome]:
-    """Open-loop Poisson arrivals, phase by phase (name, rate req/s, seconds)."""
+    """Open-loop Poisson arrivals, phase by phase (name, rate req/s, seconds). With
+    ``client_lag`` the client's own event-loop lag is sampled into it as (sent time, lag):
+    a client that cannot keep up delays its sends and stretches every latency it reports."""
     rng = random.Random(seed)
     outcomes: list[Outcome] = []
     tasks: list[asyncio.Task[None]] = []
     limits = httpx.Limits(max_connections=2000, max_keepalive_connections=200)
     async with httpx.AsyncClient(limits=limits) as client:
         began = time.perf_counter()
+        lag_task = None
+        if client_lag is not None:
+            lag_task = asyncio.create_task(sample_loop_lag(client_lag, began))
         t = 0.0
         for name, rate, seconds in phases:
             end = t + seconds
+            print(f"phase {name} at {rate:.2f} req/s begins at unix {time.time():.3f}", flush=True)
             while len(outcomes) < max_requests:
                 t += rng.expovariate(rate)
                 if t >= end:
@@ -143,7 +150,20 @@ async def drive(
                 outcomes.append(out)
                 tasks.append(asyncio.create_task(send(client, url, body, out, began)))
         await asyncio.wait_for(asyncio.gather(*tasks), timeout=600.0)
+        if lag_task is not None:
+            lag_task.cancel()
     return outcomes
+
+
+async def sample_loop_lag(
+    samples: list[tuple[float, float]], began: float, period_s: float = 0.05
+) -> None:
+    """Append (seconds since ``began``, how late a ``period_s`` sleep woke) until cancelled."""
+    while True:
+        t = time.perf_counter()
+        await asyncio.sleep(period_s)
+        now = time.perf_counter()
+        samples.append((now - began, max(0.0, now - t - period_s)))
 
 
 async def probe_rate(url: str, model: str, prompts: list[str], output_len: int, s: float) -> float:
@@ -207,6 +227,19 @@ def summarize(outcomes: list[Outcome], slo_s: float) -> dict[str, Any]:
                 "reject_p99_s": pct([o.headers_s for o in shed if o.headers_s is not None], 0.99),
             }
     return rows
+
+
+def client_lag_by_phase(
+    samples: list[tuple[float, float]], phases: list[tuple[str, float, float]]
+) -> dict[str, dict[str, float | None]]:
+    """The client's event-loop lag per phase (p99 and max, seconds)."""
+    out: dict[str, dict[str, float | None]] = {}
+    start = 0.0
+    for name, _, seconds in phases:
+        lags = [lag for t, lag in samples if start <= t < start + seconds]
+        out[name] = {"p99_s": pct(lags, 0.99), "max_s": max(lags, default=None)}
+        start += seconds
+    return out
 
 
 def format_table(rows: dict[str, Any]) -> str:
@@ -338,6 +371,7 @@ def run_phase_set(
             )
         phases = [(n, max(0.05, x * base_rate), s) for n, x, s in phases_x]
         samples: list[dict[str, Any]] = []
+        client_lag: list[tuple[float, float]] = []
         stop = [False]
 
         async def with_monitor() -> list[Outcome]:
@@ -359,6 +393,7 @@ def run_phase_set(
                     args.batch_fraction,
                     args.seed,
                     args.max_requests,
+                    client_lag,
                 )
             finally:
                 stop[0] = True
@@ -385,6 +420,7 @@ def run_phase_set(
         "loadavg_before": uptime_before,
         "loadavg_after": Path("/proc/loadavg").read_text().split()[:3],
         "summary": rows,
+        "client_loop_lag": client_lag_by_phase(client_lag, phases),
         "replicas_over_time": samples,
         "decode_integrity_after": integrity,
         "idle_after": all(_idle(i) for i in integrity),
@@ -491,6 +527,10 @@ def main(argv: list[str] | None = None) -> int:
         f"loadavg before {result['loadavg_before']} after {result['loadavg_after']}"
     )
     print(format_table(result["summary"]))
+    lag = {k: v["p99_s"] for k, v in result["client_loop_lag"].items()}
+    print(
+        "client event-loop lag p99 per phase (s):", {k: v and round(v, 3) for k, v in lag.items()}
+    )
     print(
         f"idle after: {result['idle_after']}; median |predicted - actual| TTFT: "
         f"{result['median_abs_ttft_prediction_error_s']} s over {result['prediction_samples']}"
