@@ -107,16 +107,14 @@ def rank_prefill_stats(
 ) -> list[list[Any]]:
     """``rank_prefill`` over (replica, already parsed stats) pairs: the simulator parses
     each published report once, not once per request."""
+    # (score, index) pairs sort by score, ties in input order, with no key function: the
+    # simulator ranks a 51-replica pool for each of a day's 650k prompts.
     scored = [
-        (
-            predict_prefill_ttft_s(stats, inflight_tokens.get(r.replica_id, 0), prompt_tokens, p),
-            i,
-            r,
-        )
+        (predict_prefill_ttft_s(stats, inflight_tokens.get(r.replica_id, 0), prompt_tokens, p), i)
         for i, (r, stats) in enumerate(replicas)
     ]
-    scored.sort(key=lambda t: (t[0], t[1]))
-    return [[r] for _, _, r in scored]
+    scored.sort()
+    return [[replicas[i][0]] for _, i in scored]
 
 
 def rank_decode(
