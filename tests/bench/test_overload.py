@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from pdserve.bench.overload import Outcome, client_lag_by_phase, summarize
 
 
@@ -27,3 +29,54 @@ def test_summary_counts_what_the_client_saw() -> None:
     assert inter["shed_with_retry_after"] == 1 and inter["reject_p99_s"] == 0.05
     batch = rows["10x/batch"]
     assert (batch["5xx"], batch["lost"]) == (1, 1)  # no answer at all is lost
+
+
+def test_the_client_reads_streams_429s_and_cut_streams() -> None:
+    """``send`` against a local SSE server: a whole stream (TTFT, tokens, finished), a 429
+    with Retry-After, and a stream cut before [DONE] (lost)."""
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    from pdserve.bench.overload import send
+
+    def event(text: str, finish: str | None = None) -> bytes:
+        choice = {"index": 0, "text": text, "finish_reason": finish}
+        return f"data: {json.dumps({'choices': [choice]})}\n\n".encode()
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if body["prompt"] == "shed":
+            return web.json_response({"error": {}}, status=429, headers={"Retry-After": "3"})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(event("a"))
+        await resp.write(event("b", "length" if body["prompt"] == "ok" else None))
+        if body["prompt"] == "ok":
+            await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def run() -> list[Outcome]:
+        app = web.Application()
+        app.router.add_post("/v1/completions", stream)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        outs = [Outcome("x", "interactive", 0.0) for _ in range(3)]
+        try:
+            async with aiohttp.ClientSession() as client:
+                url = f"http://127.0.0.1:{port}/v1/completions"
+                for prompt, out in zip(("ok", "shed", "cut"), outs, strict=True):
+                    await send(client, url, {"prompt": prompt}, out, 0.0)
+        finally:
+            await runner.cleanup()
+        return outs
+
+    ok, shed, cut = asyncio.run(run())
+    assert ok.status == 200 and ok.finished and ok.tokens == 2 and ok.ttft is not None
+    assert not ok.lost
+    assert shed.status == 429 and shed.retry_after == "3" and not shed.lost
+    assert cut.status == 200 and cut.tokens == 2 and not cut.finished and cut.lost
