@@ -58,6 +58,9 @@ class Outcome:
     tokens: int = 0
     finished: bool = False  # [DONE] after a finish_reason
     error: str | None = None
+    # Who refused it: "pdserve" (the OpenAI error body: admission control) or "proxy"
+    # (Serve's proxy past the ingress's bounds, plain text).
+    refused_by: str | None = None
 
     @property
     def admitted(self) -> bool:
@@ -80,7 +83,12 @@ async def send(
             out.headers_s = time.perf_counter() - start
             out.retry_after = r.headers.get("retry-after")
             if r.status != 200:
-                await r.read()
+                raw = await r.read()
+                try:
+                    json.loads(raw)["error"]
+                    out.refused_by = "pdserve"
+                except (ValueError, KeyError, TypeError):
+                    out.refused_by = "proxy"
                 return
             finish = None
             async for raw in r.content:  # one SSE line at a time
@@ -220,6 +228,7 @@ def summarize(outcomes: list[Outcome], slo_s: float) -> dict[str, Any]:
                 "admitted": len(ok),
                 "shed_429": len(shed),
                 "shed_with_retry_after": sum(o.retry_after is not None for o in shed),
+                "shed_by_proxy": sum(o.refused_by == "proxy" for o in shed),
                 "retry_after_values": sorted({o.retry_after for o in shed if o.retry_after}),
                 "5xx": sum(1 for o in sel if o.status is not None and o.status >= 500),
                 "lost": sum(o.lost for o in sel),
@@ -252,6 +261,7 @@ def format_table(rows: dict[str, Any]) -> str:
         "sent",
         "admitted",
         "shed_429",
+        "shed_by_proxy",
         "5xx",
         "lost",
         "ttft_p50_s",

@@ -19,7 +19,9 @@ def test_client_lag_is_reported_per_phase() -> None:
 def test_summary_counts_what_the_client_saw() -> None:
     ok = Outcome("10x", "interactive", 1.0, status=200, headers_s=0.5, ttft=0.5, finished=True)
     cut = Outcome("10x", "interactive", 1.1, status=200, headers_s=0.5, ttft=0.6)
-    shed = Outcome("10x", "interactive", 1.2, status=429, headers_s=0.05, retry_after="2")
+    shed = Outcome(
+        "10x", "interactive", 1.2, status=429, headers_s=0.05, retry_after="2", refused_by="proxy"
+    )
     failed = Outcome("10x", "batch", 1.3, status=503, headers_s=0.01)
     silent = Outcome("10x", "batch", 1.4)
     rows = summarize([ok, cut, shed, failed, silent], slo_s=2.0)
@@ -27,13 +29,15 @@ def test_summary_counts_what_the_client_saw() -> None:
     assert (inter["sent"], inter["admitted"], inter["shed_429"]) == (3, 2, 1)
     assert inter["lost"] == 1  # admitted but never finished
     assert inter["shed_with_retry_after"] == 1 and inter["reject_p99_s"] == 0.05
+    assert inter["shed_by_proxy"] == 1
     batch = rows["10x/batch"]
     assert (batch["5xx"], batch["lost"]) == (1, 1)  # no answer at all is lost
 
 
 def test_the_client_reads_streams_429s_and_cut_streams() -> None:
     """``send`` against a local SSE server: a whole stream (TTFT, tokens, finished), a 429
-    with Retry-After, and a stream cut before [DONE] (lost)."""
+    with Retry-After and the OpenAI body (admission control), one in plain text (Serve's
+    proxy), and a stream cut before [DONE] (lost)."""
     import asyncio
 
     import aiohttp
@@ -49,6 +53,8 @@ def test_the_client_reads_streams_429s_and_cut_streams() -> None:
         body = await request.json()
         if body["prompt"] == "shed":
             return web.json_response({"error": {}}, status=429, headers={"Retry-After": "3"})
+        if body["prompt"] == "proxy":
+            return web.Response(text="Request dropped", status=429, headers={"Retry-After": "2"})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         await resp.write(event("a"))
@@ -65,18 +71,19 @@ def test_the_client_reads_streams_429s_and_cut_streams() -> None:
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        outs = [Outcome("x", "interactive", 0.0) for _ in range(3)]
+        outs = [Outcome("x", "interactive", 0.0) for _ in range(4)]
         try:
             async with aiohttp.ClientSession() as client:
                 url = f"http://127.0.0.1:{port}/v1/completions"
-                for prompt, out in zip(("ok", "shed", "cut"), outs, strict=True):
+                for prompt, out in zip(("ok", "shed", "proxy", "cut"), outs, strict=True):
                     await send(client, url, {"prompt": prompt}, out, 0.0)
         finally:
             await runner.cleanup()
         return outs
 
-    ok, shed, cut = asyncio.run(run())
+    ok, shed, proxy, cut = asyncio.run(run())
     assert ok.status == 200 and ok.finished and ok.tokens == 2 and ok.ttft is not None
     assert not ok.lost
     assert shed.status == 429 and shed.retry_after == "3" and not shed.lost
+    assert shed.refused_by == "pdserve" and proxy.refused_by == "proxy"
     assert cut.status == 200 and cut.tokens == 2 and not cut.finished and cut.lost
