@@ -646,8 +646,9 @@ class AppConfig(_Strict):
             "Requests one Serve proxy queues for a full ingress; past it the proxy refuses "
             "at once, without a hop to the ingress (HTTP 429 with a Retry-After of the TTFT "
             "SLO rounded up, gRPC RESOURCE_EXHAUSTED), so a flood the front door cannot "
-            "take grows no queue there. None = a quarter of a decode batch per decode "
-            "replica (decode.engine.max_num_seqs x decode.max_replicas / 4)."
+            "take grows no queue there. Serve counts requests still being routed as queued, "
+            "so this also bounds a burst arriving at once. None = one decode batch per "
+            "decode replica (decode.engine.max_num_seqs x decode.max_replicas)."
         ),
     )
     slo: SLOConfig = Field(default_factory=SLOConfig, description="Latency objectives.")
@@ -702,10 +703,10 @@ class AppConfig(_Strict):
 
     @property
     def ingress_queued_limit(self) -> int:
-        """``ingress_max_queued_requests``, or a quarter decode batch per decode replica."""
+        """``ingress_max_queued_requests``, or one decode batch per decode replica."""
         if self.ingress_max_queued_requests is not None:
             return self.ingress_max_queued_requests
-        return max(1, self.decode.engine.max_num_seqs * self.decode.max_replicas // 4)
+        return self.decode.engine.max_num_seqs * self.decode.max_replicas
 
     def gpus_per_rank(self, role: PoolRole) -> float:
         """What each rank of a replica (the replica itself without tensor parallelism) asks

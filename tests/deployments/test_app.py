@@ -207,7 +207,7 @@ def _deployments(app: Any) -> list[Any]:
 def test_the_ingress_is_bounded_by_the_decode_pool_and_the_proxy_refuses_with_429() -> None:
     """A flood the front door cannot take waits nowhere unbounded: the ingress holds at most
     what the decode pool admits (half of each replica's ongoing cap, at max_replicas, split
-    over the ingress replicas), Serve's proxy queues a quarter batch per decode replica more,
+    over the ingress replicas), Serve's proxy queues one batch per decode replica more,
     then answers 429 with a Retry-After of the TTFT SLO itself."""
     cfg: dict[str, Any] = {
         "model": TINY,
@@ -224,7 +224,7 @@ def test_the_ingress_is_bounded_by_the_decode_pool_and_the_proxy_refuses_with_42
     config = ingress_config(cfg)
     # Decode's ongoing cap is 4 x 8 = 32, it admits 16 of them; 3 replicas over 2 ingresses.
     assert config.max_ongoing_requests == 3 * 16 // 2
-    assert config.max_queued_requests == 8 * 3 // 4
+    assert config.max_queued_requests == 8 * 3
     assert config.backpressure_config.status_code == 429
     assert config.backpressure_config.retry_after_s == 2.0  # 1.5 s rounded up
 
