@@ -144,11 +144,11 @@ def compare(args: argparse.Namespace) -> int:
         profiles[key] = StepProfile.load(path)
     settings = SimSettings(rpc_s=args.rpc_ms / 1e3, ingress_s=args.ingress_ms / 1e3)
     runs = [_parse_run(spec) for spec in args.run]
-    shared = {} if args.no_shared_cpu else _shared_cpu_by_config(runs)
-    for config, cpu in shared.items():
+    shared = {} if args.no_shared_cpu else _shared_cpu_by_run(runs, args.cpu_cost_from_others)
+    for name, cpu in shared.items():
         on = [*cpu.roles, *(f"{h.role} helpers" for h in cpu.helpers)]
         print(
-            f"{config.stem}: {', '.join(on)} on {cpu.num_cpus} shared CPU(s); serving path "
+            f"{name}: {', '.join(on)} on {cpu.num_cpus} shared CPU(s); serving path "
             f"{cpu.s_per_request * 1e3:.0f} ms CPU per request, daemons {cpu.background:.1%} "
             "(measured, cpu.json)"
         )
@@ -171,9 +171,9 @@ def compare(args: argparse.Namespace) -> int:
                     f"{base}:{role}=FILE, {base}=FILE or a default FILE)"
                 )
             pools.append(profile)
-        run_settings = settings.model_copy(update={"shared_cpu": shared.get(config)})
+        run_settings = settings.model_copy(update={"shared_cpu": shared.get(name)})
         rows = compare_one(config, summary, pools[0], pools[1], run_settings)
-        rows["shared_cpu"] = shared[config].model_dump() if config in shared else None
+        rows["shared_cpu"] = shared[name].model_dump() if name in shared else None
         results[name] = rows
         print(
             f"{name:<18}simulated placements {rows['placements']}; "
@@ -200,19 +200,28 @@ def _parse_run(spec: str) -> tuple[str, Path, Path]:
     return name, Path(config), Path(summary)
 
 
-def _shared_cpu_by_config(runs: list[tuple[str, Path, Path]]) -> dict[Path, SharedCpuSettings]:
-    """Per config, the shared-CPU model measured over its runs (their ``cpu.json``)."""
-    measured: dict[Path, list[tuple[dict, int]]] = {}
-    for _, config, summary in runs:
+def _shared_cpu_by_run(
+    runs: list[tuple[str, Path, Path]], from_others: bool
+) -> dict[str, SharedCpuSettings]:
+    """Per run, the shared-CPU model measured over the runs of its config (their
+    ``cpu.json``), or with ``from_others`` over the config's other runs only, so that
+    nothing measured during a run goes into its own prediction but its send times."""
+    measured: dict[str, tuple[Path, dict, int]] = {}
+    for name, config, summary in runs:
         cpu = summary.parent / "cpu.json"
         if cpu.exists():
             n = len(replay(summary).requests)
-            measured.setdefault(config, []).append((json.loads(cpu.read_text()), n))
+            measured[name] = (config, json.loads(cpu.read_text()), n)
     out = {}
-    for config, found in measured.items():
+    for name, config, _ in runs:
+        found = [
+            (cpu, n)
+            for other, (c, cpu, n) in measured.items()
+            if c == config and not (from_others and other == name)
+        ]
         settings = measured_settings(AppConfig.from_yaml(config), found)
         if settings is not None:
-            out[config] = settings
+            out[name] = settings
     return out
 
 
@@ -241,6 +250,11 @@ def main(argv: list[str] | None = None) -> int:
         "--no-shared-cpu",
         action="store_true",
         help="ignore cpu.json: every engine computes at its profiled speed",
+    )
+    c.add_argument(
+        "--cpu-cost-from-others",
+        action="store_true",
+        help="predict each run with the serving CPU cost of its config's other runs only",
     )
     args = p.parse_args(argv)
     return measure(args) if args.command == "measure" else compare(args)
