@@ -21,11 +21,13 @@ from types import ModuleType
 from typing import Any, Protocol
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from pdserve.kernels import reference
 from pdserve.kernels.cpu import batched as cpu
 from pdserve.kernels.cpu.cpus import RuntimeInfo, RuntimeSettings
-from pdserve.kernels.cpu.linear import can_pack, pack_linears
+from pdserve.kernels.cpu.linear import can_pack, pack_linears, packed_linear_float32
 from pdserve.kernels.cpu.runtime import CpuRuntime, single_threaded_copies
 
 __all__ = [
@@ -36,6 +38,7 @@ __all__ = [
     "build_rope_cache",
     "can_pack",
     "gather_blocks",
+    "linear_float32",
     "make_runtime",
     "pack_linears",
     "paged_attention",
@@ -50,6 +53,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _triton_modules: dict[str, ModuleType | None] = {}
+
+# torch.mm(..., out_dtype=float32) on half-precision CUDA tensors (torch >= 2.8).
+_HAS_MM_OUT_DTYPE = "dtype" in getattr(torch.ops.aten.mm, "overloads", lambda: [])()
+_WIDEN_BYTES = 64 << 20  # float32 weight slice linear_float32 widens at a time
 
 
 def _triton(name: str, tensor: torch.Tensor) -> ModuleType | None:
@@ -169,26 +176,70 @@ def rms_norm(
     x: torch.Tensor,  # [T, H]
     weight: torch.Tensor,  # [H]
     eps: float,
-    residual: torch.Tensor | None = None,  # [T, H]
+    residual: torch.Tensor | None = None,  # [T, H], any float dtype (the model's: float32)
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm; with ``residual`` returns ``(norm(x + residual), x + residual)``."""
+    """RMSNorm; with ``residual`` returns ``(norm(x + residual), x + residual)``, the sum
+    taken in float32 and kept in the residual's dtype; the output is computed in float32
+    and rounded once to ``out_dtype`` (default x's dtype). See ``reference.rms_norm_ref``."""
     if weight.shape != (x.shape[-1],):
         raise ValueError(f"weight: expected shape ({x.shape[-1]},), got {tuple(weight.shape)}")
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"residual: shape {tuple(residual.shape)} != x {tuple(x.shape)}")
+    if out_dtype is not None and not out_dtype.is_floating_point:
+        raise ValueError(f"out_dtype: expected a floating-point dtype, got {out_dtype}")
     mod = _triton("norm", x)
     if mod is not None:
-        return mod.rms_norm_triton(x, weight, eps, residual)
-    return cpu.rms_norm_cpu(x, weight, eps, residual)
+        return mod.rms_norm_triton(x, weight, eps, residual, out_dtype)
+    return cpu.rms_norm_cpu(x, weight, eps, residual, out_dtype)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
-    """``silu(x[:, :I]) * x[:, I:]``: the activation of a fused gate/up projection."""
+    """``silu(x[:, :I]) * x[:, I:]``: the activation of a fused gate/up projection, in
+    float32 and rounded once."""
     if x.dim() != 2 or x.shape[-1] % 2:
         raise ValueError(f"x: expected [T, 2 * intermediate], got {tuple(x.shape)}")
     if x.device.type == "cpu":
         return cpu.silu_and_mul_cpu(x)
+    mod = _triton("activation", x)
+    if mod is not None:
+        return mod.silu_and_mul_triton(x)
     return reference.silu_and_mul_ref(x)
+
+
+def linear_float32(
+    x: torch.Tensor,  # [M, K] float32
+    layer: nn.Module,  # an nn.Linear or what pack_linears made of one
+) -> torch.Tensor:  # [M, N] float32
+    """``layer(x)`` with float32 sums and a float32 result whatever the weight's dtype: the
+    projection to the logits, so that neither the last hidden state nor the logits are
+    rounded to a half-precision dtype (a near-tie between two tokens is decided by the
+    model, not by bf16 rounding)."""
+    if x.dim() != 2:
+        raise ValueError(f"x: expected [M, K], got {tuple(x.shape)}")
+    x = x.float()
+    packed = packed_linear_float32(x, layer)
+    if packed is not None:
+        return packed
+    weight, bias = layer.weight, layer.bias
+    bias = None if bias is None else bias.float()
+    if weight.dtype == torch.float32:
+        return F.linear(x, weight, bias)
+    if weight.is_cuda and _HAS_MM_OUT_DTYPE:
+        # x as its rounding plus the rounding of the rest: two half-precision matmuls with
+        # float32 sums and result, the weight read in its own dtype.
+        high = x.to(weight.dtype)
+        low = (x - high.float()).to(weight.dtype)
+        out = torch.mm(high, weight.t(), out_dtype=torch.float32)
+        out += torch.mm(low, weight.t(), out_dtype=torch.float32)
+        return out if bias is None else out + bias
+    # Elsewhere the weight is widened a slice at a time (bounded temporary memory).
+    rows = max(1, _WIDEN_BYTES // (4 * weight.shape[1]))
+    parts = [
+        F.linear(x, weight[i : i + rows].float(), None if bias is None else bias[i : i + rows])
+        for i in range(0, weight.shape[0], rows)
+    ]
+    return torch.cat(parts, dim=-1)
 
 
 def build_rope_cache(

@@ -118,25 +118,30 @@ def rms_norm_ref(
     weight: torch.Tensor,  # [H]
     eps: float,
     residual: torch.Tensor | None = None,  # [T, H]
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """HF Llama RMSNorm; with ``residual``: returns ``(norm(x + residual), x + residual)``.
+    """RMSNorm over a residual stream; with ``residual``: returns ``(norm(s), s)`` where
+    ``s = x + residual``.
 
-    As in HF, the residual sum is taken in the input dtype, the norm in float32, and the
-    normalised value is cast back to the input dtype before the weight multiply.
+    The sum is taken in float32 and stored in the residual's dtype (the model keeps the
+    stream in float32, so a bf16 layer output is added without rounding the stream); the
+    statistics are float32, and ``weight * s / rms(s)`` is computed in float32 and rounded
+    once to ``out_dtype`` (default: x's dtype). In float32 this is HF Llama's RMSNorm; in
+    bf16 it leaves out HF's two extra roundings (of the sum, and of the normalised value
+    before the weight multiply).
     """
-    if residual is not None:
-        x = x + residual
-    xf = x.float()
-    variance = xf.pow(2).mean(dim=-1, keepdim=True)
-    normed = (xf * torch.rsqrt(variance + eps)).to(x.dtype)
-    out = (weight * normed).to(x.dtype)
-    return out if residual is None else (out, x)
+    out_dtype = out_dtype or x.dtype
+    s = x if residual is None else (x.float() + residual.float()).to(residual.dtype)
+    sf = s.float()
+    variance = sf.pow(2).mean(dim=-1, keepdim=True)
+    out = (weight.float() * (sf * torch.rsqrt(variance + eps))).to(out_dtype)
+    return out if residual is None else (out, s)
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:  # [..., 2I] -> [..., I]
-    """``silu(gate) * up`` of a fused gate/up projection, as HF's ``act_fn(gate) * up``."""
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    """``silu(gate) * up`` of a fused gate/up projection in float32, rounded once."""
+    gate, up = x.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(x.dtype)
 
 
 def _rope_inv_freq(head_dim: int, base: float, rope_scaling: dict[str, Any] | None) -> torch.Tensor:

@@ -40,6 +40,11 @@ class AttentionMetadata:
     decode_only: bool  # every sequence has exactly one new token: use the decode kernel
 
 
+# The residual stream's dtype in every model dtype: each layer's bf16 output is added to it
+# without rounding the running sum (kernels.ops.rms_norm fuses the add).
+RESIDUAL_DTYPE = torch.float32
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -47,9 +52,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        out_dtype: torch.dtype | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        return ops.rms_norm(x, self.weight, self.eps, residual)
+        return ops.rms_norm(x, self.weight, self.eps, residual, out_dtype)
 
 
 class Attention(nn.Module):
@@ -147,9 +155,10 @@ class DecoderLayer(nn.Module):
         cos_sin: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # The residual stream is carried separately so each norm fuses the residual add.
+        # The residual stream is carried separately, in float32, so each norm fuses the
+        # residual add and the stream is never rounded to the model dtype.
         if residual is None:
-            residual = x
+            residual = x.to(RESIDUAL_DTYPE)
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
@@ -203,8 +212,9 @@ class LlamaForCausalLM(nn.Module):
         kv_cache: torch.Tensor,  # [L, 2, N, B, Hkv, D]
         meta: AttentionMetadata,
         kv_connector: KVConnector | None = None,
-    ) -> torch.Tensor:  # [T, hidden]: final-norm hidden states
-        """Run the decoder; writes every token's K/V into ``kv_cache`` at its slot."""
+    ) -> torch.Tensor:  # [T, hidden] float32: final-norm hidden states
+        """Run the decoder; writes every token's K/V into ``kv_cache`` at its slot. The
+        final norm's output stays float32: it only feeds the logits."""
         cos_sin = self.cos_sin_cache()
         x = self.model.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
@@ -213,13 +223,14 @@ class LlamaForCausalLM(nn.Module):
             if kv_connector is not None:
                 # Layer i's K/V are in the cache now: the connector may start sending them.
                 kv_connector.layer_computed(i, kv_cache)
-        x, _ = self.model.norm(x, residual)
+        x, _ = self.model.norm(x, residual, out_dtype=torch.float32)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, V]
-        """Every rank gets the full logits (an all-gather of the vocabulary shards; rank 0
-        samples); every rank must call this in the same step."""
-        logits = self.lm_head(hidden)
+        """Float32 logits from the float32 hidden states (float32 sums, never rounded to the
+        model dtype). Every rank gets the full logits (an all-gather of the vocabulary
+        shards; rank 0 samples); every rank must call this in the same step."""
+        logits = ops.linear_float32(hidden, self.lm_head)
         if self.tp.size == 1:
             return logits
         return self.tp.all_gather_last(logits)[..., : self.config.vocab_size]

@@ -11,8 +11,8 @@ kernel; prefill chunks after a cached prefix go in padded groups whose padding w
 bounded. What derives from a step's metadata alone (grouping, gather indices, masks, rotary
 rows) is built once per step and shared by all layers. KV writes are one ``index_copy_``
 per cache. RMSNorm (with its residual add), the rotary embedding and SiLU-and-mul run in
-one pass each in ``kernels/cpu/native.py`` where it is built, else on torch's kernels (RMSNorm
-in float32 for half precision, as in HF). Checked against ``kernels/reference.py``.
+one pass each in ``kernels/cpu/native.py`` where it is built, else on torch's kernels (in
+float32, rounded once). Checked against ``kernels/reference.py``.
 """
 
 from __future__ import annotations
@@ -440,19 +440,18 @@ def rms_norm_cpu(
     weight: torch.Tensor,  # [H]
     eps: float,
     residual: torch.Tensor | None = None,  # [T, H]
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm with the reference's semantics: the native one-pass kernel where it is built,
-    else torch's fused kernel (for half precision the norm runs in float32 and is cast back
-    before the weight multiply, as in HF)."""
-    fused = native.rms_norm(x, weight, eps, residual)
+    """RMSNorm with the reference's semantics (the sum in the residual's dtype, float32
+    math, one rounding of the output): the native one-pass kernel where it is built, else
+    torch's fused kernel in float32."""
+    fused = native.rms_norm(x, weight, eps, residual, out_dtype)
     if fused is not None:
         return fused
+    out_dtype = out_dtype or x.dtype
     if residual is not None:
-        x = x + residual
-    if x.dtype == torch.float32 and weight.dtype == torch.float32:
-        out = F.rms_norm(x, (x.shape[-1],), weight, eps)
-    else:
-        out = F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype).mul_(weight)
+        x = residual.float().add(x).to(residual.dtype)
+    out = F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(out_dtype)
     return out if residual is None else (out, x)
 
 
@@ -495,10 +494,10 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
-    """``silu(gate) * up`` of a fused gate/up projection: one native pass where it is built,
-    else torch's two kernels (the SiLU in place of a fresh temporary)."""
+    """``silu(gate) * up`` of a fused gate/up projection in float32, rounded once: one native
+    pass where it is built, else torch's kernels."""
     fused = native.silu_and_mul(x)
     if fused is not None:
         return fused
-    gate, up = x.split(x.shape[-1] // 2, dim=-1)
-    return F.silu(gate).mul_(up)
+    gate, up = x.float().split(x.shape[-1] // 2, dim=-1)
+    return F.silu(gate).mul_(up).to(x.dtype)

@@ -42,6 +42,7 @@ __all__ = [
     "can_pack",
     "holds_bf16_values",
     "pack_linears",
+    "packed_linear_float32",
 ]
 
 logger = logging.getLogger(__name__)
@@ -175,11 +176,28 @@ class Bf16WeightLinear(_NativeLinear):
         return native.bf16_weight_linear(rows, self.packed_weight, self.out_features, self.bias)
 
 
-def _packed(linear: nn.Linear) -> nn.Module | None:
+def packed_linear_float32(x: torch.Tensor, layer: nn.Module) -> torch.Tensor | None:
+    """``layer(x)`` in float32 (float32 ``x`` [M, K], float32 sums and result) for a layer
+    ``pack_linears`` made; None for any other layer."""
+    if isinstance(layer, Bf16Linear):
+        rows = x.reshape(-1, layer.in_features).contiguous()
+        return native.bf16_linear_float32(rows, layer.packed_weight, layer.out_features, layer.bias)
+    if isinstance(layer, Bf16WeightLinear):
+        return layer(x)
+    if isinstance(layer, PackedLinear):
+        # oneDNN's packed matmul returns its input's dtype; pack_linears leaves a logits
+        # projection unpacked where it would make one of these.
+        raise TypeError("PackedLinear has no float32 result; keep this layer unpacked")
+    return None
+
+
+def _packed(linear: nn.Linear, float32_result: bool) -> nn.Module | None:
     weight = linear.weight
     if can_pack(weight.dtype, weight.device):
         if native.bf16_linear_available() and not _has_amx():
             return Bf16Linear(linear)
+        if float32_result:
+            return None  # oneDNN's packed matmul would round the result to bf16
         return PackedLinear(linear)
     if native.bf16_weight_linear_available():
         try:  # its constructor checks that the weight holds bf16 values (one pass over it)
@@ -189,7 +207,7 @@ def _packed(linear: nn.Linear) -> nn.Module | None:
     return None
 
 
-def pack_linears(model: nn.Module) -> int:
+def pack_linears(model: nn.Module, float32_results: tuple[str, ...] = ("lm_head",)) -> int:
     """Replace every ``nn.Linear`` in ``model`` (in place) where ``can_pack`` says so for its
     weight by a ``Bf16Linear`` (AVX512-BF16 without AMX) or a ``PackedLinear`` (oneDNN),
     else by a ``Bf16WeightLinear`` where its float32 weight holds bfloat16 values and the
@@ -197,11 +215,15 @@ def pack_linears(model: nn.Module) -> int:
 
     The unpacked weights are dropped (a tied ``lm_head`` keeps sharing the embedding's
     tensor, which the embedding still needs), so packing does not double the memory.
+    Layers named in ``float32_results`` are run through ``packed_linear_float32`` (the
+    logits): they are packed only into a kind that can give a float32 result.
     """
     kinds: dict[str, int] = {}
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and (packed := _packed(child)) is not None:
+            if not isinstance(child, nn.Linear):
+                continue
+            if (packed := _packed(child, name in float32_results)) is not None:
                 setattr(parent, name, packed)
                 kinds[type(packed).__name__] = kinds.get(type(packed).__name__, 0) + 1
     for kind, count in kinds.items():

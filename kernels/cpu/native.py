@@ -48,6 +48,7 @@ __all__ = [
     "bf16_weight_linear",
     "bf16_linear",
     "bf16_linear_available",
+    "bf16_linear_float32",
     "bf16_weight_linear_available",
     "pack_bf16_linear_weight",
     "pack_bf16_weight",
@@ -71,7 +72,7 @@ _SOURCES = [
     )
 ]
 _HEADERS = [_CSRC / "cpu_math.h"]
-_ABI_VERSION = 1
+_ABI_VERSION = 2
 CACHE_ENV = "PDSERVE_KERNEL_CACHE"
 # -fno-trapping-math: nothing here reads floating-point exception flags, and without it GCC
 # keeps the exp/softmax/SiLU loops scalar where the CPU has no AVX-512 masks (AVX2): a
@@ -99,8 +100,8 @@ _DECODE_FN = {
     torch.bfloat16: "pdserve_paged_decode_bf16",
 }
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_RMS_NORM_ARGS = [_I32, _I32, _I32, _I32, _P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _F32]
 _LAYER_OPS_ARGS = {
-    "pdserve_rms_norm": [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _F32],
     "pdserve_rotary": [_P, _P, _I64, _I64, _I32, _P, _I64, _I64, _I32, _I32, _P, _P, _I64],
     "pdserve_silu_and_mul": [_P, _I64, _I64, _I64, _P],
 }
@@ -183,10 +184,15 @@ def _load() -> ctypes.CDLL | None:
     lib.pdserve_pack_bf16.restype = None
     lib.pdserve_linear_bf16.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _I64]
     lib.pdserve_linear_bf16.restype = None
+    lib.pdserve_linear_bf16_split_f32.argtypes = [_P, _P, _I64, _I64, _I64, _P, _I64, _P, _P]
+    lib.pdserve_linear_bf16_split_f32.argtypes += [_I64]
+    lib.pdserve_linear_bf16_split_f32.restype = None
     for name, argtypes in _LAYER_OPS_ARGS.items():
         for suffix in _SUFFIX.values():
             getattr(lib, f"{name}_{suffix}").argtypes = argtypes
             getattr(lib, f"{name}_{suffix}").restype = None
+    lib.pdserve_rms_norm.argtypes = _RMS_NORM_ARGS
+    lib.pdserve_rms_norm.restype = None
     lib.pdserve_bind_omp_team.argtypes = [_I32, _P, _P, _I32]
     lib.pdserve_bind_omp_team.restype = _I32
     return lib
@@ -395,6 +401,35 @@ def bf16_linear(
     return _linear("pdserve_linear_bf16", x, packed, out_features, bias)
 
 
+def bf16_linear_float32(
+    x: torch.Tensor,  # [M, K] float32
+    packed: torch.Tensor,  # from pack_bf16_linear_weight
+    out_features: int,
+    bias: torch.Tensor | None,  # [N] float32
+) -> torch.Tensor:  # [M, N] float32
+    """``x @ W^T + bias`` for a float32 ``x`` with float32 sums and result: ``x`` goes in as
+    two bf16 parts (its rounding and the rounding of the rest) dotted into the same sums,
+    so it is taken to about 2^-16 relative and nothing is rounded to bf16 after."""
+    rows, in_features = x.shape
+    high = x.to(torch.bfloat16)
+    low = (x - high.float()).to(torch.bfloat16)
+    out = torch.empty((rows, out_features), dtype=torch.float32)
+    if rows:
+        _library().pdserve_linear_bf16_split_f32(
+            high.data_ptr(),
+            low.data_ptr(),
+            in_features,
+            rows,
+            in_features,
+            packed.data_ptr(),
+            out_features,
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            out.stride(0),
+        )
+    return out
+
+
 def _layer_op(name: str, *tensors: torch.Tensor) -> Callable[..., None] | None:
     """The native ``name`` for these tensors' dtype, or None where it does not apply: the
     library is unavailable, or the tensors are not all CPU float32/bfloat16 of one dtype
@@ -415,21 +450,38 @@ def rms_norm(
     weight: torch.Tensor,  # [H]
     eps: float,
     residual: torch.Tensor | None,  # [T, H]
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
-    """``pdserve.kernels.reference.rms_norm_ref`` in one pass (the residual sum rounded to the
-    dtype, the norm in float32); None where the native op does not apply (2-D inputs only).
-    Shapes are checked by ``pdserve.kernels.ops``."""
-    if x.dim() != 2 or (residual is not None and residual.dim() != 2):
+    """``pdserve.kernels.reference.rms_norm_ref`` in one pass (the sum in the residual's
+    dtype, the norm in float32, the output rounded once to ``out_dtype``, default x's);
+    None where the native op does not apply (2-D float32/bfloat16 CPU tensors with
+    contiguous rows only). Shapes are checked by ``pdserve.kernels.ops``."""
+    out_dtype = out_dtype or x.dtype
+    tensors = [x, weight, *([] if residual is None else [residual])]
+    if (
+        x.dim() != 2
+        or (residual is not None and residual.dim() != 2)
+        or out_dtype not in _SUFFIX
+        or any(
+            t.dtype not in _SUFFIX or t.device.type != "cpu" or (t.numel() and t.stride(-1) != 1)
+            for t in tensors
+        )
+    ):
         return None
-    fn = _layer_op("pdserve_rms_norm", x, weight, *([] if residual is None else [residual]))
-    if fn is None:
+    lib = _library()
+    if lib is None:
         return None
     rows, hidden = x.shape
     weight = weight.contiguous()
-    out = torch.empty((rows, hidden), dtype=x.dtype)
-    summed = None if residual is None else torch.empty_like(out)
+    out = torch.empty((rows, hidden), dtype=out_dtype)
+    summed = None if residual is None else torch.empty((rows, hidden), dtype=residual.dtype)
     if rows:
-        fn(
+        bf16 = torch.bfloat16
+        lib.pdserve_rms_norm(
+            x.dtype == bf16,
+            residual is not None and residual.dtype == bf16,
+            weight.dtype == bf16,
+            out_dtype == bf16,
             x.data_ptr(),
             x.stride(0),
             None if residual is None else residual.data_ptr(),
@@ -479,8 +531,8 @@ def rotary(
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:  # [T, 2I] -> [T, I]
-    """``silu(x[:, :I]) * x[:, I:]`` in one pass (for bfloat16 the SiLU is rounded before
-    the product, as in torch); None where the native op does not apply (2-D input only)."""
+    """``silu(x[:, :I]) * x[:, I:]`` in one pass, float32 math rounded once; None where the
+    native op does not apply (2-D input only)."""
     if x.dim() != 2 or x.shape[1] % 2:
         return None
     fn = _layer_op("pdserve_silu_and_mul", x)

@@ -295,15 +295,24 @@ def _bench_elementwise(dev: torch.device, ceil: Ceilings) -> list[Row]:
     rows.append(_timed("write_kv", shape, err, 0.0, ms, "GB/s", gbs, copy))
 
     x = torch.randn(tokens, hidden, device=dev, generator=gen).to(torch.bfloat16)
-    res = torch.randn(tokens, hidden, device=dev, generator=gen).to(torch.bfloat16)
+    res = torch.randn(tokens, hidden, device=dev, generator=gen)  # the float32 stream
     w = torch.randn(hidden, device=dev, generator=gen).to(torch.bfloat16)
     out, new_res = ops.rms_norm(x, w, 1e-5, res)
     ref_out, ref_res = R.rms_norm_ref(x, w, 1e-5, res)
     err = max(_rel_error(out, ref_out), _rel_error(new_res, ref_res))
     ms = _bench(lambda: ops.rms_norm(x, w, 1e-5, res))
-    gbs = 4 * x.numel() * 2 / ms / 1e6  # x, residual in; out, new residual out
-    shape = f"T={tokens} H={hidden} bf16 +residual"
+    gbs = x.numel() * (2 + 4 + 2 + 4) / ms / 1e6  # x, residual in; out, new residual out
+    shape = f"T={tokens} H={hidden} bf16 +fp32 residual"
     rows.append(_timed("rms_norm (rel. err)", shape, err, 1e-2, ms, "GB/s", gbs, copy))
+
+    gate_up = (torch.randn(tokens, 2 * 4 * hidden, device=dev, generator=gen) * 4).to(
+        torch.bfloat16
+    )
+    err = _rel_error(ops.silu_and_mul(gate_up), R.silu_and_mul_ref(gate_up))
+    ms = _bench(lambda: ops.silu_and_mul(gate_up))
+    gbs = gate_up.numel() * 3 // 2 * 2 / ms / 1e6
+    shape = f"T={tokens} I={4 * hidden} bf16"
+    rows.append(_timed("silu_and_mul (rel. err)", shape, err, 1e-2, ms, "GB/s", gbs, copy))
 
     cache = ops.build_rope_cache(D, 8192, 500000.0, LLAMA3_SCALING, torch.float32, dev)
     positions = torch.randint(0, 8192, (tokens,), device=dev, generator=gen)

@@ -1,8 +1,9 @@
 """Triton RMSNorm with an optional fused residual add (one program per row).
 
-Matches ``reference.rms_norm_ref`` (HF Llama semantics): the residual sum is rounded to the
-input dtype, the variance is taken in float32, the normalised row is rounded to the input
-dtype before the weight multiply.
+Matches ``reference.rms_norm_ref``: the residual sum is taken in float32 and stored in the
+residual's dtype (float32 in the model: the stream is never rounded to bf16), the variance
+is float32, and ``weight * x / rms`` is computed in float32 and rounded once to the output's
+dtype.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ def _rms_norm_kernel(
     residual_ptr,  # [T, H] (unused unless HAS_RESIDUAL)
     weight_ptr,  # [H]
     out_ptr,  # [T, H]
-    residual_out_ptr,  # [T, H]: x + residual (unused unless HAS_RESIDUAL)
+    residual_out_ptr,  # [T, H] residual's dtype: x + residual (unused unless HAS_RESIDUAL)
     stride_x,
     stride_r,
     stride_o,
@@ -33,16 +34,15 @@ def _rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    xf = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         res = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + res.to(tl.float32)).to(x_ptr.dtype.element_ty)
-        tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=mask)
-    xf = x.to(tl.float32)
+        summed = (xf + res.to(tl.float32)).to(residual_out_ptr.dtype.element_ty)
+        tl.store(residual_out_ptr + row * stride_ro + cols, summed, mask=mask)
+        xf = summed.to(tl.float32)
     variance = tl.sum(xf * xf, 0) / hidden
-    normed = (xf * tl.rsqrt(variance + eps)).to(x_ptr.dtype.element_ty)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    out = w.to(tl.float32) * normed.to(tl.float32)
+    out = w.to(tl.float32) * (xf * tl.rsqrt(variance + eps))
     tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -51,19 +51,21 @@ def rms_norm_triton(
     weight: torch.Tensor,  # [H]
     eps: float,
     residual: torch.Tensor | None = None,  # [T, H]
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm; with ``residual`` returns ``(norm(x + residual), x + residual)``."""
+    """RMSNorm; with ``residual`` returns ``(norm(x + residual), x + residual)``, the sum in
+    the residual's dtype and the output in ``out_dtype`` (default x's)."""
     hidden = x.shape[-1]
     shape = x.shape
     x2 = x.reshape(-1, hidden)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    out = torch.empty_like(x2)
+    out = torch.empty(x2.shape, dtype=out_dtype or x.dtype, device=x.device)
     if residual is not None:
-        r2 = residual.reshape(-1, hidden).to(x.dtype)
+        r2 = residual.reshape(-1, hidden)
         if r2.stride(-1) != 1:
             r2 = r2.contiguous()
-        residual_out = torch.empty_like(x2)
+        residual_out = torch.empty_like(r2)
     else:
         r2 = residual_out = x2  # unused by the kernel
     if x2.shape[0] > 0:

@@ -377,27 +377,58 @@ def test_kv_pool_sizing_and_injected_allocator(tiny_model_dir: Path) -> None:
     assert torch.isfinite(logits).all()
 
 
-def test_bfloat16_greedy_follows_the_float32_reference(tiny_model_dir: Path) -> None:
-    """bf16 rounding differs between implementations (transformers' own bf16 run disagrees
-    with its float32 run here and there), so the engine's bf16 tokens are held to the float32
-    truth: a token may differ from the float32 argmax only where float32 itself hesitates
-    (top-2 gap below 0.25); from there on the texts diverge."""
+def _first_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
+    """The runner's float32 logits after a whole prompt (an idle engine's blocks 0..)."""
+    blocks = list(range(-(-len(prompt) // engine.block_size)))
+    chunk = ScheduledChunk("x", prompt, 0, blocks, True, SamplingParams(temperature=0.0), 0)
+    _, logits = engine.runner.compute_logits(SchedulerOutput([chunk], len(prompt)))
+    return logits[0]
+
+
+def test_bfloat16_is_at_least_as_close_to_float32_as_transformers_bf16(
+    tiny_model_dir: Path,
+) -> None:
+    """bf16 rounding differs between implementations, so the engine's bf16 is held to the
+    float32 truth against transformers' own bf16 on the same prompts: the first token's
+    distribution (mean KL to float32) and the greedy texts (tokens before the first
+    departure from float32's) are at least as close (measured: half transformers' KL)."""
     from transformers import AutoModelForCausalLM
 
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="bfloat16"))
+    from pdserve.bench.engine import _agreement
+
+    config = EngineConfig(model=str(tiny_model_dir), dtype="bfloat16", enable_prefix_caching=False)
+    engine = LLMEngine(config)
     assert engine.kv_cache.dtype == torch.bfloat16
-    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    prompts = [make_prompt(n, seed=n, vocab=hf.config.vocab_size) for n in (5, 50, 300)]
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    agreed = 0
-    for prompt, out in zip(prompts, engine.generate(prompts, params), strict=True):
+    fp32 = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    bf16 = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
+    vocab = fp32.config.vocab_size
+    prompts = [make_prompt(8 + 11 * i, seed=i, vocab=vocab) for i in range(16)]
+    new = 8
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    ours = [o.token_ids for o in engine.generate(prompts, params)]
+
+    def greedy(model: torch.nn.Module, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+        ids = torch.tensor([prompt])
         with torch.no_grad():
-            logits = hf(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1 : -1]
-        top2 = logits.topk(2, dim=-1)
-        for i, tok in enumerate(out.token_ids):
-            if tok != top2.indices[i, 0].item():
-                assert (top2.values[i, 0] - top2.values[i, 1]).item() < 0.25
-                break
-            agreed += 1
-    assert agreed >= 15  # most tokens agree: a broken bf16 path would not get here
+            out = model.generate(
+                ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                output_logits=True, return_dict_in_generate=True,
+            )  # fmt: skip
+        return out.sequences[0, len(prompt) :].tolist(), out.logits[0][0].float()
+
+    def kl(logits: torch.Tensor, ref: torch.Tensor) -> float:
+        lp, lr = torch.log_softmax(logits.double(), -1), torch.log_softmax(ref.double(), -1)
+        return float((lr.exp() * (lr - lp)).sum())
+
+    exact, theirs, kl_ours, kl_theirs = [], [], [], []
+    for prompt in prompts:
+        tokens, ref_logits = greedy(fp32, prompt)
+        exact.append(tokens)
+        tokens, logits = greedy(bf16, prompt)
+        theirs.append(tokens)
+        kl_theirs.append(kl(logits, ref_logits))
+        kl_ours.append(kl(_first_logits(engine, prompt), ref_logits))
+    assert sum(kl_ours) <= sum(kl_theirs), (sum(kl_ours), sum(kl_theirs))
+    assert _agreement(ours, exact) >= _agreement(theirs, exact)
+    assert _agreement(ours, exact) > 0.5  # a broken bf16 path would not get here
     assert_clean(engine)

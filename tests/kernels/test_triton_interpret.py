@@ -23,6 +23,7 @@ if TRITON_IMPORTED_TOO_EARLY:
     pytest.skip("triton was imported before TRITON_INTERPRET was set", allow_module_level=True)
 
 from pdserve.kernels import reference as R  # noqa: E402
+from pdserve.kernels.triton.activation import silu_and_mul_triton  # noqa: E402
 from pdserve.kernels.triton.decode import paged_decode_attention_triton  # noqa: E402
 from pdserve.kernels.triton.kv import (  # noqa: E402
     gather_blocks_triton,
@@ -39,6 +40,7 @@ from tests.kernels.cases import (  # noqa: E402
     make_batch,
     random_lengths,
 )
+from tests.kernels.test_layer_numerics import rms_norm_bound, silu_bound  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16]
 # (head_dim, query heads per KV head, block_size, dtype); KV heads: 2, or 1 for ratio 8.
@@ -178,6 +180,34 @@ def test_rms_norm_kernel_matches_reference(dtype: torch.dtype) -> None:
     ref_out, ref_res = R.rms_norm_ref(x, w, 1e-6, r)
     torch.testing.assert_close(out, ref_out, atol=atol, rtol=rtol)
     torch.testing.assert_close(res, ref_res, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_rms_norm_kernel_keeps_the_float32_stream(out_dtype: torch.dtype) -> None:
+    """The model's call: a bf16 layer output onto the float32 residual stream; the sum
+    exact to float32, the output within one rounding of float64 (test_layer_numerics)."""
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.randn(4, 768, generator=gen) * 2).bfloat16()
+    stream = torch.randn(4, 768, generator=gen) * 5
+    w = (torch.rand(768, generator=gen) + 0.5).bfloat16()
+    out, summed = rms_norm_triton(x, w, 1e-5, stream, out_dtype)
+    assert out.dtype == out_dtype and summed.dtype == torch.float32
+    s = x.double() + stream.double()
+    truth = w.double() * s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5)
+    assert ((summed.double() - s).abs() <= 2.0**-24 * s.abs()).all()
+    bound = rms_norm_bound(truth, 768, out_dtype, truncating=True)  # the interpreter's cast
+    assert ((out.double() - truth).abs() <= bound).all()
+
+
+def test_silu_and_mul_kernel_rounds_once() -> None:
+    gen = torch.Generator().manual_seed(2)
+    x = (torch.randn(3, 2 * 1500, generator=gen) * 4).bfloat16()  # a partial column block
+    got = silu_and_mul_triton(x)
+    gate, up = x.double().chunk(2, dim=-1)
+    truth = gate * torch.sigmoid(gate) * up
+    assert got.dtype == torch.bfloat16 and got.shape == (3, 1500)
+    # Triton's exp is not the CPU kernel's polynomial; the same bound holds (exp to 2^-23).
+    assert ((got.double() - truth).abs() <= silu_bound(truth, truncating=True)).all()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -1,11 +1,12 @@
 // The row-wise ops of every decoder layer, one pass over memory each, for CPUs:
 //
-// - RMSNorm with the residual add fused in (the sum rounded to the model dtype, as torch's
-//   add would store it; the norm in float32; for bfloat16 the normalised value is rounded
-//   before the weight multiply, as in HF Llama);
+// - RMSNorm with the residual add fused in. The residual stream may be float32 while the
+//   layer outputs are bfloat16 (what the model does): the sum is then exact to float32 and
+//   stored in the residual's dtype, never rounded to bfloat16. The statistics are float32;
+//   the output ``weight * x / rms`` is computed in float32 and rounded once to its dtype
+//   (float32 for the final norm that feeds the logits).
 // - neox-style rotary embedding of q and k (float32 math, rounded once per element);
-// - SiLU-and-mul of the fused gate/up projection (for bfloat16: SiLU rounded, then the
-//   product rounded, as torch's F.silu(gate) * up computes it).
+// - SiLU-and-mul of the fused gate/up projection (float32 math, rounded once).
 //
 // In torch each of these is several kernels, each a full pass over a [T, H] tensor with a
 // temporary in between; at prefill sizes those passes cost about 15% of a bf16 step. Rows
@@ -33,38 +34,61 @@ using pdserve::to_f32;
 
 constexpr int64_t kParallelElems = 1 << 16;  // below this, one thread: waking others costs more
 
-template <typename T>
-void rms_norm(const T* x, int64_t x_stride, const T* res, int64_t res_stride, T* sum_out,
-              const T* weight, T* out, int64_t rows, int64_t h, float eps) {
+template <typename TX, typename TR, typename TW, typename TO>
+void rms_norm(const TX* x, int64_t x_stride, const TR* res, int64_t res_stride, TR* sum_out,
+              const TW* weight, TO* out, int64_t rows, int64_t h, float eps) {
 #pragma omp parallel for schedule(static) if (rows * h >= kParallelElems)
   for (int64_t r = 0; r < rows; ++r) {
-    const T* xr = x + r * x_stride;
-    T* o = out + r * h;
+    const TX* xr = x + r * x_stride;
+    TO* o = out + r * h;
     float ss = 0.0f;
     if (res != nullptr) {
-      const T* rr = res + r * res_stride;
-      T* s = sum_out + r * h;
+      const TR* rr = res + r * res_stride;
+      TR* s = sum_out + r * h;
 #pragma omp simd reduction(+ : ss)
       for (int64_t i = 0; i < h; ++i) {
-        const float v = round_to<T>(to_f32(xr[i]) + to_f32(rr[i]));
+        const float v = round_to<TR>(to_f32(xr[i]) + to_f32(rr[i]));
         from_f32(v, &s[i]);
         ss += v * v;
       }
-      xr = s;
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(h) + eps);
+#pragma omp simd
+      for (int64_t i = 0; i < h; ++i) from_f32(to_f32(weight[i]) * (to_f32(s[i]) * inv), &o[i]);
     } else {
 #pragma omp simd reduction(+ : ss)
       for (int64_t i = 0; i < h; ++i) {
         const float v = to_f32(xr[i]);
         ss += v * v;
       }
-    }
-    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(h) + eps);
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(h) + eps);
 #pragma omp simd
-    for (int64_t i = 0; i < h; ++i) {
-      const float normed = round_to<T>(to_f32(xr[i]) * inv);
-      from_f32(to_f32(weight[i]) * normed, &o[i]);
+      for (int64_t i = 0; i < h; ++i) from_f32(to_f32(weight[i]) * (to_f32(xr[i]) * inv), &o[i]);
     }
   }
+}
+
+// One instantiation per dtype combination (1 = bfloat16, 0 = float32 for each of x, the
+// residual, the weight and the output).
+template <typename TX, typename TR, typename TW>
+void rms_norm_out(int out_bf16, const void* x, int64_t xs, const void* res, int64_t rs,
+                  void* sum, const void* w, void* out, int64_t rows, int64_t h, float eps) {
+  const auto* xp = static_cast<const TX*>(x);
+  const auto* rp = static_cast<const TR*>(res);
+  const auto* wp = static_cast<const TW*>(w);
+  if (out_bf16)
+    rms_norm(xp, xs, rp, rs, static_cast<TR*>(sum), wp, static_cast<uint16_t*>(out), rows, h, eps);
+  else
+    rms_norm(xp, xs, rp, rs, static_cast<TR*>(sum), wp, static_cast<float*>(out), rows, h, eps);
+}
+
+template <typename TX, typename TR>
+void rms_norm_w(int w_bf16, int out_bf16, const void* x, int64_t xs, const void* res,
+                int64_t rs, void* sum, const void* w, void* out, int64_t rows, int64_t h,
+                float eps) {
+  if (w_bf16)
+    rms_norm_out<TX, TR, uint16_t>(out_bf16, x, xs, res, rs, sum, w, out, rows, h, eps);
+  else
+    rms_norm_out<TX, TR, float>(out_bf16, x, xs, res, rs, sum, w, out, rows, h, eps);
 }
 
 template <typename T>
@@ -99,7 +123,7 @@ inline void silu_and_mul_row(const T* gate, const T* up, int64_t n, T* out) {
     const float g = to_f32(gate[i]);
     const float e = exp_nonpositive(-std::fabs(g));  // sigmoid without overflow
     const float sigmoid = (g >= 0.0f ? 1.0f : e) / (1.0f + e);
-    from_f32(round_to<T>(g * sigmoid) * to_f32(up[i]), &out[i]);
+    from_f32(g * sigmoid * to_f32(up[i]), &out[i]);
   }
 }
 
@@ -112,12 +136,27 @@ void silu_and_mul(const T* x, int64_t x_stride, int64_t rows, int64_t inter, T* 
 
 }  // namespace
 
+// x, residual, weight and output dtypes: 1 = bfloat16, 0 = float32 (the residual's is
+// ignored without one). sum_out has the residual's dtype.
+extern "C" void pdserve_rms_norm(int x_bf16, int res_bf16, int w_bf16, int out_bf16,
+                                 const void* x, int64_t x_stride, const void* res,
+                                 int64_t res_stride, void* sum_out, const void* weight,
+                                 void* out, int64_t rows, int64_t h, float eps) {
+  if (x_bf16 && res_bf16)
+    rms_norm_w<uint16_t, uint16_t>(w_bf16, out_bf16, x, x_stride, res, res_stride, sum_out,
+                                   weight, out, rows, h, eps);
+  else if (x_bf16)
+    rms_norm_w<uint16_t, float>(w_bf16, out_bf16, x, x_stride, res, res_stride, sum_out,
+                                weight, out, rows, h, eps);
+  else if (res_bf16)
+    rms_norm_w<float, uint16_t>(w_bf16, out_bf16, x, x_stride, res, res_stride, sum_out,
+                                weight, out, rows, h, eps);
+  else
+    rms_norm_w<float, float>(w_bf16, out_bf16, x, x_stride, res, res_stride, sum_out, weight,
+                             out, rows, h, eps);
+}
+
 #define PDSERVE_LAYER_OPS(SUFFIX, T)                                                          \
-  extern "C" void pdserve_rms_norm_##SUFFIX(const T* x, int64_t x_stride, const T* res,       \
-                                            int64_t res_stride, T* sum_out, const T* weight,  \
-                                            T* out, int64_t rows, int64_t h, float eps) {     \
-    rms_norm<T>(x, x_stride, res, res_stride, sum_out, weight, out, rows, h, eps);            \
-  }                                                                                           \
   extern "C" void pdserve_rotary_##SUFFIX(const float* rows, const T* q, int64_t q_tok,       \
                                           int64_t q_head, int hq, const T* k, int64_t k_tok,  \
                                           int64_t k_head, int hk, int d, T* q_out, T* k_out,  \

@@ -335,4 +335,4 @@ void paged_decode(const T* q, int64_t q_seq_stride, int64_t q_head_stride, const
 PDSERVE_DECODE_ENTRY(pdserve_paged_decode_f32, float)
 PDSERVE_DECODE_ENTRY(pdserve_paged_decode_bf16, uint16_t)
 
-extern "C" int pdserve_native_abi_version() { return 1; }
+extern "C" int pdserve_native_abi_version() { return 2; }
