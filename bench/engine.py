@@ -19,10 +19,13 @@ only each request's own tokens count as output.
 
 Both systems run greedy, same dtype, same torch threads. Prints one table per workload and
 writes JSON with, per system and concurrency: output tokens/s, mean time to first token
-(from the workload's start), mean per-token decode latency, and how far the greedy tokens
-of the two systems agree (the share of output tokens before their first difference: 100%
-in float32; bfloat16 rounding differs between implementations, so there the texts part at
-some near-tie).
+(from the workload's start), mean per-token decode latency, and how far greedy tokens agree
+(the share of output tokens before the first difference). In float32 pdserve agrees with
+transformers 100%. In half precision every implementation rounds differently and the texts
+part at some near-tie, so agreement is reported against two references: transformers in the
+same dtype (``vs hf``), and transformers in float32 (``vs fp32``, untimed, for both systems):
+pdserve's ``vs fp32`` at or above transformers' own says the difference is rounding noise,
+below it says pdserve's numerics are worse. ``--skip-fp32-reference`` leaves it out.
 """
 
 from __future__ import annotations
@@ -210,23 +213,37 @@ def run_transformers(
     return result, tokens
 
 
-def print_table(title: str, results: list[Result], agree: dict[int, float]) -> None:
+# Agreement keys: (system, reference) -> share of tokens before the first difference.
+Agreement = dict[int, dict[str, float]]
+
+
+def print_table(title: str, results: list[Result], agree: Agreement) -> None:
     print(f"\n{title}")
     header = (
         f"{'system':<13}{'conc':>5}{'reqs':>6}{'out tok':>8}{'out tok/s':>11}{'speedup':>9}"
-        f"{'ttft ms':>10}{'decode ms/tok':>15}{'agree':>8}"
+        f"{'ttft ms':>10}{'decode ms/tok':>15}{'vs hf':>8}{'vs fp32':>9}"
     )
     print(header)
     print("-" * len(header))
     base = {r.concurrency: r.output_tokens_per_s for r in results if r.system == "transformers"}
+
+    def cell(conc: int, key: str, width: int) -> str:
+        value = agree.get(conc, {}).get(key)
+        return f"{value:>{width}.0%}" if value is not None else f"{'-':>{width}}"
+
     for r in results:
         ref = base.get(r.concurrency)
         speed = f"{r.output_tokens_per_s / ref:>8.2f}x" if ref else f"{'':>9}"
+        vs_hf = (
+            cell(r.concurrency, "pdserve_vs_transformers", 8)
+            if r.system == "pdserve"
+            else (f"{'-':>8}")
+        )
         print(
             f"{r.system:<13}{r.concurrency:>5}{r.num_requests:>6}{r.output_tokens:>8}"
             f"{r.output_tokens_per_s:>11.1f}{speed}"
             f"{r.prefill_latency_s * 1e3:>10.1f}{r.decode_latency_s_per_token * 1e3:>15.2f}"
-            + (f"{agree[r.concurrency]:>8.0%}" if r.concurrency in agree else f"{'-':>8}")
+            f"{vs_hf}{cell(r.concurrency, f'{r.system}_vs_fp32', 9)}"
         )
 
 
@@ -250,18 +267,29 @@ def _run_workload(
     engine: LLMEngine,
     hf: torch.nn.Module | None,
     plans: list[tuple[int, list[Job]]],
-) -> tuple[list[Result], dict[int, float]]:
+    hf_fp32: torch.nn.Module | None = None,
+) -> tuple[list[Result], Agreement]:
+    """Each plan through pdserve and transformers (timed), and through transformers in
+    float32 (untimed, only for the agreement) when ``hf_fp32`` is given."""
     results: list[Result] = []
-    agree: dict[int, float] = {}
+    agree: Agreement = {}
     for conc, jobs in plans:
         print(f"{name} c={conc} ({len(jobs)} requests): pdserve ...", file=sys.stderr, flush=True)
         res, ours = run_engine(engine, jobs, conc, name)
         results.append(res)
+        agree[conc] = {}
+        theirs = None
         if hf is not None:
             print(f"{name} c={conc}: transformers ...", file=sys.stderr, flush=True)
             ref_res, theirs = run_transformers(hf, jobs, conc, name)
             results.append(ref_res)
-            agree[conc] = _agreement(ours, theirs)
+            agree[conc]["pdserve_vs_transformers"] = _agreement(ours, theirs)
+        if hf_fp32 is not None:
+            print(f"{name} c={conc}: transformers float32 ...", file=sys.stderr, flush=True)
+            _, exact = run_transformers(hf_fp32, jobs, conc, name)
+            agree[conc]["pdserve_vs_fp32"] = _agreement(ours, exact)
+            if theirs is not None:
+                agree[conc]["transformers_vs_fp32"] = _agreement(theirs, exact)
         engine.check_integrity()
     return results, agree
 
@@ -287,6 +315,11 @@ def main(argv: list[str] | None = None) -> None:
         "--threads", type=int, help="torch intra-op threads (default: torch's own choice)"
     )
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument(
+        "--skip-fp32-reference",
+        action="store_true",
+        help="in half precision, do not also compare both systems with transformers in float32",
+    )
     parser.add_argument("--out", type=Path, help="JSON output (default bench/results/...)")
     args = parser.parse_args(argv)
     for flag in ("mixed_prompt_len", "mixed_max_tokens"):
@@ -322,11 +355,14 @@ def main(argv: list[str] | None = None) -> None:
     dtype = engine.model_config.dtype
     device = engine.runner.device
     vocab = engine.model_config.vocab_size
-    hf = None
+    hf = hf_fp32 = None
     if not args.skip_transformers:
         from transformers import AutoModelForCausalLM
 
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+        if dtype != torch.float32 and not args.skip_fp32_reference:
+            hf_fp32 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+            hf_fp32 = hf_fp32.to(device).eval()
 
     # Warm-up (first-call allocations, lazy imports) outside the measurements.
     warm = fixed_jobs(2, 16, 2, vocab, seed=99)
@@ -341,13 +377,13 @@ def main(argv: list[str] | None = None) -> None:
         "torch_threads": torch.get_num_threads(),
         "workloads": {},
     }
-    tables: list[tuple[str, list[Result], dict[int, float]]] = []
+    tables: list[tuple[str, list[Result], Agreement]] = []
     if fixed:
         plans = [
             (c, fixed_jobs(c, args.prompt_len, args.max_tokens, vocab, seed=c))
             for c in args.concurrency
         ]
-        results, agree = _run_workload("fixed", engine, hf, plans)
+        results, agree = _run_workload("fixed", engine, hf, plans, hf_fp32)
         title = f"fixed: prompt {args.prompt_len}, output {args.max_tokens} tokens"
         tables.append((title, results, agree))
         report["workloads"]["fixed"] = {  # type: ignore[index]
@@ -370,7 +406,7 @@ def main(argv: list[str] | None = None) -> None:
             )
             for c in args.mixed_concurrency
         ]
-        results, agree = _run_workload("mixed", engine, hf, plans)
+        results, agree = _run_workload("mixed", engine, hf, plans, hf_fp32)
         lo_p, hi_p = args.mixed_prompt_len
         lo_o, hi_o = args.mixed_max_tokens
         title = (

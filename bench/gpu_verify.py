@@ -15,7 +15,9 @@ Steps (``gpu_verify_steps``), each a list of report rows:
    transformers ``generate``, and
    Triton compilations after warm-up (must be 0);
 5. tp: tensor parallelism over two GPUs (NCCL): greedy tokens equal transformers with
-   chunked prefill and preemption (skipped, with the reason, on one GPU).
+   chunked prefill and preemption (skipped, with the reason, on one GPU);
+6. numerics: ``bench.numerics`` on the device (the Triton path in bf16 and transformers
+   bf16, each against transformers fp32, stage by stage); the engine at least as close.
 
 Writes ``DIR/gpu_verify.json`` and ``DIR/gpu_verify.txt`` (the table), exits 1 if any
 check failed or any step raised. ``--dry-run`` plans the steps and imports everything they
@@ -35,7 +37,7 @@ import traceback
 from dataclasses import asdict
 from pathlib import Path
 
-STEPS = ("kernels", "engine", "disagg", "throughput", "tp")
+STEPS = ("kernels", "engine", "disagg", "throughput", "tp", "numerics")
 BUDGET_S = 8 * 60
 # What the steps import on the device (the dry run imports each; none may need Ray).
 DEVICE_MODULES = (
@@ -43,6 +45,7 @@ DEVICE_MODULES = (
     "triton",
     "transformers",
     "pdserve.bench.gpu_verify_steps",
+    "pdserve.bench.numerics",
     "pdserve.kernels.ops",
     "pdserve.kernels.reference",
     "pdserve.kernels.testing",
@@ -50,6 +53,7 @@ DEVICE_MODULES = (
     "pdserve.kernels.triton.prefill",
     "pdserve.kernels.triton.kv",
     "pdserve.kernels.triton.norm",
+    "pdserve.kernels.triton.activation",
     "pdserve.kernels.triton.rotary",
     "pdserve.kernels.triton.gpu_check",
     "pdserve.kernels.triton.jit_count",
@@ -107,6 +111,8 @@ def _run_step(name: str, model_root: Path, quick: bool) -> list:
         return s.disaggregated(model_root)
     if name == "tp":
         return s.tensor_parallel(model_root)
+    if name == "numerics":
+        return s.numerics(model_root, quick)
     return s.throughput(model_root, quick)
 
 

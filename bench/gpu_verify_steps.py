@@ -209,6 +209,55 @@ def engine_vs_transformers(model_root: Path) -> list[Row]:
     return rows
 
 
+def numerics(model_root: Path, quick: bool) -> list[Row]:
+    """``bench.numerics`` on the device: the engine's bf16 path (Triton kernels) and
+    transformers' bf16, each against transformers in float32, on the ``small`` test model.
+    Prints both tables; checks that the engine is at least as close as transformers."""
+    from pdserve.bench import numerics as nm
+    from pdserve.engine.testmodel import ensure_test_model
+
+    model_dir = ensure_test_model("small", model_root)
+    count = 40 if quick else 160
+    reference = nm.TransformersProbe(model_dir, torch.float32, DEVICE)
+    systems = {
+        "pdserve bf16": nm.EngineProbe(model_dir, "bfloat16", DEVICE),
+        "transformers bf16": nm.TransformersProbe(model_dir, torch.bfloat16, DEVICE),
+    }
+    prompts = nm.make_prompts(count, 8, 300, reference.model.config.vocab_size, seed=0)
+    errors = nm.compare(prompts, reference, systems)
+    print(nm.first_token_table(errors))
+    print(nm.layer_table(errors, list(systems)))
+    ours, theirs = (errors[name].first.summary() for name in systems)
+    last = f"{len(reference.model.model.layers) - 1:02d} stream"
+    stream = [errors[name].stages[last].rel_l2 for name in systems]
+    return [
+        Row(
+            "numerics",
+            "bf16 top-1 flips > 0.05 nats <= transformers bf16's",
+            ours["costly_flips"] <= theirs["costly_flips"],
+            ours["costly_flips"],
+            f"of {count} prompts",
+            theirs["costly_flips"],
+        ),
+        Row(
+            "numerics",
+            "bf16 mean KL to fp32 <= transformers bf16's",
+            ours["mean_kl"] <= theirs["mean_kl"],
+            ours["mean_kl"],
+            "nats",
+            theirs["mean_kl"],
+        ),
+        Row(
+            "numerics",
+            "bf16 last residual stream rel. L2 <= transformers bf16's",
+            stream[0] <= stream[1],
+            stream[0],
+            "rel. L2",
+            stream[1],
+        ),
+    ]
+
+
 # ---- 3. prefill and decode engines in two processes ----------------------------------------
 
 

@@ -29,3 +29,19 @@ def test_timestamps_wait_for_the_gpu(monkeypatch) -> None:
 
     source = inspect.getsource(bench)
     assert source.count("time.perf_counter()") == 1  # only inside now()
+
+
+def test_half_precision_agreement_is_reported_against_both_references(tmp_path) -> None:
+    """In bf16 the benchmark compares both systems with transformers in float32 as well."""
+    import json
+
+    from pdserve.bench import engine as bench
+
+    out = tmp_path / "engine.json"
+    bench.main(
+        ["--size", "tiny", "--dtype", "bfloat16", "--workload", "fixed", "--concurrency", "2"]
+        + ["--prompt-len", "16", "--max-tokens", "4", "--out", str(out)]
+    )
+    agree = json.loads(out.read_text())["workloads"]["fixed"]["greedy_agreement"]["2"]
+    assert set(agree) == {"pdserve_vs_transformers", "pdserve_vs_fp32", "transformers_vs_fp32"}
+    assert all(0.0 <= v <= 1.0 for v in agree.values())

@@ -42,7 +42,7 @@ def test_dry_run_through_the_launcher_with_ray_blocked(tmp_path: Path) -> None:
         PYTHONPATH=str(site),
     )
     assert plan["failed"] == {} and plan["ray_modules_loaded"] == []
-    assert plan["steps"] == ["kernels", "engine", "disagg", "throughput", "tp"]
+    assert plan["steps"] == ["kernels", "engine", "disagg", "throughput", "tp", "numerics"]
     # The tree was imported through the launcher's symlink farm, not an installed copy.
     assert "pdserve-farm" in plan["pdserve_from"]
     assert "pdserve.bench.gpu_verify_steps" in plan["imported"]
