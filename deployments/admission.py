@@ -272,11 +272,42 @@ class ShedHint:
         return max(0.0, self._until.get(priority, 0.0) - now)
 
 
+class ProxyLag:
+    """How long Serve's HTTP proxy takes to hand this ingress a request body: the proxy
+    streams bodies to the replica on demand, through its own event loop, so a proxy falling
+    behind (busy, or starved of CPU) shows here, while every new request also waits in that
+    loop before any pdserve code sees it. An EMA of the body reads, trusted for ``hold_s``
+    after the last one: while the ingress sheds on it no body is read, so the value must
+    expire and let requests through to measure again (a duty cycle, not a latch)."""
+
+    def __init__(self, alpha: float = 0.3, hold_s: float = 1.0) -> None:
+        if not 0 < alpha <= 1:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        if hold_s <= 0:
+            raise ValueError(f"hold_s must be > 0, got {hold_s}")
+        self.alpha, self.hold_s = alpha, hold_s
+        self._value = 0.0
+        self._at: float | None = None
+
+    def observe(self, seconds: float, now: float) -> None:
+        """A body read that took ``seconds``, finished at ``now``."""
+        seconds = max(0.0, seconds)
+        fresh = self._at is None or now - self._at > self.hold_s
+        self._value = seconds if fresh else self.alpha * seconds + (1 - self.alpha) * self._value
+        self._at = now
+
+    def seconds(self, now: float) -> float:
+        """The proxy's current lag (0 once no body was read for ``hold_s``)."""
+        if self._at is None or now - self._at > self.hold_s:
+            return 0.0
+        return self._value
+
+
 def ingress_overloaded(loop_lag_s: float, priority: Priority, ttft_slo_s: float) -> bool:
-    """Whether the ingress itself is the queue: every request and every streamed chunk
-    waits for its event loop, twice before a first token reaches the client (the request
-    in, the chunk out, each behind the backlog that the lag measures), and a lag that grew
-    to a tenth of the SLO grows on while requests keep coming: shed there. Batch yields
-    first, at half that."""
+    """Whether the front door itself is the queue: every request and every streamed chunk
+    waits for the ingress's event loop and Serve's proxy (``loop_lag_s``: their lags added),
+    twice before a first token reaches the client (the request in, the chunk out, each
+    behind the backlog that the lag measures), and a lag that grew to a tenth of the SLO
+    grows on while requests keep coming: shed there. Batch yields first, at half that."""
     share = 0.1 if priority == "interactive" else 0.05
     return loop_lag_s > share * ttft_slo_s

@@ -38,7 +38,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pdserve.deployments.admission import ShedHint, ingress_overloaded
+from pdserve.deployments.admission import ProxyLag, ShedHint, ingress_overloaded
 from pdserve.deployments.api_guard import APIGuard, read_body
 from pdserve.deployments.config import APIConfig, ObservabilityConfig
 from pdserve.deployments.decode_stream import DecodeStream, error_from_info
@@ -262,7 +262,8 @@ class OpenAIIngress:
         observability: tracing exporter and metrics switch; None = defaults (no tracing).
         api: API keys, request size and rate limits; None = defaults (no keys).
         ttft_slo_ms: the TTFT objective; with it a request is shed (429) while this
-            replica's own event loop lags past a share of it (None = never).
+            replica's own event loop and Serve's proxy in front of it (the wait for a
+            request body) lag past a share of it (None = never).
     """
 
     def __init__(
@@ -313,21 +314,26 @@ class OpenAIIngress:
         self._shed_hint = ShedHint()
         self._shed_metrics = metrics
         self._loop_lag = LoopLag()
+        self._proxy_lag = ProxyLag()
         self._ttft_slo_s = ttft_slo_ms / 1000.0 if ttft_slo_ms else None
         self._ready_deployments = list(ready_deployments or [])
         self._ready_cache: tuple[float, bool, str] = (0.0, False, "")
 
     def _door(self, slo_class: SLOClass) -> tuple[str, float] | None:
         """(message, Retry-After) when a request of this class is to be shed before any
-        work: the decode pool shed its class within its drain time, or this ingress's own
-        event loop is the queue. Recorded as shed."""
+        work: the decode pool shed its class within its drain time, or the front door is
+        the queue (this ingress's event loop, or Serve's proxy in front of it: the
+        request waited there already, unseen by admission control). Recorded as shed."""
         self._loop_lag.ensure_running()
-        lag = self._loop_lag.seconds
-        wait_s = self._shed_hint.remaining_s(slo_class, time.monotonic())
+        now = time.monotonic()
+        loop_lag, proxy_lag = self._loop_lag.seconds, self._proxy_lag.seconds(now)
+        lag = loop_lag + proxy_lag
+        wait_s = self._shed_hint.remaining_s(slo_class, now)
         reason = "drain_hint" if wait_s > 0 else ""
         slo_s = self._ttft_slo_s
         if not reason and slo_s is not None and ingress_overloaded(lag, slo_class, slo_s):
-            reason, wait_s = "ingress_lag", 2 * lag  # the lag in, and again out
+            reason = "proxy_lag" if proxy_lag > loop_lag else "ingress_lag"
+            wait_s = 2 * lag  # the lag in, and again out
         if not reason:
             return None
         self._shed_metrics.record_shed(reason, slo_class)
@@ -405,9 +411,24 @@ class OpenAIIngress:
 
     async def _json_body(self, request: Request) -> dict[str, Any]:
         raw = await read_body(
-            request.stream(), request.headers.get("content-length"), self._api.max_body_bytes
+            self._timed(request.stream()),
+            request.headers.get("content-length"),
+            self._api.max_body_bytes,
         )
         return parse_json_body(raw)
+
+    async def _timed(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """The body's chunks; the wait for the first one is the proxy's lag (Serve's proxy
+        hands the body over on request, through its event loop). Only the first: the rest
+        may wait on a slow client's upload."""
+        began = time.monotonic()
+        first = True
+        async for chunk in chunks:
+            if first:
+                now = time.monotonic()
+                self._proxy_lag.observe(now - began, now)
+                first = False
+            yield chunk
 
     @app.get("/health")
     async def health(self, request: Request) -> Response:
