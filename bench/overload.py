@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
 import random
@@ -61,6 +62,7 @@ class Outcome:
     # Who refused it: "pdserve" (the OpenAI error body: admission control) or "proxy"
     # (Serve's proxy past the ingress's bounds, plain text).
     refused_by: str | None = None
+    shed_reason: str | None = None  # admission control's reason, from its message
 
     @property
     def admitted(self) -> bool:
@@ -85,8 +87,10 @@ async def send(
             if r.status != 200:
                 raw = await r.read()
                 try:
-                    json.loads(raw)["error"]
+                    message = str(json.loads(raw)["error"]["message"])
                     out.refused_by = "pdserve"
+                    if message.startswith("overloaded ("):
+                        out.shed_reason = message[len("overloaded (") :].split(")")[0]
                 except (ValueError, KeyError, TypeError):
                     out.refused_by = "proxy"
                 return
@@ -229,6 +233,9 @@ def summarize(outcomes: list[Outcome], slo_s: float) -> dict[str, Any]:
                 "shed_429": len(shed),
                 "shed_with_retry_after": sum(o.retry_after is not None for o in shed),
                 "shed_by_proxy": sum(o.refused_by == "proxy" for o in shed),
+                "shed_reasons": dict(
+                    collections.Counter(o.shed_reason or o.refused_by or "?" for o in shed)
+                ),
                 "retry_after_values": sorted({o.retry_after for o in shed if o.retry_after}),
                 "5xx": sum(1 for o in sel if o.status is not None and o.status >= 500),
                 "lost": sum(o.lost for o in sel),
@@ -539,6 +546,7 @@ def main(argv: list[str] | None = None) -> int:
         f"loadavg before {result['loadavg_before']} after {result['loadavg_after']}"
     )
     print(format_table(result["summary"]))
+    print("429s by reason:", {k: v["shed_reasons"] for k, v in result["summary"].items()})
     lag = {k: v["p99_s"] for k, v in result["client_loop_lag"].items()}
     print(
         "client event-loop lag p99 per phase (s):", {k: v and round(v, 3) for k, v in lag.items()}

@@ -29,7 +29,7 @@ def test_summary_counts_what_the_client_saw() -> None:
     assert (inter["sent"], inter["admitted"], inter["shed_429"]) == (3, 2, 1)
     assert inter["lost"] == 1  # admitted but never finished
     assert inter["shed_with_retry_after"] == 1 and inter["reject_p99_s"] == 0.05
-    assert inter["shed_by_proxy"] == 1
+    assert inter["shed_by_proxy"] == 1 and inter["shed_reasons"] == {"proxy": 1}
     batch = rows["10x/batch"]
     assert (batch["5xx"], batch["lost"]) == (1, 1)  # no answer at all is lost
 
@@ -52,7 +52,8 @@ def test_the_client_reads_streams_429s_and_cut_streams() -> None:
     async def stream(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         if body["prompt"] == "shed":
-            return web.json_response({"error": {}}, status=429, headers={"Retry-After": "3"})
+            error = {"message": "overloaded (ttft_slo): predicted ..."}
+            return web.json_response({"error": error}, status=429, headers={"Retry-After": "3"})
         if body["prompt"] == "proxy":
             return web.Response(text="Request dropped", status=429, headers={"Retry-After": "2"})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -86,4 +87,5 @@ def test_the_client_reads_streams_429s_and_cut_streams() -> None:
     assert not ok.lost
     assert shed.status == 429 and shed.retry_after == "3" and not shed.lost
     assert shed.refused_by == "pdserve" and proxy.refused_by == "proxy"
+    assert shed.shed_reason == "ttft_slo"
     assert cut.status == 200 and cut.tokens == 2 and not cut.finished and cut.lost
