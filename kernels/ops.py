@@ -225,14 +225,19 @@ def linear_float32(
     bias = None if bias is None else bias.float()
     if weight.dtype == torch.float32:
         return F.linear(x, weight, bias)
+    global _HAS_MM_OUT_DTYPE
     if weight.is_cuda and _HAS_MM_OUT_DTYPE:
         # x as its rounding plus the rounding of the rest: two half-precision matmuls with
         # float32 sums and result, the weight read in its own dtype.
         high = x.to(weight.dtype)
         low = (x - high.float()).to(weight.dtype)
-        out = torch.mm(high, weight.t(), out_dtype=torch.float32)
-        out += torch.mm(low, weight.t(), out_dtype=torch.float32)
-        return out if bias is None else out + bias
+        try:
+            out = torch.mm(high, weight.t(), out_dtype=torch.float32)
+            out += torch.mm(low, weight.t(), out_dtype=torch.float32)
+            return out if bias is None else out + bias
+        except (NotImplementedError, RuntimeError) as exc:  # a build without the kernel
+            logger.warning("torch.mm(out_dtype=float32) unavailable (%s); widening instead", exc)
+            _HAS_MM_OUT_DTYPE = False
     # Elsewhere the weight is widened a slice at a time (bounded temporary memory).
     rows = max(1, _WIDEN_BYTES // (4 * weight.shape[1]))
     parts = [
