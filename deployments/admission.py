@@ -278,7 +278,8 @@ class ProxyLag:
     behind (busy, or starved of CPU) shows here, while every new request also waits in that
     loop before any pdserve code sees it. An EMA of the body reads, trusted for ``hold_s``
     after the last one: while the ingress sheds on it no body is read, so the value must
-    expire and let requests through to measure again (a duty cycle, not a latch)."""
+    expire and let requests through to measure again (a duty cycle, not a latch); after
+    such a gap it starts again from 0."""
 
     def __init__(self, alpha: float = 0.3, hold_s: float = 1.0) -> None:
         if not 0 < alpha <= 1:
@@ -291,9 +292,8 @@ class ProxyLag:
 
     def observe(self, seconds: float, now: float) -> None:
         """A body read that took ``seconds``, finished at ``now``."""
-        seconds = max(0.0, seconds)
-        fresh = self._at is None or now - self._at > self.hold_s
-        self._value = seconds if fresh else self.alpha * seconds + (1 - self.alpha) * self._value
+        previous = self.seconds(now)  # 0 after a gap: one slow read alone sheds little
+        self._value = self.alpha * max(0.0, seconds) + (1 - self.alpha) * previous
         self._at = now
 
     def seconds(self, now: float) -> float:
