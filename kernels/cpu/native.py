@@ -326,17 +326,19 @@ def _pack(
 
 def _linear(
     fn: str,
-    x: torch.Tensor,
+    x: torch.Tensor | tuple[torch.Tensor, ...],  # [M, K]; a tuple: the parts of one input
     packed: torch.Tensor,
     out_features: int,
     bias: torch.Tensor | None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    rows, in_features = x.shape
-    out = torch.empty((rows, out_features), dtype=x.dtype)
+    parts = x if isinstance(x, tuple) else (x,)
+    rows, in_features = parts[0].shape
+    out = torch.empty((rows, out_features), dtype=out_dtype or parts[0].dtype)
     if rows:
         getattr(_library(), fn)(
-            x.data_ptr(),
-            x.stride(0),
+            *(part.data_ptr() for part in parts),
+            parts[0].stride(0),
             rows,
             in_features,
             packed.data_ptr(),
@@ -410,24 +412,10 @@ def bf16_linear_float32(
     """``x @ W^T + bias`` for a float32 ``x`` with float32 sums and result: ``x`` goes in as
     two bf16 parts (its rounding and the rounding of the rest) dotted into the same sums,
     so it is taken to about 2^-16 relative and nothing is rounded to bf16 after."""
-    rows, in_features = x.shape
     high = x.to(torch.bfloat16)
-    low = (x - high.float()).to(torch.bfloat16)
-    out = torch.empty((rows, out_features), dtype=torch.float32)
-    if rows:
-        _library().pdserve_linear_bf16_split_f32(
-            high.data_ptr(),
-            low.data_ptr(),
-            in_features,
-            rows,
-            in_features,
-            packed.data_ptr(),
-            out_features,
-            None if bias is None else bias.data_ptr(),
-            out.data_ptr(),
-            out.stride(0),
-        )
-    return out
+    low = (x - high.float()).to(torch.bfloat16)  # x - high is exact in float32
+    split = "pdserve_linear_bf16_split_f32"
+    return _linear(split, (high, low), packed, out_features, bias, torch.float32)
 
 
 def _layer_op(name: str, *tensors: torch.Tensor) -> Callable[..., None] | None:
