@@ -27,6 +27,7 @@ ARRIVALS = [(0, 600), (0, 1), (0, 45), (1, 130), (2, 17), (4, 301), (7, 2), (9, 
 PREEMPT_ARRIVALS = [(0, 130), (0, 200), (0, 45), (1, 600), (2, 17), (3, 1), (5, 64), (6, 2)]
 # bf16 engine logits vs transformers fp32: max |diff| / max |ref logit|, per prompt.
 BF16_REL_TOL = 0.05
+NUMERICS_MODEL = "small"  # the issue-23 table's model
 THROUGHPUT_BATCHES = (1, 8, 32, 128)
 THROUGHPUT_MODEL = "small"  # a test-model size (engine.testmodel.SIZES)
 # Where the steps run: "cuda" on the device; the CPU smoke test points steps 2-3 at "cpu".
@@ -216,7 +217,7 @@ def numerics(model_root: Path, quick: bool) -> list[Row]:
     from pdserve.bench import numerics as nm
     from pdserve.engine.testmodel import ensure_test_model
 
-    model_dir = ensure_test_model("small", model_root)
+    model_dir = ensure_test_model(NUMERICS_MODEL, model_root)
     count = 40 if quick else 160
     reference = nm.TransformersProbe(model_dir, torch.float32, DEVICE)
     systems = {

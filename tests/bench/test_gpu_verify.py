@@ -94,6 +94,21 @@ def test_engine_and_disagg_steps_run_on_cpu(monkeypatch, tmp_path: Path) -> None
     assert rows[4].note == "transport ['torch_dist']"
 
 
+def test_numerics_step_runs_on_cpu(monkeypatch, tmp_path: Path, capsys) -> None:
+    """Step 6 pointed at the CPU on the tiny model: the engine's bf16 at least as close to
+    float32 as transformers' bf16 in KL and in the last residual stream, tables printed.
+    (Costly flips over the quick run's 40 prompts are counts of 2-3 for either system: the
+    device run's 160 prompts decide that row.)"""
+    from pdserve.bench import gpu_verify_steps as steps
+
+    monkeypatch.setattr(steps, "DEVICE", "cpu")
+    monkeypatch.setattr(steps, "NUMERICS_MODEL", "tiny")
+    flips, kl, stream = steps.numerics(tmp_path, quick=True)
+    assert kl.ok and stream.ok, (kl, stream)
+    assert flips.unit == "of 40 prompts" and flips.value <= 40 and flips.limit is not None
+    assert "final norm" in capsys.readouterr().out
+
+
 def test_tp_step_runs_on_cpu_and_skips_with_one_gpu(monkeypatch, tmp_path: Path) -> None:
     """Step 5 pointed at the CPU (gloo between the two ranks) passes; on a device with one
     GPU it is a skip row that says why."""
