@@ -303,11 +303,25 @@ class ProxyLag:
         return self._value
 
 
-def ingress_overloaded(loop_lag_s: float, priority: Priority, ttft_slo_s: float) -> bool:
-    """Whether the front door itself is the queue: every request and every streamed chunk
-    waits for the ingress's event loop and Serve's proxy (``loop_lag_s``: their lags added),
-    twice before a first token reaches the client (the request in, the chunk out, each
-    behind the backlog that the lag measures), and a lag that grew to a tenth of the SLO
-    grows on while requests keep coming: shed there. Batch yields first, at half that."""
-    share = 0.1 if priority == "interactive" else 0.05
-    return loop_lag_s > share * ttft_slo_s
+# Shares of the TTFT SLO the front door may lag before the ingress sheds (interactive;
+# batch yields at half): its own event loop, and that loop plus Serve's proxy.
+LOOP_LAG_SHARE = 0.1
+PROXY_LAG_SHARE = 0.25
+
+
+def ingress_overloaded(
+    loop_lag_s: float, priority: Priority, ttft_slo_s: float, proxy_lag_s: float = 0.0
+) -> bool:
+    """Whether the front door itself is the queue. Every request and every streamed chunk
+    waits for the ingress's event loop, twice before a first token reaches the client (the
+    request in, the chunk out, each behind the backlog that the lag measures), and a loop
+    lag that grew to a tenth of the SLO grows on while requests keep coming: shed there.
+    Serve's proxy (``proxy_lag_s``, see ``ProxyLag``) is a queue every request waited in
+    before the ingress saw it; its measure is one body read, noisier on a busy node, so
+    the two together may take a quarter of the SLO (the engine keeps the rest). Batch
+    yields first, at half those shares."""
+    scale = 1.0 if priority == "interactive" else 0.5
+    return (
+        loop_lag_s > LOOP_LAG_SHARE * scale * ttft_slo_s
+        or loop_lag_s + proxy_lag_s > PROXY_LAG_SHARE * scale * ttft_slo_s
+    )

@@ -327,13 +327,15 @@ class OpenAIIngress:
         self._loop_lag.ensure_running()
         now = time.monotonic()
         loop_lag, proxy_lag = self._loop_lag.seconds, self._proxy_lag.seconds(now)
-        lag = loop_lag + proxy_lag
         wait_s = self._shed_hint.remaining_s(slo_class, now)
         reason = "drain_hint" if wait_s > 0 else ""
         slo_s = self._ttft_slo_s
-        if not reason and slo_s is not None and ingress_overloaded(lag, slo_class, slo_s):
-            reason = "proxy_lag" if proxy_lag > loop_lag else "ingress_lag"
-            wait_s = 2 * lag  # the lag in, and again out
+        if not reason and slo_s is not None:
+            if ingress_overloaded(loop_lag, slo_class, slo_s):
+                reason = "ingress_lag"
+            elif ingress_overloaded(loop_lag, slo_class, slo_s, proxy_lag_s=proxy_lag):
+                reason = "proxy_lag"
+            wait_s = 2 * (loop_lag + proxy_lag)  # the lag in, and again out
         if not reason:
             return None
         self._shed_metrics.record_shed(reason, slo_class)

@@ -165,11 +165,17 @@ def test_a_lagging_proxy_counts_until_its_measure_expires() -> None:
     assert lag.seconds(10.5) == pytest.approx(0.4)
     lag.observe(0.8, now=10.6)
     assert lag.seconds(10.6) == pytest.approx(0.6)
-    assert admission.ingress_overloaded(0.01 + lag.seconds(10.6), "interactive", 2.0)
+    overloaded = admission.ingress_overloaded
+    assert overloaded(0.01, "interactive", 2.0, proxy_lag_s=lag.seconds(10.6))
     assert lag.seconds(11.7) == 0.0  # expired: the door opens to measure again
     lag.observe(0.02, now=11.8)  # the proxy caught up
     assert lag.seconds(11.8) == pytest.approx(0.01)
-    assert not admission.ingress_overloaded(0.01 + lag.seconds(11.8), "interactive", 2.0)
+    assert not overloaded(0.01, "interactive", 2.0, proxy_lag_s=lag.seconds(11.8))
+    # The proxy may take a quarter of the SLO with the loop (batch: an eighth), the loop
+    # alone a tenth.
+    assert not overloaded(0.05, "interactive", 2.0, proxy_lag_s=0.4)
+    assert overloaded(0.05, "batch", 2.0, proxy_lag_s=0.4)
+    assert overloaded(0.21, "interactive", 2.0, proxy_lag_s=0.0)
     with pytest.raises(ValueError, match="hold_s"):
         admission.ProxyLag(hold_s=0.0)
 
