@@ -52,7 +52,7 @@ from pdserve.sim.events import EventLoop
 from pdserve.sim.replica import Admission, AdmissionQuery, RemoteInFlight, SimReplica
 from pdserve.sim.request import SimRequest
 from pdserve.sim.seq import EngineShape, Seq
-from pdserve.sim.shared_cpu import HelperThreadsCost, SharedCpuCost, SharedCpuLoad
+from pdserve.sim.shared_cpu import SharedCpuCost, SharedCpuLoad
 
 __all__ = ["Admission", "AdmissionQuery", "SimCluster", "SimReplica"]
 
@@ -76,9 +76,6 @@ class SimCluster:
         if shared is not None and self.shared_cpu is not None:
             for role in shared.roles:
                 self.costs[role] = SharedCpuCost(self.costs[role], self.shared_cpu)
-            for helpers in shared.helpers:
-                role = helpers.role
-                self.costs[role] = HelperThreadsCost(self.costs[role], self.shared_cpu, helpers)
         self.pools: dict[str, list[SimReplica]] = {"prefill": [], "decode": []}
         self.retired: list[SimReplica] = []
         self.ingress_books = InflightLoad()

@@ -15,18 +15,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from pdserve.deployments.config import PoolRole
 
 
-class HelperThreads(BaseModel):
-    """A pool's engines bound to CPUs of their own, with helper threads on the shared CPUs
-    for big steps (``cpu.helper_threads``)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    role: PoolRole = Field(description="The pool.")
-    base_threads: int = Field(ge=1, description="Threads on the engine's own CPUs.")
-    helper_threads: int = Field(ge=1, description="Threads added on the shared CPUs.")
-    min_tokens: int = Field(ge=1, description="Smallest step the helpers join.")
-
-
 class SharedCpuSettings(BaseModel):
     """The CPUs a local cluster's serving processes share with engines that have no CPUs of
     their own (``pdserve.sim.shared_cpu``)."""
@@ -34,12 +22,8 @@ class SharedCpuSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     roles: tuple[PoolRole, ...] = Field(
-        default=(),
         description="Pools whose engines compute on the shared CPUs (the cluster's CPU plan "
-        "gives them none of their own).",
-    )
-    helpers: tuple[HelperThreads, ...] = Field(
-        default=(), description="Pools whose engines' helper threads compute there."
+        "gives them none of their own)."
     )
     num_cpus: int = Field(default=1, ge=1, description="How many CPUs are shared.")
     s_per_request: float = Field(

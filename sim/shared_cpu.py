@@ -9,11 +9,13 @@ profiled time divided by the share left: ``1 - background - s_per_request x arri
 num_cpus``, the serving path's CPU demand being proportional to the requests it carries
 (measured per request by ``sim.cpu_account`` in ``sim.validate measure``).
 
-An engine bound to CPUs of its own may add niced helper threads on the shared CPUs for big
-steps (the 2-core colocated config's decode engine): they add the same share of a CPU each
-(``HelperThreadsCost``). What this leaves out: a nice-0 engine on the shared CPUs would get
-a fair share rather than the remainder (it is modelled as niced), and jobs outside the
-cluster (threads free to run on every CPU) take from every engine. Pure arithmetic.
+What this leaves out: a nice-0 engine on the shared CPUs would get a fair share rather than
+the remainder (it is modelled as niced); jobs outside the cluster (threads free to run on
+every CPU) take from every engine; and the helper threads a bound engine may add on the
+shared CPUs (the 2-core colocated config's) are not modelled: the profile is measured
+without them (a standalone engine has no CPUs of its own to bind), and on a quiet machine
+the colocated cluster's TTFT came out only 10-20% under that profile's prediction, far
+from what a helper at the CPU share left (ideal scaling) would add. Pure arithmetic.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from collections.abc import Callable
 
 from pdserve.deployments.config import AppConfig, PoolRole
 from pdserve.deployments.load import RateMeter
-from pdserve.sim.config import HelperThreads, SharedCpuSettings
+from pdserve.sim.config import SharedCpuSettings
 from pdserve.sim.cost import CostModel
 from pdserve.sim.cpu_account import serving_cpu_s
 
@@ -46,32 +48,6 @@ class SharedCpuLoad:
         s = self.settings
         busy = s.background + s.s_per_request * self._arrivals.rate() / s.num_cpus
         return max(MIN_SHARE, 1.0 - busy)
-
-
-class HelperThreadsCost:
-    """``cost`` (profiled with the engine's base threads alone) for an engine whose steps of
-    at least ``min_tokens`` tokens add helper threads on the shared CPUs. The linears hand
-    out work dynamically, so each helper adds the share of a CPU the serving path leaves:
-    such a step takes its time x base / (base + helpers x share). Ideal scaling: an upper
-    bound on what the helpers add."""
-
-    def __init__(self, cost: CostModel, load: SharedCpuLoad, helpers: HelperThreads) -> None:
-        self.cost = cost
-        self.load = load
-        self.helpers = helpers
-        self.kv_bytes_per_token = cost.kv_bytes_per_token
-        self.kv_capacity_tokens = cost.kv_capacity_tokens
-        self.num_layers = getattr(cost, "num_layers", 1)
-
-    def step_s(self, tokens: int, prefill_attn: float, decode_seqs: int, decode_ctx: int) -> float:
-        base = self.cost.step_s(tokens, prefill_attn, decode_seqs, decode_ctx)
-        h = self.helpers
-        if tokens < h.min_tokens:
-            return base
-        return base * h.base_threads / (h.base_threads + h.helper_threads * self.load.share())
-
-    def transfer_s(self, prompt_tokens: int) -> float:
-        return self.cost.transfer_s(prompt_tokens)
 
 
 class SharedCpuCost:
@@ -102,20 +78,6 @@ def engines_on_shared_cpus(app: AppConfig, plan: dict) -> tuple[PoolRole, ...]:
     )
 
 
-def helpers_on_shared_cpus(app: AppConfig, plan: dict) -> tuple[HelperThreads, ...]:
-    """The pools whose engines have CPUs of their own and helper threads on the shared ones
-    (the 2-core colocated config's decode pool)."""
-    out = []
-    for role in _pools_in_use(app):
-        own, cpu = plan[f"{role}_engine_cpus"], app.pool(role).cpu
-        if own and cpu.helper_threads and plan["shared_cpus"] and app.pool_device(role) == "cpu":
-            base = max(1, min(int(app.pool(role).num_cpus), len(own)))
-            out.append(HelperThreads(role=role, base_threads=base,
-                                     helper_threads=cpu.helper_threads,
-                                     min_tokens=cpu.helper_min_tokens))  # fmt: skip
-    return tuple(out)
-
-
 def _pools_in_use(app: AppConfig) -> tuple[PoolRole, ...]:
     colocated = app.prefill.max_replicas == 0 or app.policy.mode == "always_local"
     return ("decode",) if colocated else ("prefill", "decode")
@@ -131,8 +93,7 @@ def measured_settings(app: AppConfig, runs: list[tuple[dict, int]]) -> SharedCpu
         return None
     plan = runs[0][0]["plan"]
     roles = engines_on_shared_cpus(app, plan)
-    helpers = helpers_on_shared_cpus(app, plan)
-    if not roles and not helpers:
+    if not roles:
         return None
     shared = tuple(plan["shared_cpus"])
     backgrounds, costs = [], []
@@ -144,7 +105,6 @@ def measured_settings(app: AppConfig, runs: list[tuple[dict, int]]) -> SharedCpu
         costs.append(max(0.0, serving) / n)
     return SharedCpuSettings(
         roles=roles,
-        helpers=helpers,
         num_cpus=len(shared),
         s_per_request=sum(costs) / len(costs),
         background=min(0.95, sum(backgrounds) / len(backgrounds)),

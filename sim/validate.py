@@ -146,9 +146,8 @@ def compare(args: argparse.Namespace) -> int:
     runs = [_parse_run(spec) for spec in args.run]
     shared = {} if args.no_shared_cpu else _shared_cpu_by_run(runs, args.cpu_cost_from_others)
     for name, cpu in shared.items():
-        on = [*cpu.roles, *(f"{h.role} helpers" for h in cpu.helpers)]
         print(
-            f"{name}: {', '.join(on)} on {cpu.num_cpus} shared CPU(s); serving path "
+            f"{name}: {'/'.join(cpu.roles)} on {cpu.num_cpus} shared CPU(s); serving path "
             f"{cpu.s_per_request * 1e3:.0f} ms CPU per request, daemons {cpu.background:.1%} "
             "(measured, cpu.json)"
         )

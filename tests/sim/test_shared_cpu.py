@@ -6,15 +6,10 @@ import pytest
 
 from pdserve.deployments.config import AppConfig
 from pdserve.sim.cluster import SimCluster
-from pdserve.sim.config import HelperThreads, SharedCpuSettings, SimSettings
+from pdserve.sim.config import SharedCpuSettings, SimSettings
 from pdserve.sim.cpu_account import group_key, serving_cpu_s
 from pdserve.sim.request import SimRequest
-from pdserve.sim.shared_cpu import (
-    HelperThreadsCost,
-    SharedCpuCost,
-    SharedCpuLoad,
-    measured_settings,
-)
+from pdserve.sim.shared_cpu import SharedCpuCost, SharedCpuLoad, measured_settings
 from tests.sim.fakes import LinearCost
 
 PLAN = {"shared_cpus": [0], "prefill_engine_cpus": [], "decode_engine_cpus": [1]}
@@ -88,31 +83,10 @@ def test_the_serving_cost_per_request_is_measured_net_of_the_idle_daemons() -> N
     assert cpu is not None
     assert cpu.roles == ("prefill",) and cpu.num_cpus == 1
     assert (cpu.background, cpu.s_per_request) == (pytest.approx(0.1), pytest.approx(0.45))
-    # Colocated: the decode engine has CPU 1; only its helper thread computes on CPU 0.
+    # Colocated: no engine computes on the shared CPU (the decode engine has CPU 1).
     colocated = _disagg(policy={"mode": "always_local"}, prefill={"min_replicas": 0})
     assert measured_settings(colocated, [(run, 40)]) is None
-    helped = _disagg(
-        policy={"mode": "always_local"},
-        prefill={"min_replicas": 0},
-        decode={"min_replicas": 1, "max_replicas": 1, "cpu": {"helper_threads": 1}},
-    )
-    cpu = measured_settings(helped, [(run, 40)])
-    assert cpu is not None and cpu.roles == ()
-    assert cpu.helpers == (
-        HelperThreads(role="decode", base_threads=1, helper_threads=1, min_tokens=32),
-    )
     assert measured_settings(_disagg(), []) is None
-
-
-def test_helper_threads_add_the_share_of_the_shared_cpu_left_to_big_steps() -> None:
-    cpu = SharedCpuSettings(s_per_request=0.3)
-    load = SharedCpuLoad(cpu, lambda: 0.0)
-    for _ in range(10):  # 1 request/s: 0.3 of the CPU busy, 0.7 left
-        load.arrived()
-    helped = HelperThreadsCost(LinearCost(0.001), load, HelperThreads(
-        role="decode", base_threads=1, helper_threads=1, min_tokens=32))  # fmt: skip
-    assert helped.step_s(31, 0.0, 31, 0) == pytest.approx(0.031)  # below: base thread only
-    assert helped.step_s(100, 0.0, 0, 0) == pytest.approx(0.1 / (1 + 0.7))
 
 
 def test_cpu_snapshot_groups_threads_by_allowed_cpus_and_niceness(tmp_path) -> None:
