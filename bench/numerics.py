@@ -56,9 +56,9 @@ class StageError:
     max_abs: float = 0.0
 
     def add(self, value: torch.Tensor, ref: torch.Tensor) -> None:
-        diff = value.double() - ref.double()
+        diff = value - ref
         self.sq_err += float(diff.square().sum())
-        self.sq_ref += float(ref.double().square().sum())
+        self.sq_ref += float(ref.square().sum())
         self.max_abs = max(self.max_abs, float(diff.abs().max()))
 
     @property
@@ -115,15 +115,14 @@ def _first(output: Any) -> torch.Tensor:
 
 
 @contextmanager
-def _hooks(
-    model: torch.nn.Module, layers: Any, norm: torch.nn.Module, engine: bool
-) -> Iterator[dict[str, torch.Tensor]]:
-    """Record every stage of one forward pass into the yielded dict (float32, [T, H])."""
+def _hooks(layers: Any, norm: torch.nn.Module, engine: bool) -> Iterator[dict[str, torch.Tensor]]:
+    """Record every stage of one forward pass into the yielded dict (float64, [T, H])."""
     seen: dict[str, torch.Tensor] = {}
 
     def keep(name: str, fn: Callable[[Any], torch.Tensor]) -> Callable[..., None]:
         def hook(_module: Any, _args: Any, output: Any) -> None:
-            seen[name] = fn(output).detach().reshape(-1, fn(output).shape[-1]).float().cpu()
+            value = fn(output).detach()
+            seen[name] = value.reshape(-1, value.shape[-1]).double().cpu()
 
         return hook
 
@@ -173,7 +172,7 @@ class EngineProbe:
         """One prompt alone: every stage, and the first token's logits."""
         self._logits.clear()
         inner = self.model.model
-        with _hooks(self.model, inner.layers, inner.norm, engine=True) as seen:
+        with _hooks(inner.layers, inner.norm, engine=True) as seen:
             self.engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1))
         return dict(seen), next(iter(self._logits.values()))
 
@@ -197,7 +196,7 @@ class TransformersProbe:
     def run(self, prompt: list[int]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         inner = self.model.model
         ids = torch.tensor([prompt], device=self.device)
-        with _hooks(self.model, inner.layers, inner.norm, engine=False) as seen:
+        with _hooks(inner.layers, inner.norm, engine=False) as seen:
             logits = self.model(ids).logits[0, -1]
         return dict(seen), logits.float().cpu()
 

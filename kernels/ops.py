@@ -212,9 +212,10 @@ def linear_float32(
     layer: nn.Module,  # an nn.Linear or what pack_linears made of one
 ) -> torch.Tensor:  # [M, N] float32
     """``layer(x)`` with float32 sums and a float32 result whatever the weight's dtype: the
-    projection to the logits, so that neither the last hidden state nor the logits are
-    rounded to a half-precision dtype (a near-tie between two tokens is decided by the
-    model, not by bf16 rounding)."""
+    projection to the logits, never rounded to a half-precision dtype (a near-tie between
+    two tokens is the model's, not bf16's). A half-precision matmul takes ``x`` rounded
+    once to the weight's dtype (the AVX512-BF16 kernel, CUDA); the widening fallback takes
+    it exactly."""
     if x.dim() != 2:
         raise ValueError(f"x: expected [M, K], got {tuple(x.shape)}")
     x = x.float()
@@ -227,13 +228,9 @@ def linear_float32(
         return F.linear(x, weight, bias)
     global _HAS_MM_OUT_DTYPE
     if weight.is_cuda and _HAS_MM_OUT_DTYPE:
-        # x as its rounding plus the rounding of the rest: two half-precision matmuls with
-        # float32 sums and result, the weight read in its own dtype.
-        high = x.to(weight.dtype)
-        low = (x - high.float()).to(weight.dtype)
+        # A half-precision matmul with float32 sums and result, the weight read as it is.
         try:
-            out = torch.mm(high, weight.t(), out_dtype=torch.float32)
-            out += torch.mm(low, weight.t(), out_dtype=torch.float32)
+            out = torch.mm(x.to(weight.dtype), weight.t(), out_dtype=torch.float32)
             return out if bias is None else out + bias
         except (NotImplementedError, RuntimeError) as exc:  # a build without the kernel
             logger.warning("torch.mm(out_dtype=float32) unavailable (%s); widening instead", exc)

@@ -18,9 +18,8 @@
 // (block, panel pair) units are split over the OpenMP threads (torch's pool). The sums are
 // rounded to bf16 once, after the bias is added in float32, as oneDNN does.
 //
-// pdserve_linear_bf16_split_f32 is the logits' variant: a float32 input split into two bf16
-// rows (its rounding and the rounding of the rest) dotted into the same sums, and a float32
-// result, so neither the last hidden state nor the logits are rounded to bf16.
+// pdserve_linear_bf16_f32out is the logits' variant: the same sums stored as float32, never
+// rounded to bf16 (a near-tie between two tokens is the model's, not bf16's).
 // Built and loaded by kernels/cpu/native.py.
 
 #include <algorithm>
@@ -79,13 +78,9 @@ inline void store_row(float* out, __m512 lo, __m512 hi, int64_t cols) {
 // Accumulators are named variables, not an array: GCC keeps an array tile in memory.
 #define PDSERVE_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
 
-// kSplit: x is a float32 row given as two bf16 rows, x = xh + xl (xh its rounding, xl the
-// rounding of the rest); both are dotted into the same float32 sums, so the result is the
-// float32 input's to about 2^-16 relative, at twice the arithmetic for the same weight reads.
-template <int MR, bool kSplit, typename TY>
-inline void tile(const uint16_t* x, const uint16_t* xl, int64_t ldx, int64_t K,
-                 const uint32_t* p0, const uint32_t* p1, const float* bias, TY* y, int64_t ldy,
-                 int64_t cols) {
+template <int MR, typename TY>
+inline void tile(const uint16_t* x, int64_t ldx, int64_t K, const uint32_t* p0,
+                 const uint32_t* p1, const float* bias, TY* y, int64_t ldy, int64_t cols) {
 #define PDSERVE_DECL(r) __m512 lo##r = _mm512_setzero_ps(), hi##r = _mm512_setzero_ps();
   PDSERVE_ROWS(PDSERVE_DECL)
 #undef PDSERVE_DECL
@@ -102,11 +97,6 @@ inline void tile(const uint16_t* x, const uint16_t* xl, int64_t ldx, int64_t K,
 #define PDSERVE_STEP(r) PDSERVE_DOT(r, static_cast<int>(load_pair(x + r * ldx + 2 * j)))
     PDSERVE_ROWS(PDSERVE_STEP)
 #undef PDSERVE_STEP
-    if constexpr (kSplit) {
-#define PDSERVE_STEP(r) PDSERVE_DOT(r, static_cast<int>(load_pair(xl + r * ldx + 2 * j)))
-      PDSERVE_ROWS(PDSERVE_STEP)
-#undef PDSERVE_STEP
-    }
   }
   if (K % 2) {  // the last input alone: its pair's upper weight is zero, so is its x half
     const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(p0 + full * kPanel));
@@ -114,11 +104,6 @@ inline void tile(const uint16_t* x, const uint16_t* xl, int64_t ldx, int64_t K,
 #define PDSERVE_TAIL(r) PDSERVE_DOT(r, static_cast<int>(x[r * ldx + K - 1]))
     PDSERVE_ROWS(PDSERVE_TAIL)
 #undef PDSERVE_TAIL
-    if constexpr (kSplit) {
-#define PDSERVE_TAIL(r) PDSERVE_DOT(r, static_cast<int>(xl[r * ldx + K - 1]))
-      PDSERVE_ROWS(PDSERVE_TAIL)
-#undef PDSERVE_TAIL
-    }
   }
 #undef PDSERVE_DOT
   alignas(64) float padded_bias[kUnit] = {0};
@@ -134,33 +119,31 @@ inline void tile(const uint16_t* x, const uint16_t* xl, int64_t ldx, int64_t K,
 
 // Rows in tiles of at most 12, split evenly (the weights are loaded once per tile, so a
 // tile of a few rows costs nearly as much as a full one).
-template <bool kSplit, typename TY>
-void unit_rows(const uint16_t* x, const uint16_t* xl, int64_t ldx, int64_t rows, int64_t K,
-               const uint32_t* p0, const uint32_t* p1, const float* bias, TY* y, int64_t ldy,
-               int64_t cols) {
+template <typename TY>
+void unit_rows(const uint16_t* x, int64_t ldx, int64_t rows, int64_t K, const uint32_t* p0,
+               const uint32_t* p1, const float* bias, TY* y, int64_t ldy, int64_t cols) {
   const int64_t tiles = (rows + 11) / 12;
   int64_t r = 0;
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t mr = (rows - r) / (tiles - t);
     const uint16_t* xr = x + r * ldx;
-    const uint16_t* xlr = kSplit ? xl + r * ldx : nullptr;
     TY* yr = y + r * ldy;
     switch (mr) {
 #define PDSERVE_CASE(n) \
-  case n: tile<n, kSplit>(xr, xlr, ldx, K, p0, p1, bias, yr, ldy, cols); break;
+  case n: tile<n>(xr, ldx, K, p0, p1, bias, yr, ldy, cols); break;
       PDSERVE_CASE(12) PDSERVE_CASE(11) PDSERVE_CASE(10) PDSERVE_CASE(9) PDSERVE_CASE(8)
       PDSERVE_CASE(7) PDSERVE_CASE(6) PDSERVE_CASE(5) PDSERVE_CASE(4) PDSERVE_CASE(3)
       PDSERVE_CASE(2)
 #undef PDSERVE_CASE
-      default: tile<1, kSplit>(xr, xlr, ldx, K, p0, p1, bias, yr, ldy, cols); break;
+      default: tile<1>(xr, ldx, K, p0, p1, bias, yr, ldy, cols); break;
     }
     r += mr;
   }
 }
 
-template <bool kSplit, typename TY>
-void linear(const uint16_t* x, const uint16_t* xl, int64_t ldx, int64_t M, int64_t K,
-            const uint32_t* packed, int64_t N, const float* bias, TY* y, int64_t ldy) {
+template <typename TY>
+void linear(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint32_t* packed,
+            int64_t N, const float* bias, TY* y, int64_t ldy) {
   const int64_t units = panels_of(N) / 2, panel_words = pairs_of(K) * kPanel;
   // Rows per block: the block's x slice (rows * K bf16) within ~256 KiB of L2, whole tiles.
   int64_t block = std::max<int64_t>(12, (256 * 1024 / 2) / std::max<int64_t>(K, 1) / 12 * 12);
@@ -174,9 +157,8 @@ void linear(const uint16_t* x, const uint16_t* xl, int64_t ldx, int64_t M, int64
       const int64_t r0 = rb * block, rows = std::min(block, M - r0);
       const int64_t c0 = u * kUnit, cols = std::min(kUnit, N - c0);
       const uint32_t* p0 = packed + 2 * u * panel_words;
-      unit_rows<kSplit>(x + r0 * ldx, kSplit ? xl + r0 * ldx : nullptr, ldx, rows, K, p0,
-                        p0 + panel_words, bias == nullptr ? nullptr : bias + c0,
-                        y + r0 * ldy + c0, ldy, cols);
+      unit_rows(x + r0 * ldx, ldx, rows, K, p0, p0 + panel_words,
+                bias == nullptr ? nullptr : bias + c0, y + r0 * ldy + c0, ldy, cols);
     }
   }
 }
@@ -215,22 +197,19 @@ extern "C" void pdserve_linear_bf16(const uint16_t* x, int64_t ldx, int64_t M, i
                                     const uint32_t* packed, int64_t N, const float* bias,
                                     uint16_t* y, int64_t ldy) {
 #if PDSERVE_HAVE_AVX512BF16
-  linear<false>(x, nullptr, ldx, M, K, packed, N, bias, y, ldy);
+  linear(x, ldx, M, K, packed, N, bias, y, ldy);
 #else
   (void)x, (void)ldx, (void)M, (void)K, (void)packed, (void)N, (void)bias, (void)y, (void)ldy;
 #endif
 }
 
-// A float32 x given as xh + xl (two [M, K] bf16 arrays, same row stride ldx); y: [M, N]
-// float32, the sums never rounded to bf16 (the logits).
-extern "C" void pdserve_linear_bf16_split_f32(const uint16_t* xh, const uint16_t* xl,
-                                              int64_t ldx, int64_t M, int64_t K,
-                                              const uint32_t* packed, int64_t N,
-                                              const float* bias, float* y, int64_t ldy) {
+// The same with y: [M, N] float32, the sums never rounded to bf16 (the logits).
+extern "C" void pdserve_linear_bf16_f32out(const uint16_t* x, int64_t ldx, int64_t M, int64_t K,
+                                           const uint32_t* packed, int64_t N, const float* bias,
+                                           float* y, int64_t ldy) {
 #if PDSERVE_HAVE_AVX512BF16
-  linear<true>(xh, xl, ldx, M, K, packed, N, bias, y, ldy);
+  linear(x, ldx, M, K, packed, N, bias, y, ldy);
 #else
-  (void)xh, (void)xl, (void)ldx, (void)M, (void)K, (void)packed, (void)N, (void)bias, (void)y,
-      (void)ldy;
+  (void)x, (void)ldx, (void)M, (void)K, (void)packed, (void)N, (void)bias, (void)y, (void)ldy;
 #endif
 }
