@@ -1,8 +1,12 @@
 """The decode side of the hand-off tests: a real engine on a shared-memory KV pool with its
-receiver, stepping to the end, and the no-leak check both sides end with."""
+receiver, stepping to the end, and the no-leak check both sides end with; and the pairing of
+one prefill process with a decode engine per transport."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -49,3 +53,31 @@ def assert_no_leak(engine: Any) -> None:
     engine.check_integrity()
     stats = engine.stats()
     assert stats.num_free_blocks == stats.num_total_blocks
+
+
+@contextmanager
+def prefill_process_and_decoders(
+    target: Callable[..., None], args: tuple, model_dir: Path, num_blocks: int
+) -> Iterator[tuple[Any, dict[str, tuple[Any, KVReceiver, SharedKVAllocator]]]]:
+    """A spawned prefill process ``target(child_pipe, *args)`` and a decode engine on each
+    of the shm and torch_dist transports: yields (the parent pipe, the decoders by
+    transport). On a clean exit the process is told to stop (``None``) and must exit 0;
+    in every case it is killed if still alive and the decoders' receivers and pools close."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(child, *args))
+    proc.start()
+    decoders: dict[str, tuple[Any, KVReceiver, SharedKVAllocator]] = {}
+    try:
+        for transport in ("shm", "torch_dist"):
+            decoders[transport] = decode_engine(model_dir, transport, num_blocks)
+        yield parent, decoders
+        parent.send(None)
+        proc.join(30)
+        assert proc.exitcode == 0
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        for _, receiver, alloc in decoders.values():
+            receiver.close()
+            alloc.close()

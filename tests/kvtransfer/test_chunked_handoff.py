@@ -6,7 +6,6 @@ aborted mid-prefill ends its transfer at once on both sides, and nothing leaks."
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import random
 import threading
 import time
@@ -18,7 +17,12 @@ import pytest
 from pdserve.kvtransfer import KVTransferError, TransferResult
 from pdserve.kvtransfer.connector import PrefillKVConnector
 from pdserve.kvtransfer.receiver import KVReceiver
-from tests.kvtransfer.decode_side import assert_no_leak, decode_all, decode_engine
+from tests.kvtransfer.decode_side import (
+    assert_no_leak,
+    decode_all,
+    decode_engine,
+    prefill_process_and_decoders,
+)
 from tests.kvtransfer.procs import chunked_prefill_main
 
 engine_mod = pytest.importorskip("pdserve.engine.llm_engine")
@@ -87,14 +91,9 @@ def prompts_and_references(tiny_model_dir: Path) -> dict[tuple[int, ...], list[i
 def test_long_prompt_is_handed_off_chunk_by_chunk(
     tiny_model_dir: Path, prompts_and_references: dict[tuple[int, ...], list[int]]
 ) -> None:
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(
-        target=chunked_prefill_main, args=(child, str(tiny_model_dir), BLOCKS, BUDGET)
-    )
-    proc.start()
-    decoders = {t: decode_engine(tiny_model_dir, t, BLOCKS) for t in ("shm", "torch_dist")}
-    try:
+    with prefill_process_and_decoders(
+        chunked_prefill_main, (str(tiny_model_dir), BLOCKS, BUDGET), tiny_model_dir, BLOCKS
+    ) as (parent, decoders):
         for (transport, (engine, receiver, _)), prompt in zip(
             decoders.items(), prompts_and_references, strict=True
         ):
@@ -123,15 +122,6 @@ def test_long_prompt_is_handed_off_chunk_by_chunk(
             assert decode_all(engine)[rid] == prompts_and_references[prompt], transport
             assert_no_leak(engine)
             assert receiver.pending() == []
-        parent.send(None)
-        proc.join(30)
-        assert proc.exitcode == 0
-    finally:
-        if proc.is_alive():
-            proc.kill()
-        for _, receiver, alloc in decoders.values():
-            receiver.close()
-            alloc.close()
 
 
 @pytest.mark.parametrize("transport", ["shm", "torch_dist"])

@@ -5,7 +5,6 @@ local prefill with the same tokens, and neither side leaks a block."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +17,12 @@ from pdserve.kvtransfer import KVTarget, KVTransferTimeoutError
 from pdserve.kvtransfer.connector import PrefillKVConnector
 from pdserve.kvtransfer.receiver import KVReceiver
 from pdserve.kvtransfer.shm import list_segments
-from tests.kvtransfer.decode_side import assert_no_leak, decode_all, decode_engine
+from tests.kvtransfer.decode_side import (
+    assert_no_leak,
+    decode_all,
+    decode_engine,
+    prefill_process_and_decoders,
+)
 from tests.kvtransfer.procs import prefill_engine_main
 
 engine_mod = pytest.importorskip("pdserve.engine.llm_engine")
@@ -69,14 +73,11 @@ def references(tiny_model_dir: Path) -> Iterator[dict[tuple[int, ...], list[int]
 def test_prefill_process_streams_kv_to_decode_engines(
     tiny_model_dir: Path, references: dict[tuple[int, ...], list[int]]
 ) -> None:
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=prefill_engine_main, args=(child, str(tiny_model_dir), BLOCKS))
-    proc.start()
     # One prefill process pairs with two decode engines at once, over two transports.
-    decoders = {t: decode_engine(tiny_model_dir, t, BLOCKS) for t in ("shm", "torch_dist")}
-    segments = [a.segment_for(e.kv_cache).name for e, _, a in decoders.values()]
-    try:
+    with prefill_process_and_decoders(
+        prefill_engine_main, (str(tiny_model_dir), BLOCKS), tiny_model_dir, BLOCKS
+    ) as (parent, decoders):
+        segments = [a.segment_for(e.kv_cache).name for e, _, a in decoders.values()]
         prompts = list(references)
         plan = [("shm", 0), ("shm", 1), ("torch_dist", 2), ("torch_dist", 0)]
         batch, handoffs = [], {}
@@ -105,15 +106,6 @@ def test_prefill_process_streams_kv_to_decode_engines(
                     assert final[rid] == references[prompt], rid
             assert_no_leak(engine)
             assert receiver.pending() == []
-        parent.send(None)
-        proc.join(30)
-        assert proc.exitcode == 0
-    finally:
-        if proc.is_alive():
-            proc.kill()
-        for _, receiver, alloc in decoders.values():
-            receiver.close()
-            alloc.close()
     for name in segments:
         assert name not in list_segments()
 
