@@ -180,7 +180,7 @@ def packed_linear_float32(x: torch.Tensor, layer: nn.Module) -> torch.Tensor | N
     """``layer(x)`` in float32 (float32 ``x`` [M, K], float32 sums and result) for a layer
     ``pack_linears`` made; None for any other layer."""
     if isinstance(layer, Bf16Linear):
-        rows = x.reshape(-1, layer.in_features).contiguous()
+        rows = x.reshape(-1, layer.in_features)  # made contiguous as it is rounded to bf16
         return native.bf16_linear_float32(rows, layer.packed_weight, layer.out_features, layer.bias)
     if isinstance(layer, Bf16WeightLinear):
         return layer(x)
