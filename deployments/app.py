@@ -47,6 +47,8 @@ def build_application(
     cfg = config if isinstance(config, AppConfig) else AppConfig.from_dict(config)
     model_dir = cfg.model.resolve_path()
     cfg_data = cfg.model_dump(mode="json")  # replicas get plain data; they re-validate it
+    # The autoscaling policies record pdserve_pool_replicas under this model name.
+    gauge_model = cfg.model.served_name(model_dir) if cfg.observability.metrics_enabled else None
 
     from pdserve.deployments.decode_server import DecodeServer
     from pdserve.deployments.prefill_server import PrefillServer
@@ -55,12 +57,12 @@ def build_application(
     if cfg.policy.mode != "always_local":
         prefill = (
             serve.deployment(PrefillServer)
-            .options(name=PREFILL_DEPLOYMENT, **deployment_options(cfg, "prefill"))
+            .options(name=PREFILL_DEPLOYMENT, **deployment_options(cfg, "prefill", gauge_model))
             .bind(cfg_data, model_dir, engine_factory)
         )
     decode = (
         serve.deployment(DecodeServer)
-        .options(name=DECODE_DEPLOYMENT, **deployment_options(cfg, "decode"))
+        .options(name=DECODE_DEPLOYMENT, **deployment_options(cfg, "decode", gauge_model))
         .bind(cfg_data, model_dir, prefill, engine_factory)
     )
     if not with_ingress:
@@ -102,8 +104,11 @@ def ingress_bounds(cfg: AppConfig) -> dict[str, Any]:
     }
 
 
-def deployment_options(cfg: AppConfig, role: PoolRole) -> dict[str, Any]:
-    """``Deployment.options`` for one pool: placement, resources, routing, scaling."""
+def deployment_options(
+    cfg: AppConfig, role: PoolRole, model_name: str | None = None
+) -> dict[str, Any]:
+    """``Deployment.options`` for one pool: placement, resources, routing, scaling
+    (``model_name``: the autoscaling policy records the pool's replica counts under it)."""
     pool = cfg.pool(role)
     gpus = cfg.gpus_per_rank(role)
     options: dict[str, Any] = {
@@ -129,7 +134,7 @@ def deployment_options(cfg: AppConfig, role: PoolRole) -> dict[str, Any]:
     if pool.min_replicas == pool.max_replicas:
         options["num_replicas"] = pool.min_replicas
     else:
-        options["autoscaling_config"] = autoscaling_config(cfg, role)
+        options["autoscaling_config"] = autoscaling_config(cfg, role, model_name)
     return options
 
 
@@ -196,7 +201,9 @@ def router_config(cfg: AppConfig, role: PoolRole) -> RequestRouterConfig:
     )
 
 
-def autoscaling_config(cfg: AppConfig, role: PoolRole) -> dict[str, Any]:
+def autoscaling_config(
+    cfg: AppConfig, role: PoolRole, model_name: str | None = None
+) -> dict[str, Any]:
     pool = cfg.pool(role)
     config: dict[str, Any] = {
         "min_replicas": pool.min_replicas,
@@ -225,14 +232,20 @@ def autoscaling_config(cfg: AppConfig, role: PoolRole) -> dict[str, Any]:
             kwargs["ttft_ms"] = cfg.slo.ttft_ms
             kwargs["default_tokens_per_s"] = cfg.router.default_prefill_tokens_per_s
             kwargs["prefills_locally"] = cfg.policy.mode == "always_local"
+        if model_name is not None:
+            kwargs["model_name"] = model_name
         config["policy"] = {"policy_function": POLICY_PATHS[role], "policy_kwargs": kwargs}
     return config
 
 
 def application_autoscaling_policy(cfg: AppConfig, model_name: str | None = None) -> dict[str, Any]:
     """The Serve config's ``applications[].autoscaling_policy`` that sizes both pools in one
-    decision (``autoscaling.JointAutoscalingPolicy``); ``serve.run`` has no such option in
-    Ray 2.60, so the Python path keeps the per-deployment policies, which share its model."""
+    decision (``autoscaling.JointAutoscalingPolicy``). ``serve.run`` has no such option in
+    Ray 2.60 (and ``pdserve serve`` deploys with ``serve.run``), so the Python path keeps
+    the per-deployment policies, which share its model; either way the demand the ingress
+    turns away reaches the decode pool's reports (``DecodeServer.report_turned_away``), since
+    Serve collects custom metrics only from deployments that autoscale, which the ingress
+    does not."""
     has_prefill = cfg.policy.mode != "always_local"
     return {
         "policy_function": APPLICATION_POLICY_PATH,

@@ -16,6 +16,14 @@ two pressures the averages hide: remote prefills refused a KV reservation
 (``KV_REFUSED_PER_S``: each then prefills locally), and the prompts the disaggregation
 policy keeps on the decode replicas while the prefill pool is saturated
 (``local_prefill_load``: their queue must drain within the TTFT SLO).
+Demand that never reached a replica counts too: requests turned away for lack of capacity
+(``TURNED_AWAY_PER_S``: the decode replica's own admission sheds, and the ingress's door
+sheds on the pool's drain hint or a full Serve queue, which the ingress reports to a decode
+replica, ``DecodeServer.report_turned_away``) against what the pool admits
+(``ADMITTED_PER_S``). While the pool turns a share of its demand away it is saturated, and
+what it admits then is its capacity (``saturated_rate``, kept in the policy state); the pool
+is sized by its whole demand over that capacity (``demand_replicas``). Sheds more decode
+replicas would not fix (the ingress's or the proxy's own lag) are not reported.
 ``JointAutoscalingPolicy`` is Serve's application-level ``autoscaling_policy`` (one
 decision for both pools, from a Serve config's ``applications[].autoscaling_policy``); the
 per-deployment policies, which ``serve.run`` attaches, call the same ``plan_pools`` with
@@ -42,6 +50,12 @@ NUM_IN_BATCH = "num_in_batch"  # decode: requests running or waiting (for the sc
 # decode: remote prefills per second refused for lack of KV room to reserve the prompt
 # (prefilled locally instead); optional, a pool that does not report it is sized without it.
 KV_REFUSED_PER_S = "kv_refused_per_s"
+# decode: requests admitted per second, and requests turned away for lack of capacity per
+# second (this replica's admission sheds plus the ingress's capacity sheds reported to it).
+ADMITTED_PER_S = "admitted_per_s"
+TURNED_AWAY_PER_S = "turned_away_per_s"
+# policy state: requests per second one decode replica admits when the pool is saturated.
+SATURATED_RATE_KEY = "pdserve_saturated_rps_per_replica"
 PREFILL_METRICS = (PROMPT_TOKENS_PER_S, PREFILL_TOKENS_PER_S, QUEUED_PREFILL_TOKENS)
 DECODE_METRICS = (KV_USAGE, TPOT_S, NUM_WAITING)
 
@@ -107,6 +121,68 @@ def decode_replicas_needed(
 
 
 @dataclass(frozen=True)
+class DemandSizing:
+    """Sizing from turned-away demand: a pool turning away at least ``min_shed_fraction``
+    of its demand (admitted + turned away) is saturated; ``rate_weight`` is the weight of a
+    new saturated-throughput sample in its running average."""
+
+    min_shed_fraction: float = 0.05
+    rate_weight: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not 0 < self.min_shed_fraction < 1:
+            raise ValueError(f"min_shed_fraction must be in (0, 1), got {self.min_shed_fraction}")
+        if not 0 < self.rate_weight <= 1:
+            raise ValueError(f"rate_weight must be in (0, 1], got {self.rate_weight}")
+
+
+def shedding(admitted_per_s: float, turned_away_per_s: float, s: DemandSizing) -> bool:
+    """Whether the pool turns away at least ``min_shed_fraction`` of its demand."""
+    demand = admitted_per_s + turned_away_per_s
+    return demand > 0 and turned_away_per_s >= s.min_shed_fraction * demand
+
+
+def saturated_rate(
+    previous: float | None,
+    current: int,
+    admitted_per_s: float,
+    turned_away_per_s: float,
+    s: DemandSizing,
+) -> float | None:
+    """Requests per second one replica admits when the pool is full. While the pool sheds,
+    a sample (admitted / replicas) folds into the running average; while it does not, what
+    it admits per replica is a lower bound of that rate, so a larger one replaces it
+    (a replica added during a surge proves the pool takes more than the surge showed).
+    None until the pool first saturates."""
+    if current < 1 or admitted_per_s <= 0:
+        return previous
+    sample = admitted_per_s / current
+    if not shedding(admitted_per_s, turned_away_per_s, s):
+        return None if previous is None else max(previous, sample)
+    if previous is None:
+        return sample
+    return s.rate_weight * sample + (1 - s.rate_weight) * previous
+
+
+def demand_replicas(
+    current: int,
+    admitted_per_s: float,
+    turned_away_per_s: float,
+    per_replica_rate: float | None,
+    s: DemandSizing,
+    utilization: float = 1.0,
+) -> int:
+    """Replicas for the whole demand (admitted + turned away) at ``utilization`` of the
+    saturated per-replica rate; 0 (no say) before any saturation was measured, except that a
+    pool shedding while admitting nothing grows by one."""
+    if per_replica_rate is None or per_replica_rate <= 0:
+        stuck = admitted_per_s <= 0 and shedding(admitted_per_s, turned_away_per_s, s)
+        return current + 1 if stuck else 0
+    demand = admitted_per_s + turned_away_per_s
+    return math.ceil(demand / (per_replica_rate * utilization) - 1e-9)
+
+
+@dataclass(frozen=True)
 class PoolLoad:
     """One pool's replica count and its replicas' reports (metric name -> one value per
     replica; a missing name means no replica reported it)."""
@@ -125,6 +201,7 @@ class JointSizing:
     max_num_seqs: int  # per decode replica
     down_margin: float = 0.25  # shrink only when the load fits with this much to spare
     max_kv_after_scale_down: float = 0.85  # KV a smaller decode pool may be left holding
+    demand: DemandSizing = DemandSizing()
 
     def __post_init__(self) -> None:
         if not 0 <= self.down_margin < 1:
@@ -155,24 +232,38 @@ def decode_fits(
 
 
 def plan_decode(
-    decode: PoolLoad, s: JointSizing, prompt_load: int = 0, prompt_load_down: int | None = None
+    decode: PoolLoad,
+    s: JointSizing,
+    prompt_load: int = 0,
+    prompt_load_down: int | None = None,
+    saturated_rps: float | None = None,
 ) -> int:
     """Decode replicas from KV usage, TPOT and KV refusals (and ``prompt_load``: the
     replicas its local prefills need; ``prompt_load_down``, sized with the scale-down
-    margin, bounds a shrink, default ``prompt_load``), with hysteresis, never below what the
-    running requests need."""
+    margin, bounds a shrink, default ``prompt_load``), and from the whole demand, turned
+    away included, over ``saturated_rps`` (``saturated_rate``), with hysteresis, never
+    below what the running requests need."""
     kv, tpot, waiting = (decode.values(n) for n in (KV_USAGE, TPOT_S, NUM_WAITING))
     refused = decode.values(KV_REFUSED_PER_S)
     needed = decode_replicas_needed(decode.current, kv, tpot, waiting, s.decode, refused)
-    up = max(needed, prompt_load)
+    admitted, away = sum(decode.values(ADMITTED_PER_S)), sum(decode.values(TURNED_AWAY_PER_S))
+    saturated = shedding(admitted, away, s.demand)
+    if not saturated:
+        away = 0.0  # an odd shed (a misprediction, a burst) is not demand to size for
     margin = 1 - s.down_margin
+    demand_up = demand_replicas(decode.current, admitted, away, saturated_rps, s.demand)
+    demand_down = demand_replicas(decode.current, admitted, away, saturated_rps, s.demand, margin)
+    up = max(needed, prompt_load, demand_up)
     strict = DecodeSizing(
         s.decode.tpot_s, s.decode.target_kv_usage * margin, s.decode.target_tpot_fraction * margin
     )
     down = max(
         decode_replicas_needed(decode.current, kv, tpot, waiting, strict, refused),
         prompt_load if prompt_load_down is None else prompt_load_down,
+        demand_down,
     )
+    if saturated:
+        down = max(down, decode.current)  # turning demand away: never shrink
     target = with_hysteresis(decode.current, up, down)
     in_batch = decode.values(NUM_IN_BATCH)
     while target < decode.current and not decode_fits(target, kv, in_batch, s):
@@ -219,12 +310,15 @@ def local_prefill_load(decode: PoolLoad, s: JointSizing) -> tuple[int, int]:
 
 
 def plan_pools(
-    prefill: PoolLoad | None, decode: PoolLoad, s: JointSizing
+    prefill: PoolLoad | None,
+    decode: PoolLoad,
+    s: JointSizing,
+    saturated_rps: float | None = None,
 ) -> tuple[int | None, int]:
     """(prefill, decode) replica counts decided together. Without a prefill pool (None) the
     decode replicas prefill every prompt, so the prompt load sizes decode too; with one,
     the prompts queued for local prefill on the decode replicas (``local_prefill_load``)
-    do."""
+    do. ``saturated_rps`` sizes decode by its whole demand (``plan_decode``)."""
     arrival = (
         sum(decode.values(PROMPT_TOKENS_PER_S)) if decode.values(PROMPT_TOKENS_PER_S) else None
     )
@@ -235,8 +329,32 @@ def plan_pools(
             | {PROMPT_TOKENS_PER_S: [arrival or 0.0]},
         )
         prompt_load = plan_prefill(local, s, None) if arrival else 0
-        return None, plan_decode(decode, s, prompt_load)
-    return plan_prefill(prefill, s, arrival), plan_decode(decode, s, *local_prefill_load(decode, s))
+        return None, plan_decode(decode, s, prompt_load, saturated_rps=saturated_rps)
+    spill_up, spill_down = local_prefill_load(decode, s)
+    n_decode = plan_decode(decode, s, spill_up, spill_down, saturated_rps)
+    return plan_prefill(prefill, s, arrival), n_decode
+
+
+def update_saturated_rate(
+    state: Mapping[str, Any], decode: PoolLoad, s: JointSizing
+) -> float | None:
+    """The decode pool's saturated per-replica rate after this tick's reports (the previous
+    one from ``state[SATURATED_RATE_KEY]``)."""
+    previous = state.get(SATURATED_RATE_KEY)
+    return saturated_rate(
+        float(previous) if previous is not None else None,
+        decode.current,
+        sum(decode.values(ADMITTED_PER_S)),
+        sum(decode.values(TURNED_AWAY_PER_S)),
+        s.demand,
+    )
+
+
+def _with_rate(state: Mapping[str, Any] | None, rate: float | None) -> dict[str, Any]:
+    out = dict(state or {})
+    if rate is not None:
+        out[SATURATED_RATE_KEY] = rate
+    return out
 
 
 def _values(ctx: Any, name: str) -> list[float]:
@@ -244,6 +362,32 @@ def _values(ctx: Any, name: str) -> list[float]:
     if not metrics or name not in metrics:
         return []
     return [float(v) for v in metrics[name].values()]
+
+
+class PoolGauges:
+    """``pdserve_pool_replicas{pool}`` (the count Serve is scaling the pool to) and
+    ``pdserve_pool_replicas_wanted{pool}`` (the policy's sizing, before Serve's delays and
+    bounds), set from the controller. Best effort: a metrics failure never stops
+    autoscaling; no model name, no gauges."""
+
+    def __init__(self, model_name: str | None) -> None:
+        self._model = model_name
+        self._gauge: Any = None
+
+    def record(self, pool: str, target: int | None, wanted: int | None) -> None:
+        if self._model is None:
+            return
+        try:
+            if self._gauge is None:
+                from pdserve.deployments.metrics import PoolReplicaGauge
+
+                self._gauge = PoolReplicaGauge(self._model)
+            if target is not None:
+                self._gauge.set(pool, target)
+            if wanted is not None:
+                self._gauge.set_wanted(pool, wanted)
+        except Exception:  # noqa: BLE001
+            self._model = None
 
 
 class PrefillAutoscalingPolicy:
@@ -256,19 +400,25 @@ class PrefillAutoscalingPolicy:
         default_tokens_per_s: float,
         target_utilization: float = 0.7,
         down_margin: float = 0.0,
+        model_name: str | None = None,
     ) -> None:
         self.sizing = PrefillSizing(ttft_ms / 1000.0, default_tokens_per_s, target_utilization)
         self.joint = JointSizing(self.sizing, DecodeSizing(1.0), 1, down_margin)
+        self.gauges = PoolGauges(model_name)
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
         if not _values(ctx, PROMPT_TOKENS_PER_S):  # no reports yet: hold steady
+            self.gauges.record("prefill", ctx.target_num_replicas, None)
             return ctx.target_num_replicas, ctx.policy_state
-        return plan_prefill(_pool_load(ctx), self.joint, None), ctx.policy_state
+        wanted = plan_prefill(_pool_load(ctx), self.joint, None)
+        self.gauges.record("prefill", ctx.target_num_replicas, wanted)
+        return wanted, ctx.policy_state
 
 
 class DecodeAutoscalingPolicy:
     """``policy_function`` for the decode deployment (kwargs: tpot_ms, target_kv_usage;
-    ttft_ms and default_tokens_per_s to size the prompts prefilled on this pool)."""
+    ttft_ms and default_tokens_per_s to size the prompts prefilled on this pool;
+    min_shed_fraction: the share of turned-away demand that marks the pool saturated)."""
 
     def __init__(
         self,
@@ -279,6 +429,8 @@ class DecodeAutoscalingPolicy:
         ttft_ms: float | None = None,
         default_tokens_per_s: float | None = None,
         prefills_locally: bool | None = None,
+        min_shed_fraction: float = 0.05,
+        model_name: str | None = None,
     ) -> None:
         self.sizing = DecodeSizing(tpot_ms / 1000.0, target_kv_usage)
         # ttft_ms and default_tokens_per_s let the prompts prefilled on this pool size it:
@@ -290,18 +442,26 @@ class DecodeAutoscalingPolicy:
         if self.prefills_locally and not self.knows_ttft:
             raise ValueError("prefills_locally needs ttft_ms and default_tokens_per_s")
         prefill = PrefillSizing((ttft_ms or 1000.0) / 1000.0, default_tokens_per_s or 1.0)
-        self.joint = JointSizing(prefill, self.sizing, max_num_seqs, down_margin)
+        self.joint = JointSizing(
+            prefill, self.sizing, max_num_seqs, down_margin, demand=DemandSizing(min_shed_fraction)
+        )
+        self.gauges = PoolGauges(model_name)
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
         if not _values(ctx, KV_USAGE):
+            self.gauges.record("decode", ctx.target_num_replicas, None)
             return ctx.target_num_replicas, ctx.policy_state
         decode = _pool_load(ctx)
+        rate = update_saturated_rate(ctx.policy_state or {}, decode, self.joint)
         if self.prefills_locally:
-            return plan_pools(None, decode, self.joint)[1], ctx.policy_state
-        if self.knows_ttft:
+            wanted = plan_pools(None, decode, self.joint, rate)[1]
+        elif self.knows_ttft:
             spill = local_prefill_load(decode, self.joint)
-            return plan_decode(decode, self.joint, *spill), ctx.policy_state
-        return plan_decode(decode, self.joint), ctx.policy_state
+            wanted = plan_decode(decode, self.joint, *spill, saturated_rps=rate)
+        else:
+            wanted = plan_decode(decode, self.joint, saturated_rps=rate)
+        self.gauges.record("decode", ctx.target_num_replicas, wanted)
+        return wanted, _with_rate(ctx.policy_state, rate)
 
 
 def _pool_load(ctx: Any) -> PoolLoad:
@@ -328,6 +488,7 @@ class JointAutoscalingPolicy:
         target_utilization: float = 0.7,
         target_kv_usage: float = 0.75,
         down_margin: float = 0.25,
+        min_shed_fraction: float = 0.05,
         model_name: str | None = None,
     ) -> None:
         self.names = {"prefill": prefill_deployment, "decode": decode_deployment}
@@ -336,9 +497,9 @@ class JointAutoscalingPolicy:
             DecodeSizing(tpot_ms / 1000.0, target_kv_usage),
             max_num_seqs,
             down_margin,
+            demand=DemandSizing(min_shed_fraction),
         )
-        self._gauge_model = model_name
-        self._gauge: Any = None
+        self.gauges = PoolGauges(model_name)
 
     def __call__(self, contexts: Mapping[Any, Any]) -> tuple[dict[Any, int], dict[Any, dict]]:
         by_name = {dep_id.name: (dep_id, ctx) for dep_id, ctx in contexts.items()}
@@ -348,36 +509,25 @@ class JointAutoscalingPolicy:
         if decode is None or not _values(decode[1], KV_USAGE):
             return decisions, states  # no reports yet: hold steady
         prefill = by_name.get(self.names["prefill"] or "")
+        decode_load = _pool_load(decode[1])
+        rate = update_saturated_rate(states[decode[0]], decode_load, self.sizing)
+        states[decode[0]] = _with_rate(states[decode[0]], rate)
         n_prefill, n_decode = plan_pools(
             _pool_load(prefill[1]) if prefill is not None else None,
-            _pool_load(decode[1]),
+            decode_load,
             self.sizing,
+            rate,
         )
         decisions[decode[0]] = n_decode
+        self.gauges.record("decode", decode[1].target_num_replicas, n_decode)
         if (
             prefill is not None
             and n_prefill is not None
             and _values(prefill[1], PROMPT_TOKENS_PER_S)
         ):
             decisions[prefill[0]] = n_prefill
-        self._record({"decode": n_decode, "prefill": n_prefill})
+            self.gauges.record("prefill", prefill[1].target_num_replicas, n_prefill)
         return decisions, states
-
-    def _record(self, counts: Mapping[str, int | None]) -> None:
-        """``pdserve_pool_replicas`` from the controller (best effort: a metrics failure must
-        never stop autoscaling)."""
-        if self._gauge_model is None:
-            return
-        try:
-            if self._gauge is None:
-                from pdserve.deployments.metrics import PoolReplicaGauge
-
-                self._gauge = PoolReplicaGauge(self._gauge_model)
-            for pool, n in counts.items():
-                if n is not None:
-                    self._gauge.set(pool, n)
-        except Exception:  # noqa: BLE001
-            self._gauge_model = None
 
 
 POLICY_PATHS = {

@@ -32,7 +32,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 from ray.serve.handle import DeploymentHandle
 
-from pdserve.deployments import admission, tracing
+from pdserve.deployments import admission, autoscaling, tracing
 from pdserve.deployments.config import AppConfig
 from pdserve.deployments.engine_factory import (
     EngineFactory,
@@ -183,6 +183,10 @@ class DecodeServer:
         self._pending = admission.PendingPrefills()
         self._output_tokens = Ema()
         self._admitted_prompt_tokens = RateMeter()
+        # Demand for the autoscaling policy: requests admitted here, and requests turned away
+        # for lack of capacity (this replica's sheds, and those the ingress reports).
+        self._admitted = RateMeter()
+        self._turned_away = RateMeter()
         # request id -> its prediction, until its first token; then (predicted, actual).
         self._predicted: dict[str, admission.TTFTPrediction] = {}
         self._ttft_pairs: deque[tuple[float, float]] = deque(maxlen=4096)
@@ -281,6 +285,7 @@ class DecodeServer:
         if verdict.action == "admit":
             self._pending.admitted(req.request_id, decision.location, uncached)
             self._admitted_prompt_tokens.add(uncached)
+            self._admitted.add(1)
             self._predicted[req.request_id] = prediction
             self.metrics.predicted_ttft.observe(verdict.predicted_ttft_s)
         return verdict
@@ -301,6 +306,7 @@ class DecodeServer:
 
     def _shed(self, req: GenerateRequest, verdict: admission.AdmissionDecision) -> GenerateChunk:
         self._counts["shed"] += 1
+        self._turned_away.add(1)
         self.metrics.record_shed(verdict.reason, req.slo_class)
         retry = verdict.retry_after_s or 1.0
         message = (
@@ -397,9 +403,22 @@ class DecodeServer:
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         refused = self.remote.kv_refused.rate() if self.remote is not None else 0.0
-        return decode_autoscaling_stats(
+        stats = decode_autoscaling_stats(
             self.engine.stats(), self._itl.value, self._admitted_prompt_tokens.rate(), refused
         )
+        stats[autoscaling.ADMITTED_PER_S] = self._admitted.rate()
+        stats[autoscaling.TURNED_AWAY_PER_S] = self._turned_away.rate()
+        return stats
+
+    def report_turned_away(self, requests: int) -> None:
+        """The ingress turned ``requests`` away for lack of capacity in this pool (on its
+        drain hint, or Serve's queue for the pool full) since its last report: demand the
+        pool never saw, counted in this replica's ``turned_away_per_s`` for the autoscaling
+        policy (which sums the pool's replicas)."""
+        if requests < 0:
+            raise ValueError(f"requests must be >= 0, got {requests}")
+        if requests:
+            self._turned_away.add(requests)
 
     def check_health(self) -> None:
         self.engine.check_health()

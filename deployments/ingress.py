@@ -83,6 +83,8 @@ SLO_CLASS_HEADER = "x-pdserve-slo-class"
 PRIORITY_HEADER = "x-pdserve-priority"
 READY_CACHE_S = 1.0
 RETRY_AFTER_S = 1.0
+TURNED_AWAY_REPORT_S = 1.0  # how often the door's capacity sheds are reported to the pool
+TURNED_AWAY_TIMEOUT_S = 5.0
 
 PDSERVE_VERSION = package_version("pdserve")
 
@@ -245,6 +247,29 @@ def _grpc_usage(stream: DecodeStream) -> pb2.Usage:
     )
 
 
+class TurnedAway:
+    """Requests turned away for lack of decode capacity (the pool's drain hint, or Serve's
+    queue for the pool full) and not yet reported to the pool: its autoscaling policy
+    counts them as demand (``DecodeServer.report_turned_away``). Sheds on the front door's
+    own lag are not counted: more decode replicas would not fix them. Reported at most
+    every ``period_s``, so a flood costs one call a second."""
+
+    def __init__(self, period_s: float = TURNED_AWAY_REPORT_S) -> None:
+        self.period_s = period_s
+        self.pending = 0
+        self._last: float | None = None
+
+    def add(self, n: int = 1) -> None:
+        self.pending += n
+
+    def take(self, now: float) -> int:
+        """The count to report now (0: nothing pending, or reported under ``period_s`` ago)."""
+        if not self.pending or (self._last is not None and now - self._last < self.period_s):
+            return 0
+        n, self.pending, self._last = self.pending, 0, now
+        return n
+
+
 # The class comes last: @serve.ingress pickles the app (and so these methods) when the
 # class is defined, capturing only the module globals that exist at that point.
 @serve.deployment(name="OpenAIIngress", max_ongoing_requests=1024)
@@ -316,6 +341,8 @@ class OpenAIIngress:
         self._loop_lag = LoopLag()
         self._proxy_lag = ProxyLag()
         self._ttft_slo_s = ttft_slo_ms / 1000.0 if ttft_slo_ms else None
+        self._turned_away = TurnedAway()
+        self._reports: set[asyncio.Task[None]] = set()
         self._ready_deployments = list(ready_deployments or [])
         self._ready_cache: tuple[float, bool, str] = (0.0, False, "")
 
@@ -326,9 +353,12 @@ class OpenAIIngress:
         request waited there already, unseen by admission control). Recorded as shed."""
         self._loop_lag.ensure_running()
         now = time.monotonic()
+        self._report_turned_away(now)
         loop_lag, proxy_lag = self._loop_lag.seconds, self._proxy_lag.seconds(now)
         wait_s = self._shed_hint.remaining_s(slo_class, now)
         reason = "drain_hint" if wait_s > 0 else ""
+        if reason:
+            self._turned_away.add()  # the pool is full: demand it did not see
         slo_s = self._ttft_slo_s
         if not reason and slo_s is not None:
             if ingress_overloaded(loop_lag, slo_class, slo_s):
@@ -344,6 +374,24 @@ class OpenAIIngress:
             f"{slo_class} request may wait; the queue drains in {wait_s:.1f}s"
         )
         return message, wait_s
+
+    def _report_turned_away(self, now: float) -> None:
+        """Send the pending count of capacity sheds to a decode replica (in the background;
+        a lost report only under-counts demand)."""
+        n = self._turned_away.take(now)
+        if n:
+            task = asyncio.get_running_loop().create_task(self._send_turned_away(n))
+            self._reports.add(task)
+            task.add_done_callback(self._reports.discard)
+
+    async def _send_turned_away(self, n: int) -> None:
+        async def send() -> None:
+            await self._decode.report_turned_away.remote(n)
+
+        try:
+            await asyncio.wait_for(send(), TURNED_AWAY_TIMEOUT_S)
+        except Exception as err:  # noqa: BLE001 - best effort; the next report still goes
+            logger.debug("turned-away report (%d requests) not delivered: %r", n, err)
 
     def _shed_at_the_door(self, headers: Any) -> None:
         """HTTP: the door check before the body is read, parsed and tokenized, so a flood
@@ -376,6 +424,7 @@ class OpenAIIngress:
             # Serve's queue for the decode pool is full (its max_queued_requests): overload,
             # answered like a shed, not as a failure.
             self._shed_metrics.record_shed("serve_queue_full", request.slo_class)
+            self._turned_away.add()
             raise OpenAIError(
                 f"overloaded (serve_queue_full): {err}",
                 status_code=429,

@@ -178,21 +178,34 @@ class ServingMetrics:
 
 
 class PoolReplicaGauge:
-    """``pdserve_pool_replicas{model_name, pool}``: the replica count the autoscaling policy
-    decided per pool. Created lazily in the process that records it (Serve's controller)."""
+    """``pdserve_pool_replicas{model_name, pool}``: the replica count Serve is scaling each
+    pool to (its target after pdserve's autoscaling decisions, delays and bounds), and
+    ``pdserve_pool_replicas_wanted{model_name, pool}``: the count pdserve's autoscaling
+    policy sized the pool to at its last tick. Created lazily in the process that records
+    them (Serve's controller)."""
 
     def __init__(self, model_name: str) -> None:
         from ray.util.metrics import Gauge
 
+        tags = ("model_name", "pool")
         self._gauge = Gauge(
             PREFIX + "pool_replicas",
-            "Replicas per pool as decided by pdserve's autoscaling policy.",
-            tag_keys=("model_name", "pool"),
+            "Replicas per pool: the target Serve scales the pool to.",
+            tag_keys=tags,
+        )
+        self._wanted = Gauge(
+            PREFIX + "pool_replicas_wanted",
+            "Replicas per pool as sized by pdserve's autoscaling policy (before Serve's "
+            "upscale/downscale delays and min/max bounds).",
+            tag_keys=tags,
         )
         self._model = model_name
 
     def set(self, pool: str, replicas: int) -> None:
         self._gauge.set(float(replicas), {"model_name": self._model, "pool": pool})
+
+    def set_wanted(self, pool: str, replicas: int) -> None:
+        self._wanted.set(float(replicas), {"model_name": self._model, "pool": pool})
 
 
 class APIMetrics:

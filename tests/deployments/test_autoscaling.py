@@ -7,8 +7,10 @@ from ray.serve._private.common import DeploymentID
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
 from pdserve.deployments.autoscaling import (
+    SATURATED_RATE_KEY,
     DecodeAutoscalingPolicy,
     DecodeSizing,
+    DemandSizing,
     JointAutoscalingPolicy,
     JointSizing,
     PoolLoad,
@@ -16,10 +18,13 @@ from pdserve.deployments.autoscaling import (
     PrefillSizing,
     decode_fits,
     decode_replicas_needed,
+    demand_replicas,
     local_prefill_load,
     plan_decode,
     plan_pools,
     prefill_replicas_needed,
+    saturated_rate,
+    shedding,
     with_hysteresis,
 )
 
@@ -239,3 +244,99 @@ def test_prompts_queued_for_local_prefill_on_decode_replicas_size_the_decode_poo
     assert DecodeAutoscalingPolicy(tpot_ms=100, target_kv_usage=0.5)(context(metrics, 2))[0] == 2
     with pytest.raises(ValueError, match="prefills_locally"):
         DecodeAutoscalingPolicy(tpot_ms=100, prefills_locally=True)
+
+
+# ---------------------------------------------------------------- turned-away demand
+DEMAND = DemandSizing(min_shed_fraction=0.05, rate_weight=0.5)
+
+
+def test_a_pool_is_saturated_when_it_turns_away_a_share_of_its_demand() -> None:
+    assert shedding(9.0, 1.0, DEMAND)  # 1 of 10 requests/s turned away: 10 % >= 5 %
+    assert not shedding(99.0, 1.0, DEMAND)  # 1 of 100: 1 %, an odd shed, not saturation
+    assert not shedding(0.0, 0.0, DEMAND)  # idle
+
+
+def test_the_saturated_rate_is_what_a_replica_admits_while_the_pool_sheds() -> None:
+    # One replica admits 9 req/s and 24 req/s are turned away: 9 req/s per replica.
+    assert saturated_rate(None, 1, 9.0, 24.0, DEMAND) == 9.0
+    # Two replicas admit 16 with 4 turned away (20 %): sample 8, averaged with 10 -> 9.
+    assert saturated_rate(10.0, 2, 16.0, 4.0, DEMAND) == 9.0
+    # Not saturated: what a replica admits is a lower bound. 30 req/s on 2 replicas
+    # without sheds proves 15 per replica, more than the 9 the surge at 1 replica showed...
+    assert saturated_rate(9.0, 2, 30.0, 0.0, DEMAND) == 15.0
+    # ...a light load proves nothing new, and a pool never saturated has no rate.
+    assert saturated_rate(15.0, 2, 4.0, 0.0, DEMAND) == 15.0
+    assert saturated_rate(None, 2, 4.0, 0.0, DEMAND) is None
+
+
+def test_the_whole_demand_sizes_the_pool_against_the_saturated_rate() -> None:
+    # 9 admitted + 24 turned away = 33 req/s at 9 per replica -> ceil(3.67) = 4 replicas.
+    assert demand_replicas(1, 9.0, 24.0, 9.0, DEMAND) == 4
+    # After the surge: 4 req/s at 15 per replica, 75 % of it (the scale-down margin) -> 1.
+    assert demand_replicas(2, 4.0, 0.0, 15.0, DEMAND, utilization=0.75) == 1
+    # 30 req/s at 15 x 0.75 = 11.25 per replica -> ceil(2.67) = 3: no shrink from 2.
+    assert demand_replicas(2, 30.0, 0.0, 15.0, DEMAND, utilization=0.75) == 3
+    # No rate measured yet: no say, except a pool shedding while admitting nothing grows.
+    assert demand_replicas(1, 5.0, 0.0, None, DEMAND) == 0
+    assert demand_replicas(1, 0.0, 5.0, None, DEMAND) == 2
+
+
+def test_door_sheds_for_capacity_grow_decode_and_hold_it_until_the_demand_falls() -> None:
+    surge = decode_load(1, [0.05], [20.0], admitted_per_s=[9.0], turned_away_per_s=[24.0])
+    # KV and TPOT alone keep one replica: the sheds are what the pool does not see...
+    assert plan_decode(decode_load(1, [0.05], [20.0]), JOINT) == 1
+    # ...counted as demand, 33 req/s over 9 per replica call for 4 (Serve caps at max).
+    assert plan_decode(surge, JOINT, saturated_rps=9.0) == 4
+    # Two replicas admitting 30 req/s without sheds (15 each): the margin keeps both.
+    held = decode_load(2, [0.05] * 2, [10.0] * 2, admitted_per_s=[15.0] * 2,
+                       turned_away_per_s=[0.0] * 2)  # fmt: skip
+    assert plan_decode(held, JOINT, saturated_rps=15.0) == 2
+    # Back to 4 req/s: one replica takes it with margin (4 <= 0.75 x 15) -> shrink.
+    calm = decode_load(2, [0.02] * 2, [1.0] * 2, admitted_per_s=[2.0] * 2,
+                       turned_away_per_s=[0.0] * 2)  # fmt: skip
+    assert plan_decode(calm, JOINT, saturated_rps=15.0) == 1
+    # Still turning 10 % away at 2 replicas (capped at max): never shrink, whatever KV says.
+    capped = decode_load(2, [0.02] * 2, [1.0] * 2, admitted_per_s=[9.0] * 2,
+                         turned_away_per_s=[1.0] * 2)  # fmt: skip
+    assert plan_decode(capped, JOINT, saturated_rps=100.0) == 2
+
+
+def test_sheds_more_replicas_would_not_fix_do_not_size_the_pool() -> None:
+    # The ingress reports only capacity sheds (its own lag is not decode's business). A pool
+    # admitting all it is sent but an odd shed (1 %: a misprediction, a burst) is not
+    # saturated: 99 req/s on 2 replicas raises the rate to 49.5, which sizes 2, not 3.
+    rate = saturated_rate(30.0, 2, 99.0, 1.0, DEMAND)
+    assert rate == 49.5
+    odd = decode_load(2, [0.3] * 2, [5.0] * 2, admitted_per_s=[49.5] * 2,
+                      turned_away_per_s=[0.5, 0.5])  # fmt: skip
+    assert plan_decode(odd, JOINT, saturated_rps=rate) == 2
+
+
+def test_decode_policy_learns_the_saturated_rate_in_its_state_and_sizes_by_demand() -> None:
+    policy = DecodeAutoscalingPolicy(tpot_ms=100, target_kv_usage=0.5, max_num_seqs=64,
+                                     down_margin=0.25)  # fmt: skip
+    surge = {"kv_usage": {"a": 0.05}, "tpot_s": {"a": 0.01}, "num_in_batch": {"a": 20.0},
+             "admitted_per_s": {"a": 9.0}, "turned_away_per_s": {"a": 24.0}}  # fmt: skip
+    n, state = policy(context(surge, current=1))
+    assert n == 4 and state == {"kept": 1, SATURATED_RATE_KEY: 9.0}
+    # The next tick starts from that state: two replicas, 30 req/s admitted, no sheds.
+    two = {"kv_usage": {"a": 0.05, "b": 0.05}, "tpot_s": {"a": 0.01, "b": 0.01},
+           "num_in_batch": {"a": 10.0, "b": 10.0}, "admitted_per_s": {"a": 15.0, "b": 15.0},
+           "turned_away_per_s": {"a": 0.0, "b": 0.0}}  # fmt: skip
+    ctx = context(two, current=2)
+    ctx.policy_state = state
+    n, state = policy(ctx)
+    assert n == 2 and state[SATURATED_RATE_KEY] == 15.0
+
+
+def test_application_policy_counts_turned_away_demand_too() -> None:
+    policy = JointAutoscalingPolicy(
+        prefill_deployment=None, decode_deployment="D", ttft_ms=1000, tpot_ms=100,
+        default_tokens_per_s=1000.0, max_num_seqs=64, target_kv_usage=0.5,
+    )  # fmt: skip
+    d_id = DeploymentID(name="D", app_name="a")
+    surge = {"kv_usage": {"a": 0.05}, "tpot_s": {"a": 0.01}, "num_in_batch": {"a": 20.0},
+             "admitted_per_s": {"a": 9.0}, "turned_away_per_s": {"a": 24.0}}  # fmt: skip
+    decisions, states = policy({d_id: context(surge, current=1)})
+    assert decisions == {d_id: 4}
+    assert states[d_id][SATURATED_RATE_KEY] == 9.0
