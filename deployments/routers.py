@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from pydantic import ValidationError
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -61,15 +61,37 @@ def parse_stats(raw: dict[str, Any] | None) -> ReplicaStats | None:
         return None
 
 
+class PrefillTerms(NamedTuple):
+    """What a replica's report contributes to its predicted TTFT, whatever the prompt:
+    worked out once per report (the simulator ranks a 51-replica pool for each of a day's
+    650k prompts; Serve's router once per request)."""
+
+    queued_tokens: int
+    tokens_per_s: float
+    kv_bytes_per_token: int
+    transfer_bytes_per_s: float
+
+
+def prefill_terms(stats: ReplicaStats | None, p: PrefillRouterParams) -> PrefillTerms:
+    queued = stats.queued_prefill_tokens if stats else 0
+    rate = (stats.prefill_tokens_per_s if stats else 0.0) or p.default_prefill_tokens_per_s
+    bytes_per_token = p.kv_bytes_per_token or (stats.kv_bytes_per_token if stats else 0)
+    return PrefillTerms(queued, rate, bytes_per_token, p.transfer_bytes_per_s)
+
+
 def predict_prefill_ttft_s(
     stats: ReplicaStats | None, inflight_tokens: int, prompt_tokens: int, p: PrefillRouterParams
 ) -> float:
     """Queue wait + this prompt's compute + the KV transfer, in seconds."""
-    queued = max(stats.queued_prefill_tokens if stats else 0, inflight_tokens)
-    rate = (stats.prefill_tokens_per_s if stats else 0.0) or p.default_prefill_tokens_per_s
-    bytes_per_token = p.kv_bytes_per_token or (stats.kv_bytes_per_token if stats else 0)
-    transfer_s = prompt_tokens * bytes_per_token / p.transfer_bytes_per_s
-    return (queued + prompt_tokens) / rate + transfer_s
+    return predict_from_terms(prefill_terms(stats, p), inflight_tokens, prompt_tokens)
+
+
+def predict_from_terms(t: PrefillTerms, inflight_tokens: int, prompt_tokens: int) -> float:
+    """``predict_prefill_ttft_s`` from a report's ``PrefillTerms`` (``rank_prefill_terms``
+    has the same arithmetic inline, for speed; the tests hold the two equal)."""
+    queued = max(t.queued_tokens, inflight_tokens)
+    transfer_s = prompt_tokens * t.kv_bytes_per_token / t.transfer_bytes_per_s
+    return (queued + prompt_tokens) / t.tokens_per_s + transfer_s
 
 
 def decode_load_score(
@@ -105,14 +127,28 @@ def rank_prefill_stats(
     inflight_tokens: dict[Any, int],
     p: PrefillRouterParams,
 ) -> list[list[Any]]:
-    """``rank_prefill`` over (replica, already parsed stats) pairs: the simulator parses
-    each published report once, not once per request."""
-    # (score, index) pairs sort by score, ties in input order, with no key function: the
-    # simulator ranks a 51-replica pool for each of a day's 650k prompts.
-    scored = [
-        (predict_prefill_ttft_s(stats, inflight_tokens.get(r.replica_id, 0), prompt_tokens, p), i)
-        for i, (r, stats) in enumerate(replicas)
-    ]
+    """``rank_prefill`` over (replica, already parsed stats) pairs."""
+    terms = [(r, prefill_terms(stats, p)) for r, stats in replicas]
+    return rank_prefill_terms(terms, prompt_tokens, inflight_tokens)
+
+
+def rank_prefill_terms(
+    replicas: Sequence[tuple[Any, PrefillTerms]],
+    prompt_tokens: int,
+    inflight_tokens: dict[Any, int],
+) -> list[list[Any]]:
+    """``rank_prefill`` over (replica, ``prefill_terms`` of its report) pairs: the simulator
+    works each published report out once, not once per request."""
+    # predict_from_terms inline, in the same order of operations (so the same floats), and
+    # (score, index) pairs that sort by score, ties in input order, with no key function.
+    get = inflight_tokens.get
+    n = prompt_tokens
+    scored = []
+    append = scored.append
+    for i, (r, (queued, rate, bytes_per_token, bandwidth)) in enumerate(replicas):
+        inflight = get(r.replica_id, 0)
+        ahead = inflight if inflight > queued else queued  # max(), without the call
+        append(((ahead + n) / rate + n * bytes_per_token / bandwidth, i))
     scored.sort()
     return [[replicas[i][0]] for _, i in scored]
 
@@ -135,12 +171,57 @@ def rank_decode_stats(
     p: DecodeRouterParams,
 ) -> list[list[Any]]:
     """``rank_decode`` over (replica, already parsed stats) pairs."""
+    terms = [(r, decode_terms(stats)) for r, stats in replicas]
+    return rank_decode_terms(terms, blocks_needed, inflight, p)
+
+
+class DecodeTerms(NamedTuple):
+    """What a decode replica's report contributes to its load score, whatever the request
+    (``decode_load_score``), worked out once per report."""
+
+    batch: int
+    free_blocks: int
+    total_blocks: int  # at least 1
+    max_num_seqs: int  # at least 1
+
+
+def decode_terms(stats: ReplicaStats | None) -> DecodeTerms | None:
+    """None for a replica that has not reported yet."""
+    if stats is None:
+        return None
+    return DecodeTerms(
+        stats.num_running + stats.num_waiting + stats.num_waiting_remote_kv,
+        stats.num_free_blocks,
+        max(stats.num_total_blocks, 1),
+        max(stats.max_num_seqs, 1),
+    )
+
+
+def rank_decode_terms(
+    replicas: Sequence[tuple[Any, DecodeTerms | None]],
+    blocks_needed: int,
+    inflight: dict[Any, int],
+    p: DecodeRouterParams,
+) -> list[list[Any]]:
+    """``rank_decode`` over (replica, ``decode_terms`` of its report) pairs: replicas where
+    the request fits first, each group by ``decode_load_score`` (the same arithmetic, inline
+    for speed; the tests hold the two equal), ties in input order."""
+    get = inflight.get
+    kv_weight, batch_weight = p.kv_weight, p.batch_weight
     scored = []
-    for i, (r, stats) in enumerate(replicas):
-        fits, score = decode_load_score(stats, inflight.get(r.replica_id, 0), blocks_needed, p)
-        scored.append((not fits, score, i, r))
-    scored.sort(key=lambda t: t[:3])
-    return [[r] for *_, r in scored]
+    append = scored.append
+    for i, (r, t) in enumerate(replicas):
+        sent = get(r.replica_id, 0)
+        if t is None:
+            append((False, batch_weight * sent, i))
+            continue
+        batch, free, total, seqs = t
+        if sent > batch:
+            batch = sent
+        kv_after = (total - free + blocks_needed) / total
+        append((free < blocks_needed, kv_weight * kv_after + batch_weight * batch / seqs, i))
+    scored.sort()
+    return [[replicas[i][0]] for *_, i in scored]
 
 
 def _request_arg(pending_request: PendingRequest | None) -> Any:

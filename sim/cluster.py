@@ -2,13 +2,15 @@
 replicas, wired by pdserve's LIVE decision code.
 
 Called unchanged, as the Serve app calls it:
-- decode routing: ``routers.rank_decode`` over the replicas' published ``ReplicaStats``
+- decode routing: ``routers.rank_decode_terms`` (what ``rank_decode`` ranks by) over the
+  replicas' published ``ReplicaStats``, each worked out once by ``routers.decode_terms``
   (refreshed every ``router.stats_period_s``, so as stale as in Serve) and the ingress
   router's own ``InflightLoad``;
 - local / remote / shed: ``DisaggregationPolicy.decide`` with the decode replica's
   ``LocalLoad`` and its own ``RemotePrefillEstimator`` (started / observe / finished around
   each remote prefill, the deadline of ``RemotePrefill``: predicted compute + timeout);
-- prefill routing: ``routers.rank_prefill`` with each decode replica's own router books;
+- prefill routing: ``routers.rank_prefill_terms`` (what ``rank_prefill`` ranks by, each
+  report worked out once by ``routers.prefill_terms``) with each decode replica's own books;
 - load reports: ``load.replica_stats`` and ``RateMeter``;
 - autoscaling: ``SimAutoscaler`` (``autoscaler.py``);
 - admission: an optional ``Admission`` asked after the policy placed the request (issue 18's
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Iterator
+from typing import Any
 
 from pdserve.deployments.config import AppConfig, PoolRole
 from pdserve.deployments.load import (
@@ -41,8 +44,10 @@ from pdserve.deployments.routers import (
     InflightLoad,
     PrefillRouterParams,
     decode_blocks_needed,
-    rank_decode_stats,
-    rank_prefill_stats,
+    decode_terms,
+    prefill_terms,
+    rank_decode_terms,
+    rank_prefill_terms,
 )
 from pdserve.sim.autoscaler import SimAutoscaler
 from pdserve.sim.config import SimSettings
@@ -72,7 +77,11 @@ class SimCluster:
         self.loop = EventLoop()
         self.costs: dict[str, CostModel] = {"prefill": prefill_cost, "decode": decode_cost}
         shared = self.s.shared_cpu
-        self.shared_cpu = SharedCpuLoad(shared, lambda: self.loop.now) if shared else None
+        self.shared_cpu = (
+            SharedCpuLoad(shared, lambda: self.loop.now, self._decode_tokens_per_s)
+            if shared
+            else None
+        )
         if shared is not None and self.shared_cpu is not None:
             for role in shared.roles:
                 self.costs[role] = SharedCpuCost(self.costs[role], self.shared_cpu)
@@ -93,6 +102,7 @@ class SimCluster:
         self.shapes = {role: self._shape(role) for role in ("prefill", "decode")}
         self._remote: dict[int, RemoteInFlight] = {}
         self._open = 0
+        self._publishing = False  # a _publish_all is scheduled
         self._next_id = 0
         self.timeline: list[tuple[float, int, int]] = []
         # Where each request went: (decode replica, prefill replica or None).
@@ -105,6 +115,10 @@ class SimCluster:
         # Per pool, (replica, last report) of the replicas a router may pick: rebuilt only
         # after a report, a replica ready, draining or retired (not once per request).
         self._pairs: dict[str, list[tuple[SimReplica, ReplicaStats | None]] | None] = {
+            "prefill": None,
+            "decode": None,
+        }
+        self._terms: dict[str, list[tuple[SimReplica, Any]] | None] = {
             "prefill": None,
             "decode": None,
         }
@@ -122,6 +136,10 @@ class SimCluster:
         return EngineShape(
             limits.max_num_batched_tokens, limits.max_num_seqs, limits.block_size, blocks
         )
+
+    def _decode_tokens_per_s(self) -> float:
+        """Output tokens per second the decode pool emits right now."""
+        return sum(r.engine.output_rate for r in self.pools["decode"])
 
     def start_replica(self, role: PoolRole, ready_in: float) -> SimReplica:
         self._next_id += 1
@@ -175,7 +193,22 @@ class SimCluster:
         if pairs is None:
             pairs = [(r, r.stats) for r in self.pools[role] if r.ready and not r.draining]
             self._pairs[role] = pairs
+            self._terms[role] = None
         return pairs
+
+    def router_terms(self, role: str) -> list[tuple[SimReplica, Any]]:
+        """``routable(role)`` with each report worked out for the pool's router
+        (``routers.prefill_terms`` / ``decode_terms``): once per report, not per request."""
+        pairs = self.routable(role)
+        terms = self._terms[role]
+        if terms is None:
+            if role == "prefill":
+                params = self.prefill_params
+                terms = [(r, prefill_terms(stats, params)) for r, stats in pairs]
+            else:
+                terms = [(r, decode_terms(stats)) for r, stats in pairs]
+            self._terms[role] = terms
+        return terms
 
     # ------------------------------------------------------------------ run
     def run(self, requests: list[SimRequest], until: float | None = None) -> list[SimRequest]:
@@ -185,7 +218,7 @@ class SimCluster:
         # the heap as small as the work in flight rather than the whole day's requests.
         self._arrivals = iter(sorted(requests, key=lambda r: r.arrival))
         self._next_arrival()
-        self.loop.after(0.0, self._publish_all)
+        self._start_publishing()
         if self.autoscaler.active:
             self.loop.after(0.0, self.autoscaler.tick)
         last = max((r.arrival for r in requests), default=0.0)
@@ -197,6 +230,25 @@ class SimCluster:
         for replica in self.pools["prefill"] + self.pools["decode"]:
             replica.stopped_at = end
         return requests
+
+    def warm_up(self, requests: list[SimRequest]) -> float:
+        """Send ``requests`` one at a time, each as the one before it finished (or was shed),
+        as ``bench.serve --warmup`` does before its measured requests; returns when the last
+        one finished, the measured requests' time 0. Their placements are not counted."""
+        sent_at = self.loop.now
+        for req in requests:
+            req.arrival = sent_at
+            self._open = 1
+            self._arrivals = iter([req])
+            self._next_arrival()
+            self._start_publishing()
+            self.loop.run_while(lambda: self._open > 0)
+            sent_at = max(self.loop.now, req.finished_at or self.loop.now)
+        self.counts = dict.fromkeys(self.counts, 0)
+        self.reasons.clear()
+        self.kv_refused = 0
+        self.routes.clear()
+        return sent_at
 
     def gpu_seconds(self) -> float:
         end = self.loop.now
@@ -227,11 +279,17 @@ class SimCluster:
         )
         self._pairs[replica.role] = None
 
+    def _start_publishing(self) -> None:
+        if not self._publishing:
+            self._publishing = True
+            self.loop.after(0.0, self._publish_all)
+
     def _publish_all(self) -> None:
         for replica in self.pools["prefill"] + self.pools["decode"]:
             if replica.ready:
                 self._publish(replica)
-        if self._open > 0:
+        self._publishing = self._open > 0
+        if self._publishing:
             self.loop.after(self.app.router.stats_period_s, self._publish_all)
 
     # ------------------------------------------------------------------ request path
@@ -251,14 +309,14 @@ class SimCluster:
         # Serve skips replicas at max_ongoing_requests; ranking only the others picks the
         # same replica (the ranking is a stable sort of per-replica scores).
         cap = self.app.decode.ongoing_limit
-        candidates = [(r, s) for r, s in self.routable("decode") if r.ongoing < cap]
+        candidates = [(r, t) for r, t in self.router_terms("decode") if r.ongoing < cap]
         if not candidates:
             self.backlog.append(req)  # Serve queues it until a replica has room
             return False
         shape = self.shapes["decode"]
         blocks = decode_blocks_needed(req.prompt_tokens, req.output_tokens, shape.block_size)
-        # The live ranking over each replica's last report (parsed once per report).
-        ranked = rank_decode_stats(
+        # The live ranking over each replica's last report (worked out once per report).
+        ranked = rank_decode_terms(
             candidates,
             blocks,
             self.ingress_books.by_replica,
@@ -330,7 +388,7 @@ class SimCluster:
         seq = Seq(req)
         if decision.location == "remote":
             if replica.engine.reserve_remote(seq):
-                self._prefill_remotely(replica, seq, prefill_pool)
+                self._prefill_remotely(replica, seq)
                 return
             assert replica.kv_refused is not None
             replica.kv_refused.add(1)  # no room for the prompt's KV: prefilled here
@@ -346,17 +404,14 @@ class SimCluster:
         self._release_decode(replica, req)
         self._done()
 
-    def _prefill_remotely(
-        self, replica: SimReplica, seq: Seq, pool: list[tuple[SimReplica, ReplicaStats | None]]
-    ) -> None:
+    def _prefill_remotely(self, replica: SimReplica, seq: Seq) -> None:
         req, est = seq.req, replica.estimate
         assert est is not None
         n = req.prompt_tokens
         deadline_at = self.loop.now + est.compute_s(n) + self.app.transport.timeout_s
         ahead = est.started(n)
-        ((target,), *_) = rank_prefill_stats(
-            pool, n, replica.prefill_books.by_replica, self.prefill_params
-        )
+        books = replica.prefill_books.by_replica
+        target = rank_prefill_terms(self.router_terms("prefill"), n, books)[0][0]
         replica.prefill_books.routed(str(req.rid), target.replica_id, n)
         self.routes[req.rid] = (replica.replica_id, target.replica_id)
         req.placement = "remote"

@@ -29,7 +29,22 @@ class SharedCpuSettings(BaseModel):
     s_per_request: float = Field(
         ge=0,
         description="CPU seconds the serving path (ingress, proxy, the decode replica's own "
-        "threads) spends on the shared CPUs per request, measured.",
+        "threads) spends on the shared CPUs per request, besides its output tokens, measured.",
+    )
+    s_per_output_token: float = Field(
+        default=0.0,
+        ge=0,
+        description="CPU seconds the serving path spends on the shared CPUs per output token "
+        "it streams (the decode replica's loop, the ingress, the proxy), measured: this load "
+        "follows the tokens the decode engines emit, so it peaks while they decode bursts.",
+    )
+    engine_s_per_request: float = Field(
+        default=0.0,
+        ge=0,
+        description="CPU seconds an engine process on the shared CPUs spends per request "
+        "besides its profiled engine steps (its RPC, the KV send, Python per request), "
+        "measured: the process's CPU time less the profile's compute of its prompts. It runs "
+        "at the same share as the steps and holds up the next one.",
     )
     background: float = Field(
         default=0.0,
@@ -38,7 +53,10 @@ class SharedCpuSettings(BaseModel):
         description="Fraction of the shared CPUs the cluster's daemons use with nothing to serve.",
     )
     window_s: float = Field(
-        default=10.0, gt=0, description="Window of the arrival rate the load follows."
+        default=1.0,
+        gt=0,
+        description="Window of the arrival rate the per-request load follows (the ingress, "
+        "routing and admission work of a request is done within about a second of its arrival).",
     )
 
 

@@ -205,11 +205,17 @@ class ProfileCost:
         return p.transfer_latency_s + prompt_tokens * p.kv_bytes_per_token / p.transfer_bytes_per_s
 
 
-def prefill_tokens_per_s(cost: CostModel, prompt_tokens: int, chunk: int) -> float:
-    """Prefill throughput of one replica computing a prompt alone in chunks of ``chunk``."""
+def prefill_s(cost: CostModel, prompt_tokens: int, chunk: int) -> float:
+    """Seconds one replica computes a prompt alone in chunks of ``chunk``."""
     seconds, start = 0.0, 0
     while start < prompt_tokens:
         n = min(chunk, prompt_tokens - start)
         seconds += cost.step_s(n, n * (start + n / 2), 0, 0)
         start += n
+    return seconds
+
+
+def prefill_tokens_per_s(cost: CostModel, prompt_tokens: int, chunk: int) -> float:
+    """Prefill throughput of one replica computing a prompt alone in chunks of ``chunk``."""
+    seconds = prefill_s(cost, prompt_tokens, chunk)
     return prompt_tokens / seconds if seconds > 0 else math.inf

@@ -103,3 +103,14 @@ def serving_cpu_s(usage: dict, shared_cpus: tuple[int, ...]) -> float:
         for key, s in usage["groups_s"].items()
         if key.endswith(";nice0") and set(_cpus(key[5:].split(";")[0])) <= set(shared_cpus)
     )
+
+
+def engine_cpu_s(usage: dict, shared_cpus: tuple[int, ...]) -> float:
+    """CPU seconds of the niced threads that may run only on ``shared_cpus``: an engine
+    process that computes on what the serving path leaves (the disaggregated 2-core
+    config's prefill replica)."""
+    return sum(
+        s
+        for key, s in usage["groups_s"].items()
+        if key.endswith(";niced") and set(_cpus(key[5:].split(";")[0])) <= set(shared_cpus)
+    )

@@ -76,6 +76,11 @@ class SimEngine:
         self.decode_meter = ThroughputMeter()
         self.num_preemptions = 0
         self.busy_s = 0.0
+        # Decode tokens per second of the step being computed (0 when idle): what the
+        # serving path streams right now (``shared_cpu``).
+        self.output_rate = 0.0
+        # Per prompt finished, the process's own work outside the steps (``SharedCpuCost``).
+        self._request_s = getattr(cost, "request_s", None)
         # The decoding requests, in aggregate.
         self._step = 0  # decode steps so far
         self._n = 0
@@ -364,6 +369,10 @@ class SimEngine:
         if self.macro_steps and not batch and not self.waiting and not self._firsts:
             k = self._macro_length()
         t0 = self.cost.step_s(tokens, attn, decodes, ctx)
+        if self._request_s is not None:
+            done = sum(1 for seq, n in batch if seq.computed + n >= seq.num_tokens)
+            if done:
+                t0 += done * self._request_s()
         self._k, self._t0, self._d = k, t0, 0.0
         if k > 1:
             t_last = self.cost.step_s(tokens, 0.0, decodes, ctx + decodes * (k - 1))
@@ -372,7 +381,9 @@ class SimEngine:
         self._decodes = decodes
         self._prefill_tokens = tokens - decodes
         self._step_began = self.loop.now
-        self._step_end = self.loop.after(self._span(k), self._end_step)
+        span = self._span(k)
+        self.output_rate = decodes * k / span if span > 0 else 0.0
+        self._step_end = self.loop.after(span, self._end_step)
 
     def _span(self, k: int) -> float:
         return k * self._t0 + self._d * k * (k - 1) / 2
@@ -422,6 +433,7 @@ class SimEngine:
         self.busy_s += seconds
         self._step_end = None
         self._macro_blocks = 0
+        self.output_rate = 0.0
         batch, self._batch = self._batch, []
         if self._decodes:
             self._step += k

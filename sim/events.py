@@ -57,6 +57,18 @@ class EventLoop:
     def pending(self) -> int:
         return sum(1 for _, _, e in self._heap if not e.cancelled)
 
+    def run_while(self, condition: Callable[[], bool]) -> None:
+        """Process events in time order while ``condition()`` holds and events are left (the
+        clock stays at the last one processed)."""
+        heap = self._heap
+        while heap and condition():
+            time, _, event = heapq.heappop(heap)
+            if event.cancelled:
+                continue
+            self.now = time
+            self.num_processed += 1
+            event.fn(*event.args)
+
     def run(self, until: float | None = None) -> None:
         """Process events in time order until none is left (or the next is past ``until``,
         where the clock then stops)."""

@@ -5,17 +5,31 @@ rest shared by every other thread: Ray's daemons, the proxy, the ingress, the de
 replica's own threads, and an engine that has no CPUs of its own (the 2-core disaggregated
 config's prefill replica, niced so that serving stays responsive). Such an engine computes
 only while the serving path leaves the shared CPUs idle, so each of its steps takes its
-profiled time divided by the share left: ``1 - background - s_per_request x arrival rate /
-num_cpus``, the serving path's CPU demand being proportional to the requests it carries
-(measured per request by ``sim.cpu_account`` in ``sim.validate measure``).
+profiled time divided by the share left:
+
+    1 - background - (s_per_request x arrival rate + s_per_output_token x tokens/s) / num_cpus
+
+where the arrival rate is over the last ``window_s`` (a request's ingress, routing and
+admission work) and tokens/s is what the decode engines emit right now (every token is
+streamed through the decode replica's loop, the ingress and the proxy: this part of the
+load follows the decode batches, so a burst of decodes starves the niced engine). The
+engine process's own per-request work outside its steps (its RPC, the KV send:
+``engine_s_per_request``) runs at the same share, once per prompt it finishes.
+
+All four numbers are measured by ``sim.validate measure`` (``sim.cpu_account``'s /proc
+accounting): the daemons during an idle spell; the serving path per request and per output
+token from two calibration batches that differ only in their output length; the engine
+process's extra from its CPU time less the step profile's compute of the prompts it
+prefilled in those batches. None is fitted to latencies.
 
 What this leaves out: a nice-0 engine on the shared CPUs would get a fair share rather than
 the remainder (it is modelled as niced); jobs outside the cluster (threads free to run on
-every CPU) take from every engine; and the helper threads a bound engine may add on the
-shared CPUs (the 2-core colocated config's) are not modelled: the profile is measured
-without them (a standalone engine has no CPUs of its own to bind), and on a quiet machine
-the colocated cluster's TTFT came out only 10-20% under that profile's prediction, far
-from what a helper at the CPU share left (ideal scaling) would add. Pure arithmetic.
+every CPU) take from every engine; a step's time is set by the share when it starts; and
+the helper threads a bound engine may add on the shared CPUs (the 2-core colocated
+config's) are not modelled: the profile is measured without them (a standalone engine has
+no CPUs of its own to bind), and on a quiet machine the colocated cluster's TTFT came out
+only 10-20% under that profile's prediction, far from what a helper at the CPU share left
+(ideal scaling) would add. Pure arithmetic.
 """
 
 from __future__ import annotations
@@ -26,7 +40,7 @@ from pdserve.deployments.config import AppConfig, PoolRole
 from pdserve.deployments.load import RateMeter
 from pdserve.sim.config import SharedCpuSettings
 from pdserve.sim.cost import CostModel
-from pdserve.sim.cpu_account import serving_cpu_s
+from pdserve.sim.cpu_account import engine_cpu_s, serving_cpu_s
 
 # Never model an engine as stopped outright: the kernel still hands a niced thread a sliver
 # (about 1.5 % of a CPU at nice 19 against nice 0), and a zero share would stall the run.
@@ -34,11 +48,18 @@ MIN_SHARE = 0.02
 
 
 class SharedCpuLoad:
-    """The serving path's load on the shared CPUs, from the requests arriving."""
+    """The serving path's load on the shared CPUs, from the requests arriving and the output
+    tokens being streamed (``tokens_per_s``: what the decode engines emit right now)."""
 
-    def __init__(self, settings: SharedCpuSettings, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        settings: SharedCpuSettings,
+        clock: Callable[[], float],
+        tokens_per_s: Callable[[], float] = lambda: 0.0,
+    ) -> None:
         self.settings = settings
         self._arrivals = RateMeter(window_s=settings.window_s, clock=clock)
+        self._tokens_per_s = tokens_per_s
 
     def arrived(self) -> None:
         self._arrivals.add(1)
@@ -46,12 +67,16 @@ class SharedCpuLoad:
     def share(self) -> float:
         """Fraction of the shared CPUs left to an engine computing on them."""
         s = self.settings
-        busy = s.background + s.s_per_request * self._arrivals.rate() / s.num_cpus
-        return max(MIN_SHARE, 1.0 - busy)
+        serving = s.s_per_request * self._arrivals.rate()
+        if s.s_per_output_token:
+            serving += s.s_per_output_token * self._tokens_per_s()
+        return max(MIN_SHARE, 1.0 - s.background - serving / s.num_cpus)
 
 
 class SharedCpuCost:
-    """``cost`` for an engine on the shared CPUs: each step takes its time / ``share``."""
+    """``cost`` for an engine on the shared CPUs: each step takes its time / ``share``, and
+    each prompt it finishes adds the process's per-request work at that share
+    (``request_s``, which ``SimEngine`` adds to the step that finishes the prompt)."""
 
     def __init__(self, cost: CostModel, load: SharedCpuLoad) -> None:
         self.cost = cost
@@ -63,6 +88,10 @@ class SharedCpuCost:
     def step_s(self, tokens: int, prefill_attn: float, decode_seqs: int, decode_ctx: int) -> float:
         base = self.cost.step_s(tokens, prefill_attn, decode_seqs, decode_ctx)
         return base / self.load.share()
+
+    def request_s(self) -> float:
+        """Seconds the process's own work for one finished prompt takes now."""
+        return self.load.settings.engine_s_per_request / self.load.share()
 
     def transfer_s(self, prompt_tokens: int) -> float:
         return self.cost.transfer_s(prompt_tokens)
@@ -83,11 +112,24 @@ def _pools_in_use(app: AppConfig) -> tuple[PoolRole, ...]:
     return ("decode",) if colocated else ("prefill", "decode")
 
 
-def measured_settings(app: AppConfig, runs: list[tuple[dict, int]]) -> SharedCpuSettings | None:
+def measured_settings(
+    app: AppConfig,
+    runs: list[tuple[dict, int]],
+    prefill_compute_s: Callable[[int], float] | None = None,
+) -> SharedCpuSettings | None:
     """``SharedCpuSettings`` from ``sim.validate measure``'s ``cpu.json`` of runs of ``app``
-    (each with its number of requests): the daemons' share from the idle spell, the serving
-    path's CPU seconds per request averaged over the runs; None when no engine of ``app``
-    computes on the shared CPUs (or nothing was measured)."""
+    (each with its number of requests); None when no engine of ``app`` computes on the
+    shared CPUs (or nothing was measured).
+
+    - ``background``: the daemons' share of the shared CPUs during the idle spell.
+    - With a ``calibration`` record (two batches of requests that differ only in their
+      output length): the serving path's CPU per output token is the difference of the two
+      batches' serving CPU per request over the difference of their output lengths, and per
+      request what the short batch used besides its tokens. The prefill engine process's
+      ``engine_s_per_request`` is its niced CPU in the two batches, less its idle CPU and
+      less ``prefill_compute_s(prompt)`` (the step profile's compute) per request.
+    - Without one (older measurements), all the serving CPU of the runs counts per request.
+    """
     runs = [(cpu, n) for cpu, n in runs if cpu.get("plan") and n > 0]
     if not runs:
         return None
@@ -96,16 +138,64 @@ def measured_settings(app: AppConfig, runs: list[tuple[dict, int]]) -> SharedCpu
     if not roles:
         return None
     shared = tuple(plan["shared_cpus"])
-    backgrounds, costs = [], []
-    for cpu, n in runs:
-        idle, run = cpu["idle"], cpu["run"]
-        background = serving_cpu_s(idle, shared) / idle["wall_s"] / len(shared)
-        serving = serving_cpu_s(run, shared) - background * len(shared) * run["wall_s"]
-        backgrounds.append(background)
-        costs.append(max(0.0, serving) / n)
+    idles = [cpu["idle"] for cpu, _ in runs]
+    background = sum(serving_cpu_s(i, shared) / i["wall_s"] for i in idles) / len(idles)
+    background /= len(shared)
+    calibration = next((cpu["calibration"] for cpu, _ in runs if cpu.get("calibration")), None)
+    per_token = engine = 0.0
+    if calibration is not None:
+        per_request, per_token = _serving_costs(calibration, background, shared)
+        if prefill_compute_s is not None and roles == ("prefill",):
+            idle_engine = sum(engine_cpu_s(i, shared) / i["wall_s"] for i in idles) / len(idles)
+            engine = _engine_cost(calibration, idle_engine, shared, prefill_compute_s)
+    else:
+        costs = []
+        for cpu, n in runs:
+            run = cpu["run"]
+            serving = serving_cpu_s(run, shared) - background * len(shared) * run["wall_s"]
+            costs.append(max(0.0, serving) / n)
+        per_request = sum(costs) / len(costs)
     return SharedCpuSettings(
         roles=roles,
         num_cpus=len(shared),
-        s_per_request=sum(costs) / len(costs),
-        background=min(0.95, sum(backgrounds) / len(backgrounds)),
+        s_per_request=per_request,
+        s_per_output_token=per_token,
+        engine_s_per_request=engine,
+        background=min(0.95, background),
     )
+
+
+def _serving_costs(
+    calibration: dict, background: float, shared: tuple[int, ...]
+) -> tuple[float, float]:
+    """(CPU s per request, CPU s per output token) of the serving path, from the two
+    calibration batches ("short" and "long": same prompts, different output lengths)."""
+    per_request = {}
+    for name in ("short", "long"):
+        batch = calibration[name]
+        usage = batch["usage"]
+        used = serving_cpu_s(usage, shared) - background * len(shared) * usage["wall_s"]
+        per_request[name] = max(0.0, used) / batch["requests"]
+    short, long = calibration["short"], calibration["long"]
+    extra_tokens = long["output_tokens"] - short["output_tokens"]
+    if extra_tokens <= 0:
+        raise ValueError(f"calibration: the long batch must have more output tokens: {calibration}")
+    per_token = max(0.0, (per_request["long"] - per_request["short"]) / extra_tokens)
+    return max(0.0, per_request["short"] - per_token * short["output_tokens"]), per_token
+
+
+def _engine_cost(
+    calibration: dict,
+    idle_rate: float,
+    shared: tuple[int, ...],
+    compute_s: Callable[[int], float],
+) -> float:
+    """CPU s per request of the engine process on the shared CPUs besides its steps."""
+    used = requests = 0.0
+    for name in ("short", "long"):
+        batch = calibration[name]
+        usage = batch["usage"]
+        used += engine_cpu_s(usage, shared) - idle_rate * usage["wall_s"]
+        used -= batch["requests"] * compute_s(batch["prompt_tokens"])
+        requests += batch["requests"]
+    return max(0.0, used / requests)

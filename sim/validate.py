@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -38,14 +39,17 @@ import numpy as np
 from pdserve.cluster.topology import ClusterSpec
 from pdserve.deployments.config import AppConfig
 from pdserve.sim.admission import LiveAdmission, live_admission_available
+from pdserve.sim.cluster import SimCluster
 from pdserve.sim.config import SharedCpuSettings, SimSettings
-from pdserve.sim.cost import ProfileCost, StepProfile
-from pdserve.sim.cpu_account import CpuSnapshot
-from pdserve.sim.scenario import simulate
+from pdserve.sim.cost import ProfileCost, StepProfile, prefill_s
+from pdserve.sim.cpu_account import CpuSnapshot, engine_cpu_s, serving_cpu_s
+from pdserve.sim.request import SimRequest
 from pdserve.sim.shared_cpu import measured_settings
 from pdserve.sim.workload import replay
 
 PDSERVE = [sys.executable, "-m", "pdserve.cluster.cli"]
+WARMUP = 2  # bench.serve's unmeasured requests before each run (replayed by the simulation)
+CALIBRATION_PROMPT = 64  # tokens: remote in the disaggregated config, cheap to prefill
 
 
 def _run(cmd: list[str], timeout_s: float) -> str:
@@ -75,6 +79,7 @@ def measure(args: argparse.Namespace) -> int:
             before = CpuSnapshot.take()
             time.sleep(args.idle_s)
             idle = CpuSnapshot.take().since(before)
+            runs: dict[Path, dict] = {}
             for i, rate in enumerate(args.rates):
                 run_dir = out_dir / f"{Path(args.config).stem}-rate{rate:g}"
                 before = CpuSnapshot.take()
@@ -83,18 +88,87 @@ def measure(args: argparse.Namespace) -> int:
                      "--tokenizer", tokenizer, "--request-rate", str(rate),
                      "--num-requests", str(args.num_requests), "--max-duration-s",
                      str(args.max_duration_s), "--prompt-len", args.prompt_len,
-                     "--output-len", args.output_len, "--warmup", "2", "--seed", str(args.seed + i),
+                     "--output-len", args.output_len, "--warmup", str(WARMUP),
+                     "--seed", str(args.seed + i),
                      "--save-requests", "--no-plot", "--request-timeout-s", "120",
                      "--out-dir", str(run_dir)],
                     args.max_duration_s + 300,
                 )  # fmt: skip
                 usage = CpuSnapshot.take().since(before)
-                cpu = {"plan": plan.model_dump() if plan else None, "idle": idle, "run": usage}
+                warm = _warmup_requests(tokenizer, args, rate, args.seed + i)
+                (run_dir / "warmup.json").write_text(json.dumps(warm, indent=2) + "\n")
+                runs[run_dir] = {
+                    "plan": plan.model_dump() if plan else None,
+                    "idle": idle,
+                    "run": usage,
+                }
+                (run_dir / "cpu.json").write_text(json.dumps(runs[run_dir], indent=2) + "\n")
+                print(f"measured {run_dir / 'summary.json'}, warmup.json and cpu.json", flush=True)
+            calibration = _calibrate(url, tokenizer, out_dir / "calibration", args)
+            for run_dir, cpu in runs.items():
+                cpu["calibration"] = calibration
                 (run_dir / "cpu.json").write_text(json.dumps(cpu, indent=2) + "\n")
-                print(f"measured {run_dir / 'summary.json'} and cpu.json", flush=True)
+            print(f"calibrated the serving CPU: {_calibration_line(calibration)}", flush=True)
         finally:
             subprocess.run([*PDSERVE, "down", "--state-dir", state], timeout=300, check=False)
     return 0
+
+
+def _warmup_requests(tokenizer: str, args: argparse.Namespace, rate: float, seed: int) -> list:
+    """The prompt and output lengths of the warm-up requests ``bench.serve`` sent first (the
+    first ``WARMUP`` of the workload it builds from the same arguments)."""
+    from transformers import AutoTokenizer
+
+    from pdserve.bench.serve_workload import LengthDist, build_workload
+
+    workload = build_workload(
+        AutoTokenizer.from_pretrained(tokenizer, local_files_only=True),
+        num_requests=args.num_requests + WARMUP,
+        prompt_len=LengthDist.parse(args.prompt_len),
+        output_len=LengthDist.parse(args.output_len),
+        rate=rate,
+        seed=seed,
+    )
+    return [
+        {"prompt_tokens": r.prompt_tokens, "output_tokens": r.max_tokens} for r in workload[:WARMUP]
+    ]
+
+
+def _calibrate(url: str, tokenizer: str, out_dir: Path, args: argparse.Namespace) -> dict:
+    """The serving path's CPU per request and per output token (``sim.shared_cpu``): two
+    batches of ``--calibration-requests`` requests, one at a time, with the same short
+    prompts and 1 or 1 + ``--calibration-tokens`` output tokens, each between two
+    ``CpuSnapshot`` s. Run after the measured runs, so they do not change what those saw."""
+    out = {}
+    for j, (name, tokens) in enumerate((("short", 1), ("long", 1 + args.calibration_tokens))):
+        before = CpuSnapshot.take()
+        _run(
+            [sys.executable, "-m", "pdserve.bench.serve", "--endpoint", f"pdserve={url}",
+             "--tokenizer", tokenizer, "--concurrency", "1",
+             "--num-requests", str(args.calibration_requests),
+             "--prompt-len", f"fixed:{CALIBRATION_PROMPT}", "--output-len", f"fixed:{tokens}",
+             "--warmup", "0", "--seed", str(1000 + 100 * j + args.seed), "--no-plot",
+             "--request-timeout-s", "120", "--out-dir", str(out_dir / name)],
+            600,
+        )  # fmt: skip
+        usage = CpuSnapshot.take().since(before)
+        summary = json.loads((out_dir / name / "summary.json").read_text())["summaries"][0]
+        out[name] = {
+            "requests": summary["completed"],
+            "failed": summary["failed"],
+            "prompt_tokens": CALIBRATION_PROMPT,
+            "output_tokens": tokens,
+            "usage": usage,
+        }
+    return out
+
+
+def _calibration_line(calibration: dict) -> str:
+    return ", ".join(
+        f"{name}: {b['requests']} requests x {b['output_tokens']} tokens in "
+        f"{b['usage']['wall_s']:.1f} s ({b['failed']} failed)"
+        for name, b in calibration.items()
+    )
 
 
 def _pcts(values: list[float]) -> tuple[float, float]:
@@ -104,37 +178,126 @@ def _pcts(values: list[float]) -> tuple[float, float]:
     return float(p50), float(p90)
 
 
+def _warmup(summary: Path) -> list[SimRequest]:
+    """The run's warm-up requests (``warmup.json`` from ``measure``; none for older runs)."""
+    path = summary.parent / "warmup.json"
+    if not path.exists():
+        return []
+    return [
+        SimRequest(-1 - i, 0.0, w["prompt_tokens"], w["output_tokens"])
+        for i, w in enumerate(json.loads(path.read_text()))
+    ]
+
+
+def _reason(error: str | None) -> str:
+    """'ttft_slo' from a 429's message 'overloaded (ttft_slo): ...', else the error's kind."""
+    text = error or "unknown"
+    if "overloaded (" in text:
+        return text.split("overloaded (", 1)[1].split(")", 1)[0]
+    return text.split(":", 1)[0]
+
+
+def _errors(measured: list[float], predicted: list[float]) -> dict:
+    m50, m90 = _pcts(measured)
+    p50, p90 = _pcts(predicted)
+    return {
+        "measured_p50": m50,
+        "measured_p90": m90,
+        "predicted_p50": p50,
+        "predicted_p90": p90,
+        "error_p50": (p50 - m50) / m50,
+        "error_p90": (p90 - m90) / m90,
+        "count": len(measured),
+    }
+
+
 def compare_one(
     config: Path, summary: Path, prefill: StepProfile, decode: StepProfile, s: SimSettings
 ) -> dict:
+    """Replay one run (its warm-up first, one at a time, then its requests at their send
+    times) and compare, over the requests both the cluster and the simulation admitted
+    (``ttft`` / ``tpot``) and over each one's own admitted requests (``all``), with the
+    requests each one shed or failed side by side."""
     app = AppConfig.from_yaml(config)
     run = replay(summary)
+    records = {
+        r["index"]: r for r in next(iter(json.loads(summary.read_text())["requests"].values()))
+    }
     # The decode servers run issue 18's admission control; so does the simulation.
     admission = LiveAdmission(app) if live_admission_available() else None
-    report, cluster = simulate(
-        app, run.requests, ProfileCost(prefill), ProfileCost(decode), s, admission
-    )
-    sim_ttft = [r.ttft for r in run.requests if r.ttft is not None]
-    sim_tpot = [r.tpot for r in run.requests if r.tpot is not None]
-    rows = {}
-    for metric, measured, predicted in (
-        ("ttft", run.measured_ttft, sim_ttft),
-        ("tpot", run.measured_tpot, sim_tpot),
-    ):
-        m50, m90 = _pcts(measured)
-        p50, p90 = _pcts(predicted)
-        rows[metric] = {
-            "measured_p50": m50,
-            "measured_p90": m90,
-            "predicted_p50": p50,
-            "predicted_p90": p90,
-            "error_p50": (p50 - m50) / m50,
-            "error_p90": (p90 - m90) / m90,
-        }
+    cluster = SimCluster(app, ProfileCost(prefill), ProfileCost(decode), s, admission)
+    start = cluster.warm_up(_warmup(summary))
+    for req in run.requests:
+        req.arrival += start
+    cluster.run(run.requests)
+    served = {r.rid: r for r in run.requests if r.ttft is not None}
+    ok = {i for i, r in records.items() if r.get("ok") and r.get("ttft") is not None}
+    both = sorted(ok & served.keys())
+    rows: dict = {}
+    for metric in ("ttft", "tpot"):
+        pairs = [
+            (records[i][metric], getattr(served[i], metric))
+            for i in both
+            if records[i][metric] is not None and getattr(served[i], metric) is not None
+        ]
+        rows[metric] = _errors([m for m, _ in pairs], [p for _, p in pairs])
+    rows["all"] = {
+        metric: _errors(
+            [records[i][metric] for i in ok if records[i][metric] is not None],
+            [v for r in served.values() if (v := getattr(r, metric)) is not None],
+        )
+        for metric in ("ttft", "tpot")
+    }
+    measured_failed = {i: _reason(r.get("error")) for i, r in records.items() if i not in ok}
+    simulated_failed = {r.rid: r.placement or "failed" for r in run.requests if r.rid not in served}
     rows["placements"] = dict(cluster.counts)
-    rows["measured_failed"] = len(run.requests) - len(run.measured_ttft)
+    rows["measured_failed"] = len(measured_failed)
+    rows["measured_failed_by_reason"] = dict(Counter(measured_failed.values()))
+    rows["simulated_failed"] = len(simulated_failed)
+    rows["failed_both"] = sorted(measured_failed.keys() & simulated_failed.keys())
+    rows["failed_only_measured"] = sorted(measured_failed.keys() - simulated_failed.keys())
+    rows["failed_only_simulated"] = sorted(simulated_failed.keys() - measured_failed.keys())
     rows["requests"] = len(run.requests)
+    rows["admitted_by_both"] = len(both)
+    rows["warmup"] = len(_warmup(summary))
     return rows
+
+
+def cpu_check(
+    app: AppConfig,
+    summary: Path,
+    shared: SharedCpuSettings,
+    prefill: StepProfile,
+) -> dict | None:
+    """The run's measured CPU on the shared CPUs against what the calibrated model implies
+    for the requests the cluster served (a check of the model, not an input to it)."""
+    path = summary.parent / "cpu.json"
+    if not path.exists():
+        return None
+    cpu = json.loads(path.read_text())
+    cpus = tuple(cpu["plan"]["shared_cpus"])
+    usage, idle = cpu["run"], cpu["idle"]
+    records = next(iter(json.loads(summary.read_text())["requests"].values()))
+    warm = _warmup(summary)
+    ok = [r for r in records if r.get("ok")]
+    sent = len(records) + len(warm)
+    tokens = sum(r["output_tokens"] for r in ok) + sum(w.output_tokens for w in warm)
+    wall = usage["wall_s"]
+    out = {
+        "serving_measured_s": serving_cpu_s(usage, cpus) - shared.background * len(cpus) * wall,
+        "serving_model_s": shared.s_per_request * sent + shared.s_per_output_token * tokens,
+    }
+    if "prefill" in shared.roles:
+        chunk = app.prefill.engine.max_num_batched_tokens
+        cost = ProfileCost(prefill)
+        prompts = [r["prompt_tokens"] for r in ok] + [w.prompt_tokens for w in warm]
+        out["engine_measured_s"] = (
+            engine_cpu_s(usage, cpus) - engine_cpu_s(idle, cpus) / idle["wall_s"] * wall
+        )
+        out["engine_model_s"] = sum(prefill_s(cost, n, chunk) for n in prompts) + (
+            shared.engine_s_per_request * len(prompts)
+        )
+    return out
 
 
 def compare(args: argparse.Namespace) -> int:
@@ -144,53 +307,83 @@ def compare(args: argparse.Namespace) -> int:
         profiles[key] = StepProfile.load(path)
     settings = SimSettings(rpc_s=args.rpc_ms / 1e3, ingress_s=args.ingress_ms / 1e3)
     runs = [_parse_run(spec) for spec in args.run]
-    shared = {} if args.no_shared_cpu else _shared_cpu_by_run(runs, args.cpu_cost_from_others)
+    pools = {name: _profiles_of(name, profiles) for name, _, _ in runs}
+    shared = (
+        {} if args.no_shared_cpu else _shared_cpu_by_run(runs, pools, args.cpu_cost_from_others)
+    )
     for name, cpu in shared.items():
         print(
             f"{name}: {'/'.join(cpu.roles)} on {cpu.num_cpus} shared CPU(s); serving path "
-            f"{cpu.s_per_request * 1e3:.0f} ms CPU per request, daemons {cpu.background:.1%} "
-            "(measured, cpu.json)"
+            f"{cpu.s_per_request * 1e3:.0f} ms CPU per request + "
+            f"{cpu.s_per_output_token * 1e3:.2f} ms per output token, engine process "
+            f"{cpu.engine_s_per_request * 1e3:.0f} ms per request besides its steps, daemons "
+            f"{cpu.background:.1%} (measured, cpu.json)"
         )
     results = {}
     header = (
         f"{'run':<18}{'metric':<6}{'meas p50':>10}{'sim p50':>10}{'err':>8}"
         f"{'meas p90':>10}{'sim p90':>10}{'err':>8}"
     )
+    print("over the requests both admitted (ms):")
     print(header)
     print("-" * len(header))
     for name, config, summary in runs:
-        base = name.split("@")[0]
-        pools = []
-        for role in ("prefill", "decode"):
-            found = [profiles.get(k) for k in (f"{base}:{role}", base, "")]
-            profile = next((f for f in found if f is not None), None)
-            if profile is None:
-                raise ValueError(
-                    f"no --profile for the {role} pool of run {name!r} (give "
-                    f"{base}:{role}=FILE, {base}=FILE or a default FILE)"
-                )
-            pools.append(profile)
+        prefill, decode = pools[name]
         run_settings = settings.model_copy(update={"shared_cpu": shared.get(name)})
-        rows = compare_one(config, summary, pools[0], pools[1], run_settings)
+        rows = compare_one(config, summary, prefill, decode, run_settings)
         rows["shared_cpu"] = shared[name].model_dump() if name in shared else None
+        if name in shared:
+            app = AppConfig.from_yaml(config)
+            rows["cpu_check"] = cpu_check(app, summary, shared[name], prefill)
         results[name] = rows
         print(
-            f"{name:<18}simulated placements {rows['placements']}; "
-            f"measured failed/shed {rows['measured_failed']}"
+            f"{name:<18}admitted by both {rows['admitted_by_both']}/{rows['requests']}; "
+            f"failed: measured {rows['measured_failed']} {rows['measured_failed_by_reason']}, "
+            f"simulated {rows['simulated_failed']} {rows['placements']}; both "
+            f"{rows['failed_both']}, only measured {rows['failed_only_measured']}, only "
+            f"simulated {rows['failed_only_simulated']}"
         )
-        for metric in ("ttft", "tpot"):
-            r = rows[metric]
-            print(
-                f"{name:<18}{metric:<6}{r['measured_p50'] * 1e3:>10.0f}"
-                f"{r['predicted_p50'] * 1e3:>10.0f}{r['error_p50']:>+8.0%}"
-                f"{r['measured_p90'] * 1e3:>10.0f}{r['predicted_p90'] * 1e3:>10.0f}"
-                f"{r['error_p90']:>+8.0%}"
+        if rows.get("cpu_check"):
+            c = rows["cpu_check"]
+            line = (
+                f"{name:<18}CPU check: serving path measured {c['serving_measured_s']:.1f} s, "
+                f"model {c['serving_model_s']:.1f} s"
             )
+            if "engine_measured_s" in c:
+                line += (
+                    f"; prefill process measured {c['engine_measured_s']:.1f} s, model "
+                    f"{c['engine_model_s']:.1f} s"
+                )
+            print(line)
+        for label, table in (("", rows), ("all ", rows["all"])):
+            for metric in ("ttft", "tpot"):
+                r = table[metric]
+                print(
+                    f"{name:<18}{label + metric:<6}{r['measured_p50'] * 1e3:>10.0f}"
+                    f"{r['predicted_p50'] * 1e3:>10.0f}{r['error_p50']:>+8.0%}"
+                    f"{r['measured_p90'] * 1e3:>10.0f}{r['predicted_p90'] * 1e3:>10.0f}"
+                    f"{r['error_p90']:>+8.0%}"
+                )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {out}")
     return 0
+
+
+def _profiles_of(name: str, profiles: dict[str, StepProfile]) -> tuple[StepProfile, StepProfile]:
+    base = name.split("@")[0]
+    pools = []
+    for role in ("prefill", "decode"):
+        found = [profiles.get(k) for k in (f"{base}:{role}", base, "")]
+        profile = next((f for f in found if f is not None), None)
+        if profile is None:
+            raise ValueError(
+                f"no --profile for the {role} pool of run {name!r} (give "
+                f"{base}:{role}=FILE, {base}=FILE or a default FILE)"
+            )
+        pools.append(profile)
+    return pools[0], pools[1]
 
 
 def _parse_run(spec: str) -> tuple[str, Path, Path]:
@@ -200,11 +393,14 @@ def _parse_run(spec: str) -> tuple[str, Path, Path]:
 
 
 def _shared_cpu_by_run(
-    runs: list[tuple[str, Path, Path]], from_others: bool
+    runs: list[tuple[str, Path, Path]],
+    pools: dict[str, tuple[StepProfile, StepProfile]],
+    from_others: bool,
 ) -> dict[str, SharedCpuSettings]:
     """Per run, the shared-CPU model measured over the runs of its config (their
     ``cpu.json``), or with ``from_others`` over the config's other runs only, so that
-    nothing measured during a run goes into its own prediction but its send times."""
+    nothing measured during a run goes into its own prediction but its send times (the
+    calibration batches, run after all the rates, count for every run)."""
     measured: dict[str, tuple[Path, dict, int]] = {}
     for name, config, summary in runs:
         cpu = summary.parent / "cpu.json"
@@ -218,7 +414,10 @@ def _shared_cpu_by_run(
             for other, (c, cpu, n) in measured.items()
             if c == config and not (from_others and other == name)
         ]
-        settings = measured_settings(AppConfig.from_yaml(config), found)
+        app = AppConfig.from_yaml(config)
+        cost = ProfileCost(pools[name][0])
+        chunk = app.prefill.engine.max_num_batched_tokens
+        settings = measured_settings(app, found, lambda n, c=cost, k=chunk: prefill_s(c, n, k))
         if settings is not None:
             out[name] = settings
     return out
@@ -236,6 +435,10 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--output-len", default="fixed:32")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--idle-s", type=float, default=10.0, help="CPU use of the idle cluster")
+    m.add_argument("--calibration-requests", type=int, default=12,
+                   help="requests per serving-CPU calibration batch")  # fmt: skip
+    m.add_argument("--calibration-tokens", type=int, default=48,
+                   help="extra output tokens of the long calibration batch")  # fmt: skip
     m.add_argument("--out-dir", default=f"bench/results/sim-validate-{time.strftime('%H%M%S')}")
     c = sub.add_parser("compare", help="predicted vs measured")
     c.add_argument("--profile", action="append", required=True,

@@ -230,3 +230,128 @@ def test_the_live_estimator_counts_the_prefill_pool_its_prompts_went_to_hand_com
     assert est.in_flight_tokens == 0
     # Every answer took exactly its own compute: no overhead was learned.
     assert est.overhead_s == pytest.approx(0.0)
+
+
+def test_warm_up_sends_one_request_after_the_other_and_is_not_counted() -> None:
+    # Each warm-up prompt of 100 tokens prefills remotely in 0.1 s; its KV lands and the
+    # next 1 ms decode step sends the first token with the second: done at 0.101 s, when
+    # the second is sent (done at 0.202 s).
+    w1 = SimRequest(-1, 0.0, prompt_tokens=100, output_tokens=2)
+    w2 = SimRequest(-2, 0.0, prompt_tokens=100, output_tokens=2)
+    cluster = SimCluster(_app(), LinearCost(0.001), LinearCost(0.001), NO_NETWORK)
+    start = cluster.warm_up([w1, w2])
+    assert (w1.arrival, w2.arrival) == (0.0, pytest.approx(0.101))
+    assert start == pytest.approx(0.202) == w2.finished_at
+    assert cluster.counts["remote"] == 0 and not cluster.routes
+    # The measured requests then run from there, on the warmed-up cluster.
+    a = SimRequest(0, start, prompt_tokens=100, output_tokens=2)
+    cluster.run([a])
+    assert a.ttft == pytest.approx(0.101) and cluster.counts["remote"] == 1
+
+
+def test_live_prefill_ranking_from_worked_out_reports_matches_the_per_request_one() -> None:
+    import random
+
+    from pdserve.deployments.messages import ReplicaStats
+    from pdserve.deployments.routers import (
+        PrefillRouterParams,
+        predict_from_terms,
+        predict_prefill_ttft_s,
+        prefill_terms,
+        rank_prefill_stats,
+        rank_prefill_terms,
+    )
+
+    class R:
+        def __init__(self, i: int) -> None:
+            self.replica_id = f"r{i}"
+
+    rng = random.Random(0)
+    fields = ReplicaStats.model_fields
+    for trial in range(200):
+        p = PrefillRouterParams(
+            default_prefill_tokens_per_s=rng.choice([250.0, 1000.0]),
+            transfer_bytes_per_s=rng.choice([1e9, 3e9]),
+            kv_bytes_per_token=rng.choice([0, 12288]),
+        )
+        pairs = []
+        for i in range(rng.randint(1, 12)):
+            if rng.random() < 0.2:
+                pairs.append((R(i), None))
+                continue
+            stats = ReplicaStats.model_validate(
+                {
+                    k: v
+                    for k, v in {
+                        "role": "prefill",
+                        "queued_prefill_tokens": rng.choice([0, 100, 500, 500]),
+                        "prefill_tokens_per_s": rng.choice([0.0, 700.0, 1000.0]),
+                        "kv_bytes_per_token": rng.choice([0, 4096]),
+                    }.items()
+                    if k in fields
+                }
+            )
+            pairs.append((R(i), stats))
+        inflight = {f"r{i}": rng.choice([0, 200, 500]) for i in range(12) if rng.random() < 0.5}
+        n = rng.choice([1, 100, 500])
+        expected = sorted(
+            range(len(pairs)),
+            key=lambda i: (predict_prefill_ttft_s(pairs[i][1], inflight.get(f"r{i}", 0), n, p), i),
+        )
+        terms = [(r, prefill_terms(s, p)) for r, s in pairs]
+        got = rank_prefill_terms(terms, n, inflight)
+        assert [t[0].replica_id for t in got] == [f"r{i}" for i in expected], trial
+        assert got == rank_prefill_stats(pairs, n, inflight, p)
+        for (r, s), (_, t) in zip(pairs, terms, strict=True):
+            f = inflight.get(r.replica_id, 0)
+            assert predict_from_terms(t, f, n) == predict_prefill_ttft_s(s, f, n, p)
+
+
+def test_live_decode_ranking_from_worked_out_reports_matches_the_load_score() -> None:
+    import random
+
+    from pdserve.deployments.messages import ReplicaStats
+    from pdserve.deployments.routers import (
+        DecodeRouterParams,
+        decode_load_score,
+        decode_terms,
+        rank_decode_stats,
+        rank_decode_terms,
+    )
+
+    class R:
+        def __init__(self, i: int) -> None:
+            self.replica_id = f"r{i}"
+
+    rng = random.Random(1)
+    for trial in range(200):
+        p = DecodeRouterParams(
+            kv_weight=rng.choice([1.0, 0.5]), batch_weight=rng.choice([1.0, 2.0])
+        )
+        pairs = []
+        for i in range(rng.randint(1, 10)):
+            stats = None
+            if rng.random() > 0.2:
+                stats = ReplicaStats(
+                    role="decode",
+                    num_running=rng.choice([0, 3, 8]),
+                    num_waiting=rng.choice([0, 1]),
+                    num_waiting_remote_kv=rng.choice([0, 2]),
+                    num_free_blocks=rng.choice([0, 10, 50, 100]),
+                    num_total_blocks=rng.choice([0, 100]),
+                    max_num_seqs=rng.choice([0, 8, 64]),
+                )
+            pairs.append((R(i), stats))
+        inflight = {f"r{i}": rng.choice([0, 4, 9]) for i in range(10) if rng.random() < 0.5}
+        blocks = rng.choice([0, 5, 20, 60])
+
+        def key(i: int) -> tuple[bool, float, int]:
+            stats = pairs[i][1]
+            fits, score = decode_load_score(stats, inflight.get(f"r{i}", 0), blocks, p)
+            return (not fits, score, i)
+
+        expected = [f"r{i}" for i in sorted(range(len(pairs)), key=key)]
+        terms = [(r, decode_terms(s)) for r, s in pairs]
+        got = rank_decode_terms(terms, blocks, inflight, p)
+        assert [t[0].replica_id for t in got] == expected, trial
+        assert got == rank_decode_stats(pairs, blocks, inflight, p)

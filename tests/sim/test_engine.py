@@ -100,3 +100,19 @@ def test_remote_kv_reserves_blocks_and_lands_as_a_decode() -> None:
     # Landed at 0.5: the first token goes out with the next step (one decode, 1 ms).
     assert firsts == {1: pytest.approx(0.501)}
     assert engine.used_blocks == 0 and engine.idle
+
+
+def test_output_rate_is_the_decode_tokens_per_second_of_the_step_being_computed() -> None:
+    loop = EventLoop()
+    engine = SimEngine(loop, LinearCost(0.001), EngineShape(64, 8, 16, 100))
+    assert engine.output_rate == 0.0
+    for i in range(2):
+        engine.add(Seq(SimRequest(i, 0.0, prompt_tokens=10, output_tokens=50)))
+    # The first prompt alone (10 ms), then its decode with the second prompt (11 ms: one
+    # decode token in that step), then both decoding, 2 tokens per 2 ms step.
+    loop.run(until=0.015)
+    assert engine.output_rate == pytest.approx(1 / 0.011)
+    loop.run(until=0.025)
+    assert engine.output_rate == pytest.approx(1000.0)
+    loop.run()
+    assert engine.output_rate == 0.0 and engine.idle

@@ -29,7 +29,7 @@ def _disagg(**over: object) -> AppConfig:
 
 def test_a_step_on_the_shared_cpu_takes_its_time_over_the_share_left() -> None:
     now = [0.0]
-    cpu = SharedCpuSettings(roles=("prefill",), s_per_request=0.2, background=0.1)
+    cpu = SharedCpuSettings(roles=("prefill",), s_per_request=0.2, background=0.1, window_s=10)
     load = SharedCpuLoad(cpu, lambda: now[0])
     assert load.share() == pytest.approx(0.9)  # the daemons alone
     for _ in range(20):  # 2 requests/s over the 10 s window: 0.4 s of CPU per second
@@ -49,7 +49,7 @@ def test_a_prefill_replica_on_the_shared_cpu_prefills_slower_hand_computed() -> 
     # One request: 1/10 s over the window, 5 s of serving CPU each -> half the CPU is left,
     # so its 300-token prompt takes 0.6 s instead of 0.3 s; the decode replica (own CPU)
     # then computes its first token in 1 ms.
-    cpu = SharedCpuSettings(roles=("prefill",), s_per_request=5.0)
+    cpu = SharedCpuSettings(roles=("prefill",), s_per_request=5.0, window_s=10)
     settings = SimSettings(rpc_s=0.0, ingress_s=0.0, shared_cpu=cpu)
     for shared, ttft in ((None, 0.301), (cpu, 0.601)):
         req = SimRequest(0, 0.0, prompt_tokens=300, output_tokens=2)
@@ -120,3 +120,85 @@ def test_cpu_snapshot_groups_threads_by_allowed_cpus_and_niceness(tmp_path) -> N
         "cpus=1;nice0": pytest.approx(4.0),
     }
     assert snap.busy == {0: pytest.approx(2.0), 1: pytest.approx(2.0)}  # idle, iowait out
+
+
+def test_the_streamed_tokens_load_the_shared_cpu_as_they_are_emitted() -> None:
+    # 0.1 daemons + 1 arrival in the 1 s window x 0.05 s + 200 tokens/s x 2 ms = 0.55 busy.
+    now, tokens = [0.0], [200.0]
+    cpu = SharedCpuSettings(
+        roles=("prefill",), s_per_request=0.05, s_per_output_token=0.002, background=0.1
+    )
+    load = SharedCpuLoad(cpu, lambda: now[0], lambda: tokens[0])
+    load.arrived()
+    assert load.share() == pytest.approx(1 - 0.1 - 0.05 - 0.4)
+    now[0], tokens[0] = 1.5, 0.0  # the arrival left the 1 s window; nothing decodes
+    assert load.share() == pytest.approx(0.9)
+    cost = SharedCpuCost(LinearCost(0.001), load)
+    assert cost.request_s() == 0.0  # no per-request work of the engine process measured
+
+
+def test_the_engine_process_per_request_work_holds_up_its_prompt_hand_computed() -> None:
+    # Nothing else on the shared CPU: the 300-token prompt computes in 0.3 s, then the
+    # prefill process spends its measured 0.1 s (RPC, KV send) before the KV is out; the
+    # decode replica's first step is 1 ms. Without that work: 0.301 s.
+    for extra, ttft in ((0.0, 0.301), (0.1, 0.401)):
+        cpu = SharedCpuSettings(roles=("prefill",), s_per_request=0.0, engine_s_per_request=extra)
+        s = SimSettings(rpc_s=0.0, ingress_s=0.0, shared_cpu=cpu)
+        req = SimRequest(0, 0.0, prompt_tokens=300, output_tokens=2)
+        SimCluster(_disagg(), LinearCost(0.001), LinearCost(0.001), s).run([req])
+        assert req.ttft == pytest.approx(ttft, abs=1e-9)
+
+
+def test_a_decoding_request_slows_the_next_prefill_on_the_shared_cpu() -> None:
+    # a (100-token prompt, 1000 outputs) prefills in 0.1 s with nothing decoding, then
+    # decodes one token per 1 ms step: 1000 tokens/s x 0.5 ms of serving CPU each = half
+    # the shared CPU. b's 300-token prompt, starting at 0.2 s, takes 0.3 s / 0.5 = 0.6 s;
+    # its first token follows within the decode replica's next steps (1-2 ms each).
+    cpu = SharedCpuSettings(roles=("prefill",), s_per_request=0.0, s_per_output_token=0.0005)
+    s = SimSettings(rpc_s=0.0, ingress_s=0.0, shared_cpu=cpu)
+    a = SimRequest(0, 0.0, prompt_tokens=100, output_tokens=1000)
+    b = SimRequest(1, 0.2, prompt_tokens=300, output_tokens=2)
+    SimCluster(_disagg(), LinearCost(0.001), LinearCost(0.001), s).run([a, b])
+    assert a.ttft == pytest.approx(0.101, abs=1e-9)
+    assert b.ttft == pytest.approx(0.6, abs=0.004)
+    # Once a finished (at about 1.1 s) nothing decodes: a third prompt gets the whole CPU.
+    c = SimRequest(2, 2.0, prompt_tokens=300, output_tokens=2)
+    a2 = SimRequest(0, 0.0, prompt_tokens=100, output_tokens=1000)
+    SimCluster(_disagg(), LinearCost(0.001), LinearCost(0.001), s).run([a2, c])
+    assert c.ttft == pytest.approx(0.301, abs=1e-9)
+
+
+def _calibrated_cpu_json() -> dict:
+    def usage(wall: float, serving: float, engine: float) -> dict:
+        return {
+            "wall_s": wall,
+            "groups_s": {group_key((0,), False): serving, group_key((0,), True): engine},
+        }
+
+    run = _cpu_json(1.0, 30.0, 100.0)
+    run["idle"]["groups_s"][group_key((0,), True)] = 0.5  # the idle prefill process: 5 %
+    run["calibration"] = {
+        # 10 requests of 1 output token in 20 s: 4 s of serving CPU, less 0.1 x 20 s of
+        # daemons = 0.2 s each; prefill process 4 s, less 0.05 x 20 s idle, less 10 x 0.2 s
+        # of profiled compute = 1 s over 10 requests.
+        "short": {"requests": 10, "prompt_tokens": 64, "output_tokens": 1,
+                  "failed": 0, "usage": usage(20.0, 4.0, 4.0)},
+        # 10 requests of 51 tokens in 40 s: 14 s less 4 s of daemons = 1 s each, 0.8 s more
+        # than the short ones for 50 more tokens: 16 ms per token; the short ones' 0.2 s is
+        # then 16 ms for its token + 184 ms per request. Prefill process: 5 s less 2 s idle
+        # less 2 s of compute = 1 s over 10 requests: (1 + 1) / 20 = 0.1 s per request.
+        "long": {"requests": 10, "prompt_tokens": 64, "output_tokens": 51,
+                 "failed": 0, "usage": usage(40.0, 14.0, 5.0)},
+    }  # fmt: skip
+    return run
+
+
+def test_the_calibration_splits_the_serving_cpu_into_requests_and_tokens() -> None:
+    cpu = measured_settings(_disagg(), [(_calibrated_cpu_json(), 40)], lambda n: n / 320)
+    assert cpu is not None
+    assert cpu.background == pytest.approx(0.1)
+    assert cpu.s_per_output_token == pytest.approx(0.016)
+    assert cpu.s_per_request == pytest.approx(0.184)
+    assert cpu.engine_s_per_request == pytest.approx(0.1)
+    # Without the profile's compute the engine process's extra is not worked out.
+    assert measured_settings(_disagg(), [(_calibrated_cpu_json(), 40)]).engine_s_per_request == 0
