@@ -123,17 +123,13 @@ def decode_replicas_needed(
 @dataclass(frozen=True)
 class DemandSizing:
     """Sizing from turned-away demand: a pool turning away at least ``min_shed_fraction``
-    of its demand (admitted + turned away) is saturated; ``rate_weight`` is the weight of a
-    new saturated-throughput sample in its running average."""
+    of its demand (admitted + turned away) is saturated."""
 
     min_shed_fraction: float = 0.05
-    rate_weight: float = 0.5
 
     def __post_init__(self) -> None:
         if not 0 < self.min_shed_fraction < 1:
             raise ValueError(f"min_shed_fraction must be in (0, 1), got {self.min_shed_fraction}")
-        if not 0 < self.rate_weight <= 1:
-            raise ValueError(f"rate_weight must be in (0, 1], got {self.rate_weight}")
 
 
 def shedding(admitted_per_s: float, turned_away_per_s: float, s: DemandSizing) -> bool:
@@ -149,19 +145,17 @@ def saturated_rate(
     turned_away_per_s: float,
     s: DemandSizing,
 ) -> float | None:
-    """Requests per second one replica admits when the pool is full. While the pool sheds,
-    a sample (admitted / replicas) folds into the running average; while it does not, what
-    it admits per replica is a lower bound of that rate, so a larger one replaces it
-    (a replica added during a surge proves the pool takes more than the surge showed).
-    None until the pool first saturates."""
+    """Requests per second one replica admits when the pool is full: the most it was seen
+    admitting per replica while the pool shed (a pool starved by something else, a busy
+    machine or a replica starting beside it, admits less and teaches nothing), raised by
+    any larger rate admitted without shedding (a lower bound of what it takes). None until
+    the pool first saturates."""
     if current < 1 or admitted_per_s <= 0:
         return previous
     sample = admitted_per_s / current
-    if not shedding(admitted_per_s, turned_away_per_s, s):
-        return None if previous is None else max(previous, sample)
     if previous is None:
-        return sample
-    return s.rate_weight * sample + (1 - s.rate_weight) * previous
+        return sample if shedding(admitted_per_s, turned_away_per_s, s) else None
+    return max(previous, sample)
 
 
 def demand_replicas(
@@ -173,13 +167,15 @@ def demand_replicas(
     utilization: float = 1.0,
 ) -> int:
     """Replicas for the whole demand (admitted + turned away) at ``utilization`` of the
-    saturated per-replica rate; 0 (no say) before any saturation was measured, except that a
-    pool shedding while admitting nothing grows by one."""
+    saturated per-replica rate; a saturated pool grows by one at least (the rate is the
+    best it showed, so demand over it may round to the current size). 0 (no say) while not
+    saturated and no rate is known."""
+    saturated = shedding(admitted_per_s, turned_away_per_s, s)
+    floor = current + 1 if saturated else 0
     if per_replica_rate is None or per_replica_rate <= 0:
-        stuck = admitted_per_s <= 0 and shedding(admitted_per_s, turned_away_per_s, s)
-        return current + 1 if stuck else 0
+        return floor
     demand = admitted_per_s + turned_away_per_s
-    return math.ceil(demand / (per_replica_rate * utilization) - 1e-9)
+    return max(floor, math.ceil(demand / (per_replica_rate * utilization) - 1e-9))
 
 
 @dataclass(frozen=True)

@@ -247,7 +247,7 @@ def test_prompts_queued_for_local_prefill_on_decode_replicas_size_the_decode_poo
 
 
 # ---------------------------------------------------------------- turned-away demand
-DEMAND = DemandSizing(min_shed_fraction=0.05, rate_weight=0.5)
+DEMAND = DemandSizing(min_shed_fraction=0.05)
 
 
 def test_a_pool_is_saturated_when_it_turns_away_a_share_of_its_demand() -> None:
@@ -256,13 +256,16 @@ def test_a_pool_is_saturated_when_it_turns_away_a_share_of_its_demand() -> None:
     assert not shedding(0.0, 0.0, DEMAND)  # idle
 
 
-def test_the_saturated_rate_is_what_a_replica_admits_while_the_pool_sheds() -> None:
+def test_the_saturated_rate_is_the_most_a_replica_admitted_while_the_pool_shed() -> None:
     # One replica admits 9 req/s and 24 req/s are turned away: 9 req/s per replica.
     assert saturated_rate(None, 1, 9.0, 24.0, DEMAND) == 9.0
-    # Two replicas admit 16 with 4 turned away (20 %): sample 8, averaged with 10 -> 9.
-    assert saturated_rate(10.0, 2, 16.0, 4.0, DEMAND) == 9.0
+    # Two replicas starved by something else (the machine, a replica starting) admit 1
+    # each while shedding: that teaches nothing, 9 stays.
+    assert saturated_rate(9.0, 2, 2.0, 30.0, DEMAND) == 9.0
+    # A larger rate while shedding (12 per replica) replaces it.
+    assert saturated_rate(9.0, 2, 24.0, 10.0, DEMAND) == 12.0
     # Not saturated: what a replica admits is a lower bound. 30 req/s on 2 replicas
-    # without sheds proves 15 per replica, more than the 9 the surge at 1 replica showed...
+    # without sheds proves 15 per replica...
     assert saturated_rate(9.0, 2, 30.0, 0.0, DEMAND) == 15.0
     # ...a light load proves nothing new, and a pool never saturated has no rate.
     assert saturated_rate(15.0, 2, 4.0, 0.0, DEMAND) == 15.0
@@ -272,11 +275,14 @@ def test_the_saturated_rate_is_what_a_replica_admits_while_the_pool_sheds() -> N
 def test_the_whole_demand_sizes_the_pool_against_the_saturated_rate() -> None:
     # 9 admitted + 24 turned away = 33 req/s at 9 per replica -> ceil(3.67) = 4 replicas.
     assert demand_replicas(1, 9.0, 24.0, 9.0, DEMAND) == 4
+    # Saturated but the demand rounds to the current size at the best rate seen (33 over
+    # 2 x 20): grow by one all the same, the pool is turning requests away.
+    assert demand_replicas(2, 30.0, 3.0, 20.0, DEMAND) == 3
     # After the surge: 4 req/s at 15 per replica, 75 % of it (the scale-down margin) -> 1.
     assert demand_replicas(2, 4.0, 0.0, 15.0, DEMAND, utilization=0.75) == 1
     # 30 req/s at 15 x 0.75 = 11.25 per replica -> ceil(2.67) = 3: no shrink from 2.
     assert demand_replicas(2, 30.0, 0.0, 15.0, DEMAND, utilization=0.75) == 3
-    # No rate measured yet: no say, except a pool shedding while admitting nothing grows.
+    # No rate measured yet: no say, except that a saturated pool grows by one.
     assert demand_replicas(1, 5.0, 0.0, None, DEMAND) == 0
     assert demand_replicas(1, 0.0, 5.0, None, DEMAND) == 2
 
@@ -295,10 +301,11 @@ def test_door_sheds_for_capacity_grow_decode_and_hold_it_until_the_demand_falls(
     calm = decode_load(2, [0.02] * 2, [1.0] * 2, admitted_per_s=[2.0] * 2,
                        turned_away_per_s=[0.0] * 2)  # fmt: skip
     assert plan_decode(calm, JOINT, saturated_rps=15.0) == 1
-    # Still turning 10 % away at 2 replicas (capped at max): never shrink, whatever KV says.
+    # Still turning 10 % away at 2 replicas: one more (Serve caps it at max_replicas), and
+    # never fewer, whatever KV, TPOT or an optimistic rate (100 per replica) say.
     capped = decode_load(2, [0.02] * 2, [1.0] * 2, admitted_per_s=[9.0] * 2,
                          turned_away_per_s=[1.0] * 2)  # fmt: skip
-    assert plan_decode(capped, JOINT, saturated_rps=100.0) == 2
+    assert plan_decode(capped, JOINT, saturated_rps=100.0) == 3
 
 
 def test_sheds_more_replicas_would_not_fix_do_not_size_the_pool() -> None:
