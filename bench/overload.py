@@ -58,6 +58,7 @@ class Outcome:
     ttft: float | None = None
     tokens: int = 0
     finished: bool = False  # [DONE] after a finish_reason
+    finish_reason: str | None = None
     error: str | None = None
     # Who refused it: "pdserve" (the OpenAI error body: admission control) or "proxy"
     # (Serve's proxy past the ingress's bounds, plain text).
@@ -67,6 +68,12 @@ class Outcome:
     @property
     def admitted(self) -> bool:
         return self.status == 200
+
+    @property
+    def truncated(self) -> bool:
+        """Admitted but cut short: no [DONE] after a ``length`` finish (every request asks
+        for ``--output-len`` tokens ignoring EOS, so any other end is a cut stream)."""
+        return self.admitted and not (self.finished and self.finish_reason == "length")
 
     @property
     def lost(self) -> bool:
@@ -102,6 +109,7 @@ async def send(
                 data = line[5:].strip()
                 if data == "[DONE]":
                     out.finished = finish is not None
+                    out.finish_reason = finish
                     break
                 obj = json.loads(data)
                 if obj.get("error"):
@@ -239,6 +247,9 @@ def summarize(outcomes: list[Outcome], slo_s: float) -> dict[str, Any]:
                 "retry_after_values": sorted({o.retry_after for o in shed if o.retry_after}),
                 "5xx": sum(1 for o in sel if o.status is not None and o.status >= 500),
                 "lost": sum(o.lost for o in sel),
+                "failed_or_truncated": sum(
+                    o.truncated or o.status is None or o.status >= 500 for o in sel
+                ),
                 "ttft_p50_s": pct(ttfts, 0.5),
                 "ttft_p99_s": pct(ttfts, 0.99),
                 "slo_attainment": sum(t <= slo_s for t in ttfts) / len(ttfts) if ttfts else None,
@@ -271,6 +282,7 @@ def format_table(rows: dict[str, Any]) -> str:
         "shed_by_proxy",
         "5xx",
         "lost",
+        "failed_or_truncated",
         "ttft_p50_s",
         "ttft_p99_s",
         "slo_attainment",
@@ -307,9 +319,17 @@ def write_plot(path: Path, outcomes: list[Outcome], replicas: list[Any], title: 
     axes[1].legend(loc="upper left")
     if replicas:
         ts = [r["t"] for r in replicas]
-        for pool in ("decode", "prefill"):
-            axes[2].step(ts, [r[pool] for r in replicas], where="post", label=f"{pool} replicas")
-        axes[2].set_ylabel("replicas")
+        for key, style in (
+            ("decode", "-"),
+            ("decode_starting", ":"),
+            ("decode_stopping", "--"),
+            ("prefill", "-"),
+        ):
+            if any(key in r for r in replicas):
+                ys = [r.get(key, 0) for r in replicas]
+                label = key.replace("_", " ") + (" replicas" if "_" not in key else "")
+                axes[2].step(ts, ys, where="post", linestyle=style, label=label)
+        axes[2].set_ylabel("replicas (running)")
         axes[2].legend(loc="upper left")
     axes[-1].set_xlabel("seconds since start")
     fig.suptitle(title)
@@ -347,7 +367,11 @@ class ClusterView:
         counts = {}
         for pool, name in (("decode", DECODE_DEPLOYMENT), ("prefill", PREFILL_DEPLOYMENT)):
             dep = app.deployments.get(name) if app is not None else None
-            counts[pool] = 0 if dep is None else dep.replica_states.get("RUNNING", 0)
+            states = {} if dep is None else dep.replica_states
+            counts[pool] = states.get("RUNNING", 0)
+            if pool == "decode":  # a scale-down drains: STOPPING until its streams end
+                counts["decode_starting"] = states.get("STARTING", 0)
+                counts["decode_stopping"] = states.get("STOPPING", 0)
         return counts
 
     def decode_reports(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -478,12 +502,26 @@ def _idle(report: dict[str, Any]) -> bool:
     )
 
 
+def replica_changes(samples: list[dict[str, Any]]) -> list[str]:
+    """The decode pool's (running, starting, stopping) counts where they change."""
+    out, last = [], None
+    for c in samples:
+        now = (c["decode"], c.get("decode_starting", 0), c.get("decode_stopping", 0))
+        if now != last:
+            out.append(f"{c['t']:.0f}s: {now[0]}/{now[1]}/{now[2]}")
+            last = now
+    return out
+
+
 def ramp_config(base: Path, out_dir: Path) -> Path:
-    """The shipped config with autoscaling on and two decode replicas allowed."""
+    """The shipped config with autoscaling on and two decode replicas allowed; the grace
+    period of a stopping replica sized to a whole stream under load, as the config's
+    description asks (``max_tokens`` x TPOT objective, plus the TTFT objective, with room)."""
     cfg = yaml.safe_load(base.read_text())
     cfg["autoscaling"] = True
+    cfg["graceful_shutdown_timeout_s"] = 30.0
     cfg["decode"].update(
-        min_replicas=1, max_replicas=2, upscale_delay_s=3.0, downscale_delay_s=15.0
+        min_replicas=1, max_replicas=2, upscale_delay_s=5.0, downscale_delay_s=15.0
     )
     path = out_dir / f"ramp-{base.name}"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
@@ -537,7 +575,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
         config = args.config
     else:
-        phases = [("0.5x", 0.5, 30.0), ("4x", 4.0, 60.0), ("0.5x-after", 0.5, 60.0)]
+        phases = [("0.5x", 0.5, 30.0), ("4x", 4.0, 90.0), ("0.5x-after", 0.5, 90.0)]
         config = ramp_config(args.config, args.out_dir)
     result = run_phase_set(args, config, up_args, phases, args.mode, prompts, args.base_rate)
     results[args.mode] = result
@@ -558,8 +596,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.mode == "ramp":
         counts = result["replicas_over_time"]
         print(
-            "replicas (t, decode, prefill):",
-            [(round(c["t"]), c["decode"], c["prefill"]) for c in counts],
+            "decode replicas over time (t s: running/starting/stopping), changes only:",
+            replica_changes(counts),
         )
     out = args.out_dir / f"overload-{args.mode}.json"
     out.write_text(json.dumps(results, indent=1, default=str))

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import json
 
-from pdserve.bench.overload import Outcome, client_lag_by_phase, summarize
+from pdserve.bench.overload import (
+    Outcome,
+    client_lag_by_phase,
+    replica_changes,
+    summarize,
+)
 
 
 def test_client_lag_is_reported_per_phase() -> None:
@@ -17,7 +22,10 @@ def test_client_lag_is_reported_per_phase() -> None:
 
 
 def test_summary_counts_what_the_client_saw() -> None:
-    ok = Outcome("10x", "interactive", 1.0, status=200, headers_s=0.5, ttft=0.5, finished=True)
+    ok = Outcome(
+        "10x", "interactive", 1.0, status=200, headers_s=0.5, ttft=0.5, finished=True,
+        finish_reason="length",
+    )  # fmt: skip
     cut = Outcome("10x", "interactive", 1.1, status=200, headers_s=0.5, ttft=0.6)
     shed = Outcome(
         "10x", "interactive", 1.2, status=429, headers_s=0.05, retry_after="2", refused_by="proxy"
@@ -28,10 +36,12 @@ def test_summary_counts_what_the_client_saw() -> None:
     inter = rows["10x/interactive"]
     assert (inter["sent"], inter["admitted"], inter["shed_429"]) == (3, 2, 1)
     assert inter["lost"] == 1  # admitted but never finished
+    assert inter["failed_or_truncated"] == 1  # the cut stream; the 429 is not a failure
     assert inter["shed_with_retry_after"] == 1 and inter["reject_p99_s"] == 0.05
     assert inter["shed_by_proxy"] == 1 and inter["shed_reasons"] == {"proxy": 1}
     batch = rows["10x/batch"]
     assert (batch["5xx"], batch["lost"]) == (1, 1)  # no answer at all is lost
+    assert batch["failed_or_truncated"] == 2  # the 503 and the silent one
 
 
 def test_the_client_reads_streams_429s_and_cut_streams() -> None:
@@ -84,8 +94,22 @@ def test_the_client_reads_streams_429s_and_cut_streams() -> None:
 
     ok, shed, proxy, cut = asyncio.run(run())
     assert ok.status == 200 and ok.finished and ok.tokens == 2 and ok.ttft is not None
-    assert not ok.lost
+    assert not ok.lost and ok.finish_reason == "length" and not ok.truncated
     assert shed.status == 429 and shed.retry_after == "3" and not shed.lost
     assert shed.refused_by == "pdserve" and proxy.refused_by == "proxy"
     assert shed.shed_reason == "ttft_slo"
     assert cut.status == 200 and cut.tokens == 2 and not cut.finished and cut.lost
+    assert cut.truncated
+
+
+def test_replica_changes_list_the_decode_pool_where_it_changes() -> None:
+    samples = [
+        {"t": 0.0, "decode": 1, "decode_starting": 0, "decode_stopping": 0},
+        {"t": 2.0, "decode": 1, "decode_starting": 0, "decode_stopping": 0},
+        {"t": 4.1, "decode": 1, "decode_starting": 1, "decode_stopping": 0},
+        {"t": 20.0, "decode": 2, "decode_starting": 0, "decode_stopping": 0},
+        {"t": 90.0, "decode": 1, "decode_starting": 0, "decode_stopping": 1},
+        {"t": 94.0, "decode": 1, "decode_starting": 0, "decode_stopping": 0},
+    ]
+    assert replica_changes(samples) == ["0s: 1/0/0", "4s: 1/1/0", "20s: 2/0/0", "90s: 1/0/1",
+                                        "94s: 1/0/0"]  # fmt: skip
