@@ -34,10 +34,13 @@ it imports only the standard library at module level.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+logger = logging.getLogger("ray.serve")
 
 # Names of the custom metrics each replica reports (record_autoscaling_stats keys).
 PROMPT_TOKENS_PER_S = "prompt_tokens_per_s"  # prompt tokens arriving per second
@@ -442,6 +445,7 @@ class DecodeAutoscalingPolicy:
             prefill, self.sizing, max_num_seqs, down_margin, demand=DemandSizing(min_shed_fraction)
         )
         self.gauges = PoolGauges(model_name)
+        self._last_wanted: int | None = None
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
         if not _values(ctx, KV_USAGE):
@@ -457,7 +461,26 @@ class DecodeAutoscalingPolicy:
         else:
             wanted = plan_decode(decode, self.joint, saturated_rps=rate)
         self.gauges.record("decode", ctx.target_num_replicas, wanted)
+        if wanted != self._last_wanted:
+            self._last_wanted = wanted
+            logger.info("pdserve decode autoscaling: %s", describe_decode(decode, wanted, rate))
         return wanted, _with_rate(ctx.policy_state, rate)
+
+
+def describe_decode(decode: PoolLoad, wanted: int, rate: float | None) -> str:
+    """One line for the controller's log when the decode sizing changes."""
+
+    def total(name: str) -> float:
+        return sum(decode.values(name))
+
+    kv, tpot = decode.values(KV_USAGE), decode.values(TPOT_S)
+    return (
+        f"wants {wanted} (running {decode.current}); admitted {total(ADMITTED_PER_S):.2f}/s, "
+        f"turned away {total(TURNED_AWAY_PER_S):.2f}/s, saturated rate per replica "
+        f"{'-' if rate is None else f'{rate:.2f}/s'}, mean KV "
+        f"{sum(kv) / max(1, len(kv)):.2f}, mean TPOT {sum(tpot) / max(1, len(tpot)):.3f}s, "
+        f"in batch {total(NUM_IN_BATCH):.0f}"
+    )
 
 
 def _pool_load(ctx: Any) -> PoolLoad:
