@@ -78,9 +78,7 @@ class SimCluster:
         self.costs: dict[str, CostModel] = {"prefill": prefill_cost, "decode": decode_cost}
         shared = self.s.shared_cpu
         self.shared_cpu = (
-            SharedCpuLoad(shared, lambda: self.loop.now, self._decode_tokens_per_s)
-            if shared
-            else None
+            SharedCpuLoad(shared, self.loop, self._decode_tokens_per_s) if shared else None
         )
         if shared is not None and self.shared_cpu is not None:
             for role in shared.roles:
@@ -147,13 +145,14 @@ class SimCluster:
             self.s.gpus_per_prefill_replica if role == "prefill" else self.s.gpus_per_decode_replica
         )
         replica = SimReplica(f"{role}-{self._next_id}", role, None, gpus, self.loop.now)  # type: ignore[arg-type]
+        shared = self.shared_cpu is not None and role in self.shared_cpu.settings.roles
         if role == "prefill":
             replica.engine = SimEngine(
                 self.loop,
                 self.costs[role],
                 self.shapes[role],
                 on_finish=lambda seq, t: self._prefill_done(replica, seq, t),
-                macro_steps=self.s.macro_steps,
+                macro_steps=self.s.macro_steps and not shared,
             )
             replica.arrivals = RateMeter(clock=lambda: self.loop.now)
         else:
@@ -163,13 +162,17 @@ class SimCluster:
                 self.shapes[role],
                 on_first_token=self._first_token,
                 on_finish=lambda seq, t: self._finished(replica, seq, t),
-                macro_steps=self.s.macro_steps,
+                macro_steps=self.s.macro_steps and not shared,
+                on_output_rate=self.shared_cpu.tokens_changed if self.shared_cpu else None,
             )
             replica.estimate = RemotePrefillEstimator(
                 self.app.router.default_prefill_tokens_per_s, clock=lambda: self.loop.now
             )
             replica.arrivals = RateMeter(clock=lambda: self.loop.now)  # admitted prompt tokens
             replica.kv_refused = RateMeter(clock=lambda: self.loop.now)
+        if shared:
+            assert self.shared_cpu is not None
+            self.shared_cpu.watch(replica.engine)
         self.pools[role].append(replica)
         self.loop.after(ready_in, self._ready, replica)
         return replica
@@ -477,14 +480,21 @@ class SimCluster:
         self.counts["fallback"] += 1
         remote.decode.engine.fail_remote(remote.seq_d)
 
+    def _streamed(self) -> float:
+        """How long a token emitted now takes to reach the client: one hop, and on a small
+        local cluster the serving work queued ahead of it on the shared CPUs."""
+        if self.shared_cpu is None:
+            return self.s.rpc_s
+        return self.s.rpc_s + self.shared_cpu.delay()
+
     def _first_token(self, seq: Seq, t: float) -> None:
-        seq.req.first_token_at = t + self.s.rpc_s
+        seq.req.first_token_at = t + self._streamed()
         if self.admission is not None:
             self.admission.first_token(seq.req, t)
 
     def _finished(self, replica: SimReplica, seq: Seq, t: float) -> None:
         req = seq.req
-        req.finished_at = t + self.s.rpc_s
+        req.finished_at = t + self._streamed()
         tpot = req.tpot
         if tpot is not None:
             replica.itl.add(tpot)

@@ -23,7 +23,8 @@ class SharedCpuSettings(BaseModel):
 
     roles: tuple[PoolRole, ...] = Field(
         description="Pools whose engines compute on the shared CPUs (the cluster's CPU plan "
-        "gives them none of their own)."
+        "gives them none of their own); none: the serving path still queues its work there, "
+        "and the tokens it streams wait behind it."
     )
     num_cpus: int = Field(default=1, ge=1, description="How many CPUs are shared.")
     s_per_request: float = Field(
@@ -51,12 +52,6 @@ class SharedCpuSettings(BaseModel):
         ge=0,
         lt=1,
         description="Fraction of the shared CPUs the cluster's daemons use with nothing to serve.",
-    )
-    window_s: float = Field(
-        default=1.0,
-        gt=0,
-        description="Window of the arrival rate the per-request load follows (the ingress, "
-        "routing and admission work of a request is done within about a second of its arrival).",
     )
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
+from collections.abc import Callable
 
 from pdserve.engine.stats import EngineStats, ThroughputMeter
 from pdserve.sim.cost import CostModel
@@ -56,6 +57,7 @@ class SimEngine:
         on_first_token: Callback = _noop,
         on_finish: Callback = _noop,
         macro_steps: bool = True,
+        on_output_rate: Callable[[], None] | None = None,
     ) -> None:
         if shape.max_num_batched_tokens < shape.max_num_seqs:
             # Every running decode then fits in every step, as the aggregate assumes.
@@ -79,6 +81,7 @@ class SimEngine:
         # Decode tokens per second of the step being computed (0 when idle): what the
         # serving path streams right now (``shared_cpu``).
         self.output_rate = 0.0
+        self.on_output_rate = on_output_rate  # told when output_rate changes
         # Per prompt finished, the process's own work outside the steps (``SharedCpuCost``).
         self._request_s = getattr(cost, "request_s", None)
         # The decoding requests, in aggregate.
@@ -253,6 +256,8 @@ class SimEngine:
     def _poke(self) -> None:
         if self._step_end is None:
             self._start_step()
+            if self.on_output_rate is not None and self.output_rate:
+                self.on_output_rate()
         elif self._k > 1:
             self._cut_macro_step()
 
@@ -433,7 +438,6 @@ class SimEngine:
         self.busy_s += seconds
         self._step_end = None
         self._macro_blocks = 0
-        self.output_rate = 0.0
         batch, self._batch = self._batch, []
         if self._decodes:
             self._step += k
@@ -461,7 +465,11 @@ class SimEngine:
             self._finish(seq, now)
         self.prefill_meter.update(self._prefill_tokens, seconds)
         self.decode_meter.update(self._decodes * k, seconds)
+        rate = self.output_rate
+        self.output_rate = 0.0
         self._start_step()
+        if self.on_output_rate is not None and self.output_rate != rate:
+            self.on_output_rate()
 
     def _finish(self, seq: Seq, now: float) -> None:
         seq.state = GONE
@@ -474,3 +482,15 @@ class SimEngine:
         self._free(seq)
         if self._step_end is None:
             self._start_step()
+
+    def rescale(self, factor: float) -> None:
+        """The rest of the step being computed takes ``factor`` times as long (the engine's
+        share of its CPUs changed). Single steps only: an engine that is rescaled runs
+        without macro steps."""
+        end = self._step_end
+        if end is None or factor == 1.0:
+            return
+        assert self._k == 1, "rescale needs macro_steps=False"
+        now = self.loop.now
+        end.cancel()
+        self._step_end = self.loop.at(now + (end.time - now) * factor, self._end_step)

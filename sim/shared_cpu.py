@@ -1,20 +1,24 @@
-"""Engines that compute on the CPUs a local cluster's serving processes share.
+"""Engines and streams on the CPUs a local cluster's serving processes share.
 
 On a small machine ``pdserve up`` pins each decode engine to CPUs of its own and leaves the
 rest shared by every other thread: Ray's daemons, the proxy, the ingress, the decode
 replica's own threads, and an engine that has no CPUs of its own (the 2-core disaggregated
-config's prefill replica, niced so that serving stays responsive). Such an engine computes
-only while the serving path leaves the shared CPUs idle, so each of its steps takes its
-profiled time divided by the share left:
+config's prefill replica, niced so that serving stays responsive).
 
-    1 - background - (s_per_request x arrival rate + s_per_output_token x tokens/s) / num_cpus
+The serving path's work on those CPUs is modelled as one queue of CPU seconds
+(``SharedCpuLoad``): ``s_per_request`` arrives with each request (the ingress, routing,
+admission) and ``s_per_output_token`` with each token the decode engines emit (every token
+is streamed through the decode replica's loop, the ingress and the proxy: this part follows
+the decode batches). The serving threads work it off at what the daemons leave
+(``num_cpus x (1 - background)`` CPUs). So:
 
-where the arrival rate is over the last ``window_s`` (a request's ingress, routing and
-admission work) and tokens/s is what the decode engines emit right now (every token is
-streamed through the decode replica's loop, the ingress and the proxy: this part of the
-load follows the decode batches, so a burst of decodes starves the niced engine). The
-engine process's own per-request work outside its steps (its RPC, the KV send:
-``engine_s_per_request``) runs at the same share, once per prompt it finishes.
+- a niced engine on the shared CPUs gets only a sliver while serving work is queued, and
+  ``1 - background - streaming / num_cpus`` of them otherwise; its steps slow down or speed
+  up as that share changes, and its process's own per-request work outside the steps
+  (``engine_s_per_request``: its RPC, the KV send) runs at the same share;
+- a token reaches the client after the serving work queued ahead of it: when the decode
+  batch streams more than the shared CPUs can carry, the client sees TTFT and TPOT grow
+  although the decode engine's steps (on a CPU of its own) did not slow down.
 
 All four numbers are measured by ``sim.validate measure`` (``sim.cpu_account``'s /proc
 accounting): the daemons during an idle spell; the serving path per request and per output
@@ -24,23 +28,27 @@ prefilled in those batches. None is fitted to latencies.
 
 What this leaves out: a nice-0 engine on the shared CPUs would get a fair share rather than
 the remainder (it is modelled as niced); jobs outside the cluster (threads free to run on
-every CPU) take from every engine; a step's time is set by the share when it starts; and
-the helper threads a bound engine may add on the shared CPUs (the 2-core colocated
-config's) are not modelled: the profile is measured without them (a standalone engine has
-no CPUs of its own to bind), and on a quiet machine the colocated cluster's TTFT came out
-only 10-20% under that profile's prediction, far from what a helper at the CPU share left
-(ideal scaling) would add. Pure arithmetic.
+every CPU) take from every engine; the serving queue is first come first served although
+the kernel shares the CPUs between its threads; and the helper threads a bound engine may
+add on the shared CPUs (the 2-core colocated config's) are not modelled: the profile is
+measured without them (a standalone engine has no CPUs of its own to bind), and on a quiet
+machine the colocated cluster's TTFT came out only 10-20% under that profile's prediction,
+far from what a helper at the CPU share left (ideal scaling) would add. Pure arithmetic.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from pdserve.deployments.config import AppConfig, PoolRole
-from pdserve.deployments.load import RateMeter
 from pdserve.sim.config import SharedCpuSettings
 from pdserve.sim.cost import CostModel
 from pdserve.sim.cpu_account import engine_cpu_s, serving_cpu_s
+from pdserve.sim.events import Event, EventLoop
+
+if TYPE_CHECKING:
+    from pdserve.sim.engine import SimEngine
 
 # Never model an engine as stopped outright: the kernel still hands a niced thread a sliver
 # (about 1.5 % of a CPU at nice 19 against nice 0), and a zero share would stall the run.
@@ -48,29 +56,90 @@ MIN_SHARE = 0.02
 
 
 class SharedCpuLoad:
-    """The serving path's load on the shared CPUs, from the requests arriving and the output
-    tokens being streamed (``tokens_per_s``: what the decode engines emit right now)."""
+    """The serving path on the shared CPUs, as one fluid queue of CPU work.
+
+    Work arrives as ``s_per_request`` at each request's arrival and as
+    ``s_per_output_token`` x the tokens the decode engines emit (``tokens_per_s``, told by
+    ``tokens_changed`` whenever a decode engine starts a step); the serving threads work it
+    off at ``capacity`` (the shared CPUs less the daemons). While work is queued, a niced
+    engine on those CPUs gets only ``MIN_SHARE``; with none queued, what the streaming
+    leaves. The engines in ``watch`` are told when their share changes (``rescale``: the
+    step being computed goes faster or slower from then on). A token the decode engine
+    emits reaches the client after the work queued ahead of it (``delay``).
+    """
 
     def __init__(
         self,
         settings: SharedCpuSettings,
-        clock: Callable[[], float],
+        loop: EventLoop,
         tokens_per_s: Callable[[], float] = lambda: 0.0,
     ) -> None:
         self.settings = settings
-        self._arrivals = RateMeter(window_s=settings.window_s, clock=clock)
+        self.loop = loop
         self._tokens_per_s = tokens_per_s
+        self.capacity = settings.num_cpus * (1.0 - settings.background)
+        self._backlog = 0.0  # CPU seconds of serving work queued, as of _at
+        self._at = loop.now
+        self._demand = 0.0  # CPU seconds per second the streaming asks for, since _at
+        self._share = self._current_share()
+        self._clears: Event | None = None
+        self._engines: list[SimEngine] = []
+
+    def watch(self, engine: SimEngine) -> None:
+        """Tell ``engine`` (computing at ``share()``) whenever the share changes."""
+        self._engines.append(engine)
 
     def arrived(self) -> None:
-        self._arrivals.add(1)
+        self._advance()
+        self._backlog += self.settings.s_per_request
+        self._changed()
+
+    def tokens_changed(self) -> None:
+        self._advance()
+        self._demand = self.settings.s_per_output_token * self._tokens_per_s()
+        self._changed()
 
     def share(self) -> float:
-        """Fraction of the shared CPUs left to an engine computing on them."""
+        """Fraction of the shared CPUs left to an engine computing on them, now."""
+        return self._share
+
+    def delay(self) -> float:
+        """Seconds a token emitted now waits behind the serving work queued."""
+        self._advance()
+        return self._backlog / self.capacity
+
+    def _current_share(self) -> float:
+        if self._backlog > 0:
+            return MIN_SHARE
         s = self.settings
-        serving = s.s_per_request * self._arrivals.rate()
-        if s.s_per_output_token:
-            serving += s.s_per_output_token * self._tokens_per_s()
-        return max(MIN_SHARE, 1.0 - s.background - serving / s.num_cpus)
+        return max(MIN_SHARE, 1.0 - s.background - self._demand / s.num_cpus)
+
+    def _advance(self) -> None:
+        now = self.loop.now
+        if now > self._at:
+            left = self._backlog + (self._demand - self.capacity) * (now - self._at)
+            self._backlog = left if left > 1e-12 else 0.0
+            self._at = now
+
+    def _changed(self) -> None:
+        if self._clears is not None:
+            self._clears.cancel()
+            self._clears = None
+        if self._backlog > 0 and self._demand < self.capacity:
+            clear_in = self._backlog / (self.capacity - self._demand)
+            self._clears = self.loop.after(clear_in, self._cleared)
+        share = self._current_share()
+        if share != self._share:
+            factor = self._share / share
+            self._share = share
+            for engine in self._engines:
+                engine.rescale(factor)
+
+    def _cleared(self) -> None:
+        self._clears = None
+        self._advance()
+        self._backlog = 0.0
+        self._changed()
 
 
 class SharedCpuCost:
@@ -118,8 +187,9 @@ def measured_settings(
     prefill_compute_s: Callable[[int], float] | None = None,
 ) -> SharedCpuSettings | None:
     """``SharedCpuSettings`` from ``sim.validate measure``'s ``cpu.json`` of runs of ``app``
-    (each with its number of requests); None when no engine of ``app`` computes on the
-    shared CPUs (or nothing was measured).
+    (each with its number of requests); None when nothing was measured, or when no engine
+    of ``app`` computes on the shared CPUs and the serving path was not calibrated (with a
+    calibration, such a cluster still streams its tokens through the shared CPUs).
 
     - ``background``: the daemons' share of the shared CPUs during the idle spell.
     - With a ``calibration`` record (two batches of requests that differ only in their
@@ -135,13 +205,13 @@ def measured_settings(
         return None
     plan = runs[0][0]["plan"]
     roles = engines_on_shared_cpus(app, plan)
-    if not roles:
+    calibration = next((cpu["calibration"] for cpu, _ in runs if cpu.get("calibration")), None)
+    if not roles and calibration is None:
         return None
     shared = tuple(plan["shared_cpus"])
     idles = [cpu["idle"] for cpu, _ in runs]
     background = sum(serving_cpu_s(i, shared) / i["wall_s"] for i in idles) / len(idles)
     background /= len(shared)
-    calibration = next((cpu["calibration"] for cpu, _ in runs if cpu.get("calibration")), None)
     per_token = engine = 0.0
     if calibration is not None:
         per_request, per_token = _serving_costs(calibration, background, shared)

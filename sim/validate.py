@@ -47,7 +47,10 @@ from pdserve.sim.request import SimRequest
 from pdserve.sim.shared_cpu import measured_settings
 from pdserve.sim.workload import replay
 
-PDSERVE = [sys.executable, "-m", "pdserve.cluster.cli"]
+# -P: never the working directory first on sys.path (a checkout's root would shadow Hugging
+# Face's `kernels`, which transformers imports, with pdserve's own folder of that name).
+PYTHON = [sys.executable, "-P"]
+PDSERVE = [*PYTHON, "-m", "pdserve.cluster.cli"]
 WARMUP = 2  # bench.serve's unmeasured requests before each run (replayed by the simulation)
 CALIBRATION_PROMPT = 64  # tokens: remote in the disaggregated config, cheap to prefill
 
@@ -84,7 +87,7 @@ def measure(args: argparse.Namespace) -> int:
                 run_dir = out_dir / f"{Path(args.config).stem}-rate{rate:g}"
                 before = CpuSnapshot.take()
                 _run(
-                    [sys.executable, "-m", "pdserve.bench.serve", "--endpoint", f"pdserve={url}",
+                    [*PYTHON, "-m", "pdserve.bench.serve", "--endpoint", f"pdserve={url}",
                      "--tokenizer", tokenizer, "--request-rate", str(rate),
                      "--num-requests", str(args.num_requests), "--max-duration-s",
                      str(args.max_duration_s), "--prompt-len", args.prompt_len,
@@ -143,7 +146,7 @@ def _calibrate(url: str, tokenizer: str, out_dir: Path, args: argparse.Namespace
     for j, (name, tokens) in enumerate((("short", 1), ("long", 1 + args.calibration_tokens))):
         before = CpuSnapshot.take()
         _run(
-            [sys.executable, "-m", "pdserve.bench.serve", "--endpoint", f"pdserve={url}",
+            [*PYTHON, "-m", "pdserve.bench.serve", "--endpoint", f"pdserve={url}",
              "--tokenizer", tokenizer, "--concurrency", "1",
              "--num-requests", str(args.calibration_requests),
              "--prompt-len", f"fixed:{CALIBRATION_PROMPT}", "--output-len", f"fixed:{tokens}",

@@ -345,12 +345,11 @@ def test_live_decode_ranking_from_worked_out_reports_matches_the_load_score() ->
         inflight = {f"r{i}": rng.choice([0, 4, 9]) for i in range(10) if rng.random() < 0.5}
         blocks = rng.choice([0, 5, 20, 60])
 
-        def key(i: int) -> tuple[bool, float, int]:
-            stats = pairs[i][1]
+        keys = []
+        for i, (_, stats) in enumerate(pairs):
             fits, score = decode_load_score(stats, inflight.get(f"r{i}", 0), blocks, p)
-            return (not fits, score, i)
-
-        expected = [f"r{i}" for i in sorted(range(len(pairs)), key=key)]
+            keys.append((not fits, score, i))
+        expected = [f"r{i}" for *_, i in sorted(keys)]
         terms = [(r, decode_terms(s)) for r, s in pairs]
         got = rank_decode_terms(terms, blocks, inflight, p)
         assert [t[0].replica_id for t in got] == expected, trial

@@ -8,6 +8,7 @@ from pdserve.deployments.config import AppConfig
 from pdserve.sim.cluster import SimCluster
 from pdserve.sim.config import SharedCpuSettings, SimSettings
 from pdserve.sim.cpu_account import group_key, serving_cpu_s
+from pdserve.sim.events import EventLoop
 from pdserve.sim.request import SimRequest
 from pdserve.sim.shared_cpu import SharedCpuCost, SharedCpuLoad, measured_settings
 from tests.sim.fakes import LinearCost
@@ -27,35 +28,63 @@ def _disagg(**over: object) -> AppConfig:
     return AppConfig.from_dict(base | over)
 
 
-def test_a_step_on_the_shared_cpu_takes_its_time_over_the_share_left() -> None:
-    now = [0.0]
-    cpu = SharedCpuSettings(roles=("prefill",), s_per_request=0.2, background=0.1, window_s=10)
-    load = SharedCpuLoad(cpu, lambda: now[0])
-    assert load.share() == pytest.approx(0.9)  # the daemons alone
-    for _ in range(20):  # 2 requests/s over the 10 s window: 0.4 s of CPU per second
-        load.arrived()
-    assert load.share() == pytest.approx(1 - 0.1 - 0.4)
-    cost = SharedCpuCost(LinearCost(0.001), load)
-    assert cost.step_s(100, 0.0, 0, 0) == pytest.approx(0.1 / 0.5)
-    assert cost.kv_bytes_per_token == 1 and cost.transfer_s(100) == 0.0
-    for _ in range(100):  # far more than the CPU: a sliver is left, never nothing
-        load.arrived()
+def test_the_serving_work_queues_on_the_shared_cpu_and_a_niced_engine_gets_the_rest() -> None:
+    loop = EventLoop()
+    tokens = [0.0]
+    cpu = SharedCpuSettings(
+        roles=("prefill",), s_per_request=0.18, s_per_output_token=0.002, background=0.1
+    )
+    load = SharedCpuLoad(cpu, loop, lambda: tokens[0])
+    assert load.capacity == pytest.approx(0.9)  # the daemons take 0.1 of the one CPU
+    assert load.share() == pytest.approx(0.9) and load.delay() == 0.0
+    load.arrived()  # 0.18 s of work queued: the niced engine gets a sliver until it is done
     assert load.share() == pytest.approx(0.02)
-    now[0] = 11.0  # the arrivals left the window
-    assert load.share() == pytest.approx(0.9)
+    assert load.delay() == pytest.approx(0.18 / 0.9)
+    loop.run(until=0.19)
+    assert load.share() == pytest.approx(0.02)
+    loop.run(until=0.21)  # cleared at 0.18 / 0.9 = 0.2 s
+    assert load.share() == pytest.approx(0.9) and load.delay() == 0.0
+    cost = SharedCpuCost(LinearCost(0.001), load)
+    assert cost.step_s(90, 0.0, 0, 0) == pytest.approx(0.09 / 0.9)
+    assert cost.kv_bytes_per_token == 1 and cost.transfer_s(100) == 0.0
+    tokens[0] = 200.0  # streaming 200 tokens/s x 2 ms: 0.4 of the CPU, none queued
+    load.tokens_changed()
+    assert load.share() == pytest.approx(1 - 0.1 - 0.4) and load.delay() == 0.0
+    tokens[0] = 500.0  # 1.0 CPU of streaming > 0.9: 0.1 s of work more queued each second
+    load.tokens_changed()
+    loop.run(until=1.21)
+    assert load.delay() == pytest.approx(0.1 / 0.9) and load.share() == pytest.approx(0.02)
+    tokens[0] = 0.0  # the batch finished: the 0.1 s queued clears in 0.1 / 0.9 s
+    load.tokens_changed()
+    loop.run(until=1.21 + 0.1 / 0.9 + 1e-6)
+    assert load.share() == pytest.approx(0.9) and load.delay() == 0.0
 
 
-def test_a_prefill_replica_on_the_shared_cpu_prefills_slower_hand_computed() -> None:
-    # One request: 1/10 s over the window, 5 s of serving CPU each -> half the CPU is left,
-    # so its 300-token prompt takes 0.6 s instead of 0.3 s; the decode replica (own CPU)
-    # then computes its first token in 1 ms.
-    cpu = SharedCpuSettings(roles=("prefill",), s_per_request=5.0, window_s=10)
+def test_a_prefill_step_speeds_up_once_the_serving_work_ahead_is_done_hand_computed() -> None:
+    # The request's own 0.09 s of serving work (of a CPU with 0.1 taken by the daemons)
+    # takes 0.1 s; the niced prefill starts at once at a 0.02 share (0.002 s of its 0.3 s
+    # done by then), then the rest at 0.9: 0.298 / 0.9 s. The decode step (own CPU) is 1 ms.
+    cpu = SharedCpuSettings(roles=("prefill",), s_per_request=0.09, background=0.1)
     settings = SimSettings(rpc_s=0.0, ingress_s=0.0, shared_cpu=cpu)
-    for shared, ttft in ((None, 0.301), (cpu, 0.601)):
+    for shared, ttft in ((None, 0.301), (cpu, 0.1 + 0.298 / 0.9 + 0.001)):
         req = SimRequest(0, 0.0, prompt_tokens=300, output_tokens=2)
         s = settings.model_copy(update={"shared_cpu": shared})
         SimCluster(_disagg(), LinearCost(0.001), LinearCost(0.001), s).run([req])
         assert req.ttft == pytest.approx(ttft, abs=1e-9)
+
+
+def test_tokens_streamed_faster_than_the_shared_cpu_carries_reach_the_client_late() -> None:
+    # 10-token prompt: prefilled in 10 ms, its KV lands and the decode engine (own CPU)
+    # emits one token per 1 ms: 1000 tokens/s x 2 ms = 2 CPUs of streaming on 1. The first
+    # token (engine: 11 ms) waits behind 1 ms x (2 - 1) of work; the last (engine: 109 ms)
+    # behind 99 ms of it: the client sees 2 ms per token, the engine computed 1 ms.
+    cpu = SharedCpuSettings(roles=("prefill",), s_per_request=0.0, s_per_output_token=0.002)
+    s = SimSettings(rpc_s=0.0, ingress_s=0.0, shared_cpu=cpu)
+    req = SimRequest(0, 0.0, prompt_tokens=10, output_tokens=100)
+    SimCluster(_disagg(), LinearCost(0.001), LinearCost(0.001), s).run([req])
+    assert req.first_token_at == pytest.approx(0.011 + 0.001, abs=1e-9)
+    assert req.finished_at == pytest.approx(0.109 + 0.099, abs=1e-9)
+    assert req.tpot == pytest.approx((0.208 - 0.012) / 99)
 
 
 def _cpu_json(idle_shared_s: float, run_shared_s: float, wall_s: float) -> dict:
@@ -120,21 +149,6 @@ def test_cpu_snapshot_groups_threads_by_allowed_cpus_and_niceness(tmp_path) -> N
         "cpus=1;nice0": pytest.approx(4.0),
     }
     assert snap.busy == {0: pytest.approx(2.0), 1: pytest.approx(2.0)}  # idle, iowait out
-
-
-def test_the_streamed_tokens_load_the_shared_cpu_as_they_are_emitted() -> None:
-    # 0.1 daemons + 1 arrival in the 1 s window x 0.05 s + 200 tokens/s x 2 ms = 0.55 busy.
-    now, tokens = [0.0], [200.0]
-    cpu = SharedCpuSettings(
-        roles=("prefill",), s_per_request=0.05, s_per_output_token=0.002, background=0.1
-    )
-    load = SharedCpuLoad(cpu, lambda: now[0], lambda: tokens[0])
-    load.arrived()
-    assert load.share() == pytest.approx(1 - 0.1 - 0.05 - 0.4)
-    now[0], tokens[0] = 1.5, 0.0  # the arrival left the 1 s window; nothing decodes
-    assert load.share() == pytest.approx(0.9)
-    cost = SharedCpuCost(LinearCost(0.001), load)
-    assert cost.request_s() == 0.0  # no per-request work of the engine process measured
 
 
 def test_the_engine_process_per_request_work_holds_up_its_prompt_hand_computed() -> None:
@@ -202,3 +216,8 @@ def test_the_calibration_splits_the_serving_cpu_into_requests_and_tokens() -> No
     assert cpu.engine_s_per_request == pytest.approx(0.1)
     # Without the profile's compute the engine process's extra is not worked out.
     assert measured_settings(_disagg(), [(_calibrated_cpu_json(), 40)]).engine_s_per_request == 0
+    # Colocated (the engine on its own CPU): only the serving path's queue is modelled.
+    colocated = _disagg(policy={"mode": "always_local"}, prefill={"min_replicas": 0})
+    only_streams = measured_settings(colocated, [(_calibrated_cpu_json(), 40)])
+    assert only_streams is not None and only_streams.roles == ()
+    assert only_streams.s_per_output_token == pytest.approx(0.016)
