@@ -374,6 +374,23 @@ class ClusterView:
                 counts["decode_stopping"] = states.get("STOPPING", 0)
         return counts
 
+    def policy_log(self) -> list[str]:
+        """The decode autoscaling policy's log lines (its sizing whenever it changed) from
+        Serve's controller log on this machine, read before the cluster goes."""
+        import glob
+
+        import ray
+
+        try:
+            session = ray._private.worker.global_worker.node.get_session_dir_path()
+        except Exception as err:  # noqa: BLE001 - a missing log must not fail the run
+            return [f"(no session directory: {err!r})"]
+        lines: list[str] = []
+        for path in sorted(glob.glob(f"{session}/logs/serve/controller_*.log")):
+            with open(path, errors="replace") as f:
+                lines += [ln.rstrip() for ln in f if "pdserve decode autoscaling" in ln]
+        return lines
+
     def decode_reports(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """(integrity, admission report) of a decode replica (after a ramp's scale-down,
         of the one left)."""
@@ -448,6 +465,7 @@ def run_phase_set(
         while not all(_idle(i) for i in integrity) and time.monotonic() < idle_deadline:
             time.sleep(2)
             integrity, admission = view.decode_reports()
+        policy_log = view.policy_log()
     finally:
         if view is not None:
             view.close()  # before the cluster goes: a driver without its GCS exits
@@ -465,6 +483,7 @@ def run_phase_set(
         "summary": rows,
         "client_loop_lag": client_lag_by_phase(client_lag, phases),
         "replicas_over_time": samples,
+        "decode_policy_log": policy_log,
         "decode_integrity_after": integrity,
         "idle_after": all(_idle(i) for i in integrity),
         "median_abs_ttft_prediction_error_s": statistics.median(errors) if errors else None,
@@ -599,6 +618,7 @@ def main(argv: list[str] | None = None) -> int:
             "decode replicas over time (t s: running/starting/stopping), changes only:",
             replica_changes(counts),
         )
+        print("decode policy (controller log):", *result["decode_policy_log"], sep="\n  ")
     out = args.out_dir / f"overload-{args.mode}.json"
     out.write_text(json.dumps(results, indent=1, default=str))
     print(f"\nwrote {out} and {args.out_dir / (args.mode + '.png')}")

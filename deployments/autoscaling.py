@@ -126,19 +126,31 @@ def decode_replicas_needed(
 @dataclass(frozen=True)
 class DemandSizing:
     """Sizing from turned-away demand: a pool turning away at least ``min_shed_fraction``
-    of its demand (admitted + turned away) is saturated."""
+    of its demand (admitted + turned away), and at least ``min_turned_away_per_s``, is
+    saturated (the floor keeps a stray shed at a low rate, one request in the window,
+    from reading as saturation)."""
 
     min_shed_fraction: float = 0.05
+    min_turned_away_per_s: float = 0.2
 
     def __post_init__(self) -> None:
         if not 0 < self.min_shed_fraction < 1:
             raise ValueError(f"min_shed_fraction must be in (0, 1), got {self.min_shed_fraction}")
+        if self.min_turned_away_per_s < 0:
+            raise ValueError(
+                f"min_turned_away_per_s must be >= 0, got {self.min_turned_away_per_s}"
+            )
 
 
 def shedding(admitted_per_s: float, turned_away_per_s: float, s: DemandSizing) -> bool:
-    """Whether the pool turns away at least ``min_shed_fraction`` of its demand."""
+    """Whether the pool turns away at least ``min_shed_fraction`` of its demand, and at
+    least ``min_turned_away_per_s``."""
     demand = admitted_per_s + turned_away_per_s
-    return demand > 0 and turned_away_per_s >= s.min_shed_fraction * demand
+    return (
+        demand > 0
+        and turned_away_per_s >= s.min_shed_fraction * demand
+        and turned_away_per_s >= s.min_turned_away_per_s
+    )
 
 
 def saturated_rate(

@@ -247,13 +247,17 @@ def test_prompts_queued_for_local_prefill_on_decode_replicas_size_the_decode_poo
 
 
 # ---------------------------------------------------------------- turned-away demand
-DEMAND = DemandSizing(min_shed_fraction=0.05)
+DEMAND = DemandSizing(min_shed_fraction=0.05, min_turned_away_per_s=0.2)
 
 
 def test_a_pool_is_saturated_when_it_turns_away_a_share_of_its_demand() -> None:
     assert shedding(9.0, 1.0, DEMAND)  # 1 of 10 requests/s turned away: 10 % >= 5 %
     assert not shedding(99.0, 1.0, DEMAND)  # 1 of 100: 1 %, an odd shed, not saturation
     assert not shedding(0.0, 0.0, DEMAND)  # idle
+    # One stray shed at 1 req/s: 0.1 req/s over a 10 s window is 9 % of the demand, but
+    # under the 0.2 req/s floor (the flap a ramp showed: 1 -> 2 replicas at 0.5x on it).
+    assert not shedding(1.0, 0.1, DEMAND)
+    assert shedding(1.0, 0.3, DEMAND)
 
 
 def test_the_saturated_rate_is_the_most_a_replica_admitted_while_the_pool_shed() -> None:
