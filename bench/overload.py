@@ -294,7 +294,13 @@ def format_table(rows: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_plot(path: Path, outcomes: list[Outcome], replicas: list[Any], title: str) -> None:
+def write_plot(
+    path: Path,
+    outcomes: list[Outcome],
+    replicas: list[Any],
+    title: str,
+    phases: list[tuple[str, float, float]] = (),  # type: ignore[assignment]
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -307,7 +313,7 @@ def write_plot(path: Path, outcomes: list[Outcome], replicas: list[Any], title: 
         if pts:
             axes[0].scatter(*zip(*pts, strict=True), s=6, color=color, label=f"{prio} TTFT")
     axes[0].set_ylabel("TTFT (s)")
-    axes[0].legend(loc="upper left")
+    axes[0].legend(loc="upper right")
     end = max((o.sent for o in outcomes), default=0.0)
     bins = range(int(end) + 2)
     for label, sel, color in (
@@ -331,6 +337,12 @@ def write_plot(path: Path, outcomes: list[Outcome], replicas: list[Any], title: 
                 axes[2].step(ts, ys, where="post", linestyle=style, label=label)
         axes[2].set_ylabel("replicas (running)")
         axes[2].legend(loc="upper left")
+    start = 0.0
+    for name, _, seconds in phases:  # phase boundaries, named on the top panel
+        for ax in axes:
+            ax.axvline(start, color="grey", linewidth=0.6, linestyle="--")
+        axes[0].annotate(f" {name}", (start, 1.0), xycoords=("data", "axes fraction"), va="top")
+        start += seconds
     axes[-1].set_xlabel("seconds since start")
     fig.suptitle(title)
     fig.tight_layout()
@@ -495,6 +507,7 @@ def run_phase_set(
         outcomes,
         samples if tag == "ramp" else [],
         f"pdserve {tag}: {config.name}, 1x = {base_rate:.2f} req/s",
+        phases,
     )
     return result
 
