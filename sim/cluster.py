@@ -57,7 +57,7 @@ from pdserve.sim.events import EventLoop
 from pdserve.sim.replica import Admission, AdmissionQuery, RemoteInFlight, SimReplica
 from pdserve.sim.request import SimRequest
 from pdserve.sim.seq import EngineShape, Seq
-from pdserve.sim.shared_cpu import SharedCpuCost, SharedCpuLoad
+from pdserve.sim.shared_cpu import HelperThreadsCost, SharedCpuCost, SharedCpuLoad
 
 __all__ = ["Admission", "AdmissionQuery", "SimCluster", "SimReplica"]
 
@@ -70,7 +70,11 @@ class SimCluster:
         decode_cost: CostModel,
         settings: SimSettings | None = None,
         admission: Admission | None = None,
+        helper_costs: dict[str, CostModel] | None = None,
     ) -> None:
+        """``helper_costs``: per pool whose engines add helper threads on the shared CPUs
+        (``cpu.helper_threads``), its step profile with the helpers at full speed
+        (``shared_cpu.HelperThreadsCost``; needs ``settings.shared_cpu``)."""
         self.app = app
         self.s = settings or SimSettings()
         self.admission = admission
@@ -83,6 +87,15 @@ class SimCluster:
         if shared is not None and self.shared_cpu is not None:
             for role in shared.roles:
                 self.costs[role] = SharedCpuCost(self.costs[role], self.shared_cpu)
+        self.helpers: dict[str, HelperThreadsCost] = {}
+        for role, helper in (helper_costs or {}).items():
+            if self.shared_cpu is None:
+                raise ValueError("helper threads compute on the shared CPUs: set shared_cpu")
+            pool = app.pool(role)  # type: ignore[arg-type]
+            self.helpers[role] = HelperThreadsCost(
+                self.costs[role], helper, self.shared_cpu, pool.cpu.helper_min_tokens
+            )
+            self.costs[role] = self.helpers[role]
         self.pools: dict[str, list[SimReplica]] = {"prefill": [], "decode": []}
         self.retired: list[SimReplica] = []
         self.ingress_books = InflightLoad()
@@ -145,7 +158,10 @@ class SimCluster:
             self.s.gpus_per_prefill_replica if role == "prefill" else self.s.gpus_per_decode_replica
         )
         replica = SimReplica(f"{role}-{self._next_id}", role, None, gpus, self.loop.now)  # type: ignore[arg-type]
-        shared = self.shared_cpu is not None and role in self.shared_cpu.settings.roles
+        helper = self.helpers.get(role)
+        shared = helper is not None or (
+            self.shared_cpu is not None and role in self.shared_cpu.settings.roles
+        )
         if role == "prefill":
             replica.engine = SimEngine(
                 self.loop,
@@ -172,7 +188,7 @@ class SimCluster:
             replica.kv_refused = RateMeter(clock=lambda: self.loop.now)
         if shared:
             assert self.shared_cpu is not None
-            self.shared_cpu.watch(replica.engine)
+            self.shared_cpu.watch(replica.engine, helper.rescale_factor if helper else None)
         self.pools[role].append(replica)
         self.loop.after(ready_in, self._ready, replica)
         return replica
@@ -305,7 +321,7 @@ class SimCluster:
     def _arrive(self, req: SimRequest) -> None:
         self._next_arrival()
         if self.shared_cpu is not None:
-            self.shared_cpu.arrived()
+            self.shared_cpu.arrived(req.prompt_tokens)
         self._route_decode(req)
 
     def _route_decode(self, req: SimRequest) -> bool:

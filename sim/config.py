@@ -39,6 +39,13 @@ class SharedCpuSettings(BaseModel):
         "it streams (the decode replica's loop, the ingress, the proxy), measured: this load "
         "follows the tokens the decode engines emit, so it peaks while they decode bursts.",
     )
+    s_per_prompt_token: float = Field(
+        default=0.0,
+        ge=0,
+        description="CPU seconds the serving path spends on the shared CPUs per prompt token "
+        "(tokenizing, the token ids through each hop, receiving the KV), measured; counted "
+        "with the request's arrival.",
+    )
     engine_s_per_request: float = Field(
         default=0.0,
         ge=0,
@@ -46,6 +53,11 @@ class SharedCpuSettings(BaseModel):
         "besides its profiled engine steps (its RPC, the KV send, Python per request), "
         "measured: the process's CPU time less the profile's compute of its prompts. It runs "
         "at the same share as the steps and holds up the next one.",
+    )
+    engine_s_per_prompt_token: float = Field(
+        default=0.0,
+        ge=0,
+        description="Per prompt token, the same (the per-layer KV send of a prompt), measured.",
     )
     background: float = Field(
         default=0.0,

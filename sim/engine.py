@@ -375,9 +375,9 @@ class SimEngine:
             k = self._macro_length()
         t0 = self.cost.step_s(tokens, attn, decodes, ctx)
         if self._request_s is not None:
-            done = sum(1 for seq, n in batch if seq.computed + n >= seq.num_tokens)
-            if done:
-                t0 += done * self._request_s()
+            for seq, n in batch:
+                if seq.computed + n >= seq.num_tokens:
+                    t0 += self._request_s(seq.req.prompt_tokens)
         self._k, self._t0, self._d = k, t0, 0.0
         if k > 1:
             t_last = self.cost.step_s(tokens, 0.0, decodes, ctx + decodes * (k - 1))

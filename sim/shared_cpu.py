@@ -83,15 +83,21 @@ class SharedCpuLoad:
         self._demand = 0.0  # CPU seconds per second the streaming asks for, since _at
         self._share = self._current_share()
         self._clears: Event | None = None
-        self._engines: list[SimEngine] = []
+        self._engines: list[tuple[SimEngine, Callable[[float, float], float]]] = []
 
-    def watch(self, engine: SimEngine) -> None:
-        """Tell ``engine`` (computing at ``share()``) whenever the share changes."""
-        self._engines.append(engine)
+    def watch(
+        self, engine: SimEngine, factor: Callable[[float, float], float] | None = None
+    ) -> None:
+        """Tell ``engine`` whenever the share changes: the rest of its step then takes
+        ``factor(old share, new share)`` times as long (default old / new: an engine that
+        computes at the share)."""
+        self._engines.append((engine, factor or _at_the_share))
 
-    def arrived(self) -> None:
+    def arrived(self, prompt_tokens: int = 0) -> None:
+        """A request arrived: its per-request and per-prompt-token serving work."""
         self._advance()
-        self._backlog += self.settings.s_per_request
+        s = self.settings
+        self._backlog += s.s_per_request + s.s_per_prompt_token * prompt_tokens
         self._changed()
 
     def tokens_changed(self) -> None:
@@ -130,10 +136,9 @@ class SharedCpuLoad:
             self._clears = self.loop.after(clear_in, self._cleared)
         share = self._current_share()
         if share != self._share:
-            factor = self._share / share
-            self._share = share
-            for engine in self._engines:
-                engine.rescale(factor)
+            old, self._share = self._share, share
+            for engine, factor in self._engines:
+                engine.rescale(factor(old, share))
 
     def _cleared(self) -> None:
         self._clears = None
@@ -158,9 +163,53 @@ class SharedCpuCost:
         base = self.cost.step_s(tokens, prefill_attn, decode_seqs, decode_ctx)
         return base / self.load.share()
 
-    def request_s(self) -> float:
+    def request_s(self, prompt_tokens: int) -> float:
         """Seconds the process's own work for one finished prompt takes now."""
-        return self.load.settings.engine_s_per_request / self.load.share()
+        s = self.load.settings
+        work = s.engine_s_per_request + s.engine_s_per_prompt_token * prompt_tokens
+        return work / self.load.share()
+
+    def transfer_s(self, prompt_tokens: int) -> float:
+        return self.cost.transfer_s(prompt_tokens)
+
+
+def _at_the_share(old: float, new: float) -> float:
+    return old / new
+
+
+class HelperThreadsCost:
+    """``cost`` for an engine bound to CPUs of its own that adds niced helper threads on the
+    shared CPUs for steps of at least ``min_tokens`` tokens (a pool's ``cpu.helper_threads``;
+    the linears hand out work dynamically). ``helper_cost`` is the step profile measured
+    with the helpers on an idle CPU (``sim.profile --helper-threads``); a helper that gets
+    the share ``s`` of its CPU adds that share of the speed-up it brings there:
+
+        step = t1 / (1 + s x (t1 / t2 - 1))
+
+    with t1 and t2 the two profiles' times for the step (measured, no fitted scaling). The
+    step is rescaled as the share changes (``rescale_factor``)."""
+
+    def __init__(
+        self, cost: CostModel, helper_cost: CostModel, load: SharedCpuLoad, min_tokens: int
+    ) -> None:
+        self.cost, self.helper_cost, self.load = cost, helper_cost, load
+        self.min_tokens = min_tokens
+        self.kv_bytes_per_token = cost.kv_bytes_per_token
+        self.kv_capacity_tokens = cost.kv_capacity_tokens
+        self.num_layers = getattr(cost, "num_layers", 1)
+        self._gain = 0.0  # of the step last timed: the one being computed (no macro steps)
+
+    def step_s(self, tokens: int, prefill_attn: float, decode_seqs: int, decode_ctx: int) -> float:
+        t1 = self.cost.step_s(tokens, prefill_attn, decode_seqs, decode_ctx)
+        self._gain = 0.0
+        if tokens < self.min_tokens or t1 <= 0:
+            return t1
+        t2 = self.helper_cost.step_s(tokens, prefill_attn, decode_seqs, decode_ctx)
+        self._gain = max(0.0, t1 / t2 - 1.0) if t2 > 0 else 0.0
+        return t1 / (1.0 + self.load.share() * self._gain)
+
+    def rescale_factor(self, old: float, new: float) -> float:
+        return (1.0 + old * self._gain) / (1.0 + new * self._gain)
 
     def transfer_s(self, prompt_tokens: int) -> float:
         return self.cost.transfer_s(prompt_tokens)
@@ -192,12 +241,13 @@ def measured_settings(
     calibration, such a cluster still streams its tokens through the shared CPUs).
 
     - ``background``: the daemons' share of the shared CPUs during the idle spell.
-    - With a ``calibration`` record (two batches of requests that differ only in their
-      output length): the serving path's CPU per output token is the difference of the two
-      batches' serving CPU per request over the difference of their output lengths, and per
-      request what the short batch used besides its tokens. The prefill engine process's
-      ``engine_s_per_request`` is its niced CPU in the two batches, less its idle CPU and
-      less ``prefill_compute_s(prompt)`` (the step profile's compute) per request.
+    - With a ``calibration`` record (batches of requests that differ only in their output
+      length, or only in their prompt length): the serving path's CPU per output token
+      (per prompt token) is the difference of two batches' serving CPU per request over the
+      difference of their output (prompt) lengths, and per request what the short batch
+      used besides its tokens. The prefill engine process's ``engine_s_per_request`` and
+      ``engine_s_per_prompt_token`` likewise, from its niced CPU in the batches less its
+      idle CPU and less ``prefill_compute_s(prompt)`` (the step profile's compute).
     - Without one (older measurements), all the serving CPU of the runs counts per request.
     """
     runs = [(cpu, n) for cpu, n in runs if cpu.get("plan") and n > 0]
@@ -212,12 +262,14 @@ def measured_settings(
     idles = [cpu["idle"] for cpu, _ in runs]
     background = sum(serving_cpu_s(i, shared) / i["wall_s"] for i in idles) / len(idles)
     background /= len(shared)
-    per_token = engine = 0.0
+    per_token = per_prompt_token = engine = engine_per_token = 0.0
     if calibration is not None:
-        per_request, per_token = _serving_costs(calibration, background, shared)
+        per_request, per_token, per_prompt_token = _serving_costs(calibration, background, shared)
         if prefill_compute_s is not None and roles == ("prefill",):
             idle_engine = sum(engine_cpu_s(i, shared) / i["wall_s"] for i in idles) / len(idles)
-            engine = _engine_cost(calibration, idle_engine, shared, prefill_compute_s)
+            engine, engine_per_token = _engine_cost(
+                calibration, idle_engine, shared, prefill_compute_s
+            )
     else:
         costs = []
         for cpu, n in runs:
@@ -230,28 +282,49 @@ def measured_settings(
         num_cpus=len(shared),
         s_per_request=per_request,
         s_per_output_token=per_token,
+        s_per_prompt_token=per_prompt_token,
         engine_s_per_request=engine,
+        engine_s_per_prompt_token=engine_per_token,
         background=min(0.95, background),
     )
 
 
+def _net_per_request(
+    batch: dict, cpu_s: Callable[[dict, tuple[int, ...]], float], idle_rate: float, shared: tuple
+) -> float:
+    """CPU seconds per request of a calibration batch in ``cpu_s``'s threads, less what
+    they use when idle (``idle_rate`` CPU-s per second) over the batch's wall time."""
+    usage = batch["usage"]
+    return (cpu_s(usage, shared) - idle_rate * usage["wall_s"]) / batch["requests"]
+
+
 def _serving_costs(
     calibration: dict, background: float, shared: tuple[int, ...]
-) -> tuple[float, float]:
-    """(CPU s per request, CPU s per output token) of the serving path, from the two
-    calibration batches ("short" and "long": same prompts, different output lengths)."""
-    per_request = {}
-    for name in ("short", "long"):
-        batch = calibration[name]
-        usage = batch["usage"]
-        used = serving_cpu_s(usage, shared) - background * len(shared) * usage["wall_s"]
-        per_request[name] = max(0.0, used) / batch["requests"]
+) -> tuple[float, float, float]:
+    """(CPU s per request, per output token, per prompt token) of the serving path, from the
+    calibration batches: "short" and "long" differ only in their output length, "short"
+    and "prompt" (when measured) only in their prompt length."""
+    idle = background * len(shared)
+    per = {
+        name: max(0.0, _net_per_request(calibration[name], serving_cpu_s, idle, shared))
+        for name in ("short", "long", "prompt")
+        if name in calibration
+    }
     short, long = calibration["short"], calibration["long"]
     extra_tokens = long["output_tokens"] - short["output_tokens"]
     if extra_tokens <= 0:
         raise ValueError(f"calibration: the long batch must have more output tokens: {calibration}")
-    per_token = max(0.0, (per_request["long"] - per_request["short"]) / extra_tokens)
-    return max(0.0, per_request["short"] - per_token * short["output_tokens"]), per_token
+    per_token = max(0.0, (per["long"] - per["short"]) / extra_tokens)
+    per_prompt_token = 0.0
+    if "prompt" in per:
+        extra_prompt = calibration["prompt"]["prompt_tokens"] - short["prompt_tokens"]
+        if extra_prompt <= 0:
+            raise ValueError(
+                f"calibration: the prompt batch must have longer prompts: {calibration}"
+            )
+        per_prompt_token = max(0.0, (per["prompt"] - per["short"]) / extra_prompt)
+    rest = per["short"] - per_token * short["output_tokens"]
+    return max(0.0, rest - per_prompt_token * short["prompt_tokens"]), per_token, per_prompt_token
 
 
 def _engine_cost(
@@ -259,13 +332,21 @@ def _engine_cost(
     idle_rate: float,
     shared: tuple[int, ...],
     compute_s: Callable[[int], float],
-) -> float:
-    """CPU s per request of the engine process on the shared CPUs besides its steps."""
-    used = requests = 0.0
-    for name in ("short", "long"):
-        batch = calibration[name]
-        usage = batch["usage"]
-        used += engine_cpu_s(usage, shared) - idle_rate * usage["wall_s"]
-        used -= batch["requests"] * compute_s(batch["prompt_tokens"])
-        requests += batch["requests"]
-    return max(0.0, used / requests)
+) -> tuple[float, float]:
+    """(CPU s per request, per prompt token) of the engine process on the shared CPUs
+    besides its profiled steps: its CPU per request in the calibration batches less the
+    profile's compute of their prompts; "short" and "long" (same prompts) averaged against
+    "prompt" (longer prompts), when measured."""
+    extra = {}
+    for name in ("short", "long", "prompt"):
+        if name in calibration:
+            batch = calibration[name]
+            net = _net_per_request(batch, engine_cpu_s, idle_rate, shared)
+            extra[name] = net - compute_s(batch["prompt_tokens"])
+    base = (extra["short"] + extra["long"]) / 2
+    per_prompt_token = 0.0
+    if "prompt" in extra:
+        longer = calibration["prompt"]["prompt_tokens"] - calibration["short"]["prompt_tokens"]
+        per_prompt_token = max(0.0, (extra["prompt"] - base) / longer)
+    rest = base - per_prompt_token * calibration["short"]["prompt_tokens"]
+    return max(0.0, rest), per_prompt_token

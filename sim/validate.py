@@ -1,7 +1,7 @@
 """Validate the simulator against the real local cluster.
 
-    python -m pdserve.sim.validate measure --config configs/local-2core-colocated.yaml \\
-        --rates 0.75 1.5 --num-requests 40 --out-dir bench/results/sim-validate
+    python -P -m pdserve.sim.validate measure --config configs/local-2core-colocated.yaml \\
+        --rates 0.3 0.6 --num-requests 24 --out-dir bench/results/sim-validate
     python -m pdserve.sim.validate compare --profile bench/results/sim-profile.json \\
         --run coloc@0.75=configs/local-2core-colocated.yaml:DIR/summary.json ...
 
@@ -9,15 +9,24 @@
 runs ``bench.serve --save-requests`` once per rate (bounded by --num-requests and
 --max-duration-s; each rate with its own seed: the engines cache prompt prefixes, and a
 run that repeated the previous one's prompts would prefill almost nothing) and leaves one
-``summary.json`` per rate, with a ``cpu.json``: the CPU time of every thread during the run
-and during an idle spell before the runs, by the CPUs it may use and its niceness
-(``sim.cpu_account``), and the cluster's CPU plan. ``compare`` replays each run's
-requests (send times, prompt and output lengths) through the simulator, configured by the
-same YAML and calibrated by a ``pdserve.sim.profile`` step profile, and prints predicted
-vs measured TTFT and TPOT p50/p90 with the relative error; JSON goes next to it. Where the
-CPU plan leaves a pool's engine on the CPUs the serving processes share, its steps get
-what the serving path leaves of them (``sim.shared_cpu``), at the CPU cost per request the
-``cpu.json`` of the config's runs measured (``--no-shared-cpu``: at the profiled speed).
+``summary.json`` per rate, with a ``warmup.json`` (the prompt and output lengths of the
+warm-up requests bench.serve sent first) and a ``cpu.json``: the CPU time of every thread
+during the run and during an idle spell before the runs, by the CPUs it may use and its
+niceness (``sim.cpu_account``), the cluster's CPU plan, and a ``calibration`` of the
+serving path taken after the runs: two batches of --calibration-requests requests, one at
+a time, with the same 64-token prompts and 1 or 1 + --calibration-tokens output tokens.
+
+``compare`` replays each run (the warm-up requests one at a time, then the measured ones at
+their send times, prompt and output lengths) through the simulator, configured by the same
+YAML and calibrated by a ``pdserve.sim.profile`` step profile, and prints predicted vs
+measured TTFT and TPOT p50/p90 with the relative error over the requests that both the
+cluster and the simulation served, the requests each one shed or failed side by side, the
+same over each one's own served requests, and a check of the CPU model against the run's
+own accounting; JSON goes next to it. The serving path's CPU on the shared CPUs (per
+request, per streamed output token: from the calibration), the daemons' (idle spell) and
+the prefill process's own per-request work besides its steps (its CPU in the calibration
+less the profile's compute) drive ``sim.shared_cpu`` (``--no-shared-cpu``: every engine at
+its profiled speed, tokens streamed at once).
 
 Other jobs on the machine (threads allowed on every CPU) compete with both engines; they
 are recorded in ``cpu.json`` (``cpus=0,1;nice0`` and each CPU's busy time), not modelled.
@@ -138,18 +147,25 @@ def _warmup_requests(tokenizer: str, args: argparse.Namespace, rate: float, seed
 
 
 def _calibrate(url: str, tokenizer: str, out_dir: Path, args: argparse.Namespace) -> dict:
-    """The serving path's CPU per request and per output token (``sim.shared_cpu``): two
-    batches of ``--calibration-requests`` requests, one at a time, with the same short
-    prompts and 1 or 1 + ``--calibration-tokens`` output tokens, each between two
-    ``CpuSnapshot`` s. Run after the measured runs, so they do not change what those saw."""
+    """The serving path's CPU per request, per output token and per prompt token
+    (``sim.shared_cpu``): three batches of ``--calibration-requests`` requests, one at a
+    time, each between two ``CpuSnapshot`` s: "short" (64-token prompts, 1 output token),
+    "long" (the same prompts, 1 + ``--calibration-tokens`` output tokens) and "prompt"
+    (``--calibration-prompt``-token prompts, 1 output token). Run after the measured runs,
+    so they do not change what those saw."""
+    batches = (
+        ("short", CALIBRATION_PROMPT, 1),
+        ("long", CALIBRATION_PROMPT, 1 + args.calibration_tokens),
+        ("prompt", args.calibration_prompt, 1),
+    )
     out = {}
-    for j, (name, tokens) in enumerate((("short", 1), ("long", 1 + args.calibration_tokens))):
+    for j, (name, prompt, tokens) in enumerate(batches):
         before = CpuSnapshot.take()
         _run(
             [*PYTHON, "-m", "pdserve.bench.serve", "--endpoint", f"pdserve={url}",
              "--tokenizer", tokenizer, "--concurrency", "1",
              "--num-requests", str(args.calibration_requests),
-             "--prompt-len", f"fixed:{CALIBRATION_PROMPT}", "--output-len", f"fixed:{tokens}",
+             "--prompt-len", f"fixed:{prompt}", "--output-len", f"fixed:{tokens}",
              "--warmup", "0", "--seed", str(1000 + 100 * j + args.seed), "--no-plot",
              "--request-timeout-s", "120", "--out-dir", str(out_dir / name)],
             600,
@@ -159,7 +175,7 @@ def _calibrate(url: str, tokenizer: str, out_dir: Path, args: argparse.Namespace
         out[name] = {
             "requests": summary["completed"],
             "failed": summary["failed"],
-            "prompt_tokens": CALIBRATION_PROMPT,
+            "prompt_tokens": prompt,
             "output_tokens": tokens,
             "usage": usage,
         }
@@ -215,7 +231,12 @@ def _errors(measured: list[float], predicted: list[float]) -> dict:
 
 
 def compare_one(
-    config: Path, summary: Path, prefill: StepProfile, decode: StepProfile, s: SimSettings
+    config: Path,
+    summary: Path,
+    prefill: StepProfile,
+    decode: StepProfile,
+    s: SimSettings,
+    helper: StepProfile | None = None,
 ) -> dict:
     """Replay one run (its warm-up first, one at a time, then its requests at their send
     times) and compare, over the requests both the cluster and the simulation admitted
@@ -228,7 +249,16 @@ def compare_one(
     }
     # The decode servers run issue 18's admission control; so does the simulation.
     admission = LiveAdmission(app) if live_admission_available() else None
-    cluster = SimCluster(app, ProfileCost(prefill), ProfileCost(decode), s, admission)
+    # The pools whose engines add helper threads on the shared CPUs (the colocated config's
+    # decode engine), with the profile measured with the helpers, when given.
+    helpers = {
+        role: ProfileCost(helper)
+        for role in ("prefill", "decode")
+        if helper is not None and s.shared_cpu is not None and app.pool(role).cpu.helper_threads
+    }
+    cluster = SimCluster(
+        app, ProfileCost(prefill), ProfileCost(decode), s, admission, helper_costs=helpers
+    )
     start = cluster.warm_up(_warmup(summary))
     for req in run.requests:
         req.arrival += start
@@ -263,6 +293,7 @@ def compare_one(
     rows["requests"] = len(run.requests)
     rows["admitted_by_both"] = len(both)
     rows["warmup"] = len(_warmup(summary))
+    rows["helper_threads_modelled"] = sorted(helpers)
     return rows
 
 
@@ -285,10 +316,13 @@ def cpu_check(
     ok = [r for r in records if r.get("ok")]
     sent = len(records) + len(warm)
     tokens = sum(r["output_tokens"] for r in ok) + sum(w.output_tokens for w in warm)
+    prompt = sum(r["prompt_tokens"] for r in records) + sum(w.prompt_tokens for w in warm)
     wall = usage["wall_s"]
     out = {
         "serving_measured_s": serving_cpu_s(usage, cpus) - shared.background * len(cpus) * wall,
-        "serving_model_s": shared.s_per_request * sent + shared.s_per_output_token * tokens,
+        "serving_model_s": shared.s_per_request * sent
+        + shared.s_per_output_token * tokens
+        + shared.s_per_prompt_token * prompt,
     }
     if "prefill" in shared.roles:
         chunk = app.prefill.engine.max_num_batched_tokens
@@ -299,6 +333,7 @@ def cpu_check(
         )
         out["engine_model_s"] = sum(prefill_s(cost, n, chunk) for n in prompts) + (
             shared.engine_s_per_request * len(prompts)
+            + shared.engine_s_per_prompt_token * sum(prompts)
         )
     return out
 
@@ -318,8 +353,11 @@ def compare(args: argparse.Namespace) -> int:
         print(
             f"{name}: {'/'.join(cpu.roles)} on {cpu.num_cpus} shared CPU(s); serving path "
             f"{cpu.s_per_request * 1e3:.0f} ms CPU per request + "
-            f"{cpu.s_per_output_token * 1e3:.2f} ms per output token, engine process "
-            f"{cpu.engine_s_per_request * 1e3:.0f} ms per request besides its steps, daemons "
+            f"{cpu.s_per_output_token * 1e3:.2f} ms per output token + "
+            f"{cpu.s_per_prompt_token * 1e3:.3f} ms per prompt token; engine process "
+            f"{cpu.engine_s_per_request * 1e3:.0f} ms per request + "
+            f"{cpu.engine_s_per_prompt_token * 1e3:.3f} ms per prompt token besides its "
+            "steps; daemons "
             f"{cpu.background:.1%} (measured, cpu.json)"
         )
     results = {}
@@ -333,7 +371,8 @@ def compare(args: argparse.Namespace) -> int:
     for name, config, summary in runs:
         prefill, decode = pools[name]
         run_settings = settings.model_copy(update={"shared_cpu": shared.get(name)})
-        rows = compare_one(config, summary, prefill, decode, run_settings)
+        helper = profiles.get(f"{name.split('@')[0]}:helper")
+        rows = compare_one(config, summary, prefill, decode, run_settings, helper)
         rows["shared_cpu"] = shared[name].model_dump() if name in shared else None
         if name in shared:
             app = AppConfig.from_yaml(config)
@@ -442,11 +481,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="requests per serving-CPU calibration batch")  # fmt: skip
     m.add_argument("--calibration-tokens", type=int, default=48,
                    help="extra output tokens of the long calibration batch")  # fmt: skip
+    m.add_argument("--calibration-prompt", type=int, default=448,
+                   help="prompt tokens of the prompt calibration batch")  # fmt: skip
     m.add_argument("--out-dir", default=f"bench/results/sim-validate-{time.strftime('%H%M%S')}")
     c = sub.add_parser("compare", help="predicted vs measured")
     c.add_argument("--profile", action="append", required=True,
                    help="FILE (default), NAME=FILE for runs named NAME@..., or "
-                   "NAME:prefill=FILE / NAME:decode=FILE for one pool")  # fmt: skip
+                   "NAME:prefill=FILE / NAME:decode=FILE for one pool; NAME:helper=FILE: "
+                   "measured with the pool's helper threads (sim.profile --helper-threads), "
+                   "for a pool that has them")  # fmt: skip
     c.add_argument("--run", action="append", required=True, help="NAME=CONFIG:SUMMARY")
     c.add_argument("--rpc-ms", type=float, default=1.0, help="one process hop")
     c.add_argument("--ingress-ms", type=float, default=3.0, help="ingress parse + tokenize")

@@ -10,7 +10,12 @@ from pdserve.sim.config import SharedCpuSettings, SimSettings
 from pdserve.sim.cpu_account import group_key, serving_cpu_s
 from pdserve.sim.events import EventLoop
 from pdserve.sim.request import SimRequest
-from pdserve.sim.shared_cpu import SharedCpuCost, SharedCpuLoad, measured_settings
+from pdserve.sim.shared_cpu import (
+    HelperThreadsCost,
+    SharedCpuCost,
+    SharedCpuLoad,
+    measured_settings,
+)
 from tests.sim.fakes import LinearCost
 
 PLAN = {"shared_cpus": [0], "prefill_engine_cpus": [], "decode_engine_cpus": [1]}
@@ -155,8 +160,13 @@ def test_the_engine_process_per_request_work_holds_up_its_prompt_hand_computed()
     # Nothing else on the shared CPU: the 300-token prompt computes in 0.3 s, then the
     # prefill process spends its measured 0.1 s (RPC, KV send) before the KV is out; the
     # decode replica's first step is 1 ms. Without that work: 0.301 s.
-    for extra, ttft in ((0.0, 0.301), (0.1, 0.401)):
-        cpu = SharedCpuSettings(roles=("prefill",), s_per_request=0.0, engine_s_per_request=extra)
+    for extra, per_token, ttft in ((0.0, 0.0, 0.301), (0.1, 0.0, 0.401), (0.04, 0.0002, 0.401)):
+        cpu = SharedCpuSettings(
+            roles=("prefill",),
+            s_per_request=0.0,
+            engine_s_per_request=extra,
+            engine_s_per_prompt_token=per_token,  # x 300 tokens: 0.06 s
+        )
         s = SimSettings(rpc_s=0.0, ingress_s=0.0, shared_cpu=cpu)
         req = SimRequest(0, 0.0, prompt_tokens=300, output_tokens=2)
         SimCluster(_disagg(), LinearCost(0.001), LinearCost(0.001), s).run([req])
@@ -207,6 +217,22 @@ def _calibrated_cpu_json() -> dict:
     return run
 
 
+def _with_prompt_batch(run: dict) -> dict:
+    run["calibration"]["prompt"] = {
+        # 10 requests of 464-token prompts, 1 output token, in 30 s: serving 7 s less 3 s of
+        # daemons = 0.4 s each, 0.2 s more than "short" for 400 more prompt tokens: 0.5 ms
+        # each; per request 0.2 - 16 ms - 64 x 0.5 ms = 152 ms. Prefill process: 19 s less
+        # 1.5 s idle less 10 x 464 / 320 s of compute = 0.3 s each, against 0.1 s with
+        # 64-token prompts: 0.5 ms per prompt token, and 0.1 - 64 x 0.5 ms = 68 ms each.
+        "requests": 10, "prompt_tokens": 464, "output_tokens": 1, "failed": 0,
+        "usage": {
+            "wall_s": 30.0,
+            "groups_s": {group_key((0,), False): 7.0, group_key((0,), True): 19.0},
+        },
+    }  # fmt: skip
+    return run
+
+
 def test_the_calibration_splits_the_serving_cpu_into_requests_and_tokens() -> None:
     cpu = measured_settings(_disagg(), [(_calibrated_cpu_json(), 40)], lambda n: n / 320)
     assert cpu is not None
@@ -216,8 +242,51 @@ def test_the_calibration_splits_the_serving_cpu_into_requests_and_tokens() -> No
     assert cpu.engine_s_per_request == pytest.approx(0.1)
     # Without the profile's compute the engine process's extra is not worked out.
     assert measured_settings(_disagg(), [(_calibrated_cpu_json(), 40)]).engine_s_per_request == 0
+    # A third batch with longer prompts splits off what each prompt token costs.
+    cpu = measured_settings(
+        _disagg(), [(_with_prompt_batch(_calibrated_cpu_json()), 40)], lambda n: n / 320
+    )
+    assert cpu is not None
+    assert cpu.s_per_output_token == pytest.approx(0.016)
+    assert cpu.s_per_prompt_token == pytest.approx(0.0005)
+    assert cpu.s_per_request == pytest.approx(0.2 - 0.016 - 64 * 0.0005)
+    assert cpu.engine_s_per_prompt_token == pytest.approx(0.0005)
+    assert cpu.engine_s_per_request == pytest.approx(0.1 - 64 * 0.0005)
     # Colocated (the engine on its own CPU): only the serving path's queue is modelled.
     colocated = _disagg(policy={"mode": "always_local"}, prefill={"min_replicas": 0})
     only_streams = measured_settings(colocated, [(_calibrated_cpu_json(), 40)])
     assert only_streams is not None and only_streams.roles == ()
     assert only_streams.s_per_output_token == pytest.approx(0.016)
+
+
+def test_helper_threads_add_the_share_of_their_measured_speed_up_hand_computed() -> None:
+    loop = EventLoop()
+    cpu = SharedCpuSettings(roles=(), s_per_request=0.09, background=0.1)
+    load = SharedCpuLoad(cpu, loop)
+    # Profiles: 2 ms per token alone, 1 ms with the helper at full speed (a gain of 1).
+    cost = HelperThreadsCost(LinearCost(0.002), LinearCost(0.001), load, min_tokens=32)
+    assert cost.step_s(100, 0.0, 0, 0) == pytest.approx(0.2 / (1 + 0.9))
+    assert cost.rescale_factor(0.9, 0.02) == pytest.approx(1.9 / 1.02)
+    assert cost.step_s(10, 0.0, 0, 0) == pytest.approx(0.02)  # too small for the helper
+    assert cost.rescale_factor(0.9, 0.02) == 1.0
+
+
+def test_a_colocated_prompt_with_a_helper_thread_hand_computed() -> None:
+    # 300 tokens: 0.3 s alone, 0.15 s with the helper at full speed. The request's 0.09 s
+    # of serving work holds the shared CPU for 0.1 s (the helper gets 0.02 of it: 0.102 s
+    # of the 0.3 done), then the helper gets 0.9: the rest, 0.198, at 1.9x.
+    app = _disagg(
+        policy={"mode": "always_local"},
+        prefill={"min_replicas": 0, "max_replicas": 1},
+        decode={"min_replicas": 1, "max_replicas": 1, "cpu": {"helper_threads": 1}},
+    )
+    cpu = SharedCpuSettings(roles=(), s_per_request=0.09, background=0.1)
+    s = SimSettings(rpc_s=0.0, ingress_s=0.0, shared_cpu=cpu)
+    req = SimRequest(0, 0.0, prompt_tokens=300, output_tokens=2)
+    cluster = SimCluster(
+        app, LinearCost(0.001), LinearCost(0.001), s, helper_costs={"decode": LinearCost(0.0005)}
+    )
+    cluster.run([req])
+    assert req.placement == "local"
+    assert req.ttft == pytest.approx(0.1 + 0.198 / 1.9, abs=1e-9)
+    assert req.finished_at - req.first_token_at == pytest.approx(0.001)  # 1 token: no helper
