@@ -495,6 +495,7 @@ def run_phase_set(
         "summary": rows,
         "client_loop_lag": client_lag_by_phase(client_lag, phases),
         "replicas_over_time": samples,
+        "by_decode_replicas": by_decode_replicas(outcomes, samples, slo_s),
         "decode_policy_log": policy_log,
         "decode_integrity_after": integrity,
         "idle_after": all(_idle(i) for i in integrity),
@@ -543,6 +544,41 @@ def replica_changes(samples: list[dict[str, Any]]) -> list[str]:
             out.append(f"{c['t']:.0f}s: {now[0]}/{now[1]}/{now[2]}")
             last = now
     return out
+
+
+def by_decode_replicas(
+    outcomes: list[Outcome], samples: list[dict[str, Any]], slo_s: float
+) -> list[dict[str, Any]]:
+    """The requests split where the running decode replica count changed (by the time they
+    were sent): per stretch its replicas, what was sent, admitted and shed, TTFT p50/p99 of
+    the admitted, the SLO attainment of the admitted and of all sent (goodput)."""
+    cuts = [(0.0, samples[0]["decode"])] if samples else []
+    for c in samples[1:]:
+        if c["decode"] != cuts[-1][1]:
+            cuts.append((c["t"], c["decode"]))
+    rows = []
+    for i, (start, replicas) in enumerate(cuts):
+        end = cuts[i + 1][0] if i + 1 < len(cuts) else float("inf")
+        sel = [o for o in outcomes if start <= o.sent < end]
+        ttfts = [o.ttft for o in sel if o.admitted and o.ttft is not None]
+        good = sum(t <= slo_s for t in ttfts)
+        rows.append(
+            {
+                "from_s": round(start, 1),
+                "decode_replicas": replicas,
+                "sent": len(sel),
+                "admitted": sum(o.admitted for o in sel),
+                "shed_429": sum(o.status == 429 for o in sel),
+                "failed_or_truncated": sum(
+                    o.truncated or o.status is None or o.status >= 500 for o in sel
+                ),
+                "ttft_p50_s": pct(ttfts, 0.5),
+                "ttft_p99_s": pct(ttfts, 0.99),
+                "slo_attainment": good / len(ttfts) if ttfts else None,
+                "goodput_of_sent": good / len(sel) if sel else None,
+            }
+        )
+    return rows
 
 
 def ramp_config(base: Path, out_dir: Path) -> Path:
@@ -631,6 +667,10 @@ def main(argv: list[str] | None = None) -> int:
             "decode replicas over time (t s: running/starting/stopping), changes only:",
             replica_changes(counts),
         )
+        print("by running decode replicas (from the time sent):")
+        for row in result["by_decode_replicas"]:
+            print("  " + "  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+                                   for k, v in row.items()))  # fmt: skip
         print("decode policy (controller log):", *result["decode_policy_log"], sep="\n  ")
     out = args.out_dir / f"overload-{args.mode}.json"
     out.write_text(json.dumps(results, indent=1, default=str))

@@ -6,6 +6,7 @@ import json
 
 from pdserve.bench.overload import (
     Outcome,
+    by_decode_replicas,
     client_lag_by_phase,
     replica_changes,
     summarize,
@@ -113,3 +114,20 @@ def test_replica_changes_list_the_decode_pool_where_it_changes() -> None:
     ]
     assert replica_changes(samples) == ["0s: 1/0/0", "4s: 1/1/0", "20s: 2/0/0", "90s: 1/0/1",
                                         "94s: 1/0/0"]  # fmt: skip
+
+
+def test_requests_are_split_where_the_decode_pool_changed_size() -> None:
+    def done(sent: float, ttft: float) -> Outcome:
+        return Outcome("x", "interactive", sent, status=200, ttft=ttft, finished=True,
+                       finish_reason="length")  # fmt: skip
+
+    samples = [{"t": 0.0, "decode": 1}, {"t": 2.0, "decode": 1}, {"t": 10.0, "decode": 2},
+               {"t": 20.0, "decode": 1}]  # fmt: skip
+    outcomes = [done(1.0, 0.5), done(5.0, 3.0), Outcome("x", "interactive", 6.0, status=429),
+                done(12.0, 0.4), Outcome("x", "interactive", 13.0, status=200, ttft=0.2),
+                done(25.0, 0.1)]  # fmt: skip
+    one, two, back = by_decode_replicas(outcomes, samples, slo_s=2.0)
+    assert (one["from_s"], one["decode_replicas"], one["sent"], one["admitted"]) == (0, 1, 3, 2)
+    assert one["slo_attainment"] == 0.5 and one["goodput_of_sent"] == 1 / 3
+    assert (two["from_s"], two["decode_replicas"], two["failed_or_truncated"]) == (10.0, 2, 1)
+    assert (back["decode_replicas"], back["sent"], back["slo_attainment"]) == (1, 1, 1.0)
