@@ -20,10 +20,12 @@ Demand that never reached a replica counts too: requests turned away for lack of
 (``TURNED_AWAY_PER_S``: the decode replica's own admission sheds, and the ingress's door
 sheds on the pool's drain hint or a full Serve queue, which the ingress reports to a decode
 replica, ``DecodeServer.report_turned_away``) against what the pool admits
-(``ADMITTED_PER_S``). While the pool turns a share of its demand away it is saturated, and
-what it admits then is its capacity (``saturated_rate``, kept in the policy state); the pool
-is sized by its whole demand over that capacity (``demand_replicas``). Sheds more decode
-replicas would not fix (the ingress's or the proxy's own lag) are not reported.
+(``ADMITTED_PER_S``). While the pool turns a share of its demand away (``shedding``) it is
+saturated: it grows and never shrinks, and the most it admits per replica then is its
+capacity (``saturated_rate``, kept in the policy state); the pool is sized by its whole
+demand over that capacity (``demand_replicas``), a shrink only where the smaller pool keeps
+the scale-down margin. Sheds more decode replicas would not fix (the ingress's or the
+proxy's own lag) are not reported, so they neither grow the pool nor make it flap.
 ``JointAutoscalingPolicy`` is Serve's application-level ``autoscaling_policy`` (one
 decision for both pools, from a Serve config's ``applications[].autoscaling_policy``); the
 per-deployment policies, which ``serve.run`` attaches, call the same ``plan_pools`` with
