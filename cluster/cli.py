@@ -80,6 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="let every process run on every CPU (default: engine CPUs of their own)",
     )
     group.add_argument(
+        "--direct-ingress",
+        action="store_true",
+        help="the ingress replica serves HTTP/gRPC itself (Serve's direct ingress, no proxy)",
+    )
+    group.add_argument(
         "--start-timeout", type=_positive_float, default=90.0, help="seconds per node to start"
     )
     serve_flags = argparse.ArgumentParser(add_help=False)
@@ -164,6 +169,7 @@ def _cluster_spec(args: argparse.Namespace):  # -> ClusterSpec (import kept lazy
         object_store_mib=args.object_store_mib,
         dashboard=False if args.no_dashboard else None,
         pin_cpus=False if args.no_pin_cpus else None,
+        direct_ingress=True if args.direct_ingress else None,
     )
 
 

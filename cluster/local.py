@@ -53,7 +53,16 @@ class StopReport:
     survivors: list[int]
 
 
-def _node_env(token_path: Path, node: NodeSpec) -> dict[str, str]:
+# Serve's direct ingress (``ClusterSpec.direct_ingress``). Ray holds a draining ingress
+# replica open this long so that a load balancer can deregister it; a local cluster has no
+# load balancer in front (clients hold the replica's URL), so one second is enough.
+DIRECT_INGRESS_ENV = {
+    "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
+}
+
+
+def _node_env(token_path: Path, node: NodeSpec, direct_ingress: bool = False) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("RAY_AUTH_TOKEN", None)  # would take precedence over the cluster's token file
     env.pop(ENGINE_CPUS_ENV, None)  # only this node's reservation counts
@@ -78,6 +87,10 @@ def _node_env(token_path: Path, node: NodeSpec) -> dict[str, str]:
             "RAY_metrics_report_interval_ms": "2000",
         }
     )
+    for name in DIRECT_INGRESS_ENV:
+        env.pop(name, None)  # the spec decides, not the caller's environment
+    if direct_ingress:
+        env.update(DIRECT_INGRESS_ENV)
     return env
 
 
@@ -210,6 +223,7 @@ class _Launcher:
             root_dir=str(self.root),
             auth_token_path=str(self.token_path),
             nodes=list(self.records),
+            direct_ingress=self.spec.direct_ingress,
         )
 
     def launch(self, node: NodeSpec) -> NodeRecord:
@@ -225,7 +239,7 @@ class _Launcher:
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                env=_node_env(self.token_path, node),
+                env=_node_env(self.token_path, node, self.spec.direct_ingress),
                 start_new_session=True,  # the session id later finds every process of the node
                 preexec_fn=_affinity_setter(node.cpus),  # inherited by all the node's processes
             )

@@ -3,8 +3,10 @@
 Connects a driver to the recorded cluster, starts Serve with one HTTP proxy and (unless the
 config turns it off) one gRPC proxy on the head, at the cluster's loopback address and
 OS-chosen ports, deploys ``pdserve.deployments.app.build_app(config)`` and reports progress until
-every replica runs. The application outlives this driver (Serve's controller is detached);
-``pdserve down`` ends it.
+every replica runs. On a cluster started with ``--direct-ingress`` there is no proxy: the
+ingress replica serves HTTP and gRPC on ports Serve's controller gives it, read back from
+the controller's target groups once it runs. The application outlives this driver
+(Serve's controller is detached); ``pdserve down`` ends it.
 """
 
 from __future__ import annotations
@@ -228,14 +230,45 @@ def deploy(
     line = _describe(serve.status(), config.name)
     if line != last:
         progress(f"[{time.monotonic() - started:5.1f} s] {line}")
+    http_port, grpc_port = config.http.port, config.grpc.port if config.grpc.enabled else None
+    if state.direct_ingress:
+        remaining = max(5.0, timeout_s - (time.monotonic() - started))
+        http_port, direct_grpc = ingress_ports(config.name, timeout_s=remaining)
+        grpc_port = direct_grpc if config.grpc.enabled else None
     return ServeRecord(
         app_name=config.name,
         model_name=config.model.served_name(str(config.model.path)),
         http_host=config.http.host,
-        http_port=config.http.port,
+        http_port=http_port,
         route_prefix=config.http.route_prefix,
-        grpc_port=config.grpc.port if config.grpc.enabled else None,
+        grpc_port=grpc_port,
     )
+
+
+def ingress_ports(app_name: str, *, timeout_s: float) -> tuple[int, int | None]:
+    """(HTTP, gRPC) ports of the application's ingress replica under direct ingress, from
+    the controller's target groups (``ServeInstanceDetails.target_groups``: a replica's
+    targets appear once it runs). With several ingress replicas, the first one's."""
+    import ray
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+    from ray.serve.schema import ServeInstanceDetails
+
+    controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        details = ServeInstanceDetails(**ray.get(controller.get_serve_instance_details.remote()))
+        ports: dict[str, int] = {}
+        for group in details.target_groups:
+            if group.app_name == app_name and group.targets:
+                ports.setdefault(group.protocol.value, group.targets[0].port)
+        if "HTTP" in ports:
+            return ports["HTTP"], ports.get("gRPC")
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"no direct-ingress HTTP target for application {app_name!r} after "
+                f"{timeout_s:.0f} s (is the cluster started with --direct-ingress?)"
+            )
+        time.sleep(0.5)
 
 
 def curl_example(record: ServeRecord) -> str:

@@ -49,8 +49,13 @@ class ServeRecord(BaseModel):
 
     app_name: str = Field(description="Serve application name.")
     model_name: str = Field(description="Model id clients send.")
-    http_host: str = Field(description="Address of the HTTP proxy.")
-    http_port: int = Field(description="Port of the HTTP proxy.")
+    http_host: str = Field(
+        description=(
+            "Address of the HTTP front door: the proxy, or the ingress replica under "
+            "direct ingress."
+        )
+    )
+    http_port: int = Field(description="Port of the HTTP front door.")
     route_prefix: str = Field(description="Route prefix of the application.")
     grpc_port: int | None = Field(description="Port of the gRPC proxy; None = not enabled.")
 
@@ -75,6 +80,10 @@ class ClusterState(BaseModel):
     root_dir: str = Field(description="Directory holding every node's temp dir.")
     auth_token_path: str = Field(description="File with the cluster's Ray auth token (0600).")
     nodes: list[NodeRecord] = Field(description="Started nodes, head first.")
+    direct_ingress: bool = Field(
+        default=False,
+        description="Serve's direct ingress: the ingress replica serves HTTP/gRPC itself.",
+    )
     serve: ServeRecord | None = Field(default=None, description="Serve endpoints, if deployed.")
 
     def node(self, name: str) -> NodeRecord:

@@ -123,6 +123,15 @@ class ClusterSpec(BaseModel):
             "process on the remaining CPUs; needs 2+ CPUs and Linux."
         ),
     )
+    direct_ingress: bool = Field(
+        default=False,
+        description=(
+            "Serve's direct ingress: the ingress replica serves HTTP and gRPC itself, on a "
+            "port of its own, with no Serve proxy in between. A flood's 429s then cost the "
+            "ingress's event loop only, not a hop through the proxy actor (which saturates "
+            "near 80 req/s on a 2-core machine). Set on every node (Ray reads it at start)."
+        ),
+    )
     machine_cpus: tuple[int, ...] | None = Field(
         default=None,
         description="CPUs the cluster may use; None = this process's CPU affinity.",

@@ -143,6 +143,22 @@ def test_pinned_nodes_start_on_the_shared_cpus_with_their_reservation(tmp_path: 
     assert _affinity_setter(head.cpus) is not None
 
 
+def test_direct_ingress_flag_reaches_every_node_and_only_when_asked(
+    tmp_path: Path, monkeypatch
+) -> None:
+    from pdserve.cluster.local import DIRECT_INGRESS_ENV, _node_env
+
+    args = cli.build_parser().parse_args(["up", "--direct-ingress", "--prefill-cpus", "1"])
+    spec = cli._cluster_spec(args)
+    assert spec.direct_ingress
+    assert not cli._cluster_spec(cli.build_parser().parse_args(["up"])).direct_ingress
+    monkeypatch.setenv("RAY_SERVE_ENABLE_DIRECT_INGRESS", "1")  # stray, in the caller's env
+    for node in spec.nodes():
+        env = _node_env(tmp_path / "t", node, direct_ingress=True)
+        assert {k: env[k] for k in DIRECT_INGRESS_ENV} == DIRECT_INGRESS_ENV
+        assert "RAY_SERVE_ENABLE_DIRECT_INGRESS" not in _node_env(tmp_path / "t", node)
+
+
 def test_front_door_binds_cluster_address_unless_configured() -> None:
     cfg = bind_front_door(AppConfig(), "127.0.0.2")
     assert cfg.http.host == "127.0.0.2"
