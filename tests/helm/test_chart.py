@@ -187,11 +187,34 @@ def test_values_resize_pools_and_cpu_pools_drop_gpu_scheduling(
         ({"app": {"prefill": {"max_replicas": 0}}}, "/app/prefill/max_replicas"),
         ({"pools": {"prefil": {}}}, "/pools"),  # chart value misspelt
         ({"upgradeStrategy": "Recreate"}, "/upgradeStrategy"),
+        ({"frontDoor": "direct"}, "/frontDoor"),
     ],
 )
 def test_values_schema_rejects_bad_values_at_render_time(values: dict, where: str) -> None:
     with pytest.raises(helm_python.HelmValuesError, match=where):
         rayservice(values)
+
+
+def test_haproxy_front_door_switches_every_ray_pod_to_serves_haproxy_mode() -> None:
+    """Ray reads RAY_SERVE_ENABLE_HA_PROXY in every Serve process (controller, replicas), so
+    it must be on every pod; the default front door (Serve's proxy) sets nothing."""
+
+    def flags(svc: dict[str, Any]) -> dict[str, list[str]]:
+        return {
+            name: [
+                e.get("value")
+                for e in pod["containers"][0]["env"]
+                if e["name"] == "RAY_SERVE_ENABLE_HA_PROXY"
+            ]  # fmt: skip
+            for name, pod in pod_specs(svc).items()
+        }
+
+    assert flags(rayservice({"frontDoor": "haproxy"})) == {
+        "head": ["1"],
+        "prefill": ["1"],
+        "decode": ["1"],
+    }
+    assert flags(rayservice()) == {"head": [], "prefill": [], "decode": []}
 
 
 def test_values_schema_is_generated_from_app_config() -> None:

@@ -128,6 +128,10 @@ model cache from values.modelStorage and the drain timeout from values.drain.
 {{- define "pdserve.rayEnv" -}}
 - name: HF_HUB_OFFLINE
   value: "1"
+{{- if eq .Values.frontDoor "haproxy" }}
+- name: RAY_SERVE_ENABLE_HA_PROXY
+  value: "1"
+{{- end }}
 {{- with .Values.extraEnv }}
 {{ toYaml . }}
 {{- end }}
