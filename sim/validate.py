@@ -319,6 +319,9 @@ def cpu_check(
     prompt = sum(r["prompt_tokens"] for r in records) + sum(w.prompt_tokens for w in warm)
     wall = usage["wall_s"]
     out = {
+        # Busy CPU time not in any thread alive at both ends of the run: the benchmark
+        # client (a few seconds) and whatever else ran meanwhile (a quiet-machine check).
+        "other_s": sum(usage["cpu_busy_s"].values()) - sum(usage["groups_s"].values()),
         "serving_measured_s": serving_cpu_s(usage, cpus) - shared.background * len(cpus) * wall,
         "serving_model_s": shared.s_per_request * sent
         + shared.s_per_output_token * tokens
@@ -389,7 +392,7 @@ def compare(args: argparse.Namespace) -> int:
             c = rows["cpu_check"]
             line = (
                 f"{name:<18}CPU check: serving path measured {c['serving_measured_s']:.1f} s, "
-                f"model {c['serving_model_s']:.1f} s"
+                f"model {c['serving_model_s']:.1f} s; other processes {c['other_s']:.1f} s"
             )
             if "engine_measured_s" in c:
                 line += (

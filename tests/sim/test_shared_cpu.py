@@ -63,6 +63,11 @@ def test_the_serving_work_queues_on_the_shared_cpu_and_a_niced_engine_gets_the_r
     load.tokens_changed()
     loop.run(until=1.21 + 0.1 / 0.9 + 1e-6)
     assert load.share() == pytest.approx(0.9) and load.delay() == 0.0
+    # Per prompt token: a 500-token prompt at 0.2 ms each queues 0.1 s more than its 0.18 s.
+    per_token = cpu.model_copy(update={"s_per_prompt_token": 0.0002})
+    load = SharedCpuLoad(per_token, loop)
+    load.arrived(500)
+    assert load.delay() == pytest.approx((0.18 + 0.1) / 0.9)
 
 
 def test_a_prefill_step_speeds_up_once_the_serving_work_ahead_is_done_hand_computed() -> None:
