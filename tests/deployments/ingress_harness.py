@@ -1,9 +1,11 @@
 """A real pdserve Serve app for the ingress tests: one local Ray instance on 127.0.0.2,
-Serve's HTTP and gRPC proxies on OS-chosen ports of 127.0.0.1, the tiny test model and the
-real engine (no prefill pool: every request prefills on the decode replica)."""
+Serve's HTTP and gRPC proxies on OS-chosen ports of 127.0.0.1 (or, with ``direct_ingress``,
+no proxy: the ingress replica serves both itself), the tiny test model and the real engine
+(no prefill pool: every request prefills on the decode replica)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import tempfile
@@ -58,14 +60,46 @@ def app_config(model_dir: str, api: dict[str, Any] | None = None) -> dict[str, A
 
 
 @contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@contextmanager
 def running_app(
-    api: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None
+    api: dict[str, Any] | None = None,
+    overrides: dict[str, Any] | None = None,
+    *,
+    direct_ingress: bool = False,
 ) -> Iterator[ServeApp]:
     """The app, with ``api`` as its ``APIConfig`` (keys, limits; None = defaults) and
-    ``overrides`` replacing top-level ``AppConfig`` fields (e.g. ``slo``, ``policy``)."""
+    ``overrides`` replacing top-level ``AppConfig`` fields (e.g. ``slo``, ``policy``).
+    ``direct_ingress``: Ray's processes start with the environment ``pdserve up
+    --direct-ingress`` gives its nodes, and the URLs are the ingress replica's own."""
+    from pdserve.cluster.local import DIRECT_INGRESS_ENV
+
+    env = dict(DIRECT_INGRESS_ENV) if direct_ingress else {}
+    # Ray's processes inherit the environment at ray.init.
+    with _environ(env), _running_app(api, overrides, direct_ingress) as app:
+        yield app
+
+
+@contextmanager
+def _running_app(
+    api: dict[str, Any] | None, overrides: dict[str, Any] | None, direct_ingress: bool
+) -> Iterator[ServeApp]:
     import ray
     from ray import serve
 
+    from pdserve.cluster.serving import ingress_ports
     from pdserve.deployments.app import build_app
     from pdserve.deployments.config import AppConfig
     from pdserve.engine.testmodel import ensure_test_model
@@ -94,6 +128,9 @@ def running_app(
         )
         config = AppConfig.from_dict({**app_config(model_dir, api), **(overrides or {})})
         serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+        if direct_ingress:
+            http_port, direct_grpc = ingress_ports(APP_NAME, timeout_s=60)
+            grpc_port = direct_grpc or grpc_port
         app = ServeApp(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", model_dir, "tiny")
         wait_ready(app.http_url)
         yield app

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.deployments.ingress_harness import running_app
+from tests.deployments.ingress_harness import APP_NAME, ServeApp, running_app
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.cluster]
 
@@ -70,32 +70,59 @@ async def flood_while_streaming(url: str) -> tuple[dict, list[dict]]:
         return await admitted, flood
 
 
+def check_flood_shed(app: ServeApp, admitted: dict, flood: list[dict]) -> list[dict]:
+    """The admitted stream and every admitted request of the flood finished whole, the rest
+    got pdserve's 429 (OpenAI body, Retry-After) and nothing failed or stayed held; returns
+    the shed requests."""
+    assert admitted["status"] == 200 and admitted["done"] and admitted["tokens"] == 64
+    statuses = [r["status"] for r in flood]
+    assert all(s in (200, 429) for s in statuses), statuses  # no 5xx, nothing else
+    shed = [r for r in flood if r["status"] == 429]
+    assert len(shed) >= 10, statuses
+    for r in shed:
+        assert int(r["retry_after"]) >= 1
+        assert r["body"]["error"]["type"] == "rate_limit_error"
+        assert "predicted time to first token" in r["body"]["error"]["message"]
+    for r in flood:
+        if r["status"] == 200:
+            assert r["done"] and r["tokens"] == 32  # admitted streams are never cut
+
+    report = app.decode_handle().check_integrity.remote().result(timeout_s=60)
+    assert report.idle, report
+    errors = app.decode_handle().admission_report.remote().result(timeout_s=60)
+    assert errors.num_observed == 1 + sum(s == 200 for s in statuses)
+    return shed
+
+
 def test_a_flood_is_shed_with_429_while_an_admitted_request_streams() -> None:
     with running_app(overrides=OVERRIDES) as app:
         admitted, flood = asyncio.run(flood_while_streaming(app.http_url))
-
-        assert admitted["status"] == 200 and admitted["done"] and admitted["tokens"] == 64
-        statuses = [r["status"] for r in flood]
-        assert all(s in (200, 429) for s in statuses), statuses  # no 5xx, nothing else
-        shed = [r for r in flood if r["status"] == 429]
-        assert len(shed) >= 10, statuses
-        for r in shed:
-            assert int(r["retry_after"]) >= 1
-            assert r["body"]["error"]["type"] == "rate_limit_error"
-            assert "predicted time to first token" in r["body"]["error"]["message"]
+        shed = check_flood_shed(app, admitted, flood)
         # A 429 is answered before any work, not after queueing behind the admitted streams
         # (which take several seconds here); the bound is loose because the front door's
         # own handling of 80 requests sent at once takes 1-2 s on a shared 2-core machine.
         # bench/overload.py measures the 100 ms target under Poisson arrivals.
         assert sorted(r["headers_s"] for r in shed)[len(shed) // 2] < 3.0
-        for r in flood:
-            if r["status"] == 200:
-                assert r["done"] and r["tokens"] == 32  # admitted streams are never cut
 
-        report = app.decode_handle().check_integrity.remote().result(timeout_s=60)
-        assert report.idle, report
-        errors = app.decode_handle().admission_report.remote().result(timeout_s=60)
-        assert errors.num_observed == 1 + sum(s == 200 for s in statuses)
+
+def test_direct_ingress_sheds_a_flood_and_serves_grpc_without_a_proxy() -> None:
+    """Serve's direct ingress (``pdserve up --direct-ingress``): the ingress replica serves
+    HTTP and gRPC on its own ports. The same flood is shed the same way, and both
+    protocols reach the engine."""
+    with running_app(overrides=OVERRIDES, direct_ingress=True) as app:
+        # app.http_url is the replica's own port: the controller's target group for the app
+        # (proxies are listed under no app) names it, else running_app fails.
+        admitted, flood = asyncio.run(flood_while_streaming(app.http_url))
+        shed = check_flood_shed(app, admitted, flood)
+        assert sorted(r["headers_s"] for r in shed)[len(shed) // 2] < 3.0
+
+        from pdserve.deployments.grpc.client import PDServeClient
+
+        with PDServeClient(app.grpc_target, application=APP_NAME, timeout_s=120) as client:
+            request = PDServeClient.request(prompt="Once upon a time", max_tokens=8,
+                                            temperature=0.0, ignore_eos=True)  # fmt: skip
+            result = client.complete(request)
+        assert result.usage.completion_tokens == 8 and len(result.token_ids) == 8
 
 
 def test_past_the_ingress_bound_serves_proxy_refuses_with_429_at_once() -> None:
