@@ -1,0 +1,195 @@
+"""Graceful drain on a real Serve app: the decode pool goes from two replicas to one while
+streams run on both (Serve's scale-down path, driven the way an external scaler drives it),
+and every stream still ends with all its tokens; the replica that stops first drains (it
+stays STOPPING while it holds streams) and nothing is left held afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.deployments.ingress_harness import APP_NAME, app_config, free_port, wait_ready
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.cluster]
+
+STREAMS = 6
+MAX_TOKENS = 600  # long enough (several seconds on the tiny model) to outlast the scale-down
+PROMPT = "the quick brown fox jumps over the lazy dog " * 4
+
+
+@contextmanager
+def two_decode_replicas() -> Iterator[str]:
+    """The app with two decode replicas of one CPU each on a private 2-CPU Ray instance, the
+    scale-down grace period long enough for a whole stream, and Serve's external scaling
+    API on (the replica count can be set from outside, as an autoscaler would)."""
+    import ray
+    from ray import serve
+
+    from pdserve.deployments.app import build_app
+    from pdserve.deployments.config import AppConfig
+    from pdserve.engine.testmodel import ensure_test_model
+
+    model_dir = str(ensure_test_model("tiny"))
+    cfg = app_config(model_dir)
+    cfg["decode"].update(min_replicas=2, max_replicas=2)
+    cfg["slo"] = {"ttft_ms": 60_000, "tpot_ms": 1_000}  # nothing is shed here
+    cfg["graceful_shutdown_timeout_s"] = 60.0
+    config = AppConfig.from_dict(cfg)
+    port = free_port()
+    temp_dir = tempfile.mkdtemp(prefix="pdserve-drain-")
+    ray.init(
+        address="local",
+        _temp_dir=temp_dir,
+        _node_ip_address="127.0.0.2",
+        num_cpus=2,
+        include_dashboard=False,
+        object_store_memory=256 * 2**20,
+        log_to_driver=False,
+    )
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(config), name=APP_NAME, route_prefix="/", external_scaler_enabled=True)
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(url)
+        yield url
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def decode_states() -> dict[str, int]:
+    from ray import serve
+
+    from pdserve.deployments.app import DECODE_DEPLOYMENT
+
+    app = serve.status().applications[APP_NAME]
+    return dict(app.deployments[DECODE_DEPLOYMENT].replica_states)
+
+
+def decode_replicas() -> dict[str, tuple[str, int | None]]:
+    """replica id -> (state, requests it holds now: Serve's own count, None once gone)."""
+    import ray
+    from ray.serve.context import _get_global_client
+
+    from pdserve.deployments.app import DECODE_DEPLOYMENT
+
+    details = _get_global_client().get_serve_details()
+    replicas = details["applications"][APP_NAME]["deployments"][DECODE_DEPLOYMENT]["replicas"]
+    out: dict[str, tuple[str, int | None]] = {}
+    for r in replicas:
+        try:
+            actor = ray.get_actor(r["actor_name"], namespace="serve")
+            ongoing = ray.get(actor.get_num_ongoing_requests.remote(), timeout=10)
+        except Exception:  # noqa: BLE001 - the replica exited meanwhile
+            ongoing = None
+        out[r["replica_id"]] = (str(r["state"]), ongoing)
+    return out
+
+
+def scale_decode(replicas: int) -> None:
+    """What Serve's REST scaling API (and an external autoscaler) does: set the target."""
+    import ray
+    from ray.serve._private.common import DeploymentID
+    from ray.serve.context import _get_global_client
+
+    from pdserve.deployments.app import DECODE_DEPLOYMENT
+
+    controller = _get_global_client()._controller
+    ray.get(
+        controller.update_deployment_replicas.remote(
+            DeploymentID(name=DECODE_DEPLOYMENT, app_name=APP_NAME), replicas
+        )
+    )
+
+
+async def stream(client: httpx.AsyncClient, started: asyncio.Event) -> dict:
+    """One streamed completion; ``started`` is set at its first token."""
+    body = {
+        "prompt": PROMPT,
+        "max_tokens": MAX_TOKENS,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    out: dict[str, Any] = {"tokens": 0, "done": False, "finish": None, "error": None}
+    out["streaming"] = False
+    async with client.stream("POST", "/v1/completions", json=body) as resp:
+        out["status"] = resp.status_code
+        async for line in resp.aiter_lines():
+            if line == "data: [DONE]":
+                out["done"] = True
+            elif line.startswith("data: "):
+                chunk = json.loads(line[6:])
+                if chunk.get("error"):
+                    out["error"] = chunk["error"]
+                if chunk.get("usage"):  # the last chunk: the tokens the client received
+                    out["tokens"] = chunk["usage"]["completion_tokens"]
+                for choice in chunk.get("choices") or []:
+                    if choice.get("text") and not out["streaming"]:
+                        out["streaming"] = True
+                        started.set()
+                    out["finish"] = choice.get("finish_reason") or out["finish"]
+    return out
+
+
+async def streams_through_a_scale_down(url: str) -> tuple[list[dict], dict, list[dict]]:
+    """Open the streams one after the other (each once the one before streams: the router
+    then sees each placement, and spreads them over both replicas), note what each replica
+    holds, scale decode to one replica, and poll the replicas until every stream ended."""
+    timeline: list[dict] = []  # replica id -> (state, ongoing), per poll
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        tasks = []
+        for _ in range(STREAMS):
+            started = asyncio.Event()
+            tasks.append(asyncio.create_task(stream(client, started)))
+            await asyncio.wait_for(started.wait(), timeout=60)
+        before = await asyncio.to_thread(decode_replicas)
+        await asyncio.to_thread(scale_decode, 1)
+        while not all(t.done() for t in tasks):
+            timeline.append(await asyncio.to_thread(decode_replicas))
+            await asyncio.sleep(0.2)
+        results = [t.result() for t in tasks]
+    return results, before, timeline
+
+
+def test_a_scale_down_drains_the_stopping_replica_and_cuts_no_stream() -> None:
+    from ray import serve
+
+    from pdserve.deployments.app import DECODE_DEPLOYMENT
+
+    with two_decode_replicas() as url:
+        assert decode_states() == {"RUNNING": 2}
+        results, before, timeline = asyncio.run(streams_through_a_scale_down(url))
+
+        # Both replicas held streams when the scale-down came, so whichever Serve stopped
+        # had streams to drain.
+        assert len(before) == 2 and all(n and n >= 1 for _, n in before.values()), before
+        # Every stream ended properly with all its tokens: none was cut by the scale-down.
+        for r in results:
+            assert r["status"] == 200 and r["error"] is None, r
+            assert r["done"] and r["finish"] == "length" and r["tokens"] == MAX_TOKENS, r
+        # The stopping replica drained: Serve held it STOPPING while it still held streams
+        # (they then ended with all their tokens, above).
+        draining = [
+            n for poll in timeline for state, n in poll.values() if "STOPPING" in state and n
+        ]
+        assert draining, f"no replica seen STOPPING with streams: {timeline[:3]}"
+
+        # One replica left, idle: no request, block or stream held.
+        deadline = time.monotonic() + 60
+        while decode_states() != {"RUNNING": 1} and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert decode_states() == {"RUNNING": 1}
+        handle = serve.get_deployment_handle(DECODE_DEPLOYMENT, APP_NAME)
+        report = handle.check_integrity.remote().result(timeout_s=60)
+        assert report.idle, report
