@@ -25,7 +25,6 @@ Pure logic: no Ray, no torch, no clock (callers pass times in).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -162,11 +161,17 @@ def predict_ttft(q: QueueAhead, uncached_tokens: int, calibration: float = 1.0) 
     )
 
 
+# A shed's drain time is never shorter than this (a request just over its threshold).
+MIN_DRAIN_S = 0.1
+
+
 def retry_after_s(prediction: TTFTPrediction, threshold_s: float) -> float:
     """Seconds until the queue ahead has drained enough that a request arriving then is
-    predicted under ``threshold_s`` (whole seconds, at least 1: Retry-After's unit)."""
-    drain = prediction.remaining_s - threshold_s
-    return float(max(1, math.ceil(drain)))
+    predicted under ``threshold_s``: exact, since the ingress sheds the class at its door
+    for that long (``ShedHint``; rounded up to whole seconds, the window left the engine
+    idle for up to a second after every shed, and at 10x overload a 2-core server admitted
+    half its capacity). The HTTP ``Retry-After`` header rounds it up to whole seconds."""
+    return max(MIN_DRAIN_S, prediction.remaining_s - threshold_s)
 
 
 def decide(
@@ -255,15 +260,25 @@ class ShedHint:
     hop to a replica whose event loop is busy streaming. Batch sheds at a lower threshold,
     so an interactive shed implies a batch one. An approximation with several decode
     replicas (the router sends each request to the least loaded one, so a shed means all
-    are loaded); the window is the Retry-After clients were told, never longer."""
+    are loaded); the window is the Retry-After clients were told, never longer.
 
-    def __init__(self) -> None:
+    ``max_window_s`` bounds a window: past it the next requests reach a replica, which
+    sheds them again from its queue as it is then. A drain time is a prediction, and a
+    pessimistic one (measured: a replica hit by a burst predicted 13 s for a queue that
+    drained in under 1 s) would otherwise leave the engine idle for all of it."""
+
+    def __init__(self, max_window_s: float | None = None) -> None:
+        if max_window_s is not None and max_window_s <= 0:
+            raise ValueError(f"max_window_s must be > 0, got {max_window_s}")
+        self.max_window_s = max_window_s
         self._until: dict[str, float] = {}
 
     def shed(self, priority: Priority, now: float, drain_s: float) -> None:
         classes: tuple[Priority, ...] = (
             ("interactive", "batch") if priority == "interactive" else ("batch",)
         )
+        if self.max_window_s is not None:
+            drain_s = min(drain_s, self.max_window_s)
         for c in classes:
             self._until[c] = max(self._until.get(c, 0.0), now + drain_s)
 

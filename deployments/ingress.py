@@ -335,8 +335,10 @@ class OpenAIIngress:
         self._api_metrics = APIMetrics(info.name)
         # Admission control runs on the decode replica (it knows its queue exactly); this
         # remembers the drain time of its last sheds so that a flood is answered 429 here,
-        # at once, instead of queueing for a replica busy streaming (admission.ShedHint).
-        self._shed_hint = ShedHint()
+        # at once, instead of queueing for a replica busy streaming (admission.ShedHint);
+        # for at most half the TTFT SLO, then a replica is asked again (its drain time is a
+        # prediction, and a pessimistic one would idle the engine).
+        self._shed_hint = ShedHint(max_window_s=ttft_slo_ms / 2000.0 if ttft_slo_ms else None)
         self._shed_metrics = metrics
         self._loop_lag = LoopLag()
         self._proxy_lag = ProxyLag()

@@ -14,6 +14,7 @@ This module imports neither Ray nor torch nor the engine: it is pure schema.
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from typing import Any, Literal
@@ -101,7 +102,8 @@ class OpenAIError(Exception):
     def headers(self) -> dict[str, str]:
         if self.retry_after_s is None:
             return {}
-        return {"Retry-After": str(max(1, round(self.retry_after_s)))}
+        # Whole seconds (RFC 9110 delay-seconds), rounded up: never sooner than the drain.
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s - 1e-9)))}
 
 
 def invalid_param(param: str, message: str) -> OpenAIError:

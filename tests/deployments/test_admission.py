@@ -67,11 +67,12 @@ def test_retry_after_is_the_predicted_drain_time_not_a_constant() -> None:
     large = admission.predict_ttft(ahead(queued_prefill_tokens=10000), 100)  # 20.25 s
     d_small = admission.decide(small, "interactive", RULES)
     d_large = admission.decide(large, "interactive", RULES)
-    assert d_small.retry_after_s == 2.0  # ceil(4.25 - 3.0)
-    assert d_large.retry_after_s == 18.0  # ceil(20.25 - 3.0)
-    # Never under one second (Retry-After's unit) even when just over the threshold.
+    # Exact (the ingress sheds the class at its door for that long); HTTP's header rounds up.
+    assert d_small.retry_after_s == pytest.approx(1.25)  # 4.25 - 3.0
+    assert d_large.retry_after_s == pytest.approx(17.25)  # 20.25 - 3.0
+    # Never under MIN_DRAIN_S, even when just over the threshold.
     edge = admission.predict_ttft(ahead(queued_prefill_tokens=1480), 1)  # 3.012 s
-    assert admission.decide(edge, "interactive", RULES).retry_after_s == 1.0
+    assert admission.decide(edge, "interactive", RULES).retry_after_s == admission.MIN_DRAIN_S
 
 
 def test_batch_sheds_first() -> None:
@@ -131,7 +132,8 @@ def test_a_full_replica_sheds_at_once_but_queueing_classes_still_queue() -> None
     rules = dataclasses.replace(RULES, max_admitted=16, batch_on_miss="queue")
     p = admission.predict_ttft(ahead(), 10)  # well within the SLO
     d = admission.decide(p, "interactive", rules, num_admitted=16)
-    assert (d.action, d.reason) == ("shed", "queue_full") and d.retry_after_s == 1.0
+    assert (d.action, d.reason) == ("shed", "queue_full")
+    assert d.retry_after_s == admission.MIN_DRAIN_S
     assert admission.decide(p, "interactive", rules, num_admitted=15).action == "admit"
     assert admission.decide(p, "batch", rules, num_admitted=16).action == "admit"
 
@@ -146,6 +148,17 @@ def test_the_ingress_sheds_within_the_drain_time_a_replica_reported() -> None:
     assert hint.remaining_s("interactive", 11.5) == 0.5
     assert hint.remaining_s("batch", 11.5) == 1.5  # the longer window is kept
     assert hint.remaining_s("interactive", 12.0) == 0.0
+
+
+def test_the_ingress_asks_a_replica_again_after_at_most_max_window() -> None:
+    hint = admission.ShedHint(max_window_s=1.0)
+    hint.shed("interactive", now=20.0, drain_s=13.0)  # a pessimistic prediction
+    assert hint.remaining_s("interactive", 20.5) == 0.5
+    assert hint.remaining_s("batch", 21.0) == 0.0  # the next request reaches a replica
+    hint.shed("batch", now=21.0, drain_s=0.25)  # shorter windows are kept as they are
+    assert hint.remaining_s("batch", 21.0) == 0.25
+    with pytest.raises(ValueError, match="max_window_s"):
+        admission.ShedHint(max_window_s=0.0)
 
 
 def test_a_lagging_ingress_loop_sheds_batch_first() -> None:

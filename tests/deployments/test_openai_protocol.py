@@ -391,6 +391,11 @@ def test_pool_unavailable_before_any_token_is_503(tokenizer) -> None:
     with pytest.raises(OpenAIError) as info:
         asyncio.run(serving.start(validate_request(CompletionRequest, {"prompt": "x"})))
     assert info.value.status_code == 503 and info.value.headers() == {"Retry-After": "1"}
+    # Whole seconds, rounded up (never sooner than the predicted drain), at least 1.
+    for drain_s, header in ((0.1, "1"), (1.0, "1"), (1.25, "2"), (17.25, "18")):
+        assert OpenAIError("x", status_code=429, retry_after_s=drain_s).headers() == {
+            "Retry-After": header
+        }
 
 
 def test_replica_crash_mid_stream_is_a_server_error_event(tokenizer) -> None:

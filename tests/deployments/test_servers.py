@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from pdserve.deployments.admission import MIN_DRAIN_S
 from pdserve.deployments.config import AppConfig
 from pdserve.deployments.decode_server import DecodeServer
 from pdserve.deployments.messages import GenerateChunk, GenerateRequest, SamplingOptions
@@ -236,7 +237,8 @@ def test_shedding_when_no_placement_meets_the_slo(model_dir: str) -> None:
         assert batch[-1].finish_reason == "length" and batch[0].prefill_location == "local"
         shed = asyncio.run(collect(decode, request("shed-me", LONG_A)))
         assert len(shed) == 1 and shed[0].error is not None
-        assert shed[0].error.code == 429 and (shed[0].error.retry_after_s or 0) >= 1.0
+        assert shed[0].error.code == 429  # with the predicted drain time, not a constant
+        assert (shed[0].error.retry_after_s or 0) >= MIN_DRAIN_S
         assert decode.counters().shed == 1
     finally:
         decode.shutdown()
