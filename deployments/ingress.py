@@ -416,12 +416,14 @@ class OpenAIIngress:
         finished = False
         try:
             async for chunk in response:
-                yield chunk
+                # Before the yield: a consumer stops at an error chunk (DecodeStream.open
+                # raises it as the HTTP 429) and never resumes this generator after it.
                 if chunk.finish_reason is not None or chunk.error is not None:
                     finished = True
                 err = chunk.error
                 if err is not None and err.code == 429 and err.retry_after_s:
                     self._shed_hint.shed(request.slo_class, time.monotonic(), err.retry_after_s)
+                yield chunk
         except BackPressureError as err:
             # Serve's queue for the decode pool is full (its max_queued_requests): overload,
             # answered like a shed, not as a failure.

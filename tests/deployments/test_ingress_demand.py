@@ -3,6 +3,10 @@ decode pool at most once a period (the autoscaling policy sizes decode by that d
 
 from __future__ import annotations
 
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
 from pdserve.deployments.ingress import TurnedAway
 
 
@@ -17,3 +21,80 @@ def test_capacity_sheds_are_reported_in_batches_at_most_once_a_period() -> None:
     counts.add(3)
     assert counts.take(11.0) == 4
     assert counts.pending == 0 and counts.take(20.0) == 0
+
+
+class _FakeDecode:
+    """The decode deployment handle: ``generate`` streams the given chunks;
+    ``report_turned_away`` records what the ingress reported."""
+
+    def __init__(self, chunks: list[Any]) -> None:
+        self.chunks = chunks
+        self.reported: list[int] = []
+        self.generate = self
+        self.report_turned_away = _Report(self.reported)
+
+    def options(self, **_: Any) -> _FakeDecode:
+        return self
+
+    def remote(self, request: Any) -> _Stream:
+        return _Stream(self.chunks)
+
+
+class _Stream:
+    def __init__(self, chunks: list[Any]) -> None:
+        self._chunks = list(chunks)
+
+    def __aiter__(self) -> _Stream:
+        return self
+
+    async def __anext__(self) -> Any:
+        if not self._chunks:
+            raise StopAsyncIteration
+        return self._chunks.pop(0)
+
+    def cancel(self) -> None:
+        pass
+
+
+class _Report:
+    def __init__(self, reported: list[int]) -> None:
+        self.reported = reported
+
+    async def remote(self, n: int) -> None:
+        self.reported.append(n)
+
+
+def test_a_decode_shed_sheds_the_next_requests_at_the_door_and_they_are_reported() -> None:
+    """The decode replica's 429 (its drain time as Retry-After) makes the ingress answer
+    the next requests of that class 429 at its door (reason drain_hint) for that long, and
+    those door sheds are reported to the decode pool as turned-away demand. The consumer
+    stops at the error chunk, as the HTTP path does (DecodeStream.open raises it)."""
+    from pdserve.deployments.admission import ProxyLag, ShedHint
+    from pdserve.deployments.ingress import OpenAIIngress
+    from pdserve.deployments.load import LoopLag
+    from pdserve.deployments.messages import GenerateChunk, GenerateRequest
+
+    req = GenerateRequest(request_id="r1", prompt_token_ids=[1, 2, 3])
+    decode = _FakeDecode([GenerateChunk.overloaded(req, "overloaded (ttft_slo)", 5.0)])
+    ingress = object.__new__(OpenAIIngress.func_or_class)
+    shed_reasons: list[str] = []
+    ingress.__dict__.update(
+        _decode=decode, _shed_hint=ShedHint(), _turned_away=TurnedAway(), _reports=set(),
+        _loop_lag=LoopLag(), _proxy_lag=ProxyLag(), _ttft_slo_s=None,
+        _shed_metrics=SimpleNamespace(record_shed=lambda r, c: shed_reasons.append(r)),
+    )  # fmt: skip
+
+    async def run() -> None:
+        gen = ingress._generate(req)
+        first = await anext(gen)  # the decode replica's 429
+        assert first.error is not None and first.error.code == 429
+        await gen.aclose()  # the consumer stops there
+        for _ in range(3):  # within the 5 s drain time: shed at the door
+            shed = ingress._door("interactive")
+            assert shed is not None and "drain_hint" in shed[0], shed
+            await asyncio.sleep(0)  # the background report runs
+
+    asyncio.run(run())
+    assert shed_reasons == ["drain_hint"] * 3
+    # The first door shed is reported at once, the next two wait for the next period.
+    assert decode.reported == [1] and ingress._turned_away.pending == 2
