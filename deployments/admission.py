@@ -209,10 +209,10 @@ class Calibration:
 
     Only predictions of at least ``min_predicted_s`` count: below it the fixed cost around
     a request (handing it to the engine thread, the first step's scheduling) dominates the
-    ratio, which then says nothing about the queue: lone requests, modelled at tens of ms,
-    take 0.1-0.3 s on the 2-core colocated server, which drives the ratio towards its 4x
-    clip (there a burst after a stretch of lone requests was predicted at 16 s and shed,
-    while the part of it admitted drained in under 1 s)."""
+    ratio, which then says nothing about the queue. Measured on the 2-core colocated
+    server: lone requests predicted at 0.03-0.1 s took 0.1-0.3 s, the ratio sat at its 4x
+    clip, and the first burst after them was predicted at 16 s and shed although it
+    drained in under 1 s."""
 
     def __init__(
         self, alpha: float = 0.3, low: float = 0.5, high: float = 4.0, min_predicted_s: float = 0.25
