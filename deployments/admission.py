@@ -205,31 +205,19 @@ def decide(
 class Calibration:
     """Ratio of observed to predicted remaining time to first token (an EMA, clipped), so a
     systematic bias of the cost model (e.g. prefill chunks sharing steps with decodes)
-    corrects itself from the first tokens the replica sees.
+    corrects itself from the first tokens the replica sees."""
 
-    Only predictions of at least ``min_predicted_s`` count: below it the fixed cost around
-    a request (handing it to the engine thread, the first step's scheduling) dominates the
-    ratio, which then says nothing about the queue. Measured on the 2-core colocated
-    server: lone requests predicted at 0.03-0.1 s took 0.1-0.3 s, the ratio sat at its 4x
-    clip, and the first burst after them was predicted at 16 s and shed although it
-    drained in under 1 s."""
-
-    def __init__(
-        self, alpha: float = 0.3, low: float = 0.5, high: float = 4.0, min_predicted_s: float = 0.25
-    ) -> None:
+    def __init__(self, alpha: float = 0.3, low: float = 0.5, high: float = 4.0) -> None:
         if not 0 < alpha <= 1:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
         if not 0 < low <= 1 <= high:
             raise ValueError(f"need 0 < low <= 1 <= high, got low={low}, high={high}")
-        if min_predicted_s < 0:
-            raise ValueError(f"min_predicted_s must be >= 0, got {min_predicted_s}")
         self.alpha, self.low, self.high = alpha, low, high
-        self.min_predicted_s = min_predicted_s
         self.value = 1.0
 
     def observe(self, predicted_remaining_s: float, actual_remaining_s: float) -> None:
         """``predicted_remaining_s`` is the uncalibrated prediction (calibration 1)."""
-        if predicted_remaining_s < max(self.min_predicted_s, 1e-12) or actual_remaining_s <= 0:
+        if predicted_remaining_s <= 0 or actual_remaining_s <= 0:
             return
         ratio = min(self.high, max(self.low, actual_remaining_s / predicted_remaining_s))
         self.value = (1 - self.alpha) * self.value + self.alpha * ratio

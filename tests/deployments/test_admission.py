@@ -107,17 +107,6 @@ def test_calibration_scales_the_remaining_part_only() -> None:
     assert cal.value == 4.0
 
 
-def test_calibration_ignores_predictions_the_fixed_cost_dominates() -> None:
-    cal = admission.Calibration(alpha=1.0)
-    cal.observe(predicted_remaining_s=0.05, actual_remaining_s=0.2)  # a lone request
-    assert cal.value == 1.0  # not 4x: the 0.15 s are not the queue's
-    cal.observe(predicted_remaining_s=0.5, actual_remaining_s=0.75)
-    assert cal.value == 1.5
-    assert admission.Calibration(min_predicted_s=0.0).min_predicted_s == 0.0
-    with pytest.raises(ValueError, match="min_predicted_s"):
-        admission.Calibration(min_predicted_s=-1.0)
-
-
 def test_pending_prefills_count_admitted_work_until_first_token() -> None:
     book = admission.PendingPrefills()
     book.admitted("a", "local", 100)
