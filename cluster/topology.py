@@ -126,10 +126,11 @@ class ClusterSpec(BaseModel):
     direct_ingress: bool = Field(
         default=False,
         description=(
-            "Serve's direct ingress: the ingress replica serves HTTP and gRPC itself, on a "
-            "port of its own, with no Serve proxy in between. A flood's 429s then cost the "
-            "ingress's event loop only, not a hop through the proxy actor (which saturates "
-            "near 80 req/s on a 2-core machine). Set on every node (Ray reads it at start)."
+            "Serve's direct ingress: the ingress replica serves HTTP and gRPC itself, on "
+            "ports of its own, with no Serve proxy in between, so requests and streamed "
+            "tokens skip a hop through the proxy actor (one Python event loop, which "
+            "saturates near 80 req/s on a 2-core machine). Set on every node (Ray reads "
+            "it when a process starts)."
         ),
     )
     machine_cpus: tuple[int, ...] | None = Field(

@@ -84,6 +84,8 @@ def running_app(
     ``overrides`` replacing top-level ``AppConfig`` fields (e.g. ``slo``, ``policy``).
     ``direct_ingress``: Ray's processes start with the environment ``pdserve up
     --direct-ingress`` gives its nodes, and the URLs are the ingress replica's own."""
+    import ray.serve  # noqa: F401  (Serve reads its settings at import: this driver keeps its own)
+
     from pdserve.cluster.local import DIRECT_INGRESS_ENV
 
     env = dict(DIRECT_INGRESS_ENV) if direct_ingress else {}
