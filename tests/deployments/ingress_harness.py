@@ -95,22 +95,15 @@ def running_app(
 
 
 @contextmanager
-def _running_app(
-    api: dict[str, Any] | None, overrides: dict[str, Any] | None, direct_ingress: bool
-) -> Iterator[ServeApp]:
+def private_ray(prefix: str) -> Iterator[None]:
+    """A private Ray instance (2 CPUs, node address 127.0.0.2) for the span of the block,
+    with Serve shut down after it: address="local" never joins a cluster someone else
+    started on this machine, and its own temp dir keeps it out of /tmp/ray (where
+    `ray.init()` looks)."""
     import ray
     from ray import serve
 
-    from pdserve.cluster.serving import ingress_ports
-    from pdserve.deployments.app import build_app
-    from pdserve.deployments.config import AppConfig
-    from pdserve.engine.testmodel import ensure_test_model
-
-    model_dir = str(ensure_test_model("tiny"))
-    http_port, grpc_port = free_port(), free_port()
-    # A private instance: address="local" never joins a cluster someone else started on this
-    # machine, and its own temp dir keeps it out of /tmp/ray (where `ray.init()` looks).
-    temp_dir = tempfile.mkdtemp(prefix="pdserve-ingress-")
+    temp_dir = tempfile.mkdtemp(prefix=prefix)
     ray.init(
         address="local",
         _temp_dir=temp_dir,
@@ -121,6 +114,27 @@ def _running_app(
         log_to_driver=False,
     )
     try:
+        yield
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@contextmanager
+def _running_app(
+    api: dict[str, Any] | None, overrides: dict[str, Any] | None, direct_ingress: bool
+) -> Iterator[ServeApp]:
+    from ray import serve
+
+    from pdserve.cluster.serving import ingress_ports
+    from pdserve.deployments.app import build_app
+    from pdserve.deployments.config import AppConfig
+    from pdserve.engine.testmodel import ensure_test_model
+
+    model_dir = str(ensure_test_model("tiny"))
+    http_port, grpc_port = free_port(), free_port()
+    with private_ray("pdserve-ingress-"):
         serve.start(
             http_options={"host": "127.0.0.1", "port": http_port},
             grpc_options={
@@ -136,10 +150,6 @@ def _running_app(
         app = ServeApp(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", model_dir, "tiny")
         wait_ready(app.http_url)
         yield app
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def wait_ready(url: str, timeout_s: float = 120.0) -> None:

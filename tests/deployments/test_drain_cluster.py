@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,7 +15,13 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.deployments.ingress_harness import APP_NAME, app_config, free_port, wait_ready
+from tests.deployments.ingress_harness import (
+    APP_NAME,
+    app_config,
+    free_port,
+    private_ray,
+    wait_ready,
+)
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.cluster]
 
@@ -31,7 +35,6 @@ def two_decode_replicas() -> Iterator[str]:
     """The app with two decode replicas of one CPU each on a private 2-CPU Ray instance, the
     scale-down grace period long enough for a whole stream, and Serve's external scaling
     API on (the replica count can be set from outside, as an autoscaler would)."""
-    import ray
     from ray import serve
 
     from pdserve.deployments.app import build_app
@@ -45,26 +48,12 @@ def two_decode_replicas() -> Iterator[str]:
     cfg["graceful_shutdown_timeout_s"] = 60.0
     config = AppConfig.from_dict(cfg)
     port = free_port()
-    temp_dir = tempfile.mkdtemp(prefix="pdserve-drain-")
-    ray.init(
-        address="local",
-        _temp_dir=temp_dir,
-        _node_ip_address="127.0.0.2",
-        num_cpus=2,
-        include_dashboard=False,
-        object_store_memory=256 * 2**20,
-        log_to_driver=False,
-    )
-    try:
+    with private_ray("pdserve-drain-"):
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(config), name=APP_NAME, route_prefix="/", external_scaler_enabled=True)
         url = f"http://127.0.0.1:{port}"
         wait_ready(url)
         yield url
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def decode_states() -> dict[str, int]:
