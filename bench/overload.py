@@ -1,8 +1,9 @@
 """Overload benchmark: ``python -m pdserve.bench.overload`` (run it from outside the checkout,
 e.g. ``cd /tmp``, or with ``python -P``).
 
-Starts a real local cluster with a shipped config and drives it with open-loop Poisson
-arrivals (loopback only, bounded in count and time):
+Starts a real local cluster (``pdserve up --direct-ingress`` by default: ``--up-args``) with
+a shipped config and drives it with open-loop Poisson arrivals (loopback only, bounded in
+count and time):
 
 - step: 1x -> ``--factor``x -> 1x the sustainable rate (measured first with a short
   closed-loop probe, or ``--base-rate``), a mix of interactive and batch requests
@@ -599,7 +600,8 @@ def ramp_config(base: Path, out_dir: Path) -> Path:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", type=Path, default=REPO / "configs/local-2core-colocated.yaml")
-    p.add_argument("--up-args", default="--prefill-cpus 1 --decode-cpus 2")
+    # Direct ingress: through Serve's proxy the same step's 429s took 6.2 s p99, direct 0.37 s.
+    p.add_argument("--up-args", default="--prefill-cpus 1 --decode-cpus 2 --direct-ingress")
     p.add_argument("--base-rate", type=float, default=None, help="1x in req/s; None = probe")
     p.add_argument("--probe-s", type=float, default=15.0)
     p.add_argument("--factor", type=float, default=10.0)
