@@ -168,9 +168,9 @@ MIN_DRAIN_S = 0.1
 def retry_after_s(prediction: TTFTPrediction, threshold_s: float) -> float:
     """Seconds until the queue ahead has drained enough that a request arriving then is
     predicted under ``threshold_s``: exact, since the ingress sheds the class at its door
-    for that long (``ShedHint``; rounded up to whole seconds, the window left the engine
-    idle for up to a second after every shed, and at 10x overload a 2-core server admitted
-    half its capacity). The HTTP ``Retry-After`` header rounds it up to whole seconds."""
+    for that long (``ShedHint``; rounded up to whole seconds, at least 1, the window could
+    leave the engine idle for up to a second after every shed). The HTTP ``Retry-After``
+    header rounds it up to whole seconds."""
     return max(MIN_DRAIN_S, prediction.remaining_s - threshold_s)
 
 
