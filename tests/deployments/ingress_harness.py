@@ -5,6 +5,8 @@ no proxy: the ingress replica serves both itself), the tiny test model and the r
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import shutil
 import socket
@@ -150,6 +152,50 @@ def _running_app(
         app = ServeApp(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", model_dir, "tiny")
         wait_ready(app.http_url)
         yield app
+
+
+async def stream_completion(
+    client: httpx.AsyncClient, prompt: str, max_tokens: int, first: asyncio.Event | None = None
+) -> dict[str, Any]:
+    """One streamed /v1/completions as a client sees it: status, time to the response
+    headers, Retry-After, the error body of a refusal (``body``, or ``text`` when it is not
+    JSON: Serve's own refusals are plain text), the completion tokens of the usage chunk,
+    the last finish reason, an in-stream error and whether ``[DONE]`` came. ``first`` is
+    set at the first chunk carrying text."""
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    began = time.perf_counter()
+    out: dict[str, Any] = {"tokens": 0, "done": False, "finish": None, "error": None}
+    async with client.stream("POST", "/v1/completions", json=body) as resp:
+        out["status"] = resp.status_code
+        out["headers_s"] = time.perf_counter() - began
+        out["retry_after"] = resp.headers.get("retry-after")
+        if resp.status_code != 200:
+            raw = await resp.aread()
+            try:
+                out["body"] = json.loads(raw)
+            except ValueError:
+                out["text"] = raw.decode()
+            return out
+        async for line in resp.aiter_lines():
+            if line == "data: [DONE]":
+                out["done"] = True
+            elif line.startswith("data: "):
+                chunk = json.loads(line[6:])
+                if chunk.get("error"):
+                    out["error"] = chunk["error"]
+                if chunk.get("usage"):  # the last chunk: the tokens the client received
+                    out["tokens"] = chunk["usage"]["completion_tokens"]
+                for choice in chunk.get("choices") or []:
+                    if choice.get("text") and first is not None:
+                        first.set()
+                    out["finish"] = choice.get("finish_reason") or out["finish"]
+    return out
 
 
 def wait_ready(url: str, timeout_s: float = 120.0) -> None:

@@ -5,7 +5,6 @@ left held afterwards."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from typing import Any
 
@@ -13,7 +12,7 @@ import grpc
 import httpx
 import pytest
 
-from tests.deployments.ingress_harness import APP_NAME, ServeApp, running_app
+from tests.deployments.ingress_harness import APP_NAME, ServeApp, running_app, stream_completion
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.cluster]
 
@@ -29,45 +28,12 @@ OVERRIDES: dict[str, Any] = {
 PROMPT = "the quick brown fox jumps over the lazy dog " * 20
 
 
-async def stream(client: httpx.AsyncClient, max_tokens: int, first: asyncio.Event | None) -> dict:
-    body = {
-        "prompt": PROMPT,
-        "max_tokens": max_tokens,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    began = time.perf_counter()
-    result: dict[str, Any] = {"tokens": 0, "done": False}
-    async with client.stream("POST", "/v1/completions", json=body) as resp:
-        result["status"] = resp.status_code
-        result["headers_s"] = time.perf_counter() - began
-        result["retry_after"] = resp.headers.get("retry-after")
-        if resp.status_code != 200:
-            raw = await resp.aread()
-            try:
-                result["body"] = json.loads(raw)
-            except ValueError:  # Serve's proxy answers its own refusals in plain text
-                result["text"] = raw.decode()
-            return result
-        async for line in resp.aiter_lines():
-            if line == "data: [DONE]":
-                result["done"] = True
-            elif line.startswith("data: "):
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    result["tokens"] = chunk["usage"]["completion_tokens"]
-                if first is not None:
-                    first.set()
-    return result
-
-
 async def flood_while_streaming(url: str) -> tuple[dict, list[dict]]:
     async with httpx.AsyncClient(base_url=url, timeout=300) as client:
         first = asyncio.Event()
-        admitted = asyncio.create_task(stream(client, 64, first))
+        admitted = asyncio.create_task(stream_completion(client, PROMPT, 64, first))
         await asyncio.wait_for(first.wait(), timeout=120)
-        flood = await asyncio.gather(*(stream(client, 32, None) for _ in range(80)))
+        flood = await asyncio.gather(*(stream_completion(client, PROMPT, 32) for _ in range(80)))
         return await admitted, flood
 
 

@@ -6,11 +6,9 @@ stays STOPPING while it holds streams) and nothing is left held afterwards."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import httpx
 import pytest
@@ -20,6 +18,7 @@ from tests.deployments.ingress_harness import (
     app_config,
     free_port,
     private_ray,
+    stream_completion,
     wait_ready,
 )
 
@@ -101,36 +100,6 @@ def scale_decode(replicas: int) -> None:
     )
 
 
-async def stream(client: httpx.AsyncClient, started: asyncio.Event) -> dict:
-    """One streamed completion; ``started`` is set at its first token."""
-    body = {
-        "prompt": PROMPT,
-        "max_tokens": MAX_TOKENS,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    out: dict[str, Any] = {"tokens": 0, "done": False, "finish": None, "error": None}
-    out["streaming"] = False
-    async with client.stream("POST", "/v1/completions", json=body) as resp:
-        out["status"] = resp.status_code
-        async for line in resp.aiter_lines():
-            if line == "data: [DONE]":
-                out["done"] = True
-            elif line.startswith("data: "):
-                chunk = json.loads(line[6:])
-                if chunk.get("error"):
-                    out["error"] = chunk["error"]
-                if chunk.get("usage"):  # the last chunk: the tokens the client received
-                    out["tokens"] = chunk["usage"]["completion_tokens"]
-                for choice in chunk.get("choices") or []:
-                    if choice.get("text") and not out["streaming"]:
-                        out["streaming"] = True
-                        started.set()
-                    out["finish"] = choice.get("finish_reason") or out["finish"]
-    return out
-
-
 async def streams_through_a_scale_down(url: str) -> tuple[list[dict], dict, list[dict]]:
     """Open the streams one after the other (each once the one before streams: the router
     then sees each placement, and spreads them over both replicas), note what each replica
@@ -140,7 +109,8 @@ async def streams_through_a_scale_down(url: str) -> tuple[list[dict], dict, list
         tasks = []
         for _ in range(STREAMS):
             started = asyncio.Event()
-            tasks.append(asyncio.create_task(stream(client, started)))
+            one = stream_completion(client, PROMPT, MAX_TOKENS, started)
+            tasks.append(asyncio.create_task(one))
             await asyncio.wait_for(started.wait(), timeout=60)
         before = await asyncio.to_thread(decode_replicas)
         await asyncio.to_thread(scale_decode, 1)
