@@ -82,7 +82,9 @@ class SimCluster:
         self.costs: dict[str, CostModel] = {"prefill": prefill_cost, "decode": decode_cost}
         shared = self.s.shared_cpu
         self.shared_cpu = (
-            SharedCpuLoad(shared, self.loop, self._decode_tokens_per_s) if shared else None
+            SharedCpuLoad(shared, self.loop, self._decode_tokens_per_s, self._decode_steps_per_s)
+            if shared
+            else None
         )
         if shared is not None and self.shared_cpu is not None:
             for role in shared.roles:
@@ -151,6 +153,10 @@ class SimCluster:
     def _decode_tokens_per_s(self) -> float:
         """Output tokens per second the decode pool emits right now."""
         return sum(r.engine.output_rate for r in self.pools["decode"])
+
+    def _decode_steps_per_s(self) -> float:
+        """Steps per second that stream tokens in the decode pool right now."""
+        return sum(r.engine.step_rate for r in self.pools["decode"])
 
     def start_replica(self, role: PoolRole, ready_in: float) -> SimReplica:
         self._next_id += 1

@@ -39,6 +39,15 @@ class SharedCpuSettings(BaseModel):
         "it streams (the decode replica's loop, the ingress, the proxy), measured: this load "
         "follows the tokens the decode engines emit, so it peaks while they decode bursts.",
     )
+    s_per_decode_step: float = Field(
+        default=0.0,
+        ge=0,
+        description="CPU seconds the serving path spends on the shared CPUs per decode step "
+        "that streams tokens, whatever its batch (the decode replica's loop wakes once per "
+        "step and hands that step's tokens out; each hop handles the chunks that arrive "
+        "together in one pass), measured: a token streamed in a batch of n costs "
+        "s_per_output_token + s_per_decode_step / n.",
+    )
     s_per_prompt_token: float = Field(
         default=0.0,
         ge=0,

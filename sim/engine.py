@@ -81,7 +81,8 @@ class SimEngine:
         # Decode tokens per second of the step being computed (0 when idle): what the
         # serving path streams right now (``shared_cpu``).
         self.output_rate = 0.0
-        self.on_output_rate = on_output_rate  # told when output_rate changes
+        self.step_rate = 0.0  # and its steps per second, when it decodes (0 otherwise)
+        self.on_output_rate = on_output_rate  # told when either changes
         # Per prompt finished, the process's own work outside the steps (``SharedCpuCost``).
         self._request_s = getattr(cost, "request_s", None)
         # The decoding requests, in aggregate.
@@ -388,6 +389,7 @@ class SimEngine:
         self._step_began = self.loop.now
         span = self._span(k)
         self.output_rate = decodes * k / span if span > 0 else 0.0
+        self.step_rate = k / span if span > 0 and decodes else 0.0
         self._step_end = self.loop.after(span, self._end_step)
 
     def _span(self, k: int) -> float:
@@ -465,10 +467,10 @@ class SimEngine:
             self._finish(seq, now)
         self.prefill_meter.update(self._prefill_tokens, seconds)
         self.decode_meter.update(self._decodes * k, seconds)
-        rate = self.output_rate
-        self.output_rate = 0.0
+        rates = (self.output_rate, self.step_rate)
+        self.output_rate = self.step_rate = 0.0
         self._start_step()
-        if self.on_output_rate is not None and self.output_rate != rate:
+        if self.on_output_rate is not None and (self.output_rate, self.step_rate) != rates:
             self.on_output_rate()
 
     def _finish(self, seq: Seq, now: float) -> None:

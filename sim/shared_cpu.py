@@ -7,9 +7,12 @@ config's prefill replica, niced so that serving stays responsive).
 
 The serving path's work on those CPUs is modelled as one queue of CPU seconds
 (``SharedCpuLoad``): ``s_per_request`` arrives with each request (the ingress, routing,
-admission) and ``s_per_output_token`` with each token the decode engines emit (every token
+admission), ``s_per_output_token`` with each token the decode engines emit (every token
 is streamed through the decode replica's loop, the ingress and the proxy: this part follows
-the decode batches). The serving threads work it off at what the daemons leave
+the decode batches) and ``s_per_decode_step`` with each decode step that streams, whatever
+its batch (the decode replica's loop wakes once per step and each hop handles the chunks
+that arrive together in one pass: a token in a batch of n costs the per-token part plus
+1/n of the step's). The serving threads work it off at what the daemons leave
 (``num_cpus x (1 - background)`` CPUs). So:
 
 - a niced engine on the shared CPUs gets only a sliver while serving work is queued, and
@@ -20,20 +23,21 @@ the decode batches). The serving threads work it off at what the daemons leave
   batch streams more than the shared CPUs can carry, the client sees TTFT and TPOT grow
   although the decode engine's steps (on a CPU of its own) did not slow down.
 
-All four numbers are measured by ``sim.validate measure`` (``sim.cpu_account``'s /proc
+All these numbers are measured by ``sim.validate measure`` (``sim.cpu_account``'s /proc
 accounting): the daemons during an idle spell; the serving path per request and per output
-token from two calibration batches that differ only in their output length; the engine
-process's extra from its CPU time less the step profile's compute of the prompts it
-prefilled in those batches. None is fitted to latencies.
+token from two calibration batches that differ only in their output length (one request
+at a time: one token per step), per decode step from a third with the long one's requests
+several at a time (the streams per step measured from its requests' first and last
+tokens), per prompt token from one with longer prompts; the engine process's extra from
+its CPU time less the step profile's compute of the prompts it prefilled in those
+batches. None is fitted to latencies.
 
 What this leaves out: a nice-0 engine on the shared CPUs would get a fair share rather than
 the remainder (it is modelled as niced); jobs outside the cluster (threads free to run on
 every CPU) take from every engine; the serving queue is first come first served although
-the kernel shares the CPUs between its threads; and the helper threads a bound engine may
-add on the shared CPUs (the 2-core colocated config's) are not modelled: the profile is
-measured without them (a standalone engine has no CPUs of its own to bind), and on a quiet
-machine the colocated cluster's TTFT came out only 10-20% under that profile's prediction,
-far from what a helper at the CPU share left (ideal scaling) would add. Pure arithmetic.
+the kernel shares the CPUs between its threads. The helper threads a bound engine may add
+on the shared CPUs (the 2-core colocated config's) are modelled by ``HelperThreadsCost``
+from two measured profiles, with and without them. Pure arithmetic.
 """
 
 from __future__ import annotations
@@ -73,10 +77,12 @@ class SharedCpuLoad:
         settings: SharedCpuSettings,
         loop: EventLoop,
         tokens_per_s: Callable[[], float] = lambda: 0.0,
+        steps_per_s: Callable[[], float] = lambda: 0.0,
     ) -> None:
         self.settings = settings
         self.loop = loop
         self._tokens_per_s = tokens_per_s
+        self._steps_per_s = steps_per_s
         self.capacity = settings.num_cpus * (1.0 - settings.background)
         self._backlog = 0.0  # CPU seconds of serving work queued, as of _at
         self._at = loop.now
@@ -102,7 +108,10 @@ class SharedCpuLoad:
 
     def tokens_changed(self) -> None:
         self._advance()
-        self._demand = self.settings.s_per_output_token * self._tokens_per_s()
+        s = self.settings
+        self._demand = (
+            s.s_per_output_token * self._tokens_per_s() + s.s_per_decode_step * self._steps_per_s()
+        )
         self._changed()
 
     def share(self) -> float:
@@ -262,9 +271,11 @@ def measured_settings(
     idles = [cpu["idle"] for cpu, _ in runs]
     background = sum(serving_cpu_s(i, shared) / i["wall_s"] for i in idles) / len(idles)
     background /= len(shared)
-    per_token = per_prompt_token = engine = engine_per_token = 0.0
+    per_token = per_step = per_prompt_token = engine = engine_per_token = 0.0
     if calibration is not None:
-        per_request, per_token, per_prompt_token = _serving_costs(calibration, background, shared)
+        per_request, per_token, per_step, per_prompt_token = _serving_costs(
+            calibration, background, shared
+        )
         if prefill_compute_s is not None and roles == ("prefill",):
             idle_engine = sum(engine_cpu_s(i, shared) / i["wall_s"] for i in idles) / len(idles)
             engine, engine_per_token = _engine_cost(
@@ -282,6 +293,7 @@ def measured_settings(
         num_cpus=len(shared),
         s_per_request=per_request,
         s_per_output_token=per_token,
+        s_per_decode_step=per_step,
         s_per_prompt_token=per_prompt_token,
         engine_s_per_request=engine,
         engine_s_per_prompt_token=engine_per_token,
@@ -298,23 +310,61 @@ def _net_per_request(
     return (cpu_s(usage, shared) - idle_rate * usage["wall_s"]) / batch["requests"]
 
 
+def streams_per_step(records: list[dict]) -> float | None:
+    """How many requests stream at once, on average over the time at least one does
+    (between its first and last token): the tokens a decode step hands out together, from
+    ``bench.serve --save-requests`` records (send time, TTFT, E2E). None without any."""
+    edges = sorted(
+        edge
+        for r in records
+        if r.get("ok") and r.get("ttft") is not None and r.get("e2e") is not None
+        for edge in ((r["send_time"] + r["ttft"], 1), (r["send_time"] + r["e2e"], -1))
+    )
+    area = covered = 0.0
+    open_ = 0
+    for (t, step), (t_next, _) in zip(edges, edges[1:], strict=False):
+        open_ += step
+        area += open_ * (t_next - t)
+        covered += (t_next - t) if open_ > 0 else 0.0
+    return area / covered if covered > 0 else None
+
+
+def _streams(batch: dict) -> float:
+    """A calibration batch's streams per step: measured, else its concurrency."""
+    return batch.get("streams_per_step") or batch.get("concurrency") or 1.0
+
+
 def _serving_costs(
     calibration: dict, background: float, shared: tuple[int, ...]
-) -> tuple[float, float, float]:
-    """(CPU s per request, per output token, per prompt token) of the serving path, from the
-    calibration batches: "short" and "long" differ only in their output length, "short"
-    and "prompt" (when measured) only in their prompt length."""
+) -> tuple[float, float, float, float]:
+    """(CPU s per request, per output token, per decode step, per prompt token) of the
+    serving path, from the calibration batches: "short" and "long" differ only in their
+    output length, "short" and "prompt" (when measured) only in their prompt length, and
+    "streams" (when measured) is the long batch with several requests at a time. A token
+    streamed in a batch of n costs per token + per step / n, so "long" (one stream) and
+    "streams" (n on average, ``streams_per_step``) separate the two; without "streams"
+    every token counts as its own step (per step 0)."""
     idle = background * len(shared)
     per = {
         name: max(0.0, _net_per_request(calibration[name], serving_cpu_s, idle, shared))
-        for name in ("short", "long", "prompt")
+        for name in ("short", "long", "prompt", "streams")
         if name in calibration
     }
     short, long = calibration["short"], calibration["long"]
     extra_tokens = long["output_tokens"] - short["output_tokens"]
     if extra_tokens <= 0:
         raise ValueError(f"calibration: the long batch must have more output tokens: {calibration}")
-    per_token = max(0.0, (per["long"] - per["short"]) / extra_tokens)
+    per_token = max(0.0, (per["long"] - per["short"]) / extra_tokens)  # one stream at a time
+    per_step = 0.0
+    if "streams" in per:
+        streams = calibration["streams"]
+        m_long, m_streams = _streams(long), _streams(streams)
+        extra = streams["output_tokens"] - short["output_tokens"]
+        if m_streams > m_long and extra > 0:
+            shared_token = max(0.0, (per["streams"] - per["short"]) / extra)
+            per_step = (per_token - shared_token) / (1 / m_long - 1 / m_streams)
+            per_step = min(max(0.0, per_step), per_token * m_long)
+            per_token -= per_step / m_long
     per_prompt_token = 0.0
     if "prompt" in per:
         extra_prompt = calibration["prompt"]["prompt_tokens"] - short["prompt_tokens"]
@@ -323,8 +373,9 @@ def _serving_costs(
                 f"calibration: the prompt batch must have longer prompts: {calibration}"
             )
         per_prompt_token = max(0.0, (per["prompt"] - per["short"]) / extra_prompt)
-    rest = per["short"] - per_token * short["output_tokens"]
-    return max(0.0, rest - per_prompt_token * short["prompt_tokens"]), per_token, per_prompt_token
+    rest = per["short"] - (per_token + per_step) * short["output_tokens"]
+    rest = max(0.0, rest - per_prompt_token * short["prompt_tokens"])
+    return rest, per_token, per_step, per_prompt_token
 
 
 def _engine_cost(

@@ -1,7 +1,7 @@
 """Validate the simulator against the real local cluster.
 
     python -P -m pdserve.sim.validate measure --config configs/local-2core-colocated.yaml \\
-        --rates 0.3 0.6 --num-requests 24 --out-dir bench/results/sim-validate
+        --rates 0.3 0.6 --num-requests 60 --max-duration-s 240 --out-dir DIR
     python -m pdserve.sim.validate compare --profile bench/results/sim-profile.json \\
         --run coloc@0.75=configs/local-2core-colocated.yaml:DIR/summary.json ...
 
@@ -13,8 +13,10 @@ run that repeated the previous one's prompts would prefill almost nothing) and l
 warm-up requests bench.serve sent first) and a ``cpu.json``: the CPU time of every thread
 during the run and during an idle spell before the runs, by the CPUs it may use and its
 niceness (``sim.cpu_account``), the cluster's CPU plan, and a ``calibration`` of the
-serving path taken after the runs: two batches of --calibration-requests requests, one at
-a time, with the same 64-token prompts and 1 or 1 + --calibration-tokens output tokens.
+serving path taken after the runs: batches of --calibration-requests requests, one at a
+time, with 64-token prompts and 1 or 1 + --calibration-tokens output tokens, with
+--calibration-prompt-token prompts and 1 output token, and the long one again
+--calibration-streams at a time (with the streams per decode step it measured).
 
 ``compare`` replays each run (the warm-up requests one at a time, then the measured ones at
 their send times, prompt and output lengths) through the simulator, configured by the same
@@ -23,7 +25,8 @@ measured TTFT and TPOT p50/p90 with the relative error over the requests that bo
 cluster and the simulation served, the requests each one shed or failed side by side, the
 same over each one's own served requests, and a check of the CPU model against the run's
 own accounting; JSON goes next to it. The serving path's CPU on the shared CPUs (per
-request, per streamed output token: from the calibration), the daemons' (idle spell) and
+request, per prompt token, per streamed output token and per decode step that streams:
+from the calibration), the daemons' (idle spell) and
 the prefill process's own per-request work besides its steps (its CPU in the calibration
 less the profile's compute) drive ``sim.shared_cpu`` (``--no-shared-cpu``: every engine at
 its profiled speed, tokens streamed at once).
@@ -53,7 +56,7 @@ from pdserve.sim.config import SharedCpuSettings, SimSettings
 from pdserve.sim.cost import ProfileCost, StepProfile, prefill_s
 from pdserve.sim.cpu_account import CpuSnapshot, engine_cpu_s, serving_cpu_s
 from pdserve.sim.request import SimRequest
-from pdserve.sim.shared_cpu import measured_settings
+from pdserve.sim.shared_cpu import measured_settings, streams_per_step
 from pdserve.sim.workload import replay
 
 # -P: never the working directory first on sys.path (a checkout's root would shadow Hugging
@@ -148,35 +151,44 @@ def _warmup_requests(tokenizer: str, args: argparse.Namespace, rate: float, seed
 
 def _calibrate(url: str, tokenizer: str, out_dir: Path, args: argparse.Namespace) -> dict:
     """The serving path's CPU per request, per output token and per prompt token
-    (``sim.shared_cpu``): three batches of ``--calibration-requests`` requests, one at a
-    time, each between two ``CpuSnapshot`` s: "short" (64-token prompts, 1 output token),
-    "long" (the same prompts, 1 + ``--calibration-tokens`` output tokens) and "prompt"
-    (``--calibration-prompt``-token prompts, 1 output token). Run after the measured runs,
-    so they do not change what those saw."""
-    batches = (
-        ("short", CALIBRATION_PROMPT, 1),
-        ("long", CALIBRATION_PROMPT, 1 + args.calibration_tokens),
-        ("prompt", args.calibration_prompt, 1),
-    )
+    (``sim.shared_cpu``): batches of ``--calibration-requests`` requests, each between two
+    ``CpuSnapshot`` s: one at a time, "short" (64-token prompts, 1 output token), "long"
+    (the same prompts, 1 + ``--calibration-tokens`` output tokens) and "prompt"
+    (``--calibration-prompt``-token prompts, 1 output token); then "streams", the long
+    batch's shape ``--calibration-streams`` at a time (the decode batch streams that many
+    tokens per step: what the serving path spends per step rather than per token). Run
+    after the measured runs, so they do not change what those saw."""
+    batches = [
+        ("short", CALIBRATION_PROMPT, 1, 1),
+        ("long", CALIBRATION_PROMPT, 1 + args.calibration_tokens, 1),
+        ("prompt", args.calibration_prompt, 1, 1),
+    ]
+    if args.calibration_streams > 1:
+        batches.append(
+            ("streams", CALIBRATION_PROMPT, 1 + args.calibration_tokens, args.calibration_streams)
+        )
     out = {}
-    for j, (name, prompt, tokens) in enumerate(batches):
+    for j, (name, prompt, tokens, concurrency) in enumerate(batches):
         before = CpuSnapshot.take()
         _run(
             [*PYTHON, "-m", "pdserve.bench.serve", "--endpoint", f"pdserve={url}",
-             "--tokenizer", tokenizer, "--concurrency", "1",
+             "--tokenizer", tokenizer, "--concurrency", str(concurrency),
              "--num-requests", str(args.calibration_requests),
              "--prompt-len", f"fixed:{prompt}", "--output-len", f"fixed:{tokens}",
              "--warmup", "0", "--seed", str(1000 + 100 * j + args.seed), "--no-plot",
-             "--request-timeout-s", "120", "--out-dir", str(out_dir / name)],
+             "--save-requests", "--request-timeout-s", "120", "--out-dir", str(out_dir / name)],
             600,
         )  # fmt: skip
         usage = CpuSnapshot.take().since(before)
-        summary = json.loads((out_dir / name / "summary.json").read_text())["summaries"][0]
+        saved = json.loads((out_dir / name / "summary.json").read_text())
+        summary = saved["summaries"][0]
         out[name] = {
             "requests": summary["completed"],
             "failed": summary["failed"],
             "prompt_tokens": prompt,
             "output_tokens": tokens,
+            "concurrency": concurrency,
+            "streams_per_step": streams_per_step(next(iter(saved["requests"].values()))),
             "usage": usage,
         }
     return out
@@ -318,6 +330,7 @@ def cpu_check(
     tokens = sum(r["output_tokens"] for r in ok) + sum(w.output_tokens for w in warm)
     prompt = sum(r["prompt_tokens"] for r in records) + sum(w.prompt_tokens for w in warm)
     wall = usage["wall_s"]
+    streams = streams_per_step(records) or 1.0  # the run's tokens per decode step, measured
     out = {
         # Busy CPU time not in any thread alive at both ends of the run: the benchmark
         # client (a few seconds) and whatever else ran meanwhile (a quiet-machine check).
@@ -325,6 +338,7 @@ def cpu_check(
         "serving_measured_s": serving_cpu_s(usage, cpus) - shared.background * len(cpus) * wall,
         "serving_model_s": shared.s_per_request * sent
         + shared.s_per_output_token * tokens
+        + shared.s_per_decode_step * tokens / streams
         + shared.s_per_prompt_token * prompt,
     }
     if "prefill" in shared.roles:
@@ -357,6 +371,7 @@ def compare(args: argparse.Namespace) -> int:
             f"{name}: {'/'.join(cpu.roles)} on {cpu.num_cpus} shared CPU(s); serving path "
             f"{cpu.s_per_request * 1e3:.0f} ms CPU per request + "
             f"{cpu.s_per_output_token * 1e3:.2f} ms per output token + "
+            f"{cpu.s_per_decode_step * 1e3:.2f} ms per decode step + "
             f"{cpu.s_per_prompt_token * 1e3:.3f} ms per prompt token; engine process "
             f"{cpu.engine_s_per_request * 1e3:.0f} ms per request + "
             f"{cpu.engine_s_per_prompt_token * 1e3:.3f} ms per prompt token besides its "
@@ -486,6 +501,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="extra output tokens of the long calibration batch")  # fmt: skip
     m.add_argument("--calibration-prompt", type=int, default=448,
                    help="prompt tokens of the prompt calibration batch")  # fmt: skip
+    m.add_argument("--calibration-streams", type=int, default=4,
+                   help="concurrency of the streams calibration batch (the long batch's "
+                   "requests, this many at a time; 1: none)")  # fmt: skip
     m.add_argument("--out-dir", default=f"bench/results/sim-validate-{time.strftime('%H%M%S')}")
     c = sub.add_parser("compare", help="predicted vs measured")
     c.add_argument("--profile", action="append", required=True,

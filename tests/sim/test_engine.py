@@ -110,9 +110,12 @@ def test_output_rate_is_the_decode_tokens_per_second_of_the_step_being_computed(
         engine.add(Seq(SimRequest(i, 0.0, prompt_tokens=10, output_tokens=50)))
     # The first prompt alone (10 ms), then its decode with the second prompt (11 ms: one
     # decode token in that step), then both decoding, 2 tokens per 2 ms step.
+    assert engine.step_rate == 0.0  # the first prompt's step streams nothing
     loop.run(until=0.015)
     assert engine.output_rate == pytest.approx(1 / 0.011)
+    assert engine.step_rate == pytest.approx(1 / 0.011)
     loop.run(until=0.025)
     assert engine.output_rate == pytest.approx(1000.0)
+    assert engine.step_rate == pytest.approx(500.0)  # 2 tokens per step
     loop.run()
-    assert engine.output_rate == 0.0 and engine.idle
+    assert engine.output_rate == 0.0 and engine.step_rate == 0.0 and engine.idle

@@ -15,6 +15,7 @@ from pdserve.sim.shared_cpu import (
     SharedCpuCost,
     SharedCpuLoad,
     measured_settings,
+    streams_per_step,
 )
 from tests.sim.fakes import LinearCost
 
@@ -262,6 +263,68 @@ def test_the_calibration_splits_the_serving_cpu_into_requests_and_tokens() -> No
     only_streams = measured_settings(colocated, [(_calibrated_cpu_json(), 40)])
     assert only_streams is not None and only_streams.roles == ()
     assert only_streams.s_per_output_token == pytest.approx(0.016)
+
+
+def test_streams_per_step_is_the_time_average_of_the_open_streams_while_any_is() -> None:
+    records = [
+        {"ok": True, "send_time": 0.0, "ttft": 1.0, "e2e": 3.0},  # streams over [1, 3]
+        {"ok": True, "send_time": 1.0, "ttft": 1.0, "e2e": 4.0},  # [2, 5]
+        {"ok": True, "send_time": 10.0, "ttft": 1.0, "e2e": 2.0},  # [11, 12]
+        {"ok": False, "send_time": 2.0, "ttft": None, "e2e": None},
+    ]
+    # 1 stream over [1, 2], 2 over [2, 3], 1 over [3, 5] and [11, 12]: 6 stream-seconds in
+    # the 5 s that any streams (the gap [5, 11] does not count).
+    assert streams_per_step(records) == pytest.approx(6 / 5)
+    assert streams_per_step(records[3:]) is None
+
+
+def _with_streams_batch(run: dict, measured: float | None) -> dict:
+    # The long batch 4 at a time: 10 requests of 51 tokens in 20 s, serving 7.5 s less 2 s
+    # of daemons = 0.55 s each, 0.35 s more than "short" for 50 more tokens: 7 ms a token
+    # in steps of 4 streams against 16 ms in steps of 1. So per token t + s / 1 = 16 ms and
+    # t + s / 4 = 7 ms: 12 ms per step and 4 ms per token.
+    run["calibration"]["streams"] = {
+        "requests": 10, "prompt_tokens": 64, "output_tokens": 51, "failed": 0,
+        "concurrency": 4, "streams_per_step": measured,
+        "usage": {"wall_s": 20.0, "groups_s": {group_key((0,), False): 7.5}},
+    }  # fmt: skip
+    return run
+
+
+def test_a_calibration_batch_of_concurrent_streams_splits_tokens_from_steps() -> None:
+    for measured in (4.0, None):  # measured, or the batch's concurrency when not
+        cpu = measured_settings(
+            _disagg(), [(_with_streams_batch(_calibrated_cpu_json(), measured), 40)]
+        )
+        assert cpu is not None
+        assert cpu.s_per_decode_step == pytest.approx(0.012)
+        assert cpu.s_per_output_token == pytest.approx(0.004)
+        assert cpu.s_per_request == pytest.approx(0.184)  # its one token: a step of one
+    # Fewer streams per step than the concurrency (the others still prefilling): the same
+    # 7 ms a token is then a larger share per step: t + s = 16, t + s / 2 = 7 ms.
+    cpu = measured_settings(_disagg(), [(_with_streams_batch(_calibrated_cpu_json(), 2.0), 40)])
+    assert cpu is not None
+    assert cpu.s_per_decode_step == pytest.approx(0.016)  # (16 - 7) / (1 - 1/2) = 18, capped
+    assert cpu.s_per_output_token == pytest.approx(0.0)
+
+
+def test_the_serving_demand_counts_decode_steps_and_tokens() -> None:
+    loop = EventLoop()
+    rates = {"tokens": 0.0, "steps": 0.0}
+    cpu = SharedCpuSettings(
+        roles=("prefill",),
+        s_per_request=0.0,
+        s_per_output_token=0.002,
+        s_per_decode_step=0.004,
+        background=0.1,
+    )
+    load = SharedCpuLoad(cpu, loop, lambda: rates["tokens"], lambda: rates["steps"])
+    rates.update(tokens=200.0, steps=50.0)  # batches of 4: 0.4 + 0.2 of the CPU
+    load.tokens_changed()
+    assert load.share() == pytest.approx(1 - 0.1 - 0.4 - 0.2)
+    rates.update(tokens=100.0, steps=100.0)  # batches of 1: 0.2 + 0.4
+    load.tokens_changed()
+    assert load.share() == pytest.approx(1 - 0.1 - 0.2 - 0.4)
 
 
 def test_helper_threads_add_the_share_of_their_measured_speed_up_hand_computed() -> None:
