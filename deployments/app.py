@@ -86,6 +86,8 @@ def build_application(
         observability=cfg.observability,
         api=cfg.api,
         ttft_slo_ms=cfg.slo.ttft_ms if cfg.policy.on_slo_miss == "shed" else None,
+        max_streams=cfg.ingress_ongoing_limit if cfg.policy.adaptive_concurrency else None,
+        limit_batch=cfg.policy.batch_on_slo_miss == "shed",
     )
 
 

@@ -481,6 +481,17 @@ class PolicyConfig(_Strict):
             "SLO (prediction errors are what the gap between this and the target absorbs)."
         ),
     )
+    adaptive_concurrency: bool = Field(
+        default=True,
+        description=(
+            "With shedding on: each ingress bounds the streams it holds open by the time to "
+            "first token it observes and its own event loop's lag (grow while first tokens "
+            "come within half the TTFT SLO and the loop is quiet, cut when one comes past "
+            "the SLO or the loop lags; admission.StreamLimit), and answers 429 past the "
+            "bound. It covers the serving path the decode replica's prediction does not "
+            "model (event loops, Ray transfers, HTTP writes)."
+        ),
+    )
     batch_on_slo_miss: Literal["queue", "shed"] = Field(
         default="shed",
         description=(

@@ -38,13 +38,19 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pdserve.deployments.admission import ProxyLag, ShedHint, ingress_overloaded
+from pdserve.deployments.admission import (
+    STREAM_LAG_SHARE,
+    ProxyLag,
+    ShedHint,
+    StreamLimit,
+    ingress_overloaded,
+)
 from pdserve.deployments.api_guard import APIGuard, read_body
 from pdserve.deployments.config import APIConfig, ObservabilityConfig
 from pdserve.deployments.decode_stream import DecodeStream, error_from_info
 from pdserve.deployments.grpc import pdserve_pb2 as pb2
 from pdserve.deployments.ingress_telemetry import IngressTelemetry
-from pdserve.deployments.load import LoopLag
+from pdserve.deployments.load import Ema, LoopLag
 from pdserve.deployments.messages import (
     ErrorInfo,
     GenerateChunk,
@@ -289,6 +295,9 @@ class OpenAIIngress:
         ttft_slo_ms: the TTFT objective; with it a request is shed (429) while this
             replica's own event loop and Serve's proxy in front of it (the wait for a
             request body) lag past a share of it (None = never).
+        max_streams: with ``ttft_slo_ms``, bound the streams held open adaptively
+            (``admission.StreamLimit``, up to this many; None = no bound of pdserve's own).
+        limit_batch: whether that bound sheds batch requests too (False when batch queues).
     """
 
     def __init__(
@@ -301,6 +310,8 @@ class OpenAIIngress:
         observability: ObservabilityConfig | dict[str, Any] | None = None,
         api: APIConfig | dict[str, Any] | None = None,
         ttft_slo_ms: float | None = None,
+        max_streams: int | None = None,
+        limit_batch: bool = True,
     ) -> None:
         observability = ObservabilityConfig.model_validate(observability or {})
         self._api = APIConfig.model_validate(api or {})
@@ -339,11 +350,25 @@ class OpenAIIngress:
         # for at most half the TTFT SLO, then a replica is asked again (its drain time is a
         # prediction, and a pessimistic one would idle the engine).
         self._shed_hint = ShedHint(max_window_s=ttft_slo_ms / 2000.0 if ttft_slo_ms else None)
-        self._shed_metrics = metrics
+        self._metrics = metrics
         self._loop_lag = LoopLag()
         self._proxy_lag = ProxyLag()
         self._ttft_slo_s = ttft_slo_ms / 1000.0 if ttft_slo_ms else None
         self._turned_away = TurnedAway()
+        # The serving path's own bound: streams open here, by the TTFT observed on them
+        # and the lag of this replica's loop (admission.StreamLimit).
+        self._streams = (
+            StreamLimit(
+                self._ttft_slo_s,
+                high=max_streams,
+                lag_budget_s=STREAM_LAG_SHARE * self._ttft_slo_s,
+            )
+            if max_streams and self._ttft_slo_s is not None
+            else None
+        )
+        self._limit_batch = limit_batch
+        self._num_open = 0
+        self._stream_s = Ema()  # how long a stream stays open
         self._reports: set[asyncio.Task[None]] = set()
         self._ready_deployments = list(ready_deployments or [])
         self._ready_cache: tuple[float, bool, str] = (0.0, False, "")
@@ -368,14 +393,27 @@ class OpenAIIngress:
             elif ingress_overloaded(loop_lag, slo_class, slo_s, proxy_lag_s=proxy_lag):
                 reason = "proxy_lag"
             wait_s = 2 * (loop_lag + proxy_lag)  # the lag in, and again out
+        if not reason and (drain_s := self._stream_drain_s(slo_class)) is not None:
+            reason, wait_s = "concurrency", drain_s
+            self._turned_away.add()  # the pool, as far as this door can feed it, is full
         if not reason:
             return None
-        self._shed_metrics.record_shed(reason, slo_class)
+        self._metrics.record_shed(reason, slo_class)
         message = (
             f"overloaded ({reason}): predicted time to first token over what a "
             f"{slo_class} request may wait; the queue drains in {wait_s:.1f}s"
         )
         return message, wait_s
+
+    def _stream_drain_s(self, slo_class: SLOClass) -> float | None:
+        """None while a stream of this class fits under the adaptive bound; else when a
+        slot is expected to free."""
+        limit = self._streams
+        if limit is None or (slo_class == "batch" and not self._limit_batch):
+            return None
+        if limit.admits(slo_class, self._num_open):
+            return None
+        return limit.drain_s(self._stream_s.value, self._num_open)
 
     def _report_turned_away(self, now: float) -> None:
         """Send the pending count of capacity sheds to a decode replica (in the background;
@@ -414,8 +452,15 @@ class OpenAIIngress:
             return
         response = self._decode.options(stream=True).generate.remote(request)
         finished = False
+        admitted_at, open_before = time.monotonic(), self._num_open
+        first_token = False
+        self._num_open += 1
+        self._metrics.record_streams(self._num_open, self._stream_limit())
         try:
             async for chunk in response:
+                if chunk.token_ids and not first_token:
+                    first_token = True
+                    self._first_token(admitted_at, open_before)
                 # Before the yield: a consumer stops at an error chunk (DecodeStream.open
                 # raises it as the HTTP 429) and never resumes this generator after it.
                 if chunk.finish_reason is not None or chunk.error is not None:
@@ -427,7 +472,7 @@ class OpenAIIngress:
         except BackPressureError as err:
             # Serve's queue for the decode pool is full (its max_queued_requests): overload,
             # answered like a shed, not as a failure.
-            self._shed_metrics.record_shed("serve_queue_full", request.slo_class)
+            self._metrics.record_shed("serve_queue_full", request.slo_class)
             self._turned_away.add()
             raise OpenAIError(
                 f"overloaded (serve_queue_full): {err}",
@@ -445,9 +490,23 @@ class OpenAIIngress:
                 retry_after_s=RETRY_AFTER_S,
             ) from err
         finally:
+            self._num_open -= 1
+            if first_token:
+                self._stream_s.add(time.monotonic() - admitted_at)
+            self._metrics.record_streams(self._num_open, self._stream_limit())
             if not finished:
                 # The client went away (or we failed): stop the decode replica's work.
                 response.cancel()
+
+    def _first_token(self, admitted_at: float, open_before: int) -> None:
+        """A first token reached this ingress: the TTFT the serving path gave it."""
+        if self._streams is not None:
+            now = time.monotonic()
+            lag = self._loop_lag.seconds
+            self._streams.observe(now - admitted_at, admitted_at, open_before, now, lag)
+
+    def _stream_limit(self) -> float | None:
+        return self._streams.limit if self._streams is not None else None
 
     # ------------------------------------------------------------------ HTTP
     async def _serve(

@@ -128,10 +128,22 @@ class ServingMetrics:
             "predicted_time_to_first_token_seconds",
             "Admission control's predicted TTFT of admitted requests (from arrival).",
         )
+        self.open_streams = self._gauge(
+            "open_streams", "Streams an ingress holds open (admitted, not finished)."
+        )
+        self.stream_limit = self._gauge(
+            "stream_limit",
+            "An ingress's adaptive bound on its open streams (admission.StreamLimit).",
+        )
         self.ttft_prediction_error = self._histogram(
             "ttft_prediction_error_seconds",
             "|predicted - observed| TTFT of admitted requests (the prediction's error).",
         )
+
+    def record_streams(self, num_open: int, limit: float | None) -> None:
+        self.open_streams.set(num_open)
+        if limit is not None:
+            self.stream_limit.set(limit)
 
     def record_shed(self, reason: str, priority: str) -> None:
         self.requests_shed.inc(1.0, {"reason": reason, "priority": priority})

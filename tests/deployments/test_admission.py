@@ -204,3 +204,65 @@ def test_a_prediction_from_the_configured_prior_rate_never_sheds() -> None:
     # The same queue with a measured rate sheds.
     measured = admission.predict_ttft(dataclasses.replace(q, rate_measured=True), 100)
     assert admission.decide(measured, "interactive", RULES).action == "shed"
+
+
+def test_the_stream_limit_grows_only_while_in_use_and_first_tokens_are_fast() -> None:
+    """Slow start: +1 per fast first token of a request admitted near the bound; a request
+    admitted with the bound far from use (a quiet spell) teaches nothing."""
+    limit = admission.StreamLimit(target_s=2.0, high=64, initial=8)
+    assert limit.admits("interactive", 7) and not limit.admits("interactive", 8)
+    limit.observe(0.5, admitted_at=0.0, open_at_admission=2, now=0.5)  # quiet: no growth
+    assert limit.limit == 8
+    limit.observe(0.5, admitted_at=1.0, open_at_admission=7, now=1.5)
+    assert limit.limit == 9
+    limit.observe(1.5, admitted_at=2.0, open_at_admission=8, now=3.5)  # a queue starts
+    assert limit.limit == 9 and not limit.slow_start
+    limit.observe(0.5, admitted_at=4.0, open_at_admission=8, now=4.5)
+    assert limit.limit == pytest.approx(9 + 1 / 9)  # one per window now
+
+
+def test_a_late_first_token_cuts_the_limit_once_per_round_trip() -> None:
+    """Past the target: cut to 0.7 x the streams that were open (not the unused bound), and
+    the requests admitted before that cut cannot cut again (they show the old queue)."""
+    limit = admission.StreamLimit(target_s=2.0, high=64, initial=40)
+    limit.observe(3.0, admitted_at=10.0, open_at_admission=19, now=13.0)
+    assert limit.limit == pytest.approx(0.7 * 20)
+    assert not limit.admits("interactive", 14)
+    limit.observe(3.5, admitted_at=10.5, open_at_admission=25, now=13.5)  # same episode
+    assert limit.limit == pytest.approx(14)
+    limit.observe(2.5, admitted_at=13.2, open_at_admission=13, now=15.7)  # admitted after
+    assert limit.limit == pytest.approx(0.7 * 14)
+    for _ in range(20):
+        limit.observe(9.0, admitted_at=100.0 + _, open_at_admission=0, now=101.0 + _)
+    assert limit.limit == 1 and limit.admits("interactive", 0)  # never below low
+
+
+def test_the_stream_limit_sheds_batch_first_and_drains_by_stream_turnover() -> None:
+    limit = admission.StreamLimit(target_s=2.0, high=64, initial=8, batch_share=0.75)
+    assert limit.admits("batch", 5) and not limit.admits("batch", 6)
+    assert limit.admits("interactive", 6)
+    assert limit.drain_s(mean_stream_s=1.6, num_open=8) == pytest.approx(0.2)
+    assert limit.drain_s(mean_stream_s=0.0, num_open=8) == admission.MIN_DRAIN_S
+    assert limit.drain_s(mean_stream_s=0.4, num_open=8) == admission.MIN_DRAIN_S
+    with pytest.raises(ValueError, match="decrease"):
+        admission.StreamLimit(target_s=2.0, high=8, decrease=1.0)
+    with pytest.raises(ValueError, match="target_s"):
+        admission.StreamLimit(target_s=0.0, high=8)
+    with pytest.raises(ValueError, match="low"):
+        admission.StreamLimit(target_s=1.0, high=0)
+    assert admission.StreamLimit(target_s=1.0, high=4, initial=8).limit == 4  # capped
+
+
+def test_the_ingress_loop_lag_holds_and_cuts_the_stream_limit_like_a_late_first_token() -> None:
+    """Every 429 waits for the ingress's loop: past half its lag budget the bound stops
+    growing, past the budget it is cut, however fast the first tokens still come."""
+    limit = admission.StreamLimit(target_s=2.0, high=64, lag_budget_s=0.05, initial=10)
+    limit.observe(0.2, admitted_at=0.0, open_at_admission=9, now=0.2, loop_lag_s=0.01)
+    assert limit.limit == 11  # fast token, quiet loop, bound in use: grow
+    limit.observe(0.2, admitted_at=1.0, open_at_admission=10, now=1.2, loop_lag_s=0.03)
+    assert limit.limit == 11 and not limit.slow_start  # the loop starts to lag: hold
+    limit.observe(0.2, admitted_at=2.0, open_at_admission=10, now=2.2, loop_lag_s=0.08)
+    assert limit.limit == pytest.approx(0.7 * 11)  # past the budget: cut
+    with pytest.raises(ValueError, match="lag_budget_s"):
+        admission.StreamLimit(target_s=2.0, high=8, lag_budget_s=0.0)
+    assert admission.STREAM_LAG_SHARE * 2.0 == pytest.approx(0.05)  # of a 2 s SLO

@@ -64,25 +64,35 @@ class _Report:
         self.reported.append(n)
 
 
+def _ingress(decode: _FakeDecode, shed_reasons: list[str], streams: Any = None) -> Any:
+    """An ``OpenAIIngress`` with only the door's state (no Serve, no model)."""
+    from pdserve.deployments.admission import ProxyLag, ShedHint
+    from pdserve.deployments.ingress import OpenAIIngress
+    from pdserve.deployments.load import Ema, LoopLag
+
+    ingress = object.__new__(OpenAIIngress.func_or_class)
+    metrics = SimpleNamespace(
+        record_shed=lambda r, c: shed_reasons.append(r), record_streams=lambda n, limit: None
+    )
+    ingress.__dict__.update(
+        _decode=decode, _shed_hint=ShedHint(), _turned_away=TurnedAway(), _reports=set(),
+        _loop_lag=LoopLag(), _proxy_lag=ProxyLag(), _ttft_slo_s=2.0 if streams else None,
+        _metrics=metrics, _streams=streams, _limit_batch=True, _num_open=0, _stream_s=Ema(),
+    )  # fmt: skip
+    return ingress
+
+
 def test_a_decode_shed_sheds_the_next_requests_at_the_door_and_they_are_reported() -> None:
     """The decode replica's 429 (its drain time as Retry-After) makes the ingress answer
     the next requests of that class 429 at its door (reason drain_hint) for that long, and
     those door sheds are reported to the decode pool as turned-away demand. The consumer
     stops at the error chunk, as the HTTP path does (DecodeStream.open raises it)."""
-    from pdserve.deployments.admission import ProxyLag, ShedHint
-    from pdserve.deployments.ingress import OpenAIIngress
-    from pdserve.deployments.load import LoopLag
     from pdserve.deployments.messages import GenerateChunk, GenerateRequest
 
     req = GenerateRequest(request_id="r1", prompt_token_ids=[1, 2, 3])
     decode = _FakeDecode([GenerateChunk.overloaded(req, "overloaded (ttft_slo)", 5.0)])
-    ingress = object.__new__(OpenAIIngress.func_or_class)
     shed_reasons: list[str] = []
-    ingress.__dict__.update(
-        _decode=decode, _shed_hint=ShedHint(), _turned_away=TurnedAway(), _reports=set(),
-        _loop_lag=LoopLag(), _proxy_lag=ProxyLag(), _ttft_slo_s=None,
-        _shed_metrics=SimpleNamespace(record_shed=lambda r, c: shed_reasons.append(r)),
-    )  # fmt: skip
+    ingress = _ingress(decode, shed_reasons)
 
     async def run() -> None:
         gen = ingress._generate(req)
@@ -98,3 +108,36 @@ def test_a_decode_shed_sheds_the_next_requests_at_the_door_and_they_are_reported
     assert shed_reasons == ["drain_hint"] * 3
     # The first door shed is reported at once, the next two wait for the next period.
     assert decode.reported == [1] and ingress._turned_away.pending == 2
+
+
+def test_open_streams_at_the_adaptive_bound_are_shed_at_the_door_and_first_tokens_move_it() -> None:
+    """The ingress holds its open streams under ``StreamLimit``: at the bound the next
+    request is answered 429 at the door (reason concurrency, counted as turned-away demand);
+    a stream's first token feeds the bound its TTFT, and a finished stream frees its slot."""
+    from pdserve.deployments.admission import StreamLimit
+    from pdserve.deployments.messages import GenerateChunk, GenerateRequest
+
+    req = GenerateRequest(request_id="r1", prompt_token_ids=[1, 2, 3])
+    token = GenerateChunk(request_id="r1", token_ids=[7])
+    last = GenerateChunk(request_id="r1", token_ids=[8], finish_reason="length")
+    decode = _FakeDecode([token, last])
+    shed_reasons: list[str] = []
+    # A target no first token meets: every one comes late and cuts the bound (down to 1).
+    ingress = _ingress(decode, shed_reasons, StreamLimit(target_s=1e-9, high=16, initial=4))
+
+    async def run() -> None:
+        assert ingress._door("interactive") is None
+        gen = ingress._generate(req)
+        assert (await anext(gen)).token_ids == [7]
+        assert ingress._num_open == 1
+        assert ingress._streams.limit == 1  # cut: 0.7 x the one stream open, at least 1
+        shed = ingress._door("interactive")
+        assert shed is not None and "concurrency" in shed[0], shed
+        assert shed[1] > 0  # a drain time for Retry-After
+        assert [c.token_ids async for c in gen] == [[8]]
+        assert ingress._num_open == 0 and ingress._stream_s.value > 0
+        assert ingress._door("interactive") is None  # the finished stream freed its slot
+        await asyncio.sleep(0)  # the background report runs
+
+    asyncio.run(run())
+    assert shed_reasons == ["concurrency"] and decode.reported == [1]  # turned-away demand
