@@ -322,10 +322,16 @@ class ProxyLag:
 # batch yields at half): its own event loop, and that loop plus Serve's proxy.
 LOOP_LAG_SHARE = 0.1
 PROXY_LAG_SHARE = 0.25
-# The share of the SLO the ingress's loop may lag before its stream bound is cut (half of it
-# before the bound stops growing): a quarter of what sheds at the door, since every 429
-# waits for that loop too.
-STREAM_LAG_SHARE = LOOP_LAG_SHARE / 4
+
+
+def stream_lag_budget_s(reject_within_s: float) -> float:
+    """How long the ingress's loop may lag (its mean, ``LoopLag``) before its stream bound is
+    cut: every 429 waits in that loop, and a p99 within ``reject_within_s`` leaves the mean
+    about a quarter of it (measured on the 2-core VM: a mean lag near 50 ms put the 429 p99
+    at 140 ms)."""
+    if reject_within_s <= 0:
+        raise ValueError(f"reject_within_s must be > 0, got {reject_within_s}")
+    return reject_within_s / 4
 
 
 def ingress_overloaded(
@@ -369,6 +375,11 @@ class StreamLimit:
     - past either: cut to ``decrease`` x the streams that were open, at most once per round
       trip (only a request admitted after the last cut can show its effect).
 
+    A first token the decode replica predicted late (a long prompt, a queue its admission
+    control accepted) is late by the engine's work, not the path's: the target is then the
+    prediction plus half the target (a quarter for growth), so a long prompt does not shrink
+    the bound that the short ones need.
+
     Growth only while the bound is in use keeps it near what the traffic needs, so a burst
     after a quiet spell meets a bound the quiet traffic set, not one it never tested. Batch
     may hold ``batch_share`` of it: it sheds first. Pure logic: callers pass times in."""
@@ -378,7 +389,7 @@ class StreamLimit:
         target_s: float,
         high: int,
         lag_budget_s: float = float("inf"),
-        initial: int = 8,
+        initial: int = 16,
         low: int = 1,
         decrease: float = 0.7,
         batch_share: float = 0.75,
@@ -411,17 +422,21 @@ class StreamLimit:
         open_at_admission: int,
         now: float,
         loop_lag_s: float = 0.0,
+        predicted_s: float = 0.0,
     ) -> None:
         """A first token after ``ttft_s``, for a request admitted at ``admitted_at`` with
         ``open_at_admission`` streams open then (itself not counted); ``loop_lag_s``: the
-        ingress's event loop lag now."""
-        if ttft_s > self.target_s or loop_lag_s > self.lag_budget_s:
+        ingress's event loop lag now; ``predicted_s``: the decode replica's prediction of
+        this TTFT (0 = none)."""
+        late_s = max(self.target_s, predicted_s + self.target_s / 2)
+        fast_s = max(self.target_s / 2, predicted_s + self.target_s / 4)
+        if ttft_s > late_s or loop_lag_s > self.lag_budget_s:
             self.slow_start = False
             if admitted_at > self._cut_at:
                 in_use = min(self.limit, open_at_admission + 1)
                 self.limit = max(float(self.low), self.decrease * in_use)
                 self._cut_at = now
-        elif ttft_s > self.target_s / 2 or loop_lag_s > self.lag_budget_s / 2:
+        elif ttft_s > fast_s or loop_lag_s > self.lag_budget_s / 2:
             self.slow_start = False
         elif open_at_admission + 2 >= self.limit:
             step = 1.0 if self.slow_start else 1.0 / self.limit

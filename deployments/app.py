@@ -88,6 +88,7 @@ def build_application(
         ttft_slo_ms=cfg.slo.ttft_ms if cfg.policy.on_slo_miss == "shed" else None,
         max_streams=cfg.ingress_ongoing_limit if cfg.policy.adaptive_concurrency else None,
         limit_batch=cfg.policy.batch_on_slo_miss == "shed",
+        reject_within_ms=cfg.policy.reject_within_ms,
     )
 
 

@@ -492,6 +492,15 @@ class PolicyConfig(_Strict):
             "model (event loops, Ray transfers, HTTP writes)."
         ),
     )
+    reject_within_ms: float = Field(
+        default=100.0,
+        gt=0,
+        description=(
+            "How fast a shed request should get its 429 (p99). With adaptive_concurrency, an "
+            "ingress whose event loop lags a quarter of this on average cuts its stream "
+            "bound: every 429 waits in that loop behind the streams it carries."
+        ),
+    )
     batch_on_slo_miss: Literal["queue", "shed"] = Field(
         default="shed",
         description=(

@@ -290,12 +290,15 @@ class DecodeServer:
             self.metrics.predicted_ttft.observe(verdict.predicted_ttft_s)
         return verdict
 
-    def _first_token(self, req: GenerateRequest, start: float, now: float, span: Any) -> None:
-        """Score the admission prediction against the observed TTFT."""
+    def _first_token(
+        self, req: GenerateRequest, start: float, now: float, span: Any
+    ) -> float | None:
+        """Score the admission prediction against the observed TTFT; the prediction (from
+        arrival) goes to the ingress with the first token (None: not predicted)."""
         self._pending.first_token(req.request_id)
         prediction = self._predicted.pop(req.request_id, None)
         if prediction is None:
-            return
+            return None
         arrival = req.arrival_time if req.arrival_time is not None else start
         actual = now - arrival
         uncalibrated = prediction.remaining_s / prediction.calibration
@@ -303,6 +306,7 @@ class DecodeServer:
         self._ttft_pairs.append((prediction.total_s, actual))
         self.metrics.ttft_prediction_error.observe(abs(prediction.total_s - actual))
         span.set_attribute("pdserve.admission.actual_ttft_s", actual)
+        return prediction.total_s
 
     def _shed(self, req: GenerateRequest, verdict: admission.AdmissionDecision) -> GenerateChunk:
         self._counts["shed"] += 1
@@ -337,17 +341,19 @@ class DecodeServer:
             try:
                 async for out in stream:
                     now = time.time()
+                    extra: dict[str, Any] = {}
                     if out.new_token_ids:
                         if first_at is None:
                             first_at = now
                             self.metrics.time_to_first_token.observe(now - start)
-                            self._first_token(req, start, now, span)
+                            extra["predicted_ttft_s"] = self._first_token(req, start, now, span)
                         else:
                             gap = (now - last_at) / len(out.new_token_ids)
                             self.metrics.inter_token_latency.observe(gap)
                             self._itl.add(gap)
                         last_at = now
-                    extra = {} if sent_any else {"prefill_location": self._location(req, location)}
+                    if not sent_any:
+                        extra["prefill_location"] = self._location(req, location)
                     chunk = GenerateChunk.from_output(out, self.engine.tokenizer, **extra)
                     sent_any = True
                     if out.finished:

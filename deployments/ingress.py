@@ -39,11 +39,11 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.deployments.admission import (
-    STREAM_LAG_SHARE,
     ProxyLag,
     ShedHint,
     StreamLimit,
     ingress_overloaded,
+    stream_lag_budget_s,
 )
 from pdserve.deployments.api_guard import APIGuard, read_body
 from pdserve.deployments.config import APIConfig, ObservabilityConfig
@@ -298,6 +298,8 @@ class OpenAIIngress:
         max_streams: with ``ttft_slo_ms``, bound the streams held open adaptively
             (``admission.StreamLimit``, up to this many; None = no bound of pdserve's own).
         limit_batch: whether that bound sheds batch requests too (False when batch queues).
+        reject_within_ms: how fast a 429 should be answered (p99); the bound is cut while
+            this replica's loop lags a quarter of it (``admission.stream_lag_budget_s``).
     """
 
     def __init__(
@@ -312,6 +314,7 @@ class OpenAIIngress:
         ttft_slo_ms: float | None = None,
         max_streams: int | None = None,
         limit_batch: bool = True,
+        reject_within_ms: float = 100.0,
     ) -> None:
         observability = ObservabilityConfig.model_validate(observability or {})
         self._api = APIConfig.model_validate(api or {})
@@ -361,7 +364,7 @@ class OpenAIIngress:
             StreamLimit(
                 self._ttft_slo_s,
                 high=max_streams,
-                lag_budget_s=STREAM_LAG_SHARE * self._ttft_slo_s,
+                lag_budget_s=stream_lag_budget_s(reject_within_ms / 1000.0),
             )
             if max_streams and self._ttft_slo_s is not None
             else None
@@ -460,7 +463,7 @@ class OpenAIIngress:
             async for chunk in response:
                 if chunk.token_ids and not first_token:
                     first_token = True
-                    self._first_token(admitted_at, open_before)
+                    self._first_token(admitted_at, open_before, chunk.predicted_ttft_s)
                 # Before the yield: a consumer stops at an error chunk (DecodeStream.open
                 # raises it as the HTTP 429) and never resumes this generator after it.
                 if chunk.finish_reason is not None or chunk.error is not None:
@@ -498,12 +501,15 @@ class OpenAIIngress:
                 # The client went away (or we failed): stop the decode replica's work.
                 response.cancel()
 
-    def _first_token(self, admitted_at: float, open_before: int) -> None:
-        """A first token reached this ingress: the TTFT the serving path gave it."""
+    def _first_token(self, admitted_at: float, open_before: int, predicted: float | None) -> None:
+        """A first token reached this ingress: the TTFT the serving path gave it, against
+        the one the decode replica predicted."""
         if self._streams is not None:
             now = time.monotonic()
             lag = self._loop_lag.seconds
-            self._streams.observe(now - admitted_at, admitted_at, open_before, now, lag)
+            self._streams.observe(
+                now - admitted_at, admitted_at, open_before, now, lag, predicted or 0.0
+            )
 
     def _stream_limit(self) -> float | None:
         return self._streams.limit if self._streams is not None else None

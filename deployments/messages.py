@@ -177,6 +177,14 @@ class GenerateChunk(_Message):
     prefill_location: Literal["local", "remote", "fallback"] | None = Field(
         default=None, description="Where the prompt was prefilled (first chunk only)."
     )
+    predicted_ttft_s: float | None = Field(
+        default=None,
+        description=(
+            "Admission control's predicted TTFT from arrival (the chunk with the first "
+            "token only): the ingress tells the queue the prediction knew of from the one "
+            "it did not (admission.StreamLimit)."
+        ),
+    )
     error: ErrorInfo | None = Field(default=None, description="Set when the request failed.")
 
     @classmethod

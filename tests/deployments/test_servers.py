@@ -129,6 +129,11 @@ def test_local_and_remote_prefill_match_a_single_engine(
     assert tokens(long_b) == reference(LONG_B)
     assert [c[0].prefill_location for c in (short, long_a, long_b)] == ["local", "remote", "remote"]
     assert long_a[-1].finish_reason == "length" and long_a[-1].num_prompt_tokens == 70
+    # The chunk with the first token carries admission's prediction to the ingress, once.
+    for chunks in (short, long_a, long_b):
+        first = next(c for c in chunks if c.token_ids)
+        assert first.predicted_ttft_s is not None and first.predicted_ttft_s > 0
+        assert all(c.predicted_ttft_s is None for c in chunks if c is not first)
     assert "".join(c.text for c in long_a)  # text deltas stream too
     after = decode.counters()
     assert client.calls == 2
