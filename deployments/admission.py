@@ -375,6 +375,10 @@ class StreamLimit:
     - past either: cut to ``decrease`` x the streams that were open, at most once per round
       trip (only a request admitted after the last cut can show its effect).
 
+    A request the decode replica shed (its own queue predicted past the SLO) is the same
+    signal as a late first token (TCP's loss beside its delay): the door, not the replica,
+    should be turning that traffic away, at once.
+
     A first token the decode replica predicted late (a long prompt, a queue its admission
     control accepted) is late by the engine's work, not the path's: the target is then the
     prediction plus half the target (a quarter for growth), so a long prompt does not shrink
@@ -389,7 +393,7 @@ class StreamLimit:
         target_s: float,
         high: int,
         lag_budget_s: float = float("inf"),
-        initial: int = 16,
+        initial: int = 8,
         low: int = 1,
         decrease: float = 0.7,
         batch_share: float = 0.75,
@@ -431,16 +435,24 @@ class StreamLimit:
         late_s = max(self.target_s, predicted_s + self.target_s / 2)
         fast_s = max(self.target_s / 2, predicted_s + self.target_s / 4)
         if ttft_s > late_s or loop_lag_s > self.lag_budget_s:
-            self.slow_start = False
-            if admitted_at > self._cut_at:
-                in_use = min(self.limit, open_at_admission + 1)
-                self.limit = max(float(self.low), self.decrease * in_use)
-                self._cut_at = now
+            self._cut(admitted_at, open_at_admission, now)
         elif ttft_s > fast_s or loop_lag_s > self.lag_budget_s / 2:
             self.slow_start = False
         elif open_at_admission + 2 >= self.limit:
             step = 1.0 if self.slow_start else 1.0 / self.limit
             self.limit = min(float(self.high), self.limit + step)
+
+    def refused(self, admitted_at: float, open_at_admission: int, now: float) -> None:
+        """The decode replica shed a request this door let through: cut, as for a late
+        first token."""
+        self._cut(admitted_at, open_at_admission, now)
+
+    def _cut(self, admitted_at: float, open_at_admission: int, now: float) -> None:
+        self.slow_start = False
+        if admitted_at > self._cut_at:  # once per round trip
+            in_use = min(self.limit, open_at_admission + 1)
+            self.limit = max(float(self.low), self.decrease * in_use)
+            self._cut_at = now
 
     def drain_s(self, mean_stream_s: float, num_open: int) -> float:
         """When a slot is expected to free: streams end every ``mean_stream_s / num_open``."""

@@ -470,7 +470,10 @@ class OpenAIIngress:
                     finished = True
                 err = chunk.error
                 if err is not None and err.code == 429 and err.retry_after_s:
-                    self._shed_hint.shed(request.slo_class, time.monotonic(), err.retry_after_s)
+                    now = time.monotonic()
+                    self._shed_hint.shed(request.slo_class, now, err.retry_after_s)
+                    if self._streams is not None:
+                        self._streams.refused(admitted_at, open_before, now)
                 yield chunk
         except BackPressureError as err:
             # Serve's queue for the decode pool is full (its max_queued_requests): overload,

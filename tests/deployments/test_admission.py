@@ -281,3 +281,13 @@ def test_a_first_token_the_decode_replica_predicted_late_does_not_cut_the_stream
     assert limit.limit == pytest.approx(10.1)  # within prediction + a quarter: grows
     limit.observe(3.2, admitted_at=3.0, open_at_admission=9, now=6.2, predicted_s=2.0)
     assert limit.limit == pytest.approx(7.0)  # 1.2 s past the prediction: cut
+
+
+def test_a_request_the_decode_replica_shed_cuts_the_stream_limit_once_per_round_trip() -> None:
+    limit = admission.StreamLimit(target_s=2.0, high=64, initial=20)
+    limit.refused(admitted_at=5.0, open_at_admission=19, now=5.1)
+    assert limit.limit == pytest.approx(14) and not limit.slow_start
+    limit.refused(admitted_at=5.05, open_at_admission=13, now=5.2)  # sent before the cut
+    assert limit.limit == pytest.approx(14)
+    limit.refused(admitted_at=5.3, open_at_admission=13, now=5.4)
+    assert limit.limit == pytest.approx(0.7 * 14)

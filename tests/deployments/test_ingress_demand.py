@@ -87,18 +87,22 @@ def test_a_decode_shed_sheds_the_next_requests_at_the_door_and_they_are_reported
     the next requests of that class 429 at its door (reason drain_hint) for that long, and
     those door sheds are reported to the decode pool as turned-away demand. The consumer
     stops at the error chunk, as the HTTP path does (DecodeStream.open raises it)."""
+    from pdserve.deployments.admission import StreamLimit
     from pdserve.deployments.messages import GenerateChunk, GenerateRequest
 
     req = GenerateRequest(request_id="r1", prompt_token_ids=[1, 2, 3])
     decode = _FakeDecode([GenerateChunk.overloaded(req, "overloaded (ttft_slo)", 5.0)])
     shed_reasons: list[str] = []
-    ingress = _ingress(decode, shed_reasons)
+    streams = StreamLimit(target_s=2.0, high=16, initial=10)
+    ingress = _ingress(decode, shed_reasons, streams)
 
     async def run() -> None:
         gen = ingress._generate(req)
         first = await anext(gen)  # the decode replica's 429
         assert first.error is not None and first.error.code == 429
         await gen.aclose()  # the consumer stops there
+        # The replica's refusal cuts the door's stream bound (to the one stream open then).
+        assert streams.limit == 1 and ingress._num_open == 0
         for _ in range(3):  # within the 5 s drain time: shed at the door
             shed = ingress._door("interactive")
             assert shed is not None and "drain_hint" in shed[0], shed
