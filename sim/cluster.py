@@ -327,7 +327,14 @@ class SimCluster:
     def _arrive(self, req: SimRequest) -> None:
         self._next_arrival()
         if self.shared_cpu is not None:
+            # The request's own serving work (parse, tokenize, route, admit) stands between
+            # it and the decode replica's engine: it reaches the engine once the shared CPUs
+            # have worked off what was queued ahead of it and its own part.
             self.shared_cpu.arrived(req.prompt_tokens)
+            wait = self.shared_cpu.delay()
+            if wait > 0:
+                self.loop.after(wait, self._route_decode, req)
+                return
         self._route_decode(req)
 
     def _route_decode(self, req: SimRequest) -> bool:

@@ -205,6 +205,42 @@ class ProfileCost:
         return p.transfer_latency_s + prompt_tokens * p.kv_bytes_per_token / p.transfer_bytes_per_s
 
 
+class LoopOverheadCost:
+    """``cost`` plus ``step_overhead_s`` per step: what a replica's engine loop adds to each
+    ``LLMEngine.step()`` that a profile of the bare engine does not time (the step's outputs
+    handed to the replica's event loop, its stats, the GIL that loop shares with the engine
+    thread). Measured in place by ``sim.validate measure``: the interval between the tokens
+    of requests served one at a time, less the profile's step for one decode."""
+
+    def __init__(self, cost: CostModel, step_overhead_s: float) -> None:
+        self.cost = cost
+        self.step_overhead_s = step_overhead_s
+        self.kv_bytes_per_token = cost.kv_bytes_per_token
+        self.kv_capacity_tokens = cost.kv_capacity_tokens
+        self.num_layers = getattr(cost, "num_layers", 1)
+
+    def step_s(self, tokens: int, prefill_attn: float, decode_seqs: int, decode_ctx: int) -> float:
+        if tokens <= 0:
+            return 0.0
+        return (
+            self.cost.step_s(tokens, prefill_attn, decode_seqs, decode_ctx) + self.step_overhead_s
+        )
+
+    def transfer_s(self, prompt_tokens: int) -> float:
+        return self.cost.transfer_s(prompt_tokens)
+
+
+def loop_overhead_s(
+    cost: CostModel, tpot_s: float, prompt_tokens: int, output_tokens: int
+) -> float:
+    """A replica's engine-loop overhead per step (``LoopOverheadCost``): ``tpot_s``, the
+    mean interval between the tokens of requests of ``prompt_tokens`` and ``output_tokens``
+    served one at a time (every step a decode of one sequence), less ``cost``'s step for that
+    decode at its mean context; never negative."""
+    ctx = prompt_tokens + output_tokens / 2
+    return max(0.0, tpot_s - cost.step_s(1, 0.0, 1, round(ctx)))
+
+
 def prefill_s(cost: CostModel, prompt_tokens: int, chunk: int) -> float:
     """Seconds one replica computes a prompt alone in chunks of ``chunk``."""
     seconds, start = 0.0, 0

@@ -19,6 +19,8 @@ that arrive together in one pass: a token in a batch of n costs the per-token pa
   ``1 - background - streaming / num_cpus`` of them otherwise; its steps slow down or speed
   up as that share changes, and its process's own per-request work outside the steps
   (``engine_s_per_request``: its RPC, the KV send) runs at the same share;
+- a request reaches the engines only once the serving work queued ahead of it and its own
+  part (parse, tokenize, route, admit) are done: that work is on its critical path;
 - a token reaches the client after the serving work queued ahead of it: when the decode
   batch streams more than the shared CPUs can carry, the client sees TTFT and TPOT grow
   although the decode engine's steps (on a CPU of its own) did not slow down.

@@ -53,7 +53,14 @@ from pdserve.deployments.config import AppConfig
 from pdserve.sim.admission import LiveAdmission, live_admission_available
 from pdserve.sim.cluster import SimCluster
 from pdserve.sim.config import SharedCpuSettings, SimSettings
-from pdserve.sim.cost import ProfileCost, StepProfile, prefill_s
+from pdserve.sim.cost import (
+    CostModel,
+    LoopOverheadCost,
+    ProfileCost,
+    StepProfile,
+    loop_overhead_s,
+    prefill_s,
+)
 from pdserve.sim.cpu_account import CpuSnapshot, engine_cpu_s, serving_cpu_s
 from pdserve.sim.request import SimRequest
 from pdserve.sim.shared_cpu import measured_settings, streams_per_step
@@ -119,7 +126,9 @@ def measure(args: argparse.Namespace) -> int:
                 }
                 (run_dir / "cpu.json").write_text(json.dumps(runs[run_dir], indent=2) + "\n")
                 print(f"measured {run_dir / 'summary.json'}, warmup.json and cpu.json", flush=True)
-            calibration = _calibrate(url, tokenizer, out_dir / "calibration", args)
+            calibration = _calibrate(
+                url, tokenizer, out_dir / f"{Path(args.config).stem}-calibration", args
+            )
             for run_dir, cpu in runs.items():
                 cpu["calibration"] = calibration
                 (run_dir / "cpu.json").write_text(json.dumps(cpu, indent=2) + "\n")
@@ -189,6 +198,9 @@ def _calibrate(url: str, tokenizer: str, out_dir: Path, args: argparse.Namespace
             "output_tokens": tokens,
             "concurrency": concurrency,
             "streams_per_step": streams_per_step(next(iter(saved["requests"].values()))),
+            # The interval between a request's tokens (one request at a time: the decode
+            # replica's step at batch 1, as the client sees it).
+            "tpot_mean_s": (summary.get("tpot") or {}).get("mean"),
             "usage": usage,
         }
     return out
@@ -249,11 +261,13 @@ def compare_one(
     decode: StepProfile,
     s: SimSettings,
     helper: StepProfile | None = None,
+    loop_overhead: float = 0.0,
 ) -> dict:
     """Replay one run (its warm-up first, one at a time, then its requests at their send
     times) and compare, over the requests both the cluster and the simulation admitted
     (``ttft`` / ``tpot``) and over each one's own admitted requests (``all``), with the
-    requests each one shed or failed side by side."""
+    requests each one shed or failed side by side. ``loop_overhead``: seconds the decode
+    replicas' engine loop adds to each profiled step (``cost.LoopOverheadCost``)."""
     app = AppConfig.from_yaml(config)
     run = replay(summary)
     records = {
@@ -263,14 +277,13 @@ def compare_one(
     admission = LiveAdmission(app) if live_admission_available() else None
     # The pools whose engines add helper threads on the shared CPUs (the colocated config's
     # decode engine), with the profile measured with the helpers, when given.
-    helpers = {
-        role: ProfileCost(helper)
+    helpers: dict[str, CostModel] = {
+        role: LoopOverheadCost(ProfileCost(helper), loop_overhead)
         for role in ("prefill", "decode")
         if helper is not None and s.shared_cpu is not None and app.pool(role).cpu.helper_threads
     }
-    cluster = SimCluster(
-        app, ProfileCost(prefill), ProfileCost(decode), s, admission, helper_costs=helpers
-    )
+    decode_cost = LoopOverheadCost(ProfileCost(decode), loop_overhead)
+    cluster = SimCluster(app, ProfileCost(prefill), decode_cost, s, admission, helper_costs=helpers)
     start = cluster.warm_up(_warmup(summary))
     for req in run.requests:
         req.arrival += start
@@ -390,7 +403,10 @@ def compare(args: argparse.Namespace) -> int:
         prefill, decode = pools[name]
         run_settings = settings.model_copy(update={"shared_cpu": shared.get(name)})
         helper = profiles.get(f"{name.split('@')[0]}:helper")
-        rows = compare_one(config, summary, prefill, decode, run_settings, helper)
+        overhead = 0.0 if args.no_loop_overhead else _loop_overhead(summary, decode)
+        rows = compare_one(config, summary, prefill, decode, run_settings, helper, overhead)
+        rows["loop_overhead_s"] = overhead
+        print(f"{name:<18}decode engine loop {overhead * 1e3:.2f} ms per step besides the profile")
         rows["shared_cpu"] = shared[name].model_dump() if name in shared else None
         if name in shared:
             app = AppConfig.from_yaml(config)
@@ -429,6 +445,20 @@ def compare(args: argparse.Namespace) -> int:
     out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {out}")
     return 0
+
+
+def _loop_overhead(summary: Path, decode: StepProfile) -> float:
+    """The decode replica's engine-loop overhead per step (``cost.loop_overhead_s``) from
+    the run's calibration (``cpu.json``): the long batch's mean TPOT, one request at a time,
+    less the decode profile's step; 0 when not measured."""
+    path = summary.parent / "cpu.json"
+    calibration = json.loads(path.read_text()).get("calibration") if path.exists() else None
+    long = (calibration or {}).get("long") or {}
+    if not long.get("tpot_mean_s"):
+        return 0.0
+    return loop_overhead_s(
+        ProfileCost(decode), long["tpot_mean_s"], long["prompt_tokens"], long["output_tokens"]
+    )
 
 
 def _profiles_of(name: str, profiles: dict[str, StepProfile]) -> tuple[StepProfile, StepProfile]:
@@ -524,6 +554,12 @@ def main(argv: list[str] | None = None) -> int:
         "--cpu-cost-from-others",
         action="store_true",
         help="predict each run with the serving CPU cost of its config's other runs only",
+    )
+    c.add_argument(
+        "--no-loop-overhead",
+        action="store_true",
+        help="time the decode steps by the profile alone (no engine-loop overhead per step "
+        "from the calibration's one-at-a-time TPOT)",
     )
     args = p.parse_args(argv)
     return measure(args) if args.command == "measure" else compare(args)

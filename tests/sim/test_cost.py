@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.sim.cost import ProfileCost, StepProfile, prefill_tokens_per_s, roofline
+from pdserve.sim.cost import (
+    LoopOverheadCost,
+    ProfileCost,
+    StepProfile,
+    loop_overhead_s,
+    prefill_tokens_per_s,
+    roofline,
+)
 from pdserve.sim.hardware import GPUS, MODELS
 
 
@@ -107,3 +114,26 @@ def test_prefill_rate_accounts_for_chunks_and_attention() -> None:
     # 200 tokens in chunks of 100: two steps of 0.2 s plus their attention pairs.
     pairs = 100 * 50 + 100 * 150
     assert prefill_tokens_per_s(cost, 200, 100) == pytest.approx(200 / (0.4 + pairs * 1e-7))
+
+
+def test_the_engine_loop_overhead_is_the_one_at_a_time_tpot_less_the_profiled_step() -> None:
+    profile = StepProfile(
+        token_points=(1, 64),
+        token_seconds=(0.010, 0.050),
+        attn_s_per_pair=0.0,
+        ctx_s_per_token=1e-5,
+        kv_bytes_per_token=1,
+        kv_capacity_tokens=1000,
+        transfer_bytes_per_s=1e9,
+        transfer_latency_s=0.001,
+    )
+    cost = ProfileCost(profile)
+    # 64-token prompts, 49 tokens: decodes at a mean context of 64 + 24.5 -> 88 tokens,
+    # 10 ms + 88 x 10 us = 10.88 ms a step; the client saw 12.5 ms between tokens.
+    assert loop_overhead_s(cost, 0.0125, 64, 49) == pytest.approx(0.0125 - 0.01088)
+    assert loop_overhead_s(cost, 0.009, 64, 49) == 0.0  # never negative
+    loop = LoopOverheadCost(cost, 0.002)
+    assert loop.step_s(1, 0.0, 1, 88) == pytest.approx(0.01088 + 0.002)
+    assert loop.step_s(64, 0.0, 0, 0) == pytest.approx(0.052)  # every step, prefill too
+    assert loop.step_s(0, 0.0, 0, 0) == 0.0  # no step, no overhead
+    assert loop.kv_capacity_tokens == 1000 and loop.transfer_s(10) == cost.transfer_s(10)

@@ -71,13 +71,13 @@ def test_the_serving_work_queues_on_the_shared_cpu_and_a_niced_engine_gets_the_r
     assert load.delay() == pytest.approx((0.18 + 0.1) / 0.9)
 
 
-def test_a_prefill_step_speeds_up_once_the_serving_work_ahead_is_done_hand_computed() -> None:
+def test_a_request_reaches_the_engines_once_its_serving_work_is_done_hand_computed() -> None:
     # The request's own 0.09 s of serving work (of a CPU with 0.1 taken by the daemons)
-    # takes 0.1 s; the niced prefill starts at once at a 0.02 share (0.002 s of its 0.3 s
-    # done by then), then the rest at 0.9: 0.298 / 0.9 s. The decode step (own CPU) is 1 ms.
+    # takes 0.1 s, and only then is it routed: the niced prefill computes its 0.3 s at the
+    # 0.9 the daemons leave. The decode step (own CPU) is 1 ms.
     cpu = SharedCpuSettings(roles=("prefill",), s_per_request=0.09, background=0.1)
     settings = SimSettings(rpc_s=0.0, ingress_s=0.0, shared_cpu=cpu)
-    for shared, ttft in ((None, 0.301), (cpu, 0.1 + 0.298 / 0.9 + 0.001)):
+    for shared, ttft in ((None, 0.301), (cpu, 0.1 + 0.3 / 0.9 + 0.001)):
         req = SimRequest(0, 0.0, prompt_tokens=300, output_tokens=2)
         s = settings.model_copy(update={"shared_cpu": shared})
         SimCluster(_disagg(), LinearCost(0.001), LinearCost(0.001), s).run([req])
@@ -341,8 +341,8 @@ def test_helper_threads_add_the_share_of_their_measured_speed_up_hand_computed()
 
 def test_a_colocated_prompt_with_a_helper_thread_hand_computed() -> None:
     # 300 tokens: 0.3 s alone, 0.15 s with the helper at full speed. The request's 0.09 s
-    # of serving work holds the shared CPU for 0.1 s (the helper gets 0.02 of it: 0.102 s
-    # of the 0.3 done), then the helper gets 0.9: the rest, 0.198, at 1.9x.
+    # of serving work holds the shared CPU for 0.1 s before it reaches the engine; then the
+    # helper gets 0.9: the 0.3 s at 1.9x.
     app = _disagg(
         policy={"mode": "always_local"},
         prefill={"min_replicas": 0, "max_replicas": 1},
@@ -356,5 +356,5 @@ def test_a_colocated_prompt_with_a_helper_thread_hand_computed() -> None:
     )
     cluster.run([req])
     assert req.placement == "local"
-    assert req.ttft == pytest.approx(0.1 + 0.198 / 1.9, abs=1e-9)
+    assert req.ttft == pytest.approx(0.1 + 0.3 / 1.9, abs=1e-9)
     assert req.finished_at - req.first_token_at == pytest.approx(0.001)  # 1 token: no helper
