@@ -353,7 +353,7 @@ class OpenAIIngress:
         # for at most half the TTFT SLO, then a replica is asked again (its drain time is a
         # prediction, and a pessimistic one would idle the engine).
         self._shed_hint = ShedHint(max_window_s=ttft_slo_ms / 2000.0 if ttft_slo_ms else None)
-        self._metrics = metrics
+        self._serving_metrics = metrics
         self._loop_lag = LoopLag()
         self._proxy_lag = ProxyLag()
         self._ttft_slo_s = ttft_slo_ms / 1000.0 if ttft_slo_ms else None
@@ -401,7 +401,7 @@ class OpenAIIngress:
             self._turned_away.add()  # the pool, as far as this door can feed it, is full
         if not reason:
             return None
-        self._metrics.record_shed(reason, slo_class)
+        self._serving_metrics.record_shed(reason, slo_class)
         message = (
             f"overloaded ({reason}): predicted time to first token over what a "
             f"{slo_class} request may wait; the queue drains in {wait_s:.1f}s"
@@ -458,7 +458,7 @@ class OpenAIIngress:
         admitted_at, open_before = time.monotonic(), self._num_open
         first_token = False
         self._num_open += 1
-        self._metrics.record_streams(self._num_open, self._stream_limit())
+        self._serving_metrics.record_streams(self._num_open, self._stream_limit())
         try:
             async for chunk in response:
                 if chunk.token_ids and not first_token:
@@ -478,7 +478,7 @@ class OpenAIIngress:
         except BackPressureError as err:
             # Serve's queue for the decode pool is full (its max_queued_requests): overload,
             # answered like a shed, not as a failure.
-            self._metrics.record_shed("serve_queue_full", request.slo_class)
+            self._serving_metrics.record_shed("serve_queue_full", request.slo_class)
             self._turned_away.add()
             raise OpenAIError(
                 f"overloaded (serve_queue_full): {err}",
@@ -499,7 +499,7 @@ class OpenAIIngress:
             self._num_open -= 1
             if first_token:
                 self._stream_s.add(time.monotonic() - admitted_at)
-            self._metrics.record_streams(self._num_open, self._stream_limit())
+            self._serving_metrics.record_streams(self._num_open, self._stream_limit())
             if not finished:
                 # The client went away (or we failed): stop the decode replica's work.
                 response.cancel()

@@ -77,7 +77,7 @@ def _ingress(decode: _FakeDecode, shed_reasons: list[str], streams: Any = None) 
     ingress.__dict__.update(
         _decode=decode, _shed_hint=ShedHint(), _turned_away=TurnedAway(), _reports=set(),
         _loop_lag=LoopLag(), _proxy_lag=ProxyLag(), _ttft_slo_s=2.0 if streams else None,
-        _metrics=metrics, _streams=streams, _limit_batch=True, _num_open=0, _stream_s=Ema(),
+        _serving_metrics=metrics, _streams=streams, _limit_batch=True, _num_open=0, _stream_s=Ema(),
     )  # fmt: skip
     return ingress
 
