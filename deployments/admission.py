@@ -372,8 +372,9 @@ class StreamLimit:
       first sign of a queue) or by one per window (``1 / limit`` a sample);
     - a first token within the target and the loop within its budget: hold, and leave slow
       start (a queue has started to build);
-    - past either: cut to ``decrease`` x the streams that were open, at most once per round
-      trip (only a request admitted after the last cut can show its effect).
+    - past either: cut to ``decrease`` x the streams that were open, but at most by half (one
+      slow first token at low load must not leave a bound of one), and at most once per
+      round trip (only a request admitted after the last cut can show its effect).
 
     A request the decode replica shed (its own queue predicted past the SLO) is the same
     signal as a late first token (TCP's loss beside its delay): the door, not the replica,
@@ -451,7 +452,8 @@ class StreamLimit:
         self.slow_start = False
         if admitted_at > self._cut_at:  # once per round trip
             in_use = min(self.limit, open_at_admission + 1)
-            self.limit = max(float(self.low), self.decrease * in_use)
+            cut = max(self.decrease * in_use, self.limit / 2)
+            self.limit = max(float(self.low), cut)
             self._cut_at = now
 
     def drain_s(self, mean_stream_s: float, num_open: int) -> float:

@@ -222,16 +222,17 @@ def test_the_stream_limit_grows_only_while_in_use_and_first_tokens_are_fast() ->
 
 
 def test_a_late_first_token_cuts_the_limit_once_per_round_trip() -> None:
-    """Past the target: cut to 0.7 x the streams that were open (not the unused bound), and
-    the requests admitted before that cut cannot cut again (they show the old queue)."""
+    """Past the target: cut to 0.7 x the streams that were open, at most by half (the bound
+    of 40 with 20 in use), and the requests admitted before that cut cannot cut again (they
+    show the old queue)."""
     limit = admission.StreamLimit(target_s=2.0, high=64, initial=40)
     limit.observe(3.0, admitted_at=10.0, open_at_admission=19, now=13.0)
-    assert limit.limit == pytest.approx(0.7 * 20)
-    assert not limit.admits("interactive", 14)
+    assert limit.limit == pytest.approx(20)  # half; 0.7 x 20 in use would be 14
+    assert not limit.admits("interactive", 20)
     limit.observe(3.5, admitted_at=10.5, open_at_admission=25, now=13.5)  # same episode
-    assert limit.limit == pytest.approx(14)
-    limit.observe(2.5, admitted_at=13.2, open_at_admission=13, now=15.7)  # admitted after
-    assert limit.limit == pytest.approx(0.7 * 14)
+    assert limit.limit == pytest.approx(20)
+    limit.observe(2.5, admitted_at=13.2, open_at_admission=19, now=15.7)  # admitted after
+    assert limit.limit == pytest.approx(0.7 * 20)
     for _ in range(20):
         limit.observe(9.0, admitted_at=100.0 + _, open_at_admission=0, now=101.0 + _)
     assert limit.limit == 1 and limit.admits("interactive", 0)  # never below low
@@ -291,3 +292,5 @@ def test_a_request_the_decode_replica_shed_cuts_the_stream_limit_once_per_round_
     assert limit.limit == pytest.approx(14)
     limit.refused(admitted_at=5.3, open_at_admission=13, now=5.4)
     assert limit.limit == pytest.approx(0.7 * 14)
+    limit.refused(admitted_at=5.5, open_at_admission=0, now=5.6)  # one stream: halved only
+    assert limit.limit == pytest.approx(0.7 * 14 / 2)

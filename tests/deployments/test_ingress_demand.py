@@ -93,7 +93,7 @@ def test_a_decode_shed_sheds_the_next_requests_at_the_door_and_they_are_reported
     req = GenerateRequest(request_id="r1", prompt_token_ids=[1, 2, 3])
     decode = _FakeDecode([GenerateChunk.overloaded(req, "overloaded (ttft_slo)", 5.0)])
     shed_reasons: list[str] = []
-    streams = StreamLimit(target_s=2.0, high=16, initial=10)
+    streams = StreamLimit(target_s=2.0, high=16, initial=2)
     ingress = _ingress(decode, shed_reasons, streams)
 
     async def run() -> None:
@@ -101,7 +101,7 @@ def test_a_decode_shed_sheds_the_next_requests_at_the_door_and_they_are_reported
         first = await anext(gen)  # the decode replica's 429
         assert first.error is not None and first.error.code == 429
         await gen.aclose()  # the consumer stops there
-        # The replica's refusal cuts the door's stream bound (to the one stream open then).
+        # The replica's refusal cuts the door's stream bound (by half at most).
         assert streams.limit == 1 and ingress._num_open == 0
         for _ in range(3):  # within the 5 s drain time: shed at the door
             shed = ingress._door("interactive")
@@ -127,14 +127,14 @@ def test_open_streams_at_the_adaptive_bound_are_shed_at_the_door_and_first_token
     decode = _FakeDecode([token, last])
     shed_reasons: list[str] = []
     # A target no first token meets: every one comes late and cuts the bound (down to 1).
-    ingress = _ingress(decode, shed_reasons, StreamLimit(target_s=1e-9, high=16, initial=4))
+    ingress = _ingress(decode, shed_reasons, StreamLimit(target_s=1e-9, high=16, initial=2))
 
     async def run() -> None:
         assert ingress._door("interactive") is None
         gen = ingress._generate(req)
         assert (await anext(gen)).token_ids == [7]
         assert ingress._num_open == 1
-        assert ingress._streams.limit == 1  # cut: 0.7 x the one stream open, at least 1
+        assert ingress._streams.limit == 1  # cut: by half, at most
         shed = ingress._door("interactive")
         assert shed is not None and "concurrency" in shed[0], shed
         assert shed[1] > 0  # a drain time for Retry-After
