@@ -26,10 +26,13 @@ cluster and the simulation served, the requests each one shed or failed side by 
 same over each one's own served requests, and a check of the CPU model against the run's
 own accounting; JSON goes next to it. The serving path's CPU on the shared CPUs (per
 request, per prompt token, per streamed output token and per decode step that streams:
-from the calibration), the daemons' (idle spell) and
-the prefill process's own per-request work besides its steps (its CPU in the calibration
-less the profile's compute) drive ``sim.shared_cpu`` (``--no-shared-cpu``: every engine at
-its profiled speed, tokens streamed at once).
+from the calibration), the daemons' (idle spell) and the prefill process's own
+per-request work besides its steps (its CPU in the calibration less the profile's
+compute) drive ``sim.shared_cpu`` (``--no-shared-cpu``: every engine at its profiled
+speed, tokens streamed at once). Every decode step also pays the decode
+replica's engine-loop overhead (``cost.LoopOverheadCost``: the calibration's one-at-a-time
+mean TPOT less the decode profile's step; ``--no-loop-overhead``: none). Take the profiles
+next to the runs: this VM's speed drifts by tens of percent within hours.
 
 Other jobs on the machine (threads allowed on every CPU) compete with both engines; they
 are recorded in ``cpu.json`` (``cpus=0,1;nice0`` and each CPU's busy time), not modelled.
