@@ -443,6 +443,17 @@ class StreamLimit:
             step = 1.0 if self.slow_start else 1.0 / self.limit
             self.limit = min(float(self.high), self.limit + step)
 
+    def check_loop(self, loop_lag_s: float, num_open: int, now: float) -> None:
+        """The loop's lag, at every request the door sees: past the budget, cut without
+        waiting for a first token (a flood's onset lags the loop before any stream it
+        admitted has one), at most every quarter of the target, the time the streams
+        open then take to give way."""
+        if loop_lag_s > self.lag_budget_s and now - self._cut_at >= self.target_s / 4:
+            self.slow_start = False
+            in_use = min(self.limit, num_open)
+            self.limit = max(float(self.low), self.decrease * in_use, self.limit / 2)
+            self._cut_at = now
+
     def refused(self, admitted_at: float, open_at_admission: int, now: float) -> None:
         """The decode replica shed a request this door let through: cut, as for a late
         first token."""

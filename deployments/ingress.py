@@ -414,6 +414,7 @@ class OpenAIIngress:
         limit = self._streams
         if limit is None or (slo_class == "batch" and not self._limit_batch):
             return None
+        limit.check_loop(self._loop_lag.seconds, self._num_open, time.monotonic())
         if limit.admits(slo_class, self._num_open):
             return None
         return limit.drain_s(self._stream_s.value, self._num_open)

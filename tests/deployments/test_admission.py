@@ -294,3 +294,15 @@ def test_a_request_the_decode_replica_shed_cuts_the_stream_limit_once_per_round_
     assert limit.limit == pytest.approx(0.7 * 14)
     limit.refused(admitted_at=5.5, open_at_admission=0, now=5.6)  # one stream: halved only
     assert limit.limit == pytest.approx(0.7 * 14 / 2)
+
+
+def test_a_lagging_loop_cuts_the_stream_limit_at_the_door_at_most_every_quarter_target() -> None:
+    limit = admission.StreamLimit(target_s=2.0, high=64, lag_budget_s=0.025, initial=20)
+    limit.check_loop(0.02, num_open=20, now=10.0)  # within the budget
+    assert limit.limit == 20 and limit.slow_start
+    limit.check_loop(0.04, num_open=20, now=10.1)
+    assert limit.limit == pytest.approx(14) and not limit.slow_start
+    limit.check_loop(0.05, num_open=14, now=10.3)  # within half a second of the last cut
+    assert limit.limit == pytest.approx(14)
+    limit.check_loop(0.05, num_open=3, now=10.6)  # few streams open: halved, no further
+    assert limit.limit == pytest.approx(7)
