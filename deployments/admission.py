@@ -449,10 +449,7 @@ class StreamLimit:
         admitted has one), at most every quarter of the target, the time the streams
         open then take to give way."""
         if loop_lag_s > self.lag_budget_s and now - self._cut_at >= self.target_s / 4:
-            self.slow_start = False
-            in_use = min(self.limit, num_open)
-            self.limit = max(float(self.low), self.decrease * in_use, self.limit / 2)
-            self._cut_at = now
+            self._cut_to(num_open, now)
 
     def refused(self, admitted_at: float, open_at_admission: int, now: float) -> None:
         """The decode replica shed a request this door let through: cut, as for a late
@@ -462,10 +459,14 @@ class StreamLimit:
     def _cut(self, admitted_at: float, open_at_admission: int, now: float) -> None:
         self.slow_start = False
         if admitted_at > self._cut_at:  # once per round trip
-            in_use = min(self.limit, open_at_admission + 1)
-            cut = max(self.decrease * in_use, self.limit / 2)
-            self.limit = max(float(self.low), cut)
-            self._cut_at = now
+            self._cut_to(open_at_admission + 1, now)
+
+    def _cut_to(self, num_open: int, now: float) -> None:
+        """``decrease`` x the streams in use, at most a halving, never below ``low``."""
+        self.slow_start = False
+        in_use = min(self.limit, num_open)
+        self.limit = max(float(self.low), self.decrease * in_use, self.limit / 2)
+        self._cut_at = now
 
     def drain_s(self, mean_stream_s: float, num_open: int) -> float:
         """When a slot is expected to free: streams end every ``mean_stream_s / num_open``."""
