@@ -9,7 +9,12 @@ so a burst arriving within one period would all be admitted against an empty que
 failure of issue 18). Serve's own queue in front of the replica is not invisible here:
 every request carries its arrival time, so the time it already waited is part of its
 prediction, and Serve's queue stays short because a shed answer frees its slot within
-milliseconds (``app.py`` bounds that queue too).
+milliseconds (``app.py`` bounds that queue too). Its wait is not bounded though: Serve
+routes to a busy replica through queue-length probes that back off for up to seconds, and
+the replica's loop takes a request in behind its streams; a shed decided there would reach
+the client that late. So the ingress asks for the decision as an ack
+(``GenerateRequest.ack_admission``) and answers 429 itself when neither the ack nor the
+replica's 429 came within most of ``policy.reject_within_ms`` (``admission_ack_timeout_s``).
 
 Prediction (seconds from arrival):
     waited (ingress + Serve's queue)
@@ -332,6 +337,26 @@ def stream_lag_budget_s(reject_within_s: float) -> float:
     if reject_within_s <= 0:
         raise ValueError(f"reject_within_s must be > 0, got {reject_within_s}")
     return reject_within_s / 4
+
+
+# The share of ``reject_within_s`` the ingress waits, from a request's arrival, for the decode
+# replica's admission decision; the rest is for the 429 itself (its response written through
+# the ingress's loop) and the client's side of the connection.
+ACK_SHARE = 0.7
+
+
+def admission_ack_timeout_s(reject_within_s: float, waited_s: float) -> float:
+    """How long the ingress still waits for the decode replica's admission decision (its
+    ack or its 429) on a request that arrived ``waited_s`` ago, before it answers the 429
+    itself. Serve routes a request to a busy replica through queue-length probes that back
+    off for up to seconds, and the replica's loop takes it in behind its streams; a decision
+    that came that late, a shed included, would answer the client seconds late. Never less
+    than a quarter of ``ACK_SHARE``: a request the ingress itself was slow to reach gets a
+    short chance (its own loop lag sheds at the door)."""
+    if reject_within_s <= 0:
+        raise ValueError(f"reject_within_s must be > 0, got {reject_within_s}")
+    budget = ACK_SHARE * reject_within_s
+    return max(budget / 4, budget - max(0.0, waited_s))
 
 
 def ingress_overloaded(

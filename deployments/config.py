@@ -498,7 +498,10 @@ class PolicyConfig(_Strict):
         description=(
             "How fast a shed request should get its 429 (p99). With adaptive_concurrency, an "
             "ingress whose event loop lags a quarter of this on average cuts its stream "
-            "bound: every 429 waits in that loop behind the streams it carries."
+            "bound: every 429 waits in that loop behind the streams it carries. With "
+            "on_slo_miss: shed, a request the decode pool has not admitted or shed within "
+            "0.7 x this of its arrival (Serve's routing or the replica's loop is the queue) "
+            "gets its 429 from the ingress (reason admission_timeout)."
         ),
     )
     batch_on_slo_miss: Literal["queue", "shed"] = Field(

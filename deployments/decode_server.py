@@ -215,6 +215,8 @@ class DecodeServer:
                 if verdict.action == "shed":
                     yield self._shed(req, verdict)
                     return
+                if req.ack_admission:
+                    yield GenerateChunk.admitted(req)
                 self.metrics.record_decision(decision.location)
                 span.set_attribute("pdserve.prefill.location", decision.location)
                 span.set_attribute("pdserve.prefill.reason", decision.reason)

@@ -11,7 +11,10 @@ of the ingress's own registry). Every route first passes ``APIGuard`` (API keys,
 limits; /health and /metrics can stay open) and bodies past ``api.max_body_bytes`` get 413.
 The request header ``x-pdserve-priority`` (gRPC: metadata of that name; the older
 ``x-pdserve-slo-class`` is read too) is ``interactive`` (default) or ``batch``: admission
-control on the decode replica sheds batch first and lets it queue longer.
+control on the decode replica sheds batch first and lets it queue longer. With shedding on,
+the ingress itself answers 429 at its door past its adaptive bound on open streams
+(``admission.StreamLimit``), and for a request the decode pool did not admit (or shed)
+within most of ``policy.reject_within_ms`` (``admission.admission_ack_timeout_s``).
 Serve bounds the ingress (``app.ingress_bounds``): past what the decode pool admits, Serve's
 proxy answers 429 itself; a full Serve queue for the decode pool is a 429 here too.
 gRPC: ``pdserve.v1.PDServe.Generate`` (server streaming) and ``.Complete`` (unary) from
@@ -39,9 +42,11 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.deployments.admission import (
+    MIN_DRAIN_S,
     ProxyLag,
     ShedHint,
     StreamLimit,
+    admission_ack_timeout_s,
     ingress_overloaded,
     stream_lag_budget_s,
 )
@@ -227,6 +232,14 @@ def _metadata(grpc_context: Any) -> dict[str, str]:
     return {k: v for k, v in (read() or ()) if isinstance(v, str)}
 
 
+async def _prepend(
+    first: GenerateChunk, rest: AsyncIterator[GenerateChunk]
+) -> AsyncIterator[GenerateChunk]:
+    yield first
+    async for chunk in rest:
+        yield chunk
+
+
 def pools_ready(app_status: Any, deployments: list[str]) -> tuple[bool, str]:
     """Whether every named deployment of the app (``serve.status()``'s application
     overview, None if the app is missing) has a running replica, and why not."""
@@ -299,7 +312,9 @@ class OpenAIIngress:
             (``admission.StreamLimit``, up to this many; None = no bound of pdserve's own).
         limit_batch: whether that bound sheds batch requests too (False when batch queues).
         reject_within_ms: how fast a 429 should be answered (p99); the bound is cut while
-            this replica's loop lags a quarter of it (``admission.stream_lag_budget_s``).
+            this replica's loop lags a quarter of it (``admission.stream_lag_budget_s``), and
+            with ``ttft_slo_ms`` a request the decode pool has not admitted (or shed) within
+            most of it is answered 429 here (``admission.admission_ack_timeout_s``).
     """
 
     def __init__(
@@ -370,6 +385,9 @@ class OpenAIIngress:
             else None
         )
         self._limit_batch = limit_batch
+        # With shedding on, a request whose admission decision does not come within a
+        # share of reject_within_ms is answered 429 here (admission_ack_timeout_s).
+        self._ack_within_s = reject_within_ms / 1000.0 if self._ttft_slo_s is not None else None
         self._num_open = 0
         self._stream_s = Ema()  # how long a stream stays open
         self._reports: set[asyncio.Task[None]] = set()
@@ -454,6 +472,9 @@ class OpenAIIngress:
             message, wait_s = shed
             yield GenerateChunk.overloaded(request, message, retry_after_s=wait_s)
             return
+        ack_s = self._ack_timeout_s(request)
+        if ack_s is not None:
+            request = request.model_copy(update={"ack_admission": True})
         response = self._decode.options(stream=True).generate.remote(request)
         finished = False
         admitted_at, open_before = time.monotonic(), self._num_open
@@ -461,7 +482,17 @@ class OpenAIIngress:
         self._num_open += 1
         self._serving_metrics.record_streams(self._num_open, self._stream_limit())
         try:
-            async for chunk in response:
+            chunks = aiter(response)
+            if ack_s is not None:
+                try:
+                    first = await asyncio.wait_for(anext(chunks), ack_s)
+                except TimeoutError:
+                    yield self._not_admitted_in_time(request, admitted_at, open_before)
+                    return
+                chunks = _prepend(first, chunks)
+            async for chunk in chunks:
+                if chunk.ack:  # admitted: the decision came in time
+                    continue
                 if chunk.token_ids and not first_token:
                     first_token = True
                     self._first_token(admitted_at, open_before, chunk.predicted_ttft_s)
@@ -502,8 +533,39 @@ class OpenAIIngress:
                 self._stream_s.add(time.monotonic() - admitted_at)
             self._serving_metrics.record_streams(self._num_open, self._stream_limit())
             if not finished:
-                # The client went away (or we failed): stop the decode replica's work.
+                # The client went away, the decision came too late, or we failed: stop
+                # the decode pool's work (or Serve's routing of it).
                 response.cancel()
+
+    def _ack_timeout_s(self, request: GenerateRequest) -> float | None:
+        """How long to wait for the decode replica's admission decision before answering
+        429 here (``admission.admission_ack_timeout_s``); None: as long as it takes (no
+        shedding, or a batch request that queues)."""
+        if self._ack_within_s is None or (request.slo_class == "batch" and not self._limit_batch):
+            return None
+        arrival = request.arrival_time
+        waited = time.time() - arrival if arrival is not None else 0.0
+        return admission_ack_timeout_s(self._ack_within_s, waited)
+
+    def _not_admitted_in_time(
+        self, request: GenerateRequest, admitted_at: float, open_before: int
+    ) -> GenerateChunk:
+        """The 429 of a request whose admission decision did not come in time: the path to
+        the decode pool (Serve's routing, the replica's loop) is the queue. Cuts the stream
+        bound like a refusal; counted as turned-away demand."""
+        now = time.monotonic()
+        reason = "admission_timeout"
+        self._serving_metrics.record_shed(reason, request.slo_class)
+        self._turned_away.add()
+        wait_s = MIN_DRAIN_S
+        if self._streams is not None:
+            self._streams.refused(admitted_at, open_before, now)
+            wait_s = self._streams.drain_s(self._stream_s.value, self._num_open)
+        message = (
+            f"overloaded ({reason}): the decode pool did not take the request within "
+            f"{now - admitted_at:.2f}s; retry after {wait_s:.1f}s"
+        )
+        return GenerateChunk.overloaded(request, message, retry_after_s=wait_s)
 
     def _first_token(self, admitted_at: float, open_before: int, predicted: float | None) -> None:
         """A first token reached this ingress: the TTFT the serving path gave it, against

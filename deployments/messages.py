@@ -110,6 +110,13 @@ class GenerateRequest(_Message):
     arrival_time: float | None = Field(
         default=None, description="Unix time the ingress received the request (for metrics)."
     )
+    ack_admission: bool = Field(
+        default=False,
+        description=(
+            "Send an ack chunk (``GenerateChunk.ack``) as soon as admission control admits "
+            "the request: the ingress answers 429 itself when no decision came in time."
+        ),
+    )
 
 
 class TopLogprob(_Message):
@@ -186,6 +193,17 @@ class GenerateChunk(_Message):
         ),
     )
     error: ErrorInfo | None = Field(default=None, description="Set when the request failed.")
+    ack: bool = Field(
+        default=False,
+        description="The admission ack (no tokens): sent first when the request asked for it.",
+    )
+
+    @classmethod
+    def admitted(cls, request: GenerateRequest) -> GenerateChunk:
+        """The ack of an admitted request that asked for one (``ack_admission``)."""
+        return cls(
+            request_id=request.request_id, num_prompt_tokens=len(request.prompt_token_ids), ack=True
+        )
 
     @classmethod
     def overloaded(

@@ -4,6 +4,7 @@ decode pool at most once a period (the autoscaling policy sizes decode by that d
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -27,9 +28,12 @@ class _FakeDecode:
     """The decode deployment handle: ``generate`` streams the given chunks;
     ``report_turned_away`` records what the ingress reported."""
 
-    def __init__(self, chunks: list[Any]) -> None:
+    def __init__(self, chunks: list[Any], first_after_s: float = 0.0) -> None:
         self.chunks = chunks
+        self.first_after_s = first_after_s
         self.reported: list[int] = []
+        self.requests: list[Any] = []
+        self.streams: list[_Stream] = []
         self.generate = self
         self.report_turned_away = _Report(self.reported)
 
@@ -37,23 +41,33 @@ class _FakeDecode:
         return self
 
     def remote(self, request: Any) -> _Stream:
-        return _Stream(self.chunks)
+        self.requests.append(request)
+        self.streams.append(_Stream(self.chunks, self.first_after_s))
+        return self.streams[-1]
 
 
 class _Stream:
-    def __init__(self, chunks: list[Any]) -> None:
+    """Serve's response generator: the chunks, the first after ``first_after_s`` (the
+    routing and the replica's decision)."""
+
+    def __init__(self, chunks: list[Any], first_after_s: float = 0.0) -> None:
         self._chunks = list(chunks)
+        self._delay_s = first_after_s
+        self.cancelled = False
 
     def __aiter__(self) -> _Stream:
         return self
 
     async def __anext__(self) -> Any:
+        if self._delay_s:
+            await asyncio.sleep(self._delay_s)
+            self._delay_s = 0.0
         if not self._chunks:
             raise StopAsyncIteration
         return self._chunks.pop(0)
 
     def cancel(self) -> None:
-        pass
+        self.cancelled = True
 
 
 class _Report:
@@ -64,7 +78,12 @@ class _Report:
         self.reported.append(n)
 
 
-def _ingress(decode: _FakeDecode, shed_reasons: list[str], streams: Any = None) -> Any:
+def _ingress(
+    decode: _FakeDecode,
+    shed_reasons: list[str],
+    streams: Any = None,
+    ack_within_s: float | None = None,
+) -> Any:
     """An ``OpenAIIngress`` with only the door's state (no Serve, no model)."""
     from pdserve.deployments.admission import ProxyLag, ShedHint
     from pdserve.deployments.ingress import OpenAIIngress
@@ -78,6 +97,7 @@ def _ingress(decode: _FakeDecode, shed_reasons: list[str], streams: Any = None) 
         _decode=decode, _shed_hint=ShedHint(), _turned_away=TurnedAway(), _reports=set(),
         _loop_lag=LoopLag(), _proxy_lag=ProxyLag(), _ttft_slo_s=2.0 if streams else None,
         _serving_metrics=metrics, _streams=streams, _limit_batch=True, _num_open=0, _stream_s=Ema(),
+        _ack_within_s=ack_within_s,
     )  # fmt: skip
     return ingress
 
@@ -145,3 +165,50 @@ def test_open_streams_at_the_adaptive_bound_are_shed_at_the_door_and_first_token
 
     asyncio.run(run())
     assert shed_reasons == ["concurrency"] and decode.reported == [1]  # turned-away demand
+
+
+def test_a_request_the_decode_pool_does_not_take_in_time_is_answered_429_by_the_ingress() -> None:
+    """Shedding on, the ingress asks the decode replica for an admission ack; when neither
+    the ack nor the replica's own 429 comes within 0.7 x reject_within (Serve's routing or
+    the replica's loop is the queue), the ingress answers 429 itself (reason
+    admission_timeout), cancels the call, cuts its stream bound and counts the demand."""
+    from pdserve.deployments.admission import StreamLimit
+    from pdserve.deployments.messages import GenerateChunk, GenerateRequest
+
+    req = GenerateRequest(request_id="r1", prompt_token_ids=[1, 2, 3])
+    token = GenerateChunk(request_id="r1", token_ids=[7], finish_reason="length")
+    decode = _FakeDecode([GenerateChunk.admitted(req), token], first_after_s=0.5)
+    shed_reasons: list[str] = []
+    streams = StreamLimit(target_s=2.0, high=16, initial=4)
+    ingress = _ingress(decode, shed_reasons, streams, ack_within_s=0.1)
+
+    async def run() -> list[GenerateChunk]:
+        return [chunk async for chunk in ingress._generate(req)]
+
+    chunks = asyncio.run(run())
+    assert len(chunks) == 1 and chunks[0].error is not None
+    assert chunks[0].error.code == 429 and "admission_timeout" in chunks[0].error.message
+    assert (chunks[0].error.retry_after_s or 0) > 0
+    assert decode.requests[0].ack_admission and decode.streams[0].cancelled
+    assert shed_reasons == ["admission_timeout"] and ingress._turned_away.pending == 1
+    assert streams.limit == 2 and ingress._num_open == 0  # cut like a refusal
+
+
+def test_an_admitted_request_streams_without_the_ack() -> None:
+    """The ack that came in time is the ingress's alone: the client's stream has the tokens."""
+    from pdserve.deployments.admission import StreamLimit
+    from pdserve.deployments.messages import GenerateChunk, GenerateRequest
+
+    req = GenerateRequest(request_id="r1", prompt_token_ids=[1, 2, 3], arrival_time=time.time())
+    token = GenerateChunk(request_id="r1", token_ids=[7])
+    last = GenerateChunk(request_id="r1", token_ids=[8], finish_reason="length")
+    decode = _FakeDecode([GenerateChunk.admitted(req), token, last], first_after_s=0.01)
+    shed_reasons: list[str] = []
+    ingress = _ingress(decode, shed_reasons, StreamLimit(2.0, high=16), ack_within_s=0.5)
+
+    async def run() -> list[GenerateChunk]:
+        return [chunk async for chunk in ingress._generate(req)]
+
+    assert [c.token_ids for c in asyncio.run(run())] == [[7], [8]]
+    assert decode.requests[0].ack_admission and not decode.streams[0].cancelled
+    assert shed_reasons == [] and ingress._num_open == 0

@@ -120,10 +120,18 @@ def test_local_and_remote_prefill_match_a_single_engine(
     before = decode.counters()
 
     async def run() -> list[list[GenerateChunk]]:
-        reqs = [request("s1", SHORT), request("l1", LONG_A), request("l2", LONG_B)]
+        reqs = [
+            request("s1", SHORT),
+            request("l1", LONG_A),
+            request("l2", LONG_B, ack_admission=True),
+        ]
         return await asyncio.gather(*(collect(decode, r) for r in reqs))
 
-    short, long_a, long_b = asyncio.run(run())
+    short, long_a, acked = asyncio.run(run())
+    # Asked for, the admission ack comes first and alone, before any token; else none.
+    assert acked[0].ack and not acked[0].token_ids and acked[0].error is None
+    assert not any(c.ack for c in short + long_a + acked[1:])
+    long_b = acked[1:]
     assert tokens(short) == reference(SHORT)
     assert tokens(long_a) == reference(LONG_A)
     assert tokens(long_b) == reference(LONG_B)
@@ -240,8 +248,8 @@ def test_shedding_when_no_placement_meets_the_slo(model_dir: str) -> None:
         # prefill rate, and a prediction from the configured prior alone never sheds.
         batch = asyncio.run(collect(decode, request("batch", SHORT, slo_class="batch")))
         assert batch[-1].finish_reason == "length" and batch[0].prefill_location == "local"
-        shed = asyncio.run(collect(decode, request("shed-me", LONG_A)))
-        assert len(shed) == 1 and shed[0].error is not None
+        shed = asyncio.run(collect(decode, request("shed-me", LONG_A, ack_admission=True)))
+        assert len(shed) == 1 and shed[0].error is not None and not shed[0].ack
         assert shed[0].error.code == 429  # with the predicted drain time, not a constant
         assert (shed[0].error.retry_after_s or 0) >= MIN_DRAIN_S
         assert decode.counters().shed == 1
