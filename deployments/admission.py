@@ -14,7 +14,7 @@ routes to a busy replica through queue-length probes that back off for up to sec
 the replica's loop takes a request in behind its streams; a shed decided there would reach
 the client that late. So the ingress asks for the decision as an ack
 (``GenerateRequest.ack_admission``) and answers 429 itself when neither the ack nor the
-replica's 429 came within most of ``policy.reject_within_ms`` (``admission_ack_timeout_s``).
+replica's 429 came within half of ``policy.reject_within_ms`` (``admission_ack_timeout_s``).
 
 Prediction (seconds from arrival):
     waited (ingress + Serve's queue)
@@ -340,9 +340,10 @@ def stream_lag_budget_s(reject_within_s: float) -> float:
 
 
 # The share of ``reject_within_s`` the ingress waits, from a request's arrival, for the decode
-# replica's admission decision; the rest is for the 429 itself (its response written through
-# the ingress's loop) and the client's side of the connection.
-ACK_SHARE = 0.7
+# replica's admission decision; the rest is for the 429 itself: its response waits for the
+# ingress's loop, which lagged up to 150 ms at a 10x step's onset on the 2-core VM (with 0.7,
+# those 429s came in 144-219 ms).
+ACK_SHARE = 0.5
 
 
 def admission_ack_timeout_s(reject_within_s: float, waited_s: float) -> float:
@@ -351,7 +352,7 @@ def admission_ack_timeout_s(reject_within_s: float, waited_s: float) -> float:
     itself. Serve routes a request to a busy replica through queue-length probes that back
     off for up to seconds, and the replica's loop takes it in behind its streams; a decision
     that came that late, a shed included, would answer the client seconds late. Never less
-    than a quarter of ``ACK_SHARE``: a request the ingress itself was slow to reach gets a
+    than a quarter of that share: a request the ingress itself was slow to reach gets a
     short chance (its own loop lag sheds at the door)."""
     if reject_within_s <= 0:
         raise ValueError(f"reject_within_s must be > 0, got {reject_within_s}")

@@ -500,7 +500,7 @@ class PolicyConfig(_Strict):
             "ingress whose event loop lags a quarter of this on average cuts its stream "
             "bound: every 429 waits in that loop behind the streams it carries. With "
             "on_slo_miss: shed, a request the decode pool has not admitted or shed within "
-            "0.7 x this of its arrival (Serve's routing or the replica's loop is the queue) "
+            "half of this from its arrival (Serve's routing or the replica's loop is the queue) "
             "gets its 429 from the ingress (reason admission_timeout)."
         ),
     )

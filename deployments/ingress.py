@@ -14,7 +14,7 @@ The request header ``x-pdserve-priority`` (gRPC: metadata of that name; the olde
 control on the decode replica sheds batch first and lets it queue longer. With shedding on,
 the ingress itself answers 429 at its door past its adaptive bound on open streams
 (``admission.StreamLimit``), and for a request the decode pool did not admit (or shed)
-within most of ``policy.reject_within_ms`` (``admission.admission_ack_timeout_s``).
+within half of ``policy.reject_within_ms`` (``admission.admission_ack_timeout_s``).
 Serve bounds the ingress (``app.ingress_bounds``): past what the decode pool admits, Serve's
 proxy answers 429 itself; a full Serve queue for the decode pool is a 429 here too.
 gRPC: ``pdserve.v1.PDServe.Generate`` (server streaming) and ``.Complete`` (unary) from
@@ -314,7 +314,7 @@ class OpenAIIngress:
         reject_within_ms: how fast a 429 should be answered (p99); the bound is cut while
             this replica's loop lags a quarter of it (``admission.stream_lag_budget_s``), and
             with ``ttft_slo_ms`` a request the decode pool has not admitted (or shed) within
-            most of it is answered 429 here (``admission.admission_ack_timeout_s``).
+            half of it is answered 429 here (``admission.admission_ack_timeout_s``).
     """
 
     def __init__(

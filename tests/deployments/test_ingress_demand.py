@@ -169,7 +169,7 @@ def test_open_streams_at_the_adaptive_bound_are_shed_at_the_door_and_first_token
 
 def test_a_request_the_decode_pool_does_not_take_in_time_is_answered_429_by_the_ingress() -> None:
     """Shedding on, the ingress asks the decode replica for an admission ack; when neither
-    the ack nor the replica's own 429 comes within 0.7 x reject_within (Serve's routing or
+    the ack nor the replica's own 429 comes within half of reject_within (Serve's routing or
     the replica's loop is the queue), the ingress answers 429 itself (reason
     admission_timeout), cancels the call, cuts its stream bound and counts the demand."""
     from pdserve.deployments.admission import StreamLimit
