@@ -49,7 +49,10 @@ def check_flood_shed(app: ServeApp, admitted: dict, flood: list[dict]) -> list[d
     for r in shed:
         assert int(r["retry_after"]) >= 1
         assert r["body"]["error"]["type"] == "rate_limit_error"
-        assert "predicted time to first token" in r["body"]["error"]["message"]
+        # pdserve's admission control (Serve's own 429 is plain text): a predicted TTFT
+        # past the SLO, the door's bound, or no decision from the decode pool in time.
+        message = r["body"]["error"]["message"]
+        assert message.startswith("overloaded ("), message
     for r in flood:
         if r["status"] == 200:
             assert r["done"] and r["tokens"] == 32  # admitted streams are never cut
@@ -57,7 +60,12 @@ def check_flood_shed(app: ServeApp, admitted: dict, flood: list[dict]) -> list[d
     report = app.decode_handle().check_integrity.remote().result(timeout_s=60)
     assert report.idle, report
     errors = app.decode_handle().admission_report.remote().result(timeout_s=60)
-    assert errors.num_observed == 1 + sum(s == 200 for s in statuses)
+    # Every first token the decode replica scored is an admitted stream's, or one of a
+    # request the ingress answered 429 for lack of a timely decision (the replica admitted
+    # it meanwhile; the ingress's cancel came after its first token).
+    timed_out = sum("(admission_timeout)" in r["body"]["error"]["message"] for r in shed)
+    admitted_here = 1 + sum(s == 200 for s in statuses)
+    assert admitted_here <= errors.num_observed <= admitted_here + timed_out
     return shed
 
 
