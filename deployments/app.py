@@ -89,6 +89,7 @@ def build_application(
         max_streams=cfg.ingress_ongoing_limit if cfg.policy.adaptive_concurrency else None,
         limit_batch=cfg.policy.batch_on_slo_miss == "shed",
         reject_within_ms=cfg.policy.reject_within_ms,
+        admission_timeout=cfg.policy.admission_timeout,
     )
 
 

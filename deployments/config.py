@@ -492,6 +492,17 @@ class PolicyConfig(_Strict):
             "model (event loops, Ray transfers, HTTP writes)."
         ),
     )
+    admission_timeout: bool = Field(
+        default=False,
+        description=(
+            "With shedding on: the ingress answers 429 itself (reason admission_timeout) for a "
+            "request the decode pool has not admitted or shed within half of "
+            "reject_within_ms, so a shed decided after seconds in Serve's routing does not "
+            "reach the client that late. Off by default: where the path to the decode "
+            "replicas is itself slower than that (two decode replicas or a contended CPU on "
+            "a 2-core VM), it sheds most requests at any load."
+        ),
+    )
     reject_within_ms: float = Field(
         default=100.0,
         gt=0,
@@ -499,9 +510,8 @@ class PolicyConfig(_Strict):
             "How fast a shed request should get its 429 (p99). With adaptive_concurrency, an "
             "ingress whose event loop lags a quarter of this on average cuts its stream "
             "bound: every 429 waits in that loop behind the streams it carries. With "
-            "on_slo_miss: shed, a request the decode pool has not admitted or shed within "
-            "half of this from its arrival (Serve's routing or the replica's loop is the queue) "
-            "gets its 429 from the ingress (reason admission_timeout)."
+            "admission_timeout, a request the decode pool has not admitted or shed within "
+            "half of this from its arrival gets its 429 from the ingress."
         ),
     )
     batch_on_slo_miss: Literal["queue", "shed"] = Field(

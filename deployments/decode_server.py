@@ -197,6 +197,13 @@ class DecodeServer:
         start = time.time()
         if req.arrival_time is not None:
             self.metrics.queue_time.observe(max(0.0, start - req.arrival_time))
+        if req.admit_by is not None and start > req.admit_by:
+            # The ingress answered it 429 already (its decision came too late): no work,
+            # and not counted (the ingress counted the shed and the demand).
+            yield GenerateChunk.overloaded(
+                req, "overloaded (admission_timeout)", admission.MIN_DRAIN_S
+            )
+            return
         self._open_streams += 1
         attrs = {
             tracing.REQUEST_MAX_TOKENS: req.sampling.max_tokens,

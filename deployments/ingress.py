@@ -13,8 +13,9 @@ The request header ``x-pdserve-priority`` (gRPC: metadata of that name; the olde
 ``x-pdserve-slo-class`` is read too) is ``interactive`` (default) or ``batch``: admission
 control on the decode replica sheds batch first and lets it queue longer. With shedding on,
 the ingress itself answers 429 at its door past its adaptive bound on open streams
-(``admission.StreamLimit``), and for a request the decode pool did not admit (or shed)
-within half of ``policy.reject_within_ms`` (``admission.admission_ack_timeout_s``).
+(``admission.StreamLimit``), and, with ``policy.admission_timeout``, for a request the
+decode pool did not admit (or shed) within half of ``policy.reject_within_ms``
+(``admission.admission_ack_timeout_s``).
 Serve bounds the ingress (``app.ingress_bounds``): past what the decode pool admits, Serve's
 proxy answers 429 itself; a full Serve queue for the decode pool is a 429 here too.
 gRPC: ``pdserve.v1.PDServe.Generate`` (server streaming) and ``.Complete`` (unary) from
@@ -232,6 +233,27 @@ def _metadata(grpc_context: Any) -> dict[str, str]:
     return {k: v for k, v in (read() or ()) if isinstance(v, str)}
 
 
+LATE_DECISION_TIMEOUT_S = 60.0
+
+
+async def _drop_late(
+    decision: asyncio.Future[GenerateChunk], chunks: AsyncIterator[GenerateChunk], response: Any
+) -> None:
+    """The rest of a call whose client got 429 before the decode pool decided: the decode
+    replica drops it unanswered past its ``admit_by`` (its 429 chunk ends the stream);
+    one admitted just in time (an ack or a token) is cancelled, as a client that went away
+    would be; one with no answer within ``LATE_DECISION_TIMEOUT_S`` too."""
+    try:
+        first = await asyncio.wait_for(asyncio.shield(decision), LATE_DECISION_TIMEOUT_S)
+        if first.error is not None:
+            async for _ in chunks:  # the stream ends after its error chunk
+                pass
+            return
+    except Exception as err:  # noqa: BLE001 - the client has its answer; only log
+        logger.debug("late decision of a request already answered 429: %r", err)
+    response.cancel()
+
+
 async def _prepend(
     first: GenerateChunk, rest: AsyncIterator[GenerateChunk]
 ) -> AsyncIterator[GenerateChunk]:
@@ -312,9 +334,10 @@ class OpenAIIngress:
             (``admission.StreamLimit``, up to this many; None = no bound of pdserve's own).
         limit_batch: whether that bound sheds batch requests too (False when batch queues).
         reject_within_ms: how fast a 429 should be answered (p99); the bound is cut while
-            this replica's loop lags a quarter of it (``admission.stream_lag_budget_s``), and
-            with ``ttft_slo_ms`` a request the decode pool has not admitted (or shed) within
-            half of it is answered 429 here (``admission.admission_ack_timeout_s``).
+            this replica's loop lags a quarter of it (``admission.stream_lag_budget_s``).
+        admission_timeout: with ``ttft_slo_ms``, answer 429 here for a request the decode
+            pool has not admitted (or shed) within half of ``reject_within_ms``
+            (``admission.admission_ack_timeout_s``; ``policy.admission_timeout``).
     """
 
     def __init__(
@@ -330,6 +353,7 @@ class OpenAIIngress:
         max_streams: int | None = None,
         limit_batch: bool = True,
         reject_within_ms: float = 100.0,
+        admission_timeout: bool = False,
     ) -> None:
         observability = ObservabilityConfig.model_validate(observability or {})
         self._api = APIConfig.model_validate(api or {})
@@ -385,12 +409,14 @@ class OpenAIIngress:
             else None
         )
         self._limit_batch = limit_batch
-        # With shedding on, a request whose admission decision does not come within a
-        # share of reject_within_ms is answered 429 here (admission_ack_timeout_s).
-        self._ack_within_s = reject_within_ms / 1000.0 if self._ttft_slo_s is not None else None
+        # With admission_timeout, a request whose admission decision does not come within
+        # a share of reject_within_ms is answered 429 here (admission_ack_timeout_s).
+        shedding = admission_timeout and self._ttft_slo_s is not None
+        self._ack_within_s = reject_within_ms / 1000.0 if shedding else None
         self._num_open = 0
         self._stream_s = Ema()  # how long a stream stays open
         self._reports: set[asyncio.Task[None]] = set()
+        self._late: set[asyncio.Task[None]] = set()  # calls answered 429, left to end
         self._ready_deployments = list(ready_deployments or [])
         self._ready_cache: tuple[float, bool, str] = (0.0, False, "")
 
@@ -474,7 +500,8 @@ class OpenAIIngress:
             return
         ack_s = self._ack_timeout_s(request)
         if ack_s is not None:
-            request = request.model_copy(update={"ack_admission": True})
+            admit_by = time.time() + ack_s
+            request = request.model_copy(update={"ack_admission": True, "admit_by": admit_by})
         response = self._decode.options(stream=True).generate.remote(request)
         finished = False
         admitted_at, open_before = time.monotonic(), self._num_open
@@ -484,12 +511,17 @@ class OpenAIIngress:
         try:
             chunks = aiter(response)
             if ack_s is not None:
-                try:
-                    first = await asyncio.wait_for(anext(chunks), ack_s)
-                except TimeoutError:
+                # Not wait_for: a timeout must not cancel the call while Serve may still be
+                # routing it (measured: such cancels left the decode pool taking nothing
+                # for tens of seconds); the decode replica drops it past admit_by instead.
+                decision = asyncio.ensure_future(anext(chunks))
+                await asyncio.wait({decision}, timeout=ack_s)
+                if not decision.done():
+                    finished = True  # the call is left to _drop_late, not cancelled
+                    self._leave_late(decision, chunks, response)
                     yield self._not_admitted_in_time(request, admitted_at, open_before)
                     return
-                chunks = _prepend(first, chunks)
+                chunks = _prepend(decision.result(), chunks)
             async for chunk in chunks:
                 if chunk.ack:  # admitted: the decision came in time
                     continue
@@ -536,6 +568,17 @@ class OpenAIIngress:
                 # The client went away, the decision came too late, or we failed: stop
                 # the decode pool's work (or Serve's routing of it).
                 response.cancel()
+
+    def _leave_late(
+        self,
+        decision: asyncio.Future[GenerateChunk],
+        chunks: AsyncIterator[GenerateChunk],
+        response: Any,
+    ) -> None:
+        """Hand a request answered 429 for lack of a timely decision to ``_drop_late``."""
+        task = asyncio.get_running_loop().create_task(_drop_late(decision, chunks, response))
+        self._late.add(task)
+        task.add_done_callback(self._late.discard)
 
     def _ack_timeout_s(self, request: GenerateRequest) -> float | None:
         """How long to wait for the decode replica's admission decision before answering

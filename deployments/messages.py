@@ -117,6 +117,13 @@ class GenerateRequest(_Message):
             "the request: the ingress answers 429 itself when no decision came in time."
         ),
     )
+    admit_by: float | None = Field(
+        default=None,
+        description=(
+            "Unix time past which the decode replica drops the request without any work: "
+            "the ingress has answered it 429 by then (no decision came in time)."
+        ),
+    )
 
 
 class TopLogprob(_Message):

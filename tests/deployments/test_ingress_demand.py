@@ -97,6 +97,7 @@ def _ingress(
         _decode=decode, _shed_hint=ShedHint(), _turned_away=TurnedAway(), _reports=set(),
         _loop_lag=LoopLag(), _proxy_lag=ProxyLag(), _ttft_slo_s=2.0 if streams else None,
         _serving_metrics=metrics, _streams=streams, _limit_batch=True, _num_open=0, _stream_s=Ema(),
+        _late=set(),
         _ack_within_s=ack_within_s,
     )  # fmt: skip
     return ingress
@@ -171,7 +172,9 @@ def test_a_request_the_decode_pool_does_not_take_in_time_is_answered_429_by_the_
     """Shedding on, the ingress asks the decode replica for an admission ack; when neither
     the ack nor the replica's own 429 comes within half of reject_within (Serve's routing or
     the replica's loop is the queue), the ingress answers 429 itself (reason
-    admission_timeout), cancels the call, cuts its stream bound and counts the demand."""
+    admission_timeout), cuts its stream bound and counts the demand. The call is not
+    cancelled while it may still be routed: the decode replica drops it past ``admit_by``,
+    and one admitted just in time (its ack came late) is cancelled then."""
     from pdserve.deployments.admission import StreamLimit
     from pdserve.deployments.messages import GenerateChunk, GenerateRequest
 
@@ -183,13 +186,19 @@ def test_a_request_the_decode_pool_does_not_take_in_time_is_answered_429_by_the_
     ingress = _ingress(decode, shed_reasons, streams, ack_within_s=0.1)
 
     async def run() -> list[GenerateChunk]:
-        return [chunk async for chunk in ingress._generate(req)]
+        began = time.time()
+        chunks = [chunk async for chunk in ingress._generate(req)]
+        sent = decode.requests[0]
+        assert sent.ack_admission and began < sent.admit_by < began + 0.1
+        assert not decode.streams[0].cancelled  # not while it may still be routed
+        await asyncio.sleep(0.6)  # its ack comes late: the admitted call is cancelled
+        assert decode.streams[0].cancelled and not ingress._late
+        return chunks
 
     chunks = asyncio.run(run())
     assert len(chunks) == 1 and chunks[0].error is not None
     assert chunks[0].error.code == 429 and "admission_timeout" in chunks[0].error.message
     assert (chunks[0].error.retry_after_s or 0) > 0
-    assert decode.requests[0].ack_admission and decode.streams[0].cancelled
     assert shed_reasons == ["admission_timeout"] and ingress._turned_away.pending == 1
     assert streams.limit == 2 and ingress._num_open == 0  # cut like a refusal
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -248,6 +249,11 @@ def test_shedding_when_no_placement_meets_the_slo(model_dir: str) -> None:
         # prefill rate, and a prediction from the configured prior alone never sheds.
         batch = asyncio.run(collect(decode, request("batch", SHORT, slo_class="batch")))
         assert batch[-1].finish_reason == "length" and batch[0].prefill_location == "local"
+        # One the ingress answered 429 already (no decision by its admit_by): no work.
+        before = decode.counters()
+        late = asyncio.run(collect(decode, request("late", SHORT, admit_by=time.time() - 1)))
+        assert len(late) == 1 and late[0].error is not None and late[0].error.code == 429
+        assert decode.counters() == before
         shed = asyncio.run(collect(decode, request("shed-me", LONG_A, ack_admission=True)))
         assert len(shed) == 1 and shed[0].error is not None and not shed[0].ack
         assert shed[0].error.code == 429  # with the predicted drain time, not a constant
