@@ -511,9 +511,8 @@ class OpenAIIngress:
         try:
             chunks = aiter(response)
             if ack_s is not None:
-                # Not wait_for: a timeout must not cancel the call while Serve may still be
-                # routing it (measured: such cancels left the decode pool taking nothing
-                # for tens of seconds); the decode replica drops it past admit_by instead.
+                # Not wait_for: its timeout would cancel the call while Serve may still be
+                # routing it; the decode replica drops it past admit_by instead.
                 decision = asyncio.ensure_future(anext(chunks))
                 await asyncio.wait({decision}, timeout=ack_s)
                 if not decision.done():
@@ -565,8 +564,7 @@ class OpenAIIngress:
                 self._stream_s.add(time.monotonic() - admitted_at)
             self._serving_metrics.record_streams(self._num_open, self._stream_limit())
             if not finished:
-                # The client went away, the decision came too late, or we failed: stop
-                # the decode pool's work (or Serve's routing of it).
+                # The client went away (or we failed): stop the decode replica's work.
                 response.cancel()
 
     def _leave_late(
@@ -582,8 +580,8 @@ class OpenAIIngress:
 
     def _ack_timeout_s(self, request: GenerateRequest) -> float | None:
         """How long to wait for the decode replica's admission decision before answering
-        429 here (``admission.admission_ack_timeout_s``); None: as long as it takes (no
-        shedding, or a batch request that queues)."""
+        429 here (``admission.admission_ack_timeout_s``); None: as long as it takes (the
+        timeout is off, or a batch request that queues)."""
         if self._ack_within_s is None or (request.slo_class == "batch" and not self._limit_batch):
             return None
         arrival = request.arrival_time
