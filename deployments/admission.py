@@ -13,7 +13,7 @@ milliseconds (``app.py`` bounds that queue too). Its wait is not bounded though:
 routes to a busy replica through queue-length probes that back off for up to seconds, and
 the replica's loop takes a request in behind its streams; a shed decided there would reach
 the client that late. So, with ``policy.admission_timeout``, the ingress asks for the
-decision as an ack (``GenerateRequest.ack_admission``) and answers 429 itself when neither
+decision as an ack (``GenerateRequest.admit_by``) and answers 429 itself when neither
 the ack nor the replica's 429 came within half of ``policy.reject_within_ms``
 (``admission_ack_timeout_s``); the request carries that deadline (``admit_by``), past which
 the replica drops it unanswered, so the ingress never cancels a call Serve may still be

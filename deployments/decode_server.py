@@ -222,7 +222,7 @@ class DecodeServer:
                 if verdict.action == "shed":
                     yield self._shed(req, verdict)
                     return
-                if req.ack_admission:
+                if req.admit_by is not None:
                     yield GenerateChunk.admitted(req)
                 self.metrics.record_decision(decision.location)
                 span.set_attribute("pdserve.prefill.location", decision.location)

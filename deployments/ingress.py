@@ -500,8 +500,7 @@ class OpenAIIngress:
             return
         ack_s = self._ack_timeout_s(request)
         if ack_s is not None:
-            admit_by = time.time() + ack_s
-            request = request.model_copy(update={"ack_admission": True, "admit_by": admit_by})
+            request = request.model_copy(update={"admit_by": time.time() + ack_s})
         response = self._decode.options(stream=True).generate.remote(request)
         finished = False
         admitted_at, open_before = time.monotonic(), self._num_open

@@ -110,18 +110,12 @@ class GenerateRequest(_Message):
     arrival_time: float | None = Field(
         default=None, description="Unix time the ingress received the request (for metrics)."
     )
-    ack_admission: bool = Field(
-        default=False,
-        description=(
-            "Send an ack chunk (``GenerateChunk.ack``) as soon as admission control admits "
-            "the request: the ingress answers 429 itself when no decision came in time."
-        ),
-    )
     admit_by: float | None = Field(
         default=None,
         description=(
-            "Unix time past which the decode replica drops the request without any work: "
-            "the ingress has answered it 429 by then (no decision came in time)."
+            "Unix time by which the ingress wants the admission decision: the decode replica "
+            "sends an ack chunk (``GenerateChunk.ack``) as soon as it admits the request, and "
+            "drops it without any work past this time (the ingress has answered it 429)."
         ),
     )
 
@@ -207,7 +201,7 @@ class GenerateChunk(_Message):
 
     @classmethod
     def admitted(cls, request: GenerateRequest) -> GenerateChunk:
-        """The ack of an admitted request that asked for one (``ack_admission``)."""
+        """The ack of an admitted request that asked for one (``admit_by``)."""
         return cls(
             request_id=request.request_id, num_prompt_tokens=len(request.prompt_token_ids), ack=True
         )

@@ -189,7 +189,7 @@ def test_a_request_the_decode_pool_does_not_take_in_time_is_answered_429_by_the_
         began = time.time()
         chunks = [chunk async for chunk in ingress._generate(req)]
         sent = decode.requests[0]
-        assert sent.ack_admission and began < sent.admit_by < began + 0.1
+        assert sent.admit_by is not None and began < sent.admit_by < began + 0.1
         assert not decode.streams[0].cancelled  # not while it may still be routed
         await asyncio.sleep(0.6)  # its ack comes late: the admitted call is cancelled
         assert decode.streams[0].cancelled and not ingress._late
@@ -219,5 +219,5 @@ def test_an_admitted_request_streams_without_the_ack() -> None:
         return [chunk async for chunk in ingress._generate(req)]
 
     assert [c.token_ids for c in asyncio.run(run())] == [[7], [8]]
-    assert decode.requests[0].ack_admission and not decode.streams[0].cancelled
+    assert decode.requests[0].admit_by is not None and not decode.streams[0].cancelled
     assert shed_reasons == [] and ingress._num_open == 0

@@ -124,7 +124,7 @@ def test_local_and_remote_prefill_match_a_single_engine(
         reqs = [
             request("s1", SHORT),
             request("l1", LONG_A),
-            request("l2", LONG_B, ack_admission=True),
+            request("l2", LONG_B, admit_by=time.time() + 600),
         ]
         return await asyncio.gather(*(collect(decode, r) for r in reqs))
 
@@ -254,7 +254,7 @@ def test_shedding_when_no_placement_meets_the_slo(model_dir: str) -> None:
         late = asyncio.run(collect(decode, request("late", SHORT, admit_by=time.time() - 1)))
         assert len(late) == 1 and late[0].error is not None and late[0].error.code == 429
         assert decode.counters() == before
-        shed = asyncio.run(collect(decode, request("shed-me", LONG_A, ack_admission=True)))
+        shed = asyncio.run(collect(decode, request("shed-me", LONG_A, admit_by=time.time() + 600)))
         assert len(shed) == 1 and shed[0].error is not None and not shed[0].ack
         assert shed[0].error.code == 429  # with the predicted drain time, not a constant
         assert (shed[0].error.retry_after_s or 0) >= MIN_DRAIN_S
