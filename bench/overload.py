@@ -365,6 +365,7 @@ class ClusterView:
 
         connect_driver(state)
         self.app = state.serve.app_name
+        self.nodes = state.nodes
 
     def close(self) -> None:
         import ray
@@ -403,6 +404,16 @@ class ClusterView:
             with open(path, errors="replace") as f:
                 lines += [ln.rstrip() for ln in f if "pdserve decode autoscaling" in ln]
         return lines
+
+    def keep_serve_logs(self, dest: Path) -> None:
+        """Copy Serve's logs of this run (controller, proxy, every replica; each node keeps
+        its own under its temp dir) to ``dest/<node>``: the nodes' temp dirs go with them."""
+        import shutil
+
+        for node in self.nodes:
+            src = Path(node.temp_dir) / "session_latest" / "logs" / "serve"
+            if src.is_dir():
+                shutil.copytree(src, dest / node.name, dirs_exist_ok=True)
 
     def decode_reports(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """(integrity, admission report) of a decode replica (after a ramp's scale-down,
@@ -479,6 +490,7 @@ def run_phase_set(
             time.sleep(2)
             integrity, admission = view.decode_reports()
         policy_log = view.policy_log()
+        view.keep_serve_logs(args.out_dir / f"serve-logs-{tag}")
     finally:
         if view is not None:
             view.close()  # before the cluster goes: a driver without its GCS exits

@@ -24,6 +24,7 @@ gRPC proxy.
 """
 
 import asyncio
+import contextvars
 import logging
 import math
 import time
@@ -465,10 +466,22 @@ class OpenAIIngress:
 
     def _report_turned_away(self, now: float) -> None:
         """Send the pending count of capacity sheds to a decode replica (in the background;
-        a lost report only under-counts demand)."""
+        a lost report only under-counts demand).
+
+        The report runs in a fresh context, not the current request's: a handle call takes
+        its request id from the caller's context, and Serve's router matches a pending call
+        to the replica it chose by that id. Two calls of one request to the decode pool
+        (this report and the request's own generate) share it, so the router hands the
+        replica chosen for one to the other and the first one's routing task retries in
+        backoff until the call is cancelled (this report's 5 s timeout). Each such orphan
+        holds one of the router's two routing tasks per replica; with one decode replica,
+        two of them stopped all routing to it for seconds, the requests behind them
+        answered 429 seconds late."""
         n = self._turned_away.take(now)
         if n:
-            task = asyncio.get_running_loop().create_task(self._send_turned_away(n))
+            task = asyncio.get_running_loop().create_task(
+                self._send_turned_away(n), context=contextvars.Context()
+            )
             self._reports.add(task)
             task.add_done_callback(self._reports.discard)
 

@@ -221,3 +221,35 @@ def test_an_admitted_request_streams_without_the_ack() -> None:
     assert [c.token_ids for c in asyncio.run(run())] == [[7], [8]]
     assert decode.requests[0].admit_by is not None and not decode.streams[0].cancelled
     assert shed_reasons == [] and ingress._num_open == 0
+
+
+def test_the_turned_away_report_is_not_a_call_of_the_request_that_triggered_it() -> None:
+    """A handle call takes its Serve request id from the caller's context, and Serve's
+    router matches a routed call to its pending request by that id: a report sharing the id
+    of the request whose door check sent it (that request's generate goes to the same
+    pool) was orphaned in the router's backoff until its timeout, stalling the routing to
+    the decode pool. The report runs in a fresh context: a request id of its own."""
+    from ray.serve import context as serve_context
+
+    ids: list[str] = []
+
+    class _IdReport:
+        async def remote(self, n: int) -> None:
+            ids.append(serve_context._get_serve_request_context()._internal_request_id)
+
+    decode = _FakeDecode([])
+    decode.report_turned_away = _IdReport()
+    ingress = _ingress(decode, [])
+
+    async def run() -> None:
+        serve_context._serve_request_context.set(
+            serve_context._RequestContext(request_id="r1", _internal_request_id="internal-r1")
+        )
+        ingress._turned_away.add()
+        ingress._report_turned_away(time.monotonic())
+        await asyncio.gather(*ingress._reports)
+        # The request's own context is untouched.
+        assert serve_context._get_serve_request_context()._internal_request_id == "internal-r1"
+
+    asyncio.run(run())
+    assert len(ids) == 1 and ids[0] != "internal-r1"
