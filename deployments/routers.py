@@ -233,21 +233,29 @@ def _request_arg(pending_request: PendingRequest | None) -> Any:
 class InflightLoad:
     """Per replica, the load (a weight per request) one router sent and has not seen
     complete. Plain Python, so the cluster simulator (``pdserve.sim``) keeps the very same
-    books as the Serve routers."""
+    books as the Serve routers.
+
+    One request id may have several calls in flight: Serve names a call by the request it
+    is made from, so the choices of one request (``n`` > 1) share it, as do a decode
+    replica's prefill calls for them. Each call is booked, and completing one takes off
+    the call booked on that replica (or the oldest, when the replica is not given)."""
 
     def __init__(self) -> None:
         self.by_replica: dict[Any, int] = {}
-        self._by_request: dict[str, tuple[Any, int]] = {}
+        self._by_request: dict[str, list[tuple[Any, int]]] = {}
 
     def routed(self, request_id: str, replica_id: Any, weight: int) -> None:
-        self._by_request[request_id] = (replica_id, weight)
+        self._by_request.setdefault(request_id, []).append((replica_id, weight))
         self.by_replica[replica_id] = self.by_replica.get(replica_id, 0) + weight
 
-    def completed(self, request_id: str) -> None:
-        entry = self._by_request.pop(request_id, None)
-        if entry is None:
+    def completed(self, request_id: str, replica_id: Any = None) -> None:
+        calls = self._by_request.get(request_id)
+        if not calls:
             return
-        rid, weight = entry
+        i = next((i for i, (rid, _) in enumerate(calls) if rid == replica_id), 0)
+        rid, weight = calls.pop(i)
+        if not calls:
+            del self._by_request[request_id]
         left = self.by_replica.get(rid, 0) - weight
         if left > 0:
             self.by_replica[rid] = left
@@ -281,7 +289,7 @@ class _TrackingRouter(RequestRouter):
         self._load.routed(pending_request.metadata.internal_request_id, replica_id, weight)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        self._load.completed(internal_request_id)
+        self._load.completed(internal_request_id, replica_id)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)

@@ -156,3 +156,27 @@ def test_decode_router_sizes_the_request_in_blocks() -> None:
         assert ids(await router.choose_replicas([roomy, tight], _pending(big, "2")))[0] == "roomy"
 
     asyncio.run(run())
+
+
+def test_router_books_every_call_of_a_request_id() -> None:
+    """Serve names a call by the request it is made from: the choices of one request
+    (``n`` > 1) reach the decode router under one id. Each is booked until its own
+    completion, on the replica it went to; none is lost or left behind."""
+
+    async def run() -> None:
+        router = _router(DecodeRequestRouter, kv_weight=0.0, batch_weight=1.0)
+        a = FakeReplica("a", decode_stats(free=100, total=100, running=0))
+        b = FakeReplica("b", decode_stats(free=100, total=100, running=0))
+        req = GenerateRequest(request_id="r", prompt_token_ids=[1] * 16)
+        for replica in ("a", "b", "a"):  # three choices, one id
+            router.on_request_routed(_pending(req, "i1"), replica, None)
+        assert router._inflight == {"a": 2, "b": 1}
+        router.on_request_completed("b", "i1")
+        assert router._inflight == {"a": 2}
+        assert ids(await router.choose_replicas([a, b], _pending(req, "i2")))[0] == "b"
+        router.on_request_completed("a", "i1")
+        router.on_request_completed("a", "i1")
+        router.on_request_completed("a", "i1")  # one completion too many: ignored
+        assert router._inflight == {}
+
+    asyncio.run(run())
