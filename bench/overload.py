@@ -440,7 +440,12 @@ def run_phase_set(
     cfg = yaml.safe_load(config.read_text())
     slo_s = cfg.get("slo", {}).get("ttft_ms", 2000) / 1000.0
     server = PdserveServer(
-        tag, config, args.out_dir / f"state-{tag}", args.out_dir / f"{tag}.log", up_args=up_args
+        tag,
+        config,
+        args.out_dir / f"state-{tag}",
+        args.out_dir / f"{tag}.log",
+        up_args=up_args,
+        env=dict(kv.split("=", 1) for kv in args.server_env),
     )
     uptime_before = Path("/proc/loadavg").read_text().split()[:3]
     view: ClusterView | None = None
@@ -614,6 +619,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config", type=Path, default=REPO / "configs/local-2core-colocated.yaml")
     # Direct ingress: through Serve's proxy the same step's 429s took 6.2 s p99, direct 0.37 s.
     p.add_argument("--up-args", default="--prefill-cpus 1 --decode-cpus 2 --direct-ingress")
+    p.add_argument(
+        "--server-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="environment of the cluster's processes only, not this driver's (e.g. a Ray Serve "
+        "setting); repeatable",
+    )
     p.add_argument("--base-rate", type=float, default=None, help="1x in req/s; None = probe")
     p.add_argument("--probe-s", type=float, default=15.0)
     p.add_argument("--factor", type=float, default=10.0)
