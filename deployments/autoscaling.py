@@ -106,17 +106,23 @@ def decode_replicas_needed(
     num_waiting: Sequence[float],
     s: DecodeSizing,
     kv_refused_per_s: Sequence[float] = (),
+    num_in_batch: Sequence[float] = (),
 ) -> int:
     """Replicas so that mean KV usage stays under ``target_kv_usage`` and the measured TPOT
     under ``target_tpot_fraction`` x SLO; requests waiting for KV add one replica, and so do
     remote prefills refused a KV reservation (the pool is out of room where it matters,
-    whatever the mean says)."""
+    whatever the mean says). With ``num_in_batch`` (each replica's running and waiting
+    requests), the TPOT term asks for at most one replica per request in flight: spreading
+    b sequences over more than b replicas cannot shorten their TPOT (a TPOT that is high
+    at a batch of one is the step itself, or replicas sharing cores, not load)."""
     if current <= 0:
         return 1
     kv = sum(kv_usage) / len(kv_usage) if kv_usage else 0.0
     tpot = sum(tpot_s) / len(tpot_s) if tpot_s else 0.0
     by_kv = current * kv / s.target_kv_usage
     by_tpot = current * tpot / (s.tpot_s * s.target_tpot_fraction)
+    if num_in_batch:  # reported
+        by_tpot = min(by_tpot, max(1.0, sum(num_in_batch)))
     needed = math.ceil(max(by_kv, by_tpot) - 1e-9)
     if sum(num_waiting) > 0 and kv >= s.target_kv_usage:
         needed = max(needed, current + 1)
@@ -257,8 +263,8 @@ def plan_decode(
     away included, over ``saturated_rps`` (``saturated_rate``), with hysteresis, never
     below what the running requests need."""
     kv, tpot, waiting = (decode.values(n) for n in (KV_USAGE, TPOT_S, NUM_WAITING))
-    refused = decode.values(KV_REFUSED_PER_S)
-    needed = decode_replicas_needed(decode.current, kv, tpot, waiting, s.decode, refused)
+    refused, in_batch = decode.values(KV_REFUSED_PER_S), decode.values(NUM_IN_BATCH)
+    needed = decode_replicas_needed(decode.current, kv, tpot, waiting, s.decode, refused, in_batch)
     admitted, away = sum(decode.values(ADMITTED_PER_S)), sum(decode.values(TURNED_AWAY_PER_S))
     saturated = shedding(admitted, away, s.demand)
     if not saturated:
@@ -271,14 +277,13 @@ def plan_decode(
         s.decode.tpot_s, s.decode.target_kv_usage * margin, s.decode.target_tpot_fraction * margin
     )
     down = max(
-        decode_replicas_needed(decode.current, kv, tpot, waiting, strict, refused),
+        decode_replicas_needed(decode.current, kv, tpot, waiting, strict, refused, in_batch),
         prompt_load if prompt_load_down is None else prompt_load_down,
         demand_down,
     )
     if saturated:
         down = max(down, decode.current)  # turning demand away: never shrink
     target = with_hysteresis(decode.current, up, down)
-    in_batch = decode.values(NUM_IN_BATCH)
     while target < decode.current and not decode_fits(target, kv, in_batch, s):
         target += 1  # its requests would not fit elsewhere: keep the replica
     return target

@@ -150,6 +150,19 @@ def test_hysteresis_grows_at_once_and_shrinks_only_with_margin() -> None:
     assert plan_decode(decode_load(2, [0.15, 0.15], [1, 1]), JOINT) == 1
 
 
+def test_decode_tpot_asks_for_at_most_a_replica_per_request_in_flight() -> None:
+    """A TPOT over target with one request in flight on two replicas is the step itself
+    (or replicas sharing cores), not load: spreading one sequence wider cannot shorten it,
+    so the pool shrinks to one. The same TPOT with a full batch still grows the pool."""
+    slow = [0.06, 0.06]  # 2 x 0.06 / 0.1 = 1.2: two replicas by the TPOT alone
+    assert decode_replicas_needed(2, [0.01] * 2, slow, [0, 0], DECODE) == 2
+    assert decode_replicas_needed(2, [0.01] * 2, slow, [0, 0], DECODE, (), [1, 0]) == 1
+    assert decode_replicas_needed(2, [0.01] * 2, slow, [0, 0], DECODE, (), [6, 6]) == 2
+    one_in_flight = decode_load(2, [0.01, 0.01], [1, 0], tpot_s=slow)
+    assert plan_decode(one_in_flight, JOINT) == 1
+    assert plan_decode(decode_load(2, [0.01, 0.01], [6, 6], tpot_s=slow), JOINT) == 2
+
+
 def test_decode_never_shrinks_while_its_requests_would_not_fit_elsewhere() -> None:
     # Little KV but 12 requests in flight: one replica has 8 slots, so keep 2.
     assert plan_decode(decode_load(2, [0.05, 0.05], [6, 6]), JOINT) == 2
