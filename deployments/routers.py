@@ -238,7 +238,8 @@ class InflightLoad:
     One request id may have several calls in flight: Serve names a call by the request it
     is made from, so the choices of one request (``n`` > 1) share it, as do a decode
     replica's prefill calls for them. Each call is booked, and completing one takes off
-    the call booked on that replica (or the oldest, when the replica is not given)."""
+    the call booked on that replica (the oldest, when the replica is not given; nothing
+    when none is booked there: Serve also reports the end of a call its replica rejected)."""
 
     def __init__(self) -> None:
         self.by_replica: dict[Any, int] = {}
@@ -252,7 +253,12 @@ class InflightLoad:
         calls = self._by_request.get(request_id)
         if not calls:
             return
-        i = next((i for i, (rid, _) in enumerate(calls) if rid == replica_id), 0)
+        if replica_id is None:
+            i = 0
+        else:  # a call Serve never booked here (one its replica rejected) takes off nothing
+            i = next((i for i, (rid, _) in enumerate(calls) if rid == replica_id), -1)
+            if i < 0:
+                return
         rid, weight = calls.pop(i)
         if not calls:
             del self._by_request[request_id]

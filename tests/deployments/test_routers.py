@@ -173,6 +173,8 @@ def test_router_books_every_call_of_a_request_id() -> None:
         assert router._inflight == {"a": 2, "b": 1}
         router.on_request_completed("b", "i1")
         assert router._inflight == {"a": 2}
+        router.on_request_completed("c", "i1")  # rejected there, never booked: no change
+        assert router._inflight == {"a": 2}
         assert ids(await router.choose_replicas([a, b], _pending(req, "i2")))[0] == "b"
         router.on_request_completed("a", "i1")
         router.on_request_completed("a", "i1")
