@@ -497,10 +497,10 @@ class PolicyConfig(_Strict):
         description=(
             "With shedding on: the ingress answers 429 itself (reason admission_timeout) for a "
             "request the decode pool has not admitted or shed within half of "
-            "reject_within_ms, so a shed decided after seconds in Serve's routing does not "
-            "reach the client that late. Off by default: where the path to the decode "
-            "replicas is itself slower than that (two decode replicas or a contended CPU on "
-            "a 2-core VM), it sheds most requests at any load."
+            "reject_within_ms: a guard for a path to the decode replicas slower than the 429 "
+            "budget. Off by default: on a contended CPU that path is slower than the budget "
+            "at any load (beside one CPU-bound process on a 2-core VM, it answered a third of "
+            "the interactive requests 429 at the sustainable rate)."
         ),
     )
     reject_within_ms: float = Field(
@@ -508,7 +508,7 @@ class PolicyConfig(_Strict):
         gt=0,
         description=(
             "How fast a shed request should get its 429 (p99). With adaptive_concurrency, an "
-            "ingress whose event loop lags a quarter of this on average cuts its stream "
+            "ingress whose event loop lags a sixth of this on average cuts its stream "
             "bound: every 429 waits in that loop behind the streams it carries. With "
             "admission_timeout, a request the decode pool has not admitted or shed within "
             "half of this from its arrival gets its 429 from the ingress."

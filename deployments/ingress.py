@@ -335,7 +335,7 @@ class OpenAIIngress:
             (``admission.StreamLimit``, up to this many; None = no bound of pdserve's own).
         limit_batch: whether that bound sheds batch requests too (False when batch queues).
         reject_within_ms: how fast a 429 should be answered (p99); the bound is cut while
-            this replica's loop lags a quarter of it (``admission.stream_lag_budget_s``).
+            this replica's loop lags a sixth of it (``admission.stream_lag_budget_s``).
         admission_timeout: with ``ttft_slo_ms``, answer 429 here for a request the decode
             pool has not admitted (or shed) within half of ``reject_within_ms``
             (``admission.admission_ack_timeout_s``; ``policy.admission_timeout``).

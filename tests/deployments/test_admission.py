@@ -266,7 +266,7 @@ def test_the_ingress_loop_lag_holds_and_cuts_the_stream_limit_like_a_late_first_
     assert limit.limit == pytest.approx(0.7 * 11)  # past the budget: cut
     with pytest.raises(ValueError, match="lag_budget_s"):
         admission.StreamLimit(target_s=2.0, high=8, lag_budget_s=0.0)
-    assert admission.stream_lag_budget_s(0.1) == pytest.approx(0.025)  # 429s within 100 ms
+    assert admission.stream_lag_budget_s(0.1) == pytest.approx(0.1 / 6)  # 429s within 100 ms
     with pytest.raises(ValueError, match="reject_within_s"):
         admission.stream_lag_budget_s(0.0)
 
