@@ -16,7 +16,8 @@ came), Retry-After, TTFT and whether the stream ended properly. It prints a tabl
 writes ``overload-<mode>.json`` and ``<mode>.png`` (TTFT and admitted/shed rate over time) in
 ``--out-dir``, with the decode replica's predicted-vs-observed TTFT
 (``DecodeServer.admission_report``) and its integrity after the run (no request, block or
-transfer left). Targets (issue 18): admitted interactive TTFT p99 <= 2x SLO in the
+transfer left), and Serve's logs of the run (controller, proxy, every replica) under
+``serve-logs-<mode>/<node>/``. Targets (issue 18): admitted interactive TTFT p99 <= 2x SLO in the
 overload phase, 429 + Retry-After within 100 ms p99, 0 5xx, 0 lost, idle afterwards.
 """
 
