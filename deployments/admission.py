@@ -337,7 +337,7 @@ def stream_lag_budget_s(reject_within_s: float) -> float:
     cut: every 429 waits in that loop, and a p99 within ``reject_within_s`` leaves the mean
     about a sixth of it. Measured on the 2-core VM (colocated 10x step, 429s within 100 ms):
     a mean lag near 50 ms put the 429 p99 at 140 ms; with a quarter (25 ms) four runs had
-    35-120 ms; with a sixth five had 27-92 ms."""
+    35-120 ms; with a sixth eight had 24-92 ms."""
     if reject_within_s <= 0:
         raise ValueError(f"reject_within_s must be > 0, got {reject_within_s}")
     return reject_within_s / 6
