@@ -9,15 +9,14 @@ so a burst arriving within one period would all be admitted against an empty que
 failure of issue 18). Serve's own queue in front of the replica is not invisible here:
 every request carries its arrival time, so the time it already waited is part of its
 prediction, and Serve's queue stays short because a shed answer frees its slot within
-milliseconds (``app.py`` bounds that queue too). Its wait is not bounded though: Serve
-routes to a busy replica through queue-length probes that back off for up to seconds, and
-the replica's loop takes a request in behind its streams; a shed decided there would reach
-the client that late. So, with ``policy.admission_timeout``, the ingress asks for the
-decision as an ack (``GenerateRequest.admit_by``) and answers 429 itself when neither
-the ack nor the replica's 429 came within half of ``policy.reject_within_ms``
-(``admission_ack_timeout_s``); the request carries that deadline (``admit_by``), past which
-the replica drops it unanswered, so the ingress never cancels a call Serve may still be
-routing.
+milliseconds (``app.py`` bounds that queue too). Its wait is not bounded though: on a
+contended CPU the ingress's and the replica's loops take a request in behind their streams,
+and a shed decided after that reaches the client that late. So, with
+``policy.admission_timeout``, the ingress asks for the decision as an ack
+(``GenerateRequest.admit_by``) and answers 429 itself when neither the ack nor the
+replica's 429 came within half of ``policy.reject_within_ms`` (``admission_ack_timeout_s``);
+the request carries that deadline (``admit_by``), past which the replica drops it
+unanswered, so the ingress never cancels a call Serve may still be routing.
 
 Prediction (seconds from arrival):
     waited (ingress + Serve's queue)
@@ -353,11 +352,10 @@ ACK_SHARE = 0.5
 def admission_ack_timeout_s(reject_within_s: float, waited_s: float) -> float:
     """How long the ingress still waits for the decode replica's admission decision (its
     ack or its 429) on a request that arrived ``waited_s`` ago, before it answers the 429
-    itself. Serve routes a request to a busy replica through queue-length probes that back
-    off for up to seconds, and the replica's loop takes it in behind its streams; a decision
-    that came that late, a shed included, would answer the client seconds late. Never less
-    than a quarter of that share: a request the ingress itself was slow to reach gets a
-    short chance (its own loop lag sheds at the door)."""
+    itself: a decision that comes late (the path to the replica, or its loop, behind other
+    work), a shed included, would answer the client as late. Never less than a quarter of
+    that share: a request the ingress itself was slow to reach gets a short chance (its own
+    loop lag sheds at the door)."""
     if reject_within_s <= 0:
         raise ValueError(f"reject_within_s must be > 0, got {reject_within_s}")
     budget = ACK_SHARE * reject_within_s
