@@ -2,6 +2,7 @@
 #   make serve   create .venv if missing, install, start a local multi-node Ray cluster on
 #                loopback and serve the default model, prefill and decode disaggregated
 #   make test    create .venv if missing, install, run the tests
+#   make lint    ruff (style) and mypy (types) over the source
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -42,9 +43,11 @@ serve: $(STAMP)
 test: $(STAMP_DEV)
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
 
+# mypy reads its settings (which packages, where they are) from pyproject.toml.
 lint: $(STAMP_DEV)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf $(VENV) build *.egg-info

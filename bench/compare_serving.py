@@ -201,7 +201,8 @@ def _ms(value: float | None) -> str:
 def _one_line(s: Summary) -> str:
     return (
         f"{s.completed}/{s.completed + s.failed} ok, {s.output_throughput:.1f} out tok/s, "
-        f"TTFT p50 {_ms(s.ttft and s.ttft.p50)} ms, TPOT p99 {_ms(s.tpot and s.tpot.p99)} ms"
+        f"TTFT p50 {_ms(s.ttft.p50 if s.ttft else None)} ms, "
+        f"TPOT p99 {_ms(s.tpot.p99 if s.tpot else None)} ms"
     )
 
 
@@ -279,18 +280,18 @@ def check_targets(results: list[Measurement], recommended: str) -> list[dict[str
         mine, ref = _get(results, recommended, wl), _get(results, VLLM, wl)
         add(
             f"{wl}: {recommended} out tok/s >= vllm",
-            mine and mine.output_throughput,
-            ref and ref.output_throughput,
+            mine.output_throughput if mine else None,
+            ref.output_throughput if ref else None,
             True,
         )
         add(
             f"{wl}: {recommended} TTFT p50 <= vllm",
-            mine and mine.ttft and mine.ttft.p50,
-            ref and ref.ttft and ref.ttft.p50,
+            mine.ttft.p50 if mine and mine.ttft else None,
+            ref.ttft.p50 if ref and ref.ttft else None,
             False,
         )
     dis, col = _get(results, DISAGG, "mixed-long"), _get(results, COLOC, "mixed-long")
-    tp = [x and x.tpot and x.tpot.p99 for x in (dis, col)]
+    tp = [x.tpot.p99 if x and x.tpot else None for x in (dis, col)]
     add("mixed-long: disagg TPOT p99 < coloc TPOT p99", tp[0], tp[1], False)
     if tp[0] is not None and tp[1] is not None and tp[0] == tp[1]:
         checks[-1]["passed"] = False  # strictly below

@@ -4,6 +4,8 @@
                            [--concurrency 1 8 32] [--prompt-len 128] [--max-tokens 32]
                            [--mixed-concurrency 8 32] [--mixed-prompt-len 16 256]
                            [--mixed-max-tokens 8 64] [--mixed-requests 32]
+                           [--quantization int8|int8-weight-only|fp8]
+                           [--model-impl auto|native|transformers]
                            [--threads N] [--seed 0] [--out FILE.json]
 
 ``fixed``: for each concurrency c, c prompts of one length, each run to ``--max-tokens``
@@ -38,11 +40,13 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.testmodel import SIZES, ensure_test_model
 
@@ -164,7 +168,10 @@ def run_engine(
 
 
 def run_transformers(
-    model: torch.nn.Module, jobs: list[Job], concurrency: int, workload: str = "fixed"
+    model: Any,  # a transformers causal LM: its stubs split generate() from PreTrainedModel
+    jobs: list[Job],
+    concurrency: int,
+    workload: str = "fixed",
 ) -> tuple[Result, list[list[int]]]:
     """Static batching: batches of ``concurrency`` jobs in order, each left-padded to its
     longest prompt and generated to its longest output."""
@@ -312,6 +319,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument(
+        "--quantization",
+        choices=["int8", "int8-weight-only", "fp8"],
+        help="quantize the float checkpoint's linears at load (EngineConfig.quantization)",
+    )
+    parser.add_argument(
+        "--model-impl",
+        choices=["auto", "native", "transformers"],
+        default="auto",
+        help="model code (EngineConfig.model_impl): pdserve's native class or transformers'",
+    )
+    parser.add_argument(
         "--threads", type=int, help="torch intra-op threads (default: torch's own choice)"
     )
     parser.add_argument("--skip-transformers", action="store_true")
@@ -345,6 +363,8 @@ def main(argv: list[str] | None = None) -> None:
             model=str(model_dir),
             dtype=args.dtype,
             device=args.device,
+            quantization=args.quantization,
+            model_impl=args.model_impl,
             block_size=args.block_size,
             num_kv_blocks=blocks,
             max_num_seqs=max(max_conc, 1),
@@ -353,16 +373,21 @@ def main(argv: list[str] | None = None) -> None:
         )
     )
     dtype = engine.model_config.dtype
-    device = engine.runner.device
+    # object first: the engine types its runner by a protocol that ModelRunner's frozen
+    # SampledToken does not match yet, so narrowing from it would read as unreachable.
+    runner: object = engine.runner
+    assert isinstance(runner, ModelRunner)
+    device = runner.device
     vocab = engine.model_config.vocab_size
     hf = hf_fp32 = None
     if not args.skip_transformers:
         from transformers import AutoModelForCausalLM
 
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+        # typeshed's functools.wraps leaves transformers' PreTrainedModel.to unbound.
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()  # type: ignore[arg-type]
         if dtype != torch.float32 and not args.skip_fp32_reference:
             hf_fp32 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-            hf_fp32 = hf_fp32.to(device).eval()
+            hf_fp32 = hf_fp32.to(device).eval()  # type: ignore[arg-type]
 
     # Warm-up (first-call allocations, lazy imports) outside the measurements.
     warm = fixed_jobs(2, 16, 2, vocab, seed=99)
@@ -374,6 +399,7 @@ def main(argv: list[str] | None = None) -> None:
         "model": str(model_dir),
         "dtype": str(dtype),
         "device": str(device),
+        "model_impl": engine.model_config.impl,
         "torch_threads": torch.get_num_threads(),
         "workloads": {},
     }
@@ -423,7 +449,9 @@ def main(argv: list[str] | None = None) -> None:
             "greedy_agreement": {str(k): v for k, v in agree.items()},
         }
 
-    print(f"model {model_dir} dtype {dtype} device {device} threads {torch.get_num_threads()}")
+    impl = engine.model_config.impl
+    threads = torch.get_num_threads()
+    print(f"model {model_dir} ({impl}) dtype {dtype} device {device} threads {threads}")
     for title, results, agree in tables:
         print_table(title, results, agree)
     out = args.out or Path("bench/results") / f"engine-{time.strftime('%Y%m%d-%H%M%S')}.json"

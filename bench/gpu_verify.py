@@ -6,7 +6,8 @@ pydantic carried as a wheel if missing), from a checkout without installing pdse
 Steps (``gpu_verify_steps``), each a list of report rows:
 
 1. kernels: every Triton kernel vs its torch reference (fp32/bf16/fp16, GQA 1/4/8, head
-   dims 64/128, block sizes 16/32) and its speed as a fraction of the H200's;
+   dims 64/128, block sizes 16/32) and its speed as a fraction of the H200's; the int8 /
+   fp8 GEMMs vs their references and their speed against the bf16 matmul;
 2. engine: greedy tokens equal transformers (fp32) on the three test configs with mixed
    lengths, chunked prefill and preemption; bf16 logits within a stated tolerance;
 3. disagg: prefill and decode engines in two processes, KV over CUDA IPC on one GPU,
@@ -55,6 +56,7 @@ DEVICE_MODULES = (
     "pdserve.kernels.triton.norm",
     "pdserve.kernels.triton.activation",
     "pdserve.kernels.triton.rotary",
+    "pdserve.kernels.triton.quant_gemm",
     "pdserve.kernels.triton.gpu_check",
     "pdserve.kernels.triton.jit_count",
     "pdserve.engine.llm_engine",

@@ -6,6 +6,7 @@ module and, from ``DEVICE_MODULES``, everything the steps import on the device.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import random
 import time
@@ -70,7 +71,7 @@ def kernels(quick: bool) -> list[Row]:
     torch.cuda.empty_cache()
     rows += g._bench_blocks(dev, quick, ceil)
     rows += g._bench_elementwise(dev, ceil)
-    out = []
+    out = quant_kernels(dev, quick)
     for r in rows:
         nominal = None
         if r.value is not None and r.metric == "GB/s":
@@ -90,6 +91,60 @@ def kernels(quick: bool) -> list[Row]:
             )  # fmt: skip
         )
     return out
+
+
+def _time_ms(fn: Any, iters: int) -> float:
+    fn()
+    _sync()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    _sync()
+    return (time.perf_counter() - start) / iters * 1e3
+
+
+def quant_kernels(dev: torch.device, quick: bool) -> list[Row]:
+    """The quantized GEMMs (``kernels/triton/quant_gemm.py``) vs their torch references,
+    and their time against the bf16 matmul of the same shape (decode and prefill rows)."""
+    from pdserve.kernels import quant_reference as R
+    from pdserve.kernels.triton.quant_gemm import dequant_gemm, int8_w8a8_gemm
+
+    rows: list[Row] = []
+    g = torch.Generator(device=dev).manual_seed(0)
+    n, k = 4096, 4096
+    w = torch.randn(n, k, device=dev, generator=g) * 0.02
+    cases = {
+        "int8 w8a8": (torch.int8, None),
+        "int8 weight-only": (torch.int8, None),
+        "int8 group128": (torch.int8, 128),
+        "fp8 per-channel": (R.FP8_DTYPE, None),
+        "fp8 block128": (R.FP8_DTYPE, 128),
+    }
+    iters = 5 if quick else 50
+    for m in (1, 8, 32, 512):
+        x = torch.randn(m, k, device=dev, generator=g, dtype=torch.bfloat16)
+        dense = w.to(torch.bfloat16)
+        bf16_ms = _time_ms(lambda x=x, dense=dense: x @ dense.t(), iters)
+        for name, (qdtype, group) in cases.items():
+            q, scale = R.quantize_weight(w, qdtype, group)
+            if name == "int8 w8a8":
+                xq, xs = R.quantize_per_token_int8(x)
+                got = int8_w8a8_gemm(xq, xs, q, scale, None, torch.float32)
+                want = R.w8a8_linear(x, q, scale)
+                run = functools.partial(int8_w8a8_gemm, xq, xs, q, scale, None, torch.bfloat16)
+                ms = _time_ms(run, iters)
+            else:
+                got = dequant_gemm(x, q, scale, None).float()
+                want = R.weight_only_linear(x, q, scale)
+                ms = _time_ms(functools.partial(dequant_gemm, x, q, scale, None), iters)
+            err = ((got - want).norm() / want.norm()).item()
+            limit = 1e-5 if name == "int8 w8a8" else 1e-2
+            shape = f"M={m} N={n} K={k}"
+            rows.append(Row("kernels", f"quant {name} vs reference", err <= limit, err,
+                            "rel L2", limit, shape))  # fmt: skip
+            rows.append(Row("kernels", f"quant {name} speed vs bf16", None, bf16_ms / ms, "x",
+                            None, f"{shape}; {ms:.3f} ms vs bf16 {bf16_ms:.3f} ms"))  # fmt: skip
+    return rows
 
 
 # ---- 2. the engine on CUDA vs transformers -------------------------------------------------
@@ -137,6 +192,7 @@ def engine_vs_transformers(model_root: Path) -> list[Row]:
     from transformers import AutoModelForCausalLM
 
     from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.model_runner import ModelRunner
     from pdserve.engine.sampling_params import SamplingParams
     from pdserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
     from pdserve.engine.testmodel import ensure_test_model
@@ -145,9 +201,10 @@ def engine_vs_transformers(model_root: Path) -> list[Row]:
     rows: list[Row] = []
     for variant in VARIANTS:
         model_dir = ensure_test_model(variant, model_root)
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(dev).eval()
+        # typeshed's functools.wraps leaves transformers' PreTrainedModel.to unbound.
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(dev).eval()  # type: ignore[arg-type]
         vocab = hf.config.vocab_size
-        for label, schedule, overrides in (
+        cases: list[tuple[str, list[tuple[int, int]], dict[str, Any]]] = [
             ("chunked prefill (64-token steps)", ARRIVALS, {"max_num_batched_tokens": 64}),
             (
                 "chunked prefill, CUDA graphs off",
@@ -159,7 +216,8 @@ def engine_vs_transformers(model_root: Path) -> list[Row]:
                 PREEMPT_ARRIVALS,
                 {"num_kv_blocks": 48, "max_model_len": 640, "max_num_batched_tokens": 128},
             ),
-        ):
+        ]
+        for label, schedule, overrides in cases:
             arrivals = [
                 (t, f"r{i}", _prompt(n, 100 + i, vocab)) for i, (t, n) in enumerate(schedule)
             ]
@@ -185,12 +243,16 @@ def engine_vs_transformers(model_root: Path) -> list[Row]:
             del engine
         # bf16: the runner's logits for whole prompts vs transformers fp32.
         engine = LLMEngine.from_pretrained(model_dir, dtype="bfloat16", device=DEVICE)
+        # object first: the engine types its runner by a protocol that ModelRunner's frozen
+        # SampledToken does not match yet, so narrowing from it would read as unreachable.
+        runner: object = engine.runner
+        assert isinstance(runner, ModelRunner)
         worst = 0.0
         for i, n in enumerate((5, 77, 300)):
             prompt = _prompt(n, 500 + i, vocab)
             blocks = list(range(-(-n // engine.block_size)))
             chunk = ScheduledChunk("b", prompt, 0, blocks, True, SamplingParams(temperature=0.0), 0)
-            _, logits = engine.runner.compute_logits(SchedulerOutput([chunk], n))
+            _, logits = runner.compute_logits(SchedulerOutput([chunk], n))
             with torch.no_grad():
                 ref = hf(torch.tensor([prompt], device=dev)).logits[0, -1].float()
             worst = max(worst, float((logits[0] - ref).abs().max() / ref.abs().max()))
@@ -341,6 +403,7 @@ def disaggregated(model_root: Path) -> list[Row]:
         batch = []
         for i, prompt in enumerate(prompts):
             blocks = decode.reserve_remote_prefill(f"d{i}", prompt, params)
+            assert blocks is not None, "the decode pool has no room for the prompt"
             target = receiver.expect(f"d{i}", blocks, time.time() + 120, num_tokens=len(prompt))
             batch.append((f"d{i}", prompt, target.model_dump_json()))
         conn.send(batch)
@@ -430,7 +493,8 @@ def tensor_parallel(model_root: Path) -> list[Row]:
     rows: list[Row] = []
     for variant in TP_VARIANTS:
         model_dir = ensure_test_model(variant, model_root)
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(dev).eval()
+        # typeshed's functools.wraps leaves transformers' PreTrainedModel.to unbound.
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(dev).eval()  # type: ignore[arg-type]
         arrivals = [
             (t, f"r{i}", _prompt(n, 300 + i, hf.config.vocab_size))
             for i, (t, n) in enumerate(PREEMPT_ARRIVALS)
@@ -537,7 +601,8 @@ def throughput(model_root: Path, quick: bool) -> list[Row]:
         )  # fmt: skip  (kernels compiled and graphs captured in the constructor)
         for graphs in (False, True)
     }
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(DEVICE).eval()
+    # typeshed's functools.wraps leaves transformers' PreTrainedModel.to unbound.
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(DEVICE).eval()  # type: ignore[arg-type]
     with CompileCounter() as compiles:
         for batch in THROUGHPUT_BATCHES:
             theirs = _hf_decode_tps(hf, batch, 32, new)

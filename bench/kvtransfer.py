@@ -23,6 +23,7 @@ socket; hand-off p50 < 5 ms plus the last layer's bytes time.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import multiprocessing as mp
@@ -32,14 +33,21 @@ import random
 import socket
 import statistics
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pdserve.kvtransfer import KVLayout, KVTarget, KVTransferConfig
+from pdserve.kvtransfer.connector import PrefillKVConnector
 from pdserve.kvtransfer.sender import KVSender
+from pdserve.kvtransfer.types import TransportName
+
+if TYPE_CHECKING:
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.kvtransfer.receiver import KVReceiver
 
 MIB = 1 << 20
 # A small-model-like layout: 8 layers, 8 KV heads of 64, 16-token blocks, fp16:
@@ -61,7 +69,9 @@ def _decode_side(conn: Connection, num_threads: int) -> None:
 
     alloc = SharedKVAllocator()
     receivers: dict[str, KVReceiver] = {}
-    engine = decode_receiver = None  # part 2: the decode engine and its KVReceiver
+    # part 2: the decode engine and its KVReceiver
+    engine: LLMEngine | None = None
+    decode_receiver: KVReceiver | None = None
     while True:
         cmd, *args = conn.recv()
         if cmd == "pool":
@@ -70,7 +80,8 @@ def _decode_side(conn: Connection, num_threads: int) -> None:
                      LAYOUT.head_dim)  # fmt: skip
             pool = alloc(shape, torch.float16, "cpu")
             seg = alloc.segment_for(pool)
-            for transport in ("shm", "torch_dist"):
+            transports: tuple[TransportName, ...] = ("shm", "torch_dist")
+            for transport in transports:
                 receivers[transport] = KVReceiver(
                     pool, LAYOUT, KVTransferConfig(transport=transport), shm_segment=seg
                 )
@@ -92,12 +103,14 @@ def _decode_side(conn: Connection, num_threads: int) -> None:
             from pdserve.engine.sampling_params import SamplingParams
 
             params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+            assert engine is not None and decode_receiver is not None, "'engine' comes first"
             blocks = engine.reserve_remote_prefill(rid, prompt, params)
             assert blocks is not None, "the decode pool has no room for the prompt"
             target = decode_receiver.expect(rid, blocks, time.time() + 600, num_tokens=len(prompt))
             conn.send(target.model_dump_json())
         elif cmd == "handoff_wait":
             (rid,) = args
+            assert engine is not None and decode_receiver is not None, "'engine' comes first"
             result = decode_receiver.wait(rid)
             ready = time.time()
             engine.abort(rid)
@@ -130,7 +143,9 @@ def _socket_sink(conn: Connection, size: int) -> None:
         sock.sendall(b"k")
 
 
-def _decode_engine(model_dir: str, num_blocks: int, transport: str) -> tuple[Any, Any]:
+def _decode_engine(
+    model_dir: str, num_blocks: int, transport: TransportName
+) -> tuple[LLMEngine, KVReceiver]:
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.kvtransfer.blocks import pool_layout
     from pdserve.kvtransfer.receiver import KVReceiver
@@ -152,7 +167,7 @@ def _decode_engine(model_dir: str, num_blocks: int, transport: str) -> tuple[Any
 # --------------------------------------------------------------------------- measurements
 
 
-def _timed(fn: Any, min_seconds: float, max_reps: int) -> list[float]:
+def _timed(fn: Callable[[], object], min_seconds: float, max_reps: int) -> list[float]:
     """Seconds of each ``fn()`` after one warm-up, repeated until ``min_seconds``."""
     fn()
     times: list[float] = []
@@ -206,7 +221,7 @@ def _bandwidth(conn: Connection, sizes: list[int], min_seconds: float) -> list[d
 
         a = torch.empty(row["size_bytes"], dtype=torch.uint8).random_()
         b = torch.empty_like(a)
-        _record(row, "copy", _timed(lambda a=a, b=b: b.copy_(a), min_seconds, reps))
+        _record(row, "copy", _timed(functools.partial(b.copy_, a), min_seconds, reps))
         del a, b
 
         conn.send(("socket", row["size_bytes"]))
@@ -267,31 +282,24 @@ def _bandwidth(conn: Connection, sizes: list[int], min_seconds: float) -> list[d
     return rows
 
 
-class _LastLayerClock:
-    """Wraps a connector to note when the last layer of a step was computed."""
+class _LastLayerClock(PrefillKVConnector):
+    """The prefill connector, noting when the last layer of a step was computed."""
 
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
+    def __init__(self) -> None:
+        super().__init__()
         self.num_layers = 0  # known once the engine registers its pool
         self.last_layer_time = 0.0
 
-    def begin_step(self, sends: list[Any]) -> None:
-        self.inner.begin_step(sends)
-
-    def layer_computed(self, layer_idx: int, kv_cache: torch.Tensor) -> None:
-        self.inner.layer_computed(layer_idx, kv_cache)
-        if layer_idx == self.num_layers - 1:
-            self.last_layer_time = time.time()
-
-    def register_kv_caches(self, kv_cache: torch.Tensor, model_name: str) -> None:
-        self.inner.register_kv_caches(kv_cache, model_name)
+    def register_kv_caches(
+        self, kv_cache: torch.Tensor, model_name: str, *, layout: KVLayout | None = None
+    ) -> None:
+        super().register_kv_caches(kv_cache, model_name, layout=layout)
         self.num_layers = kv_cache.shape[0]
 
-    def end_step(self) -> list[str]:
-        return self.inner.end_step()
-
-    def poll_finished(self) -> list[str]:
-        return self.inner.poll_finished()
+    def layer_computed(self, layer_idx: int, kv_cache: torch.Tensor) -> None:
+        super().layer_computed(layer_idx, kv_cache)
+        if layer_idx == self.num_layers - 1:
+            self.last_layer_time = time.time()
 
 
 def _handoff(
@@ -300,17 +308,15 @@ def _handoff(
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.engine.sampling_params import SamplingParams
     from pdserve.engine.testmodel import ensure_test_model
-    from pdserve.kvtransfer.connector import PrefillKVConnector
 
     model_dir = ensure_test_model(model)
     num_blocks = math.ceil(tokens / 16) + 8
     conn.send(("engine", str(model_dir), num_blocks, transport))
     assert conn.recv() == "ok"
-    connector = PrefillKVConnector()
-    clock = _LastLayerClock(connector)
-    # The engine registers its pool: the connector builds its sender, the clock learns L.
+    connector = _LastLayerClock()
+    # The engine registers its pool: the connector builds its sender and learns L.
     engine = LLMEngine.from_pretrained(
-        model_dir, kv_connector=clock, num_kv_blocks=num_blocks, enable_prefix_caching=False
+        model_dir, kv_connector=connector, num_kv_blocks=num_blocks, enable_prefix_caching=False
     )
     layout = connector.sender.layout
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -334,14 +340,14 @@ def _handoff(
             samples.append(
                 {
                     "ttft_s": ready - submitted,
-                    "handoff_s": ready - clock.last_layer_time,
+                    "handoff_s": ready - connector.last_layer_time,
                     "bytes": nbytes,
                 }
             )
         print(
             f"  {transport} {'rep ' + str(rep) if rep else 'warm-up'} ({length} tokens): "
             f"TTFT {ready - submitted:.3f} s, "
-            f"hand-off {(ready - clock.last_layer_time) * 1e3:.2f} ms",
+            f"hand-off {(ready - connector.last_layer_time) * 1e3:.2f} ms",
             flush=True,
         )
     connector.sender.close()

@@ -1,8 +1,11 @@
 """Where bfloat16 error enters: the engine's bf16 path and transformers' bf16 against float32.
 
     python -P -m pdserve.bench.numerics [--model DIR | --size small] [--prompts 160]
+                                        [--model-impl auto|native|transformers]
                                         [--min-len 8] [--max-len 300] [--seed 0]
                                         [--device cpu|cuda] [--out FILE.json]
+                                        [--quantization int8 int8-weight-only fp8]
+                                        [--quantized NAME=DIR ...]
 
 Each prompt (random token ids, lengths uniform in ``[--min-len, --max-len]``, fixed seed)
 runs once through each system; the reference is transformers in float32 (the engine's
@@ -20,6 +23,11 @@ Two tables:
   the chosen token; mean KL(reference || system).
 - **per layer**: relative L2 error (pooled over all tokens of all prompts) and max absolute
   error of each stage, for the engine's bf16 path and for transformers' bf16.
+
+Quantized variants join the first-token table against the same float32 reference:
+``--quantization`` quantizes the float model at load, ``--quantized NAME=DIR`` loads a
+quantized checkpoint of it (``engine/testmodel_quant.py`` writes them) in pdserve and, where
+transformers can run that format here, in transformers too.
 
 Writes the tables as JSON with ``--out``. On CUDA the engine runs its Triton kernels, so the
 same command compares the GPU path (``bench/gpu_verify.py`` runs it as its ``numerics``
@@ -41,7 +49,10 @@ from typing import Any
 import torch
 
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.model_runner import BatchInputs, ModelRunner
+from pdserve.engine.models.llama import LlamaForCausalLM
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.engine.testmodel import SIZES, ensure_test_model
 
 FLIP_NATS = 0.05  # a top-1 change that costs more than this is a real flip, not a tie
@@ -156,23 +167,30 @@ class EngineProbe:
             **config,
         }
         self.engine = LLMEngine.from_pretrained(model_dir, dtype=dtype, device=device, **config)
-        self.model = self.engine.runner.model
+        # object first: the engine types its runner by a protocol that ModelRunner's frozen
+        # SampledToken does not match yet, so narrowing from it would read as unreachable.
+        runner: object = self.engine.runner
+        assert isinstance(runner, ModelRunner)
+        # The native class carries the residual stream beside each layer's output; on the
+        # transformers path the layers are transformers' own (hooked like the reference's).
+        self.native = isinstance(runner.model, LlamaForCausalLM)
+        self.inner: Any = runner.model.model if self.native else runner.model.base
         self._logits: dict[str, torch.Tensor] = {}  # request id -> its first token's logits
-        compute_logits = self.engine.runner.compute_logits
+        compute_logits = runner.compute_logits
 
-        def recording(out: Any) -> tuple[Any, torch.Tensor]:
+        def recording(out: SchedulerOutput) -> tuple[BatchInputs, torch.Tensor]:
             batch, logits = compute_logits(out)
             for rid, row in zip(batch.sample_request_ids, logits, strict=True):
                 self._logits.setdefault(rid, row.detach().float().cpu())
             return batch, logits
 
-        self.engine.runner.compute_logits = recording  # type: ignore[method-assign]
+        runner.compute_logits = recording  # type: ignore[method-assign]
 
     def run(self, prompt: list[int]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """One prompt alone: every stage, and the first token's logits."""
         self._logits.clear()
-        inner = self.model.model
-        with _hooks(inner.layers, inner.norm, engine=True) as seen:
+        inner = self.inner
+        with _hooks(inner.layers, inner.norm, engine=self.native) as seen:
             self.engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1))
         return dict(seen), next(iter(self._logits.values()))
 
@@ -188,7 +206,8 @@ class TransformersProbe:
     def __init__(self, model_dir: Path, dtype: torch.dtype, device: str) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
+        # typeshed's functools.wraps leaves transformers' PreTrainedModel.to unbound.
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)  # type: ignore[arg-type]
         self.model.eval()
         self.device = device
 
@@ -279,6 +298,27 @@ def main(argv: list[str] | None = None) -> None:
         default=64,
         help="also run all prompts at once, at most this many in flight (0: skip)",
     )
+    parser.add_argument(
+        "--quantization",
+        nargs="*",
+        default=[],
+        choices=["int8", "int8-weight-only", "fp8"],
+        help="also run pdserve with the float model quantized at load by each method",
+    )
+    parser.add_argument(
+        "--quantized",
+        nargs="*",
+        default=[],
+        metavar="NAME=DIR",
+        help="also run these quantized checkpoints of the same model (pdserve, and "
+        "transformers where it loads them)",
+    )
+    parser.add_argument(
+        "--model-impl",
+        choices=["auto", "native", "transformers"],
+        default="auto",
+        help="pdserve's model code (EngineConfig.model_impl)",
+    )
     parser.add_argument("--out", type=Path, help="write the tables as JSON here")
     args = parser.parse_args(argv)
     if not 1 <= args.min_len <= args.max_len:
@@ -286,16 +326,37 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = args.model or ensure_test_model(args.size)
     reference = TransformersProbe(model_dir, torch.float32, args.device)
     vocab = reference.model.config.vocab_size
+    impl = {"model_impl": args.model_impl}
     systems: dict[str, Any] = {
-        "pdserve bf16": EngineProbe(model_dir, "bfloat16", args.device),
+        "pdserve bf16": EngineProbe(model_dir, "bfloat16", args.device, **impl),
         "transformers bf16": TransformersProbe(model_dir, torch.bfloat16, args.device),
     }
     if args.batch:
         systems["pdserve bf16 batched"] = EngineProbe(
-            model_dir, "bfloat16", args.device, max_num_batched_tokens=2048, max_num_seqs=args.batch
+            model_dir,
+            "bfloat16",
+            args.device,
+            max_num_batched_tokens=2048,
+            max_num_seqs=args.batch,
+            **impl,
         )
     if not args.skip_fp32:
-        systems["pdserve fp32"] = EngineProbe(model_dir, "float32", args.device)
+        systems["pdserve fp32"] = EngineProbe(model_dir, "float32", args.device, **impl)
+    for method in args.quantization:
+        systems[f"pdserve {method}"] = EngineProbe(
+            model_dir, "auto", args.device, quantization=method
+        )
+    for spec in args.quantized:
+        name, sep, path = spec.partition("=")
+        if not sep:
+            parser.error(f"--quantized {spec!r}: want NAME=DIR")
+        systems[f"pdserve {name}"] = EngineProbe(Path(path), "auto", args.device)
+        try:
+            systems[f"transformers {name}"] = TransformersProbe(
+                Path(path), torch.float32, args.device
+            )
+        except Exception as exc:  # noqa: BLE001 - a format transformers cannot run here
+            print(f"transformers cannot load {name}: {exc}", file=sys.stderr)
     prompts = make_prompts(args.prompts, args.min_len, args.max_len, vocab, args.seed)
     errors = compare(prompts, reference, systems)
     print(

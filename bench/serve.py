@@ -109,7 +109,8 @@ async def send_request(
                 obj = json.loads(data)
                 if obj.get("error"):
                     raise RuntimeError(f"stream error: {obj['error'].get('message')}")
-                if _chunk_text(obj):
+                if piece := _chunk_text(obj):
+                    record.text += piece
                     now = time.perf_counter()
                     if last is None:
                         record.ttft = now - start
@@ -120,6 +121,8 @@ async def send_request(
                 if usage := obj.get("usage"):
                     record.output_tokens = int(usage["completion_tokens"])
                     record.prompt_tokens = int(usage["prompt_tokens"])
+                    details = usage.get("prompt_tokens_details") or {}
+                    record.cached_tokens = int(details.get("cached_tokens") or 0)
                     record.usage_reported = True
         if not record.usage_reported:
             record.output_tokens = text_chunks
@@ -248,6 +251,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="where summary.json and report.png go; default bench/results/serve-<time>",
     )
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument(
+        "--workload",
+        choices=["single", "multiturn"],
+        default="single",
+        help="single requests, or multi-turn conversations (bench.serve_multiturn)",
+    )
+    turns = p.add_argument_group("multiturn workload")
+    turns.add_argument("--conversations", type=int, default=16)
+    turns.add_argument("--turns", default="uniform:2:6", help="turns per conversation")
+    turns.add_argument("--system-len", type=int, default=512, help="shared system prompt tokens")
+    turns.add_argument("--num-system-prompts", type=int, default=2)
+    turns.add_argument("--user-len", default="uniform:32:128", help="tokens per user message")
+    turns.add_argument(
+        "--think-time-s",
+        type=float,
+        default=1.0,
+        help="mean pause between a turn's answer and the next turn",
+    )
+    turns.add_argument(
+        "--conversation-rate",
+        type=float,
+        default=None,
+        help="Poisson conversation starts per second (default: all at once)",
+    )
+    turns.add_argument("--replay", default=None, help="conversations.json of an earlier run")
+    turns.add_argument(
+        "--dry-run", action="store_true", help="only build and save the conversations"
+    )
+    turns.add_argument(
+        "--metrics-url",
+        action="append",
+        default=[],
+        help="Prometheus endpoint(s) to read KV transfer bytes from (repeat)",
+    )
     p.add_argument("--save-requests", action="store_true",
                    help="also write every request's record into the JSON")  # fmt: skip
     args = p.parse_args(argv)
@@ -344,7 +381,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    report = run(args)
+    if args.workload == "multiturn":
+        from pdserve.bench.serve_multiturn import run_multiturn
+
+        report = run_multiturn(args)
+    else:
+        report = run(args)
     return 0 if all(s["completed"] > 0 for s in report["summaries"]) else 1
 
 

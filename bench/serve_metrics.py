@@ -32,6 +32,8 @@ class RequestRecord:
     e2e: float | None = None
     itl: list[float] = field(default_factory=list)
     usage_reported: bool = False
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens, when reported
+    text: str = ""  # the streamed output (a multi-turn conversation sends it back)
 
     @property
     def tpot(self) -> float | None:

@@ -176,6 +176,7 @@ class PdserveServer:
     up_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)  # e.g. RAY_worker_niceness for `up`
     python: str = sys.executable
+    dashboard: bool = False  # Ray's state API (replica pids) needs it; it costs a process
     _started: bool = False
 
     def _cli(self, *args: str, timeout_s: float) -> None:
@@ -202,7 +203,8 @@ class PdserveServer:
 
         deadline = time.monotonic() + timeout_s
         self._started = True
-        self._cli("up", "--no-dashboard", *self.up_args, timeout_s=timeout_s)
+        no_dashboard = [] if self.dashboard else ["--no-dashboard"]
+        self._cli("up", *no_dashboard, *self.up_args, timeout_s=timeout_s)
         remaining = max(1.0, deadline - time.monotonic())
         self._cli(
             "serve", str(self.config), "--deploy-timeout", str(remaining), timeout_s=remaining + 30

@@ -269,28 +269,71 @@ def cmd_down(args: argparse.Namespace, state_dir: Path) -> int:
 
 
 class _Stop(Exception):
-    """Raised in the main thread by SIGTERM so `run` unwinds like Ctrl-C."""
+    """Raised in the main thread by the first SIGINT/SIGTERM so `run` unwinds into its clean-up."""
 
 
-def _raise_stop(signum: int, _frame: FrameType | None) -> None:
-    raise _Stop(signal.Signals(signum).name)
+class _StopOnSignal:
+    """SIGINT/SIGTERM handler of `run`: the first signal raises `_Stop`, every later one is
+    ignored.
+
+    The handler disarms itself (records the signal, then ignores both signals at the OS
+    level) before it raises, so a second signal, which arrives whenever a process group is
+    signalled and ``make`` forwards the same signal to its child, can never interrupt the
+    clean-up the first one started, nor kill the process while it exits (Python resets its
+    own handlers to the default action at interpreter shutdown; SIG_IGN it keeps).
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self._previous = {sig: signal.getsignal(sig) for sig in self.SIGNALS}
+
+    def __call__(self, signum: int, _frame: FrameType | None) -> None:
+        if self.received is not None:  # a second signal that re-entered the handler
+            return
+        self.received = signal.Signals(signum).name
+        self._ignore()
+        raise _Stop(self.received)
+
+    def install(self) -> None:
+        for sig in self.SIGNALS:
+            signal.signal(sig, self)
+
+    def _ignore(self) -> None:
+        for sig in self.SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+
+    def disarm(self) -> None:
+        """Ignore both signals from now on (and so replace any handler Ray installed)."""
+        if self.received is None:
+            self.received = "stop"
+        self._ignore()
+
+    def restore(self) -> None:
+        """The handlers from before `install`; only when `run` ends for a reason other than
+        a signal (then the process is on its way out and must not die mid-exit)."""
+        for sig, handler in self._previous.items():
+            if handler is not None:
+                signal.signal(sig, handler)
 
 
 def cmd_run(args: argparse.Namespace, state_dir: Path) -> int:
     from pdserve.cluster.local import running_nodes, stop_cluster
+    from pdserve.cluster.procs import child_session_leaders, stop_sessions
     from pdserve.cluster.serving import prepare_model_in_background
 
     # Fail on a bad config before starting anything.
     config = _load_config(args.config, args.api_key)
-    previous = signal.signal(signal.SIGTERM, _raise_stop)
+    stop = _StopOnSignal()
+    stop.install()
     try:
         model_ready = prepare_model_in_background(config)  # overlaps with the nodes' start
         cmd_up(args, state_dir)
         model_ready.join()
         cmd_serve(args, state_dir, config)
         _disconnect()  # the app outlives the driver; waiting needs no Ray connection
-        signal.signal(signal.SIGTERM, _raise_stop)  # Ray's driver installs handlers of its own
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        stop.install()  # Ray's driver installs handlers of its own
         _say("serving; Ctrl-C or SIGTERM stops the cluster")
         idle = threading.Event()
         while True:  # until a signal; also ends when a node dies under us
@@ -299,21 +342,29 @@ def cmd_run(args: argparse.Namespace, state_dir: Path) -> int:
             if state is None or len(running_nodes(state)) < len(state.nodes):
                 _say("a node of the cluster exited; shutting down")
                 return EXIT_FAILURE
-    except (KeyboardInterrupt, _Stop) as why:
-        _say(f"stopping ({'Ctrl-C' if isinstance(why, KeyboardInterrupt) else why})")
+    except _Stop as why:
+        _say(f"stopping ({why})")
+        return 0
+    except SystemExit as why:
+        # ray.init's own SIGTERM handler (sys.exit(signum)) was in place while connecting.
+        if why.code != signal.SIGTERM:
+            raise
+        stop.received = "SIGTERM"
+        _say("stopping (SIGTERM)")
         return 0
     finally:
-        # A second Ctrl-C or SIGTERM must not cut `down` short and leave processes behind.
-        previous_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        stop.disarm()
         _disconnect()
         report = stop_cluster(state_dir)
         if report.stopped:
             _say(f"stopped {', '.join(report.stopped)}")
-        if report.survivors:
-            _say(f"processes still running after SIGKILL: {report.survivors}")
-        signal.signal(signal.SIGTERM, previous)
-        signal.signal(signal.SIGINT, previous_int)
+        # A node whose `ray start` was forked just before the signal may not be recorded
+        # yet; it is still a child of this process, leading a session of its own.
+        survivors = report.survivors + stop_sessions(child_session_leaders())
+        if survivors:
+            _say(f"processes still running after SIGKILL: {survivors}")
+        if stop.received == "stop":  # not ended by a signal: the caller's handlers again
+            stop.restore()
 
 
 def _disconnect() -> None:

@@ -57,12 +57,8 @@ class StopReport:
 # replica open MIN_DRAINING_PERIOD_S so that a load balancer can deregister it; a local
 # cluster has no load balancer in front (clients hold the replica's URL), so one second is
 # enough. Not Ray's whole throughput-optimized preset (RAY_SERVE_THROUGHPUT_OPTIMIZED: user
-# code and router on the replica's own event loop): in two of bench.overload's 10x steps
-# with it, admitted streams stalled 25-50 s before their first token and 429s took 18-25 s
-# p99 (a third run got 40 ms 429s only because one shed closed the door for 13 s). Those
-# stalls were likely the ingress's report sharing its request's Serve id (fixed, see
-# OpenAIIngress._report_turned_away); with the fix, two colocated 10x steps with the preset
-# had 429 p99 147 and 70 ms, no better than four runs without it (35-120 ms).
+# code and router on the replica's own event loop): it measured no better than direct
+# ingress alone (docs/decisions.md, decision 5).
 DIRECT_INGRESS_ENV = {
     "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
     "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",

@@ -48,6 +48,26 @@ def session_members(session_ids: Iterable[int]) -> list[int]:
     return sorted(members)
 
 
+def child_session_leaders(parent: int | None = None) -> list[int]:
+    """Running children of ``parent`` (default: this process) that lead a session of their own:
+    the nodes this process started, whether or not they made it into the state file."""
+    parent = os.getpid() if parent is None else parent
+    leaders = []
+    for entry in PROC.iterdir():
+        if not entry.name.isdigit():
+            continue
+        fields = _stat_fields(int(entry.name))
+        # After the command name: state [0], ppid [1], pgrp [2], session [3].
+        if (
+            fields is not None
+            and fields[0] not in ("Z", "X")
+            and int(fields[1]) == parent
+            and int(fields[3]) == int(entry.name)
+        ):
+            leaders.append(int(entry.name))
+    return sorted(leaders)
+
+
 def _signal(pids: Iterable[int], sig: signal.Signals) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):

@@ -115,7 +115,7 @@ def connect_driver(state: ClusterState) -> None:
             address=state.gcs_address,
             _node_ip_address=state.node_ip,
             log_to_driver=False,
-            logging_level="WARNING",
+            logging_level=logging.WARNING,
         )
     finally:
         os.chdir(cwd)
@@ -136,12 +136,12 @@ def unplaceable_pools(config: AppConfig, nodes: list[NodeCapacity]) -> list[str]
     the pool's selector (STRICT_PACK). Serve would otherwise wait for it forever."""
     problems = []
     for role in ("prefill", "decode"):
-        pool = config.pool(role)  # type: ignore[arg-type]
+        pool = config.pool(role)
         if role == "prefill" and pool.max_replicas == 0:
             continue
         tp = pool.tensor_parallel_size
-        need = {"CPU": pool.num_cpus * tp, "GPU": config.gpus_per_replica(role)}  # type: ignore[arg-type]
-        selector = pool.label_selector(role)  # type: ignore[arg-type]
+        need = {"CPU": pool.num_cpus * tp, "GPU": config.gpus_per_replica(role)}
+        selector = pool.label_selector(role)
         matching = [n for n in nodes if all(n.labels.get(k) == v for k, v in selector.items())]
         if any(all(n.resources.get(r, 0.0) >= v for r, v in need.items()) for n in matching):
             continue
@@ -152,7 +152,7 @@ def unplaceable_pools(config: AppConfig, nodes: list[NodeCapacity]) -> list[str]
         problems.append(
             f"{role}: a replica needs {need['CPU']:g} CPU and {need['GPU']:g} GPU on one node "
             f"(tensor_parallel_size {tp} x per-rank num_cpus {pool.num_cpus:g} / num_gpus "
-            f"{config.gpus_per_rank(role):g}) with labels {selector}; "  # type: ignore[arg-type]
+            f"{config.gpus_per_rank(role):g}) with labels {selector}; "
             f"nodes: {offered or 'none match'}"
         )
     return problems

@@ -183,6 +183,8 @@ def _ray_nodes(
     # CPU: its share is counted once, through the group's bundles.
     reserved = reserved_by_groups(groups)
     for actor in actors:
+        if actor.node_id is None:  # not placed yet: holds no node's CPUs
+            continue
         reserved[actor.node_id] += float((actor.required_resources or {}).get("CPU", 0.0))
     by_name = {
         _node_name(n.labels or {}, n.is_head_node, n.node_id[:8]): n

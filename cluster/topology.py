@@ -16,8 +16,7 @@ serving threads, prefill engines without CPUs of their own) runs on the remainin
 CPUs. Each pool node tells its replicas their engine CPUs in ``$PDSERVE_ENGINE_CPUS``; a
 replica binds only its engine thread there (``PoolConfig.cpu.cpu_bind``). On 2 cores: decode
 engine on CPU 1, the rest on CPU 0. An engine that shares its core with the serving threads
-waits behind their bursts every step: with ``pdserve.bench.compare_serving`` on 2 cores the pinned
-colocated server served 133-138 tok/s at concurrency 8 where the unpinned one served 110.
+waits behind their bursts every step (measurements in docs/cpu.md).
 
 This module only describes; ``pdserve.cluster.local`` starts processes.
 """
@@ -128,8 +127,8 @@ class ClusterSpec(BaseModel):
         description=(
             "Serve's direct ingress: the ingress replica serves HTTP and gRPC itself, on "
             "ports of its own, with no Serve proxy in between, so requests and streamed "
-            "tokens skip a hop through the proxy actor (one Python event loop, which "
-            "saturates near 80 req/s on a 2-core machine). Set on every node (Ray reads "
+            "tokens skip a hop through the proxy actor (one Python event loop that every "
+            "request passes). Set on every node (Ray reads "
             "it when a process starts)."
         ),
     )
@@ -184,7 +183,9 @@ class ClusterSpec(BaseModel):
             defaults.update(prefill_gpus=1, decode_gpus=1)
         elif len(gpus) > 1:
             n_prefill = explicit.get("prefill_gpus", len(gpus) // 2)
-            n_decode = explicit.get("decode_gpus", len(gpus) - int(n_prefill))  # type: ignore[arg-type]
+            if not isinstance(n_prefill, int):
+                raise ValueError(f"prefill_gpus: expected an int, got {n_prefill!r}")
+            n_decode = explicit.get("decode_gpus", len(gpus) - n_prefill)
             defaults.update(prefill_gpus=n_prefill, decode_gpus=n_decode, machine_gpus=tuple(gpus))
         defaults.update(explicit)
         return cls.model_validate(defaults)

@@ -90,6 +90,7 @@ def build_application(
         limit_batch=cfg.policy.batch_on_slo_miss == "shed",
         reject_within_ms=cfg.policy.reject_within_ms,
         admission_timeout=cfg.policy.admission_timeout,
+        max_migrations=cfg.max_migrations,
     )
 
 
@@ -187,16 +188,24 @@ def router_config(cfg: AppConfig, role: PoolRole) -> RequestRouterConfig:
     from pdserve.deployments.routers import DecodeRequestRouter, PrefillRequestRouter
 
     r = cfg.router
+    prefix = {"prefix_aware": r.prefix_aware, "history_ttl_s": r.prefix_history_ttl_s}
     if role == "prefill":
         cls: type = PrefillRequestRouter
         kwargs: dict[str, Any] = {
             "default_prefill_tokens_per_s": r.default_prefill_tokens_per_s,
             "transfer_bytes_per_s": r.transfer_bytes_per_s,
             "kv_bytes_per_token": r.kv_bytes_per_token,
+            **prefix,
         }
     else:
         cls = DecodeRequestRouter
-        kwargs = {"kv_weight": r.decode_kv_weight, "batch_weight": r.decode_batch_weight}
+        kwargs = {
+            "kv_weight": r.decode_kv_weight,
+            "batch_weight": r.decode_batch_weight,
+            "prefix_weight": r.prefix_weight,
+            "max_imbalance": r.prefix_max_imbalance,
+            **prefix,
+        }
     return RequestRouterConfig(
         request_router_class=cls,
         request_router_kwargs=kwargs,

@@ -87,6 +87,24 @@ class ModelSettings(_Strict):
     device: Literal["auto", "cpu", "cuda"] = Field(
         default="auto", description="Engine device; 'auto' = cuda when the replica has a GPU."
     )
+    quantization: Literal["int8", "int8-weight-only", "fp8"] | None = Field(
+        default=None,
+        description=(
+            "Quantize a float checkpoint's linear layers at load (int8 = W8A8 with dynamic "
+            "per-token activations, int8-weight-only = W8A16, fp8 = float8 e4m3 weights); "
+            "None = as the checkpoint is. A checkpoint with a quantization_config is served "
+            "quantized without it."
+        ),
+    )
+    impl: Literal["auto", "native", "transformers"] = Field(
+        default="auto",
+        description=(
+            "Model code (EngineConfig.model_impl): 'native' = pdserve's own class (the Llama "
+            "family), 'transformers' = transformers' modelling code on pdserve's paged "
+            "attention (any decoder-only model whose attention goes through "
+            "AttentionInterface), 'auto' = native where a class exists, else transformers."
+        ),
+    )
     seed: int = Field(default=0, description="Engine seed for unseeded sampling.")
 
     def resolve_path(self) -> str:
@@ -438,6 +456,30 @@ class RouterConfig(_Strict):
     decode_batch_weight: float = Field(
         default=1.0, ge=0, description="Decode router: weight of batch fullness in the score."
     )
+    prefix_aware: bool = Field(
+        default=True,
+        description="Route by the prompt's blocks each replica's prefix cache holds (KV "
+        "events, and this router's own recent routings), weighed against load; False = "
+        "load only.",
+    )
+    prefix_weight: float = Field(
+        default=1.0,
+        ge=0,
+        description="Decode router: score bonus for holding the whole prompt (scaled by the "
+        "fraction held), against the load score (KV usage + batch fullness, each up to 1).",
+    )
+    prefix_max_imbalance: int = Field(
+        default=4,
+        ge=0,
+        description="Decode router: a replica running more than this many requests above "
+        "the pool's least-loaded one gets no prefix bonus (a hot prefix cannot pile up).",
+    )
+    prefix_history_ttl_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="How long a router counts a prompt it routed as held by that replica "
+        "when the replica's KV events have not said so (yet).",
+    )
     stats_period_s: float = Field(
         default=0.5, gt=0, description="How often replicas publish routing stats."
     )
@@ -711,6 +753,15 @@ class AppConfig(_Strict):
         default_factory=APIConfig, description="API keys, request size and rate limits."
     )
     grpc: GRPCOptions = Field(default_factory=GRPCOptions, description="gRPC front door.")
+    max_migrations: int = Field(
+        default=2,
+        ge=0,
+        description=(
+            "How often one stream may move to another decode replica when the replica "
+            "serving it dies (deployments/migration.py); past it the stream ends with a 503 "
+            "error chunk. 0 = never migrate."
+        ),
+    )
 
     @model_validator(mode="after")
     def _check_pools(self) -> AppConfig:

@@ -32,7 +32,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 from ray.serve.handle import DeploymentHandle
 
-from pdserve.deployments import admission, autoscaling, tracing
+from pdserve.deployments import admission, autoscaling, kv_events, tracing
 from pdserve.deployments.config import AppConfig
 from pdserve.deployments.engine_factory import (
     EngineFactory,
@@ -53,7 +53,12 @@ from pdserve.deployments.policy import (
     LocalLoad,
     RemotePrefillEstimator,
 )
-from pdserve.deployments.remote_prefill import PrefillClient, RemotePrefill, ServePrefillClient
+from pdserve.deployments.remote_prefill import (
+    DecodeConnector,
+    PrefillClient,
+    RemotePrefill,
+    ServePrefillClient,
+)
 from pdserve.deployments.replica import (
     IntegrityReport,
     TransferMetricsObserver,
@@ -62,10 +67,14 @@ from pdserve.deployments.replica import (
     runtime_report,
     transfer_host,
 )
-from pdserve.deployments.tp_kv import DecodeAgentFactory, rank_layout, tp_executor_of
+from pdserve.deployments.tp_kv import (
+    DecodeAgentFactory,
+    TPDecodeConnector,
+    replica_kv_bytes_per_token,
+)
 from pdserve.engine.outputs import RequestOutput
-from pdserve.kvtransfer.blocks import pool_layout
 from pdserve.kvtransfer.config import KVTransferConfig
+from pdserve.kvtransfer.decode_connector import DecodeKVConnector
 
 logger = logging.getLogger("ray.serve")
 
@@ -119,6 +128,22 @@ class DecodeServer:
         transfer = KVTransferConfig(
             transport=t.kind, host=transfer_host(t.host), connect_timeout_s=t.connect_timeout_s
         )
+        self.transfer_observer = TransferMetricsObserver(self.metrics)
+        # Serve injects a DeploymentHandle to PrefillServer; tests may pass a PrefillClient.
+        client: PrefillClient | None = (
+            ServePrefillClient(prefill) if isinstance(prefill, DeploymentHandle) else prefill
+        )
+        tp = self.cfg.decode.tensor_parallel_size > 1
+        # The engine's KV connector receives remote prefills (none without a prefill pool);
+        # under tensor parallelism rank 0's speaks for every rank's receiver.
+        connector: DecodeConnector | None = None
+        if client is not None:
+            local = DecodeKVConnector(
+                transfer,
+                observer=self.transfer_observer,
+                segment_for=allocator.segment_for if allocator is not None else None,
+            )
+            connector = TPDecodeConnector(local) if tp else local
         factory = engine_factory or default_engine_factory
         self.engine = factory(
             engine_config(self.cfg, "decode", model_dir),
@@ -126,32 +151,20 @@ class DecodeServer:
                 self.cfg,
                 "decode",
                 kv_cache_allocator=allocator,
+                kv_connector=connector,
                 # Tensor parallel: ranks 1.. receive the KV heads they hold themselves.
-                kv_agent_factory=DecodeAgentFactory(transfer)
-                if self.cfg.decode.tensor_parallel_size > 1
-                else None,
+                kv_agent_factory=DecodeAgentFactory(transfer) if tp else None,
             ),
         )
+        self._kv_events = kv_events.publisher_for(self.engine)
         self.block_size: int = self.engine.block_size
         self.max_num_seqs = self.cfg.decode.engine.max_num_seqs
-        kv_cache = self.engine.kv_cache
         model = self.engine.model_config
-        executor = tp_executor_of(self.engine)
-        layout = (
-            rank_layout(kv_cache, model.model_name, executor.tp.shard, model.num_kv_heads)
-            if executor is not None
-            else pool_layout(kv_cache, model.model_name)
-        )
         # A token's KV over the whole replica (every rank's heads, each once).
-        self.kv_bytes_per_token = (
-            layout.block_bytes() * layout.num_layers * model.num_kv_heads
-        ) // (layout.num_kv_heads * layout.block_size)
-        self.transfer_observer = TransferMetricsObserver(self.metrics)
-        self._allocator = allocator
-        # Serve injects a DeploymentHandle to PrefillServer; tests may pass a PrefillClient.
-        client: PrefillClient | None = (
-            ServePrefillClient(prefill) if isinstance(prefill, DeploymentHandle) else prefill
+        self.kv_bytes_per_token = replica_kv_bytes_per_token(
+            self.engine.kv_cache, model.num_kv_heads
         )
+        self._allocator = allocator
         self.policy = DisaggregationPolicy(
             self.cfg.policy, self.cfg.slo, self.cfg.router.default_prefill_tokens_per_s
         )
@@ -159,17 +172,14 @@ class DecodeServer:
         self.remote = (
             RemotePrefill(
                 engine=self.engine,
+                connector=connector,
                 client=client,
-                layout=layout,
-                transfer=transfer,
-                shm_segment=allocator.segment_for(kv_cache) if allocator is not None else None,
-                observer=self.transfer_observer,
                 estimate=self.remote_estimate,
                 timeout_s=t.timeout_s,
                 model_name=self.model_name,
                 metrics=self.metrics,
             )
-            if client is not None
+            if client is not None and connector is not None
             else None  # no prefill pool: every prompt is prefilled here
         )
         self._counts = {"local": 0, "remote": 0, "shed": 0}
@@ -414,6 +424,7 @@ class DecodeServer:
             max_num_seqs=self.max_num_seqs,
             kv_bytes_per_token=self.kv_bytes_per_token,
             prompt_tokens_per_s=0.0,
+            kv_events=kv_events.publish(self._kv_events),
         ).model_dump()
 
     def record_autoscaling_stats(self) -> dict[str, float]:

@@ -12,12 +12,15 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdserve.deployments.config import AppConfig, PoolConfig, PoolRole
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_connector import KVConnector
 from pdserve.kernels.cpu.cpus import ENGINE_CPUS_ENV, RuntimeSettings
+
+if TYPE_CHECKING:
+    from pdserve.engine.async_engine import AsyncLLMEngine
 
 
 @dataclass(frozen=True)
@@ -56,7 +59,7 @@ def pool_hooks(cfg: AppConfig, role: PoolRole, **hooks: Any) -> EngineHooks:
     return EngineHooks(role, runtime=runtime_settings(cfg.pool(role)), **hooks)
 
 
-def default_engine_factory(config: EngineConfig, hooks: EngineHooks) -> Any:
+def default_engine_factory(config: EngineConfig, hooks: EngineHooks) -> AsyncLLMEngine:
     from pdserve.engine.async_engine import AsyncLLMEngine
     from pdserve.engine.llm_engine import LLMEngine
 
@@ -105,6 +108,8 @@ def engine_config(cfg: AppConfig, role: PoolRole, model_dir: str) -> EngineConfi
     return EngineConfig(
         model=model_dir,
         dtype=cfg.model.dtype,
+        quantization=cfg.model.quantization,
+        model_impl=cfg.model.impl,
         device=require_device(cfg, role),  # type: ignore[arg-type]
         seed=cfg.model.seed,
         block_size=limits.block_size,

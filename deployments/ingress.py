@@ -66,6 +66,7 @@ from pdserve.deployments.messages import (
     TokenLogprob,
 )
 from pdserve.deployments.metrics import APIMetrics, ServingMetrics
+from pdserve.deployments.migration import MigratingStream, MigrationMetrics
 from pdserve.deployments.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -355,6 +356,7 @@ class OpenAIIngress:
         limit_batch: bool = True,
         reject_within_ms: float = 100.0,
         admission_timeout: bool = False,
+        max_migrations: int = 0,
     ) -> None:
         observability = ObservabilityConfig.model_validate(observability or {})
         self._api = APIConfig.model_validate(api or {})
@@ -394,6 +396,12 @@ class OpenAIIngress:
         # prediction, and a pessimistic one would idle the engine).
         self._shed_hint = ShedHint(max_window_s=ttft_slo_ms / 2000.0 if ttft_slo_ms else None)
         self._serving_metrics = metrics
+        self._max_migrations = max_migrations
+        self._migration_metrics = MigrationMetrics(
+            model_name=info.name,
+            replica=serve.get_replica_context().replica_tag,
+            enabled=observability.metrics_enabled,
+        )
         self._loop_lag = LoopLag()
         self._proxy_lag = ProxyLag()
         self._ttft_slo_s = ttft_slo_ms / 1000.0 if ttft_slo_ms else None
@@ -514,7 +522,7 @@ class OpenAIIngress:
         ack_s = self._ack_timeout_s(request)
         if ack_s is not None:
             request = request.model_copy(update={"admit_by": time.time() + ack_s})
-        response = self._decode.options(stream=True).generate.remote(request)
+        response = self._open_decode_stream(request)
         finished = False
         admitted_at, open_before = time.monotonic(), self._num_open
         first_token = False
@@ -578,6 +586,15 @@ class OpenAIIngress:
             if not finished:
                 # The client went away (or we failed): stop the decode replica's work.
                 response.cancel()
+
+    def _open_decode_stream(self, request: GenerateRequest) -> MigratingStream:
+        """The decode call, moved to another decode replica if its replica dies."""
+        return MigratingStream(
+            self._decode.options(stream=True).generate.remote,
+            request,
+            max_migrations=self._max_migrations,
+            on_migrate=self._migration_metrics.record,
+        )
 
     def _leave_late(
         self,

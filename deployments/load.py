@@ -14,6 +14,7 @@ from typing import Any
 
 from pdserve.deployments import autoscaling
 from pdserve.deployments.config import PoolRole
+from pdserve.deployments.kv_events import KVEventBatch
 from pdserve.deployments.messages import ReplicaStats
 from pdserve.engine.stats import EngineStats
 
@@ -68,6 +69,7 @@ def replica_stats(
     max_num_seqs: int,
     kv_bytes_per_token: int,
     prompt_tokens_per_s: float,
+    kv_events: list[KVEventBatch] | None = None,
 ) -> ReplicaStats:
     return ReplicaStats(
         role=role,
@@ -84,6 +86,7 @@ def replica_stats(
         block_size=stats.block_size,
         kv_bytes_per_token=kv_bytes_per_token,
         prompt_tokens_per_s=prompt_tokens_per_s,
+        kv_events=kv_events or [],
     )
 
 

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from pdserve.deployments.kv_events import KVEventBatch
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.outputs import TokenLogprob as EngineLogprob
 from pdserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -62,6 +63,14 @@ class SamplingOptions(_Message):
     json_schema: str | None = Field(
         default=None, description="Constrain the output to this JSON schema (serialised)."
     )
+    num_prior_output_tokens: int = Field(
+        default=0,
+        description=(
+            "Output tokens produced before this request was continued on another replica "
+            "(they end its prompt): seeded draws, penalties and the grammar count them as "
+            "output. Set by the ingress when it migrates a stream; 0 for a new request."
+        ),
+    )
 
     @model_validator(mode="after")
     def _validate_with_engine_rules(self) -> SamplingOptions:
@@ -92,6 +101,7 @@ class SamplingOptions(_Message):
             min_p=params.min_p,
             json_object=params.json_object,
             json_schema=params.json_schema,
+            num_prior_output_tokens=params.num_prior_output_tokens,
         )
 
 
@@ -292,3 +302,8 @@ class ReplicaStats(_Message):
     block_size: int = 16
     kv_bytes_per_token: int = 0
     prompt_tokens_per_s: float = 0.0
+    kv_events: list[KVEventBatch] = Field(
+        default_factory=list,
+        description="The prefix cache's latest KV-event batches, oldest first (routers "
+        "index them: which replica holds which prefix).",
+    )

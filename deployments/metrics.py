@@ -113,6 +113,14 @@ class ServingMetrics:
         self.kv_transfer_failures = self._counter(
             "kv_transfer_failures", "KV transfers that failed or missed their deadline."
         )
+        self.kv_transfer_skipped_blocks = self._counter(
+            "kv_transfer_skipped_blocks",
+            "Prompt KV blocks a remote prefill did not move: the decode side held them.",
+        )
+        self.kv_transfer_skipped_bytes = self._counter(
+            "kv_transfer_skipped_bytes",
+            "KV bytes a remote prefill did not move: the decode side held those blocks.",
+        )
         self.disagg_decisions = self._counter(
             "disagg_decisions", "Prefill placement decisions.", ("decision",)
         )
@@ -187,6 +195,28 @@ class ServingMetrics:
         metric = Gauge(PREFIX + name, description, tag_keys=BASE_TAGS)
         metric.set_default_tags(self._tags)
         return metric
+
+
+class RoutingDecisions:
+    """``pdserve_routing_decisions{pool, reason}``: the requests a pool's router placed, by
+    why the replica won (``prefix_routing.RoutingReason``). Created lazily in the process
+    that routes (a handle's owner), a no-op when disabled."""
+
+    def __init__(self, pool: str, *, enabled: bool = True) -> None:
+        self._pool = pool
+        self._metric: Any = None
+        if enabled:
+            from ray.util.metrics import Counter
+
+            self._metric = Counter(
+                PREFIX + "routing_decisions",
+                "Requests placed by a pool's router, by the reason the replica won.",
+                tag_keys=("pool", "reason"),
+            )
+
+    def record(self, reason: str) -> None:
+        if self._metric is not None:
+            self._metric.inc(1.0, {"pool": self._pool, "reason": reason})
 
 
 class PoolReplicaGauge:

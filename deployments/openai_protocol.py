@@ -328,8 +328,8 @@ class CompletionRequest(_SamplingFields):
         """The one prompt, unwrapped from a one-element batch."""
         prompt = self.prompt
         if isinstance(prompt, list) and isinstance(prompt[0], (str, list)):
-            return prompt[0]  # type: ignore[return-value]
-        return prompt  # type: ignore[return-value]
+            return prompt[0]
+        return prompt
 
 
 class TextContentPart(_Request):

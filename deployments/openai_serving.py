@@ -169,7 +169,7 @@ class OpenAIServing:
         record = choice.record if choice else self._begin(req, request_id, trace_headers)
         stream: DecodeStream | None = None
         try:
-            if chat:
+            if isinstance(req, ChatCompletionRequest):
                 gen = self.chat_request(
                     req, request_id=request_id, slo_class=slo_class, trace_carrier=record.carrier
                 )
@@ -200,12 +200,15 @@ class OpenAIServing:
         request_id: str,
         trace_headers: Mapping[str, str] | None,
     ) -> RequestTelemetry:
-        chat = isinstance(req, ChatCompletionRequest)
+        if isinstance(req, ChatCompletionRequest):
+            kind, max_tokens = "chat", req.output_limit()
+        else:
+            kind, max_tokens = "text_completion", req.max_tokens
         return self.telemetry.begin(
-            "chat" if chat else "text_completion",
+            kind,
             request_id,
             sampling={
-                "max_tokens": req.output_limit() if chat else req.max_tokens,
+                "max_tokens": max_tokens,
                 "temperature": req.temperature,
                 "top_p": req.top_p,
                 "top_k": req.top_k,

@@ -20,7 +20,7 @@ import logging
 import time
 from typing import Any
 
-from pdserve.deployments import tracing
+from pdserve.deployments import kv_events, tracing
 from pdserve.deployments.config import AppConfig
 from pdserve.deployments.engine_factory import (
     EngineFactory,
@@ -92,6 +92,7 @@ class PrefillServer:
                 kv_agent_factory=PrefillAgentFactory(transfer) if tp else None,
             ),
         )
+        self._kv_events = kv_events.publisher_for(self.engine)
         # The engine registered its pool with the connector, which built the sender.
         self.sender = self.connector.sender
         self.layout = self.sender.layout
@@ -145,6 +146,9 @@ class PrefillServer:
             if last.logprobs
             else None
         )
+        # The prefill pool's prefix-cache hit rate (the decode pool records its own).
+        self.metrics.prefix_cache_queries.inc(len(req.prompt_token_ids))
+        self.metrics.prefix_cache_hits.inc(last.num_cached_tokens)
         return PrefillResponse(
             request_id=rid,
             first_token_id=last.token_ids[0],
@@ -167,6 +171,7 @@ class PrefillServer:
             max_num_seqs=self.max_num_seqs,
             kv_bytes_per_token=self.kv_bytes_per_token,
             prompt_tokens_per_s=self._arrivals.rate(),
+            kv_events=kv_events.publish(self._kv_events),
         ).model_dump()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
@@ -196,7 +201,7 @@ class PrefillServer:
 
     def shutdown(self) -> None:
         """Close KV connections and stop the engine (idempotent)."""
-        self.sender.close()
+        self.connector.close()
         self.engine.shutdown()
 
     def __del__(self) -> None:  # Serve calls this when it stops the replica

@@ -1,8 +1,10 @@
 """Remote prefill, decode side: the one owner of a decode replica's half of the hand-off.
 
-``RemotePrefill`` reserves the prompt's KV blocks in the engine, expects the transfer (it
-owns the replica's ``KVReceiver``), calls the prefill pool, waits for the KV, hands it to
-the engine with the first token, and falls back to a local recompute on any failure.
+``RemotePrefill`` marks the request for a remote load on the engine's KV connector
+(``DecodeKVConnector``, or ``TPDecodeConnector`` for a tensor-parallel replica), reserves the
+prompt's KV blocks in the engine (whose scheduler tells the connector where the KV goes),
+opens the transfer through the connector, calls the prefill pool, waits for the KV, hands it
+to the engine with the first token, and falls back to a local recompute on any failure.
 ``DecodeServer`` uses it for every request its policy sends to the prefill pool. The
 invariant it keeps: when it returns (or is cancelled) no prefill peer is still writing into
 the request's blocks, and the engine request is either decoding, recomputing locally, or
@@ -23,16 +25,16 @@ from pdserve.deployments.load import RateMeter
 from pdserve.deployments.messages import GenerateRequest, PrefillRequest, PrefillResponse
 from pdserve.deployments.metrics import ServingMetrics
 from pdserve.deployments.policy import RemotePrefillEstimator
-from pdserve.deployments.tp_kv import TPReceiver, tp_executor_of
+from pdserve.deployments.tp_kv import TPDecodeConnector
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kvtransfer.config import KVTransferConfig
-from pdserve.kvtransfer.metrics import TransferObserver
-from pdserve.kvtransfer.receiver import KVReceiver
-from pdserve.kvtransfer.shm import ShmSegment
-from pdserve.kvtransfer.types import KVLayout, KVTarget
+from pdserve.kvtransfer.decode_connector import DecodeKVConnector
+from pdserve.kvtransfer.types import KVTarget
 
 logger = logging.getLogger("ray.serve")
+
+# The decode replica's KV connector, as the engine was given it.
+DecodeConnector = DecodeKVConnector | TPDecodeConnector
 
 # Extra time past the KV deadline granted to the prefill call's answer (its own result
 # wait is bounded by the same deadline).
@@ -62,31 +64,21 @@ class ServePrefillClient:
 
 class RemotePrefill:
     """Runs remote prefills for one decode replica: its engine (an ``AsyncLLMEngine``), the
-    ``KVReceiver`` over the engine's pool, and the client of the prefill pool."""
+    KV connector the engine was built with, and the client of the prefill pool."""
 
     def __init__(
         self,
         *,
         engine: Any,
+        connector: DecodeConnector,
         client: PrefillClient,
-        layout: KVLayout,
-        transfer: KVTransferConfig,
-        shm_segment: ShmSegment | None,
-        observer: TransferObserver,
         estimate: RemotePrefillEstimator,
         timeout_s: float,
         model_name: str,
         metrics: ServingMetrics,
     ) -> None:
         self.engine = engine
-        receiver = KVReceiver(
-            engine.kv_cache, layout, transfer, shm_segment=shm_segment, observer=observer
-        )
-        executor = tp_executor_of(engine)
-        # A tensor-parallel replica receives on every rank (each holds its KV heads).
-        self.receiver: KVReceiver | TPReceiver = (
-            TPReceiver(receiver, executor) if executor is not None else receiver
-        )
+        self.connector = connector
         self.client = client
         self.estimate = estimate
         self.timeout_s = timeout_s
@@ -105,7 +97,11 @@ class RemotePrefill:
         """The request's engine outputs, its prompt prefilled remotely (or locally when
         the pool has no room, or after a failure)."""
         rid, ids = req.request_id, req.prompt_token_ids
-        blocks = await self.engine.reserve_remote_prefill(rid, ids, params)
+        self.connector.register_load(rid)
+        try:
+            blocks = await self.engine.reserve_remote_prefill(rid, ids, params)
+        finally:
+            self.connector.unregister_load(rid)  # the scheduler took it over, or never will
         if blocks is None:
             # No room for the whole prompt now: the local scheduler queues it instead.
             self._placed[rid] = "local"
@@ -123,11 +119,11 @@ class RemotePrefill:
         # every timed-out call, and so would the time to detect a stuck replica.)
         deadline = time.time() + self.estimate.compute_s(len(ids)) + self.timeout_s
         try:
-            expected = self.receiver.expect(rid, blocks, deadline, num_tokens=len(ids))
-            targets = (expected,) if isinstance(expected, KVTarget) else expected
+            targets = self.connector.expect(rid, deadline)
         except BaseException:
             await self.engine.abort(rid)
             raise
+        self._count_skipped(targets)
         handoff = asyncio.create_task(self._handoff(req, targets))
         stream = self.engine.stream(rid)
         try:
@@ -140,7 +136,7 @@ class RemotePrefill:
                 handoff.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await handoff
-            await asyncio.to_thread(self.receiver.cancel, rid)
+            await asyncio.to_thread(self.connector.cancel, rid)
             await stream.aclose()
 
     async def _handoff(self, req: GenerateRequest, targets: tuple[KVTarget, ...]) -> None:
@@ -164,7 +160,7 @@ class RemotePrefill:
                         ),
                         timeout=max(0.0, deadline - time.time()) + PREFILL_CALL_GRACE_S,
                     )
-                    result = await asyncio.to_thread(self.receiver.wait, rid, deadline)
+                    result = await asyncio.to_thread(self.connector.wait, rid, deadline)
                     end_ns = time.time_ns()
                     tracing.record_span(
                         "kv_transfer",
@@ -178,7 +174,10 @@ class RemotePrefill:
                     )
                     first = response.first_logprobs
                     await self.engine.complete_remote_prefill(
-                        rid, response.first_token_id, first.to_engine() if first else None
+                        rid,
+                        response.first_token_id,
+                        first.to_engine() if first else None,
+                        num_cached_tokens=response.num_cached_tokens,
                     )
                     self.estimate.observe(
                         n,
@@ -202,7 +201,7 @@ class RemotePrefill:
             type(err).__name__,
             err,
         )
-        await asyncio.to_thread(self.receiver.cancel, rid)
+        await asyncio.to_thread(self.connector.cancel, rid)
         # Count the failed attempt's time so a dead or slow pool stops attracting requests.
         self.estimate.observe(n, time.perf_counter() - began, 0.0, ahead)
         self.fallbacks += 1
@@ -213,6 +212,17 @@ class RemotePrefill:
         except Exception:  # noqa: BLE001 - e.g. the request was aborted meanwhile
             logger.exception("local recompute of %s could not start; aborting it", rid)
             await self.engine.abort(rid)  # ends the stream instead of leaving it waiting
+
+    def _count_skipped(self, targets: tuple[KVTarget, ...]) -> None:
+        """Blocks (and their bytes, over every rank's heads) the hand-off need not move: the
+        prefix this replica's cache already holds."""
+        skipped = targets[0].first_block
+        if skipped:
+            layers = targets[0].layout.num_layers
+            canonical = [t for t in targets if t.layout.kv_head_replica == 0]
+            per_block = sum(t.layout.block_bytes() for t in canonical) * layers
+            self.metrics.kv_transfer_skipped_blocks.inc(skipped)
+            self.metrics.kv_transfer_skipped_bytes.inc(skipped * per_block)
 
     # ------------------------------------------------------------------ bookkeeping
     def location(self, request_id: str, planned: str) -> str:
@@ -225,8 +235,8 @@ class RemotePrefill:
 
     def pending(self) -> list[str]:
         """Request ids whose KV is still expected (for leak checks)."""
-        return self.receiver.pending()
+        return self.connector.pending()
 
     def close(self) -> None:
         """Stop receiving KV: drop every prefill peer and fail what is still expected."""
-        self.receiver.close()
+        self.connector.close()

@@ -55,12 +55,10 @@ class IntegrityReport(BaseModel):
 def runtime_report(engine: Any) -> dict[str, Any]:
     """The integrity report's ``engine_cpus``/``helper_cpus`` from the engine's runtime
     (test doubles without a runtime report none) and where its other TP ranks run."""
-    from pdserve.deployments.tp_kv import tp_executor_of
-
     describe = getattr(engine, "describe_runtime", None)
     info = describe() if describe is not None else RuntimeInfo()
-    executor = tp_executor_of(engine)
-    ranks = [asdict(p) for p in executor.worker_places()] if executor is not None else []
+    places = getattr(engine, "worker_places", None)
+    ranks = [asdict(p) for p in places()] if places is not None else []
     return {
         "engine_cpus": list(info.engine_cpus),
         "helper_cpus": list(info.helper_cpus),

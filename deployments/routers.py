@@ -10,6 +10,8 @@ The scoring functions are pure (``predict_prefill_ttft_s``, ``decode_load_score`
 ``rank_*`` helpers take any objects with ``replica_id`` and ``routing_stats``, so they are
 unit-tested with fakes, and the per-router books are ``InflightLoad``; the ``RequestRouter``
 subclasses only glue them to Serve (the simulator in ``pdserve.sim`` calls the same code).
+With ``prefix_aware`` (the default) both routers also weigh the prompt blocks each replica
+holds (``prefix_index``, ``prefix_routing``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,13 @@ from pydantic import ValidationError
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from pdserve.deployments.messages import GenerateRequest, PrefillRequest, ReplicaStats
+from pdserve.deployments.prefix_index import prompt_block_hashes
+from pdserve.deployments.prefix_routing import (
+    AffinityParams,
+    PrefixRoutingState,
+    rank_decode_prefix,
+    rank_prefill_prefix,
+)
 
 logger = logging.getLogger("ray.serve")
 
@@ -143,7 +152,7 @@ def rank_prefill_terms(
     # (score, index) pairs that sort by score, ties in input order, with no key function.
     get = inflight_tokens.get
     n = prompt_tokens
-    scored = []
+    scored: list[tuple[float, int]] = []
     append = scored.append
     for i, (r, (queued, rate, bytes_per_token, bandwidth)) in enumerate(replicas):
         inflight = get(r.replica_id, 0)
@@ -208,7 +217,7 @@ def rank_decode_terms(
     for speed; the tests hold the two equal), ties in input order."""
     get = inflight.get
     kv_weight, batch_weight = p.kv_weight, p.batch_weight
-    scored = []
+    scored: list[tuple[bool, float, int]] = []
     append = scored.append
     for i, (r, t) in enumerate(replicas):
         sent = get(r.replica_id, 0)
@@ -302,11 +311,56 @@ class _TrackingRouter(RequestRouter):
         self._load.replica_died(replica_id)
 
 
-class PrefillRequestRouter(_TrackingRouter):
-    """Routes ``PrefillRequest``s to the replica with the smallest predicted TTFT."""
+class _PrefixRouter(_TrackingRouter):
+    """A tracking router that also keeps a ``PrefixRoutingState`` (built in initialize_state)."""
 
-    def initialize_state(self, **kwargs: Any) -> None:
+    pool = "decode"
+
+    def _init_prefix(
+        self, prefix_aware: bool, history_ttl_s: float, affinity: AffinityParams
+    ) -> None:
+        self._prefix = PrefixRoutingState(
+            self.pool, prefix_aware=prefix_aware, history_ttl_s=history_ttl_s, affinity=affinity
+        )
+
+    def _prefix_state(self) -> PrefixRoutingState:
+        if getattr(self, "_prefix", None) is None:
+            self._init_prefix(True, 30.0, AffinityParams())
+        return self._prefix
+
+    def _prompt_hashes(self, pending_request: PendingRequest, block_size: int) -> list[int]:
+        req = _request_arg(pending_request)
+        if not isinstance(req, GenerateRequest | PrefillRequest):
+            return []
+        return prompt_block_hashes(req.prompt_token_ids, block_size)
+
+    def on_request_routed(
+        self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
+    ) -> None:
+        super().on_request_routed(pending_request, replica_id, result)
+        state = self._prefix_state()
+        if state.enabled:
+            hashes = self._prompt_hashes(pending_request, self._last_block_size)
+            state.routed(pending_request, replica_id, hashes)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._prefix_state().index.forget(replica_id)
+
+    _last_block_size = 16  # the block size the latest reports gave (the pool's)
+
+
+class PrefillRequestRouter(_PrefixRouter):
+    """Routes ``PrefillRequest``s to the replica with the smallest predicted TTFT (counting
+    only the prompt tokens each replica lacks and the blocks the decode side lacks)."""
+
+    pool = "prefill"
+
+    def initialize_state(
+        self, prefix_aware: bool = True, history_ttl_s: float = 30.0, **kwargs: Any
+    ) -> None:
         self._params = PrefillRouterParams(**kwargs)
+        self._init_prefix(prefix_aware, history_ttl_s, AffinityParams())
 
     def _weight(self, pending_request: PendingRequest) -> int:
         req = _request_arg(pending_request)
@@ -325,14 +379,37 @@ class PrefillRequestRouter(_TrackingRouter):
         req = _request_arg(pending_request)
         tokens = len(req.prompt_token_ids) if isinstance(req, PrefillRequest) else 0
         params = getattr(self, "_params", PrefillRouterParams())
-        return rank_prefill(candidate_replicas, tokens, self._inflight, params)
+        state = self._prefix_state()
+        if not state.enabled or not isinstance(req, PrefillRequest):
+            return rank_prefill(candidate_replicas, tokens, self._inflight, params)
+        parsed = [(r, parse_stats(r.routing_stats)) for r in candidate_replicas]
+        target = req.kv_targets[0]
+        bs = self._last_block_size = target.layout.block_size
+        hashes = prompt_block_hashes(req.prompt_token_ids, bs)
+        cached = {rid: n * bs for rid, n in state.matched(parsed, hashes).items()}
+        terms = [(r, prefill_terms(stats, params)) for r, stats in parsed]
+        transfer_tokens = max(1, tokens - target.first_block * bs)
+        ranked, reason = rank_prefill_prefix(terms, tokens, cached, transfer_tokens, self._inflight)
+        state.chose(pending_request, reason)
+        return ranked
 
 
-class DecodeRequestRouter(_TrackingRouter):
-    """Routes ``GenerateRequest``s to the replica with KV headroom and the lightest batch."""
+class DecodeRequestRouter(_PrefixRouter):
+    """Routes ``GenerateRequest``s to the replica with KV headroom and the lightest batch,
+    preferring one that holds the prompt's prefix (``prefix_routing.rank_decode_prefix``)."""
 
-    def initialize_state(self, **kwargs: Any) -> None:
+    pool = "decode"
+
+    def initialize_state(
+        self,
+        prefix_aware: bool = True,
+        history_ttl_s: float = 30.0,
+        prefix_weight: float = 1.0,
+        max_imbalance: int = 4,
+        **kwargs: Any,
+    ) -> None:
         self._params = DecodeRouterParams(**kwargs)
+        self._init_prefix(prefix_aware, history_ttl_s, AffinityParams(prefix_weight, max_imbalance))
 
     async def choose_replicas(
         self,
@@ -344,13 +421,25 @@ class DecodeRequestRouter(_TrackingRouter):
         if not candidate_replicas:
             return []
         req = _request_arg(pending_request)
+        params = getattr(self, "_params", DecodeRouterParams())
+        bs = self._last_block_size = _block_size(candidate_replicas)
         blocks_needed = 0
         if isinstance(req, GenerateRequest):
             blocks_needed = decode_blocks_needed(
-                len(req.prompt_token_ids), req.sampling.max_tokens, _block_size(candidate_replicas)
+                len(req.prompt_token_ids), req.sampling.max_tokens, bs
             )
-        params = getattr(self, "_params", DecodeRouterParams())
-        return rank_decode(candidate_replicas, blocks_needed, self._inflight, params)
+        state = self._prefix_state()
+        if not state.enabled or not isinstance(req, GenerateRequest):
+            return rank_decode(candidate_replicas, blocks_needed, self._inflight, params)
+        parsed = [(r, parse_stats(r.routing_stats)) for r in candidate_replicas]
+        hashes = prompt_block_hashes(req.prompt_token_ids, bs)
+        matched = state.matched(parsed, hashes)
+        terms = [(r, decode_terms(stats)) for r, stats in parsed]
+        ranked, reason = rank_decode_prefix(
+            terms, blocks_needed, len(hashes), matched, self._inflight, params, state.affinity
+        )
+        state.chose(pending_request, reason)
+        return ranked
 
 
 def _block_size(replicas: Sequence[ReplicaView]) -> int:

@@ -9,8 +9,11 @@ each replica speaks for all ranks to the serving layer:
 - prefill: ``TPPrefillConnector`` (rank 0's engine connector) hands each request's targets
   to the workers' connectors with the next step and merges their results: a request's
   transfer succeeded only if every rank's sends did;
-- decode: ``TPReceiver`` expects a request on every rank (the workers' receivers through
-  the executor's control channel) and waits for all of them.
+- decode: ``TPDecodeConnector`` (rank 0's engine connector) expects a request on every rank
+  (the workers' receivers through the executor's control channel) and waits for all of them.
+
+Both are the engine's ``TPConnector``: the executor attaches itself to them, so the serving
+layer never reaches past the engine to its ranks.
 
 The workers' halves are built on the worker ranks by the picklable factories
 ``PrefillAgentFactory`` / ``DecodeAgentFactory`` (``pdserve.engine.tp_executor``).
@@ -31,8 +34,10 @@ from pdserve.engine.parallel import TPShard
 from pdserve.kvtransfer.blocks import pool_layout
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.connector import PrefillKVConnector
+from pdserve.kvtransfer.decode_connector import DecodeKVConnector
 from pdserve.kvtransfer.receiver import KVReceiver
 from pdserve.kvtransfer.results import ResultMailbox, merge_results
+from pdserve.kvtransfer.scheduler_half import NoExternalLoads, RemoteLoads
 from pdserve.kvtransfer.types import (
     KVLayout,
     KVTarget,
@@ -60,13 +65,11 @@ def rank_layout(kv_cache: torch.Tensor, model_name: str, shard: TPShard, kv_head
     )
 
 
-def tp_executor_of(engine: Any) -> TPExecutor | None:
-    """The ``TPExecutor`` behind an engine (``AsyncLLMEngine`` or ``LLMEngine``), if any."""
-    from pdserve.engine.tp_executor import TPExecutor
-
-    llm = getattr(engine, "engine", engine)
-    runner = getattr(llm, "runner", None)
-    return runner if isinstance(runner, TPExecutor) else None
+def replica_kv_bytes_per_token(kv_cache: torch.Tensor, kv_heads: int) -> int:
+    """Bytes of one token's KV over a whole replica: every layer, K and V, each of the
+    model's ``kv_heads`` once (``kv_cache`` is one rank's pool ``[L, 2, N, B, Hkv, D]``)."""
+    num_layers, _, _, _, _, head_dim = kv_cache.shape
+    return num_layers * 2 * kv_heads * head_dim * kv_cache.element_size()
 
 
 # ---- prefill ---------------------------------------------------------------------------------
@@ -103,9 +106,7 @@ class PrefillRankAgent:
         return report
 
     def close(self) -> None:
-        sender = self.connector._sender  # noqa: SLF001 - closed with the rank
-        if sender is not None:
-            sender.close()
+        self.connector.close()
 
 
 @dataclass(frozen=True)
@@ -124,8 +125,9 @@ class PrefillAgentFactory:
         return PrefillRankAgent(connector)
 
 
-class TPPrefillConnector:
-    """Rank 0's engine connector for a tensor-parallel prefill replica (``TPConnector``).
+class TPPrefillConnector(NoExternalLoads):
+    """Rank 0's engine connector for a tensor-parallel prefill replica (``TPConnector``;
+    its scheduler half loads nothing).
 
     The serving layer uses it as it uses a ``PrefillKVConnector``: ``register_target`` (one
     target per decode rank), ``unregister_target``, ``take_result``."""
@@ -139,9 +141,15 @@ class TPPrefillConnector:
         self._parts: dict[str, list[TransferResult]] = {}  # each rank's, as they arrive
         self._results = ResultMailbox()  # merged over the ranks, for take_result()
 
+    saves_kv_layers = True
+
     @property
     def sender(self) -> Any:
         return self.local.sender
+
+    def close(self) -> None:
+        """Close rank 0's sender (the workers' close with their ranks)."""
+        self.local.close()
 
     # ---- TPConnector
     def attach(self, executor: TPExecutor) -> None:
@@ -174,7 +182,7 @@ class TPPrefillConnector:
     def take_result(self, request_id: str, timeout: float | None = None) -> TransferResult | None:
         return self._results.take(request_id, timeout)
 
-    # ---- KVConnector (rank 0's engine thread)
+    # ---- KVConnector, worker half (rank 0's engine thread)
     def register_kv_caches(self, kv_cache: torch.Tensor, model_name: str) -> None:
         executor = self._executor
         if executor is None:
@@ -229,9 +237,9 @@ class DecodeRankAgent:
         return None
 
     def expect(
-        self, request_id: str, block_ids: tuple[int, ...], deadline: float, num_tokens: int
+        self, request_id: str, block_ids: tuple[int, ...], deadline: float, first_block: int
     ) -> KVTarget:
-        return self.receiver.expect(request_id, block_ids, deadline, num_tokens=num_tokens)
+        return self.receiver.expect(request_id, block_ids, deadline, first_block=first_block)
 
     def wait(self, request_id: str, deadline: float) -> TransferResult:
         return self.receiver.wait(request_id, deadline)
@@ -260,39 +268,62 @@ class DecodeAgentFactory:
         return DecodeRankAgent(KVReceiver(kv_cache, layout, self.transfer))
 
 
-class TPReceiver:
-    """Rank 0's view of a tensor-parallel decode replica's receivers: the API of
-    ``KVReceiver`` that ``RemotePrefill`` uses, over every rank."""
+class TPDecodeConnector(RemoteLoads):
+    """Rank 0's engine connector for a tensor-parallel decode replica (``TPConnector``).
 
-    def __init__(self, local: KVReceiver, executor: TPExecutor) -> None:
+    The serving layer uses it as it uses a ``DecodeKVConnector``: ``register_load``,
+    ``expect`` (one target per rank, rank order), ``wait`` (every rank's KV landed),
+    ``cancel`` (every rank fenced). The scheduler half (``RemoteLoads``) is this object's:
+    every rank holds the same block ids, so one plan serves them all."""
+
+    saves_kv_layers = False
+
+    def __init__(self, local: DecodeKVConnector) -> None:
+        super().__init__()
         self.local = local
-        self.executor = executor
-        self.ranks = range(1, executor.tp.size)
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=4 * len(self.ranks), thread_name_prefix="pdserve-tp-kv"
-        )
+        self._executor: TPExecutor | None = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     @property
     def layout(self) -> KVLayout:
+        """Rank 0's pool layout (its heads)."""
         return self.local.layout
 
-    def expect(
-        self,
-        request_id: str,
-        block_ids: list[int] | tuple[int, ...],
-        deadline: float | None = None,
-        *,
-        num_tokens: int,
-    ) -> tuple[KVTarget, ...]:
+    def _workers(self) -> tuple[TPExecutor, range]:
+        executor = self._executor
+        if executor is None:
+            raise RuntimeError("TPDecodeConnector: the executor did not attach")
+        return executor, range(1, executor.tp.size)
+
+    # ---- TPConnector
+    def attach(self, executor: TPExecutor) -> None:
+        self._executor = executor
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=4 * (executor.tp.size - 1), thread_name_prefix="pdserve-tp-kv"
+        )
+
+    def step_meta(self) -> None:
+        return None  # the workers' receivers are driven beside the steps (agent calls)
+
+    def worker_reports(self, reports: list[Any]) -> None:
+        pass
+
+    # ---- serving-layer side
+    def expect(self, request_id: str, deadline: float | None = None) -> tuple[KVTarget, ...]:
         """Expect the request on every rank: one target per rank, rank order."""
-        ids = tuple(block_ids)
-        first = self.local.expect(request_id, ids, deadline, num_tokens=num_tokens)
+        executor, ranks = self._workers()
+        first = self.local.expect_plan(request_id, self.require_plan(request_id), deadline)
         targets = [first]
         try:
-            for rank in self.ranks:
+            for rank in ranks:
                 targets.append(
-                    self.executor.agent_call(
-                        rank, "expect", request_id, ids, first.deadline, num_tokens
+                    executor.agent_call(
+                        rank,
+                        "expect",
+                        request_id,
+                        tuple(first.block_ids),
+                        first.deadline,
+                        first.first_block,
                     )
                 )
         except BaseException:
@@ -303,12 +334,14 @@ class TPReceiver:
     def wait(self, request_id: str, deadline: float | None = None) -> TransferResult:
         """Every rank's KV landed (returns the merged result) or one failed (raises, after
         cancelling the others so no peer still writes)."""
+        executor, ranks = self._workers()
+        assert self._pool is not None
         timeout = None if deadline is None else max(0.0, deadline - time.time()) + 5.0
         futures = [
             self._pool.submit(
-                self.executor.agent_call, rank, "wait", request_id, deadline, timeout=timeout
+                executor.agent_call, rank, "wait", request_id, deadline, timeout=timeout
             )
-            for rank in self.ranks
+            for rank in ranks
         ]
         parts: list[TransferResult] = []
         try:
@@ -325,14 +358,37 @@ class TPReceiver:
 
     def cancel(self, request_id: str) -> None:
         self.local.cancel(request_id)
-        for rank in self.ranks:
+        executor = self._executor
+        if executor is None:
+            return
+        for rank in range(1, executor.tp.size):
             # A dead rank writes nothing any more (and takes the replica down).
             with contextlib.suppress(Exception):
-                self.executor.agent_call(rank, "cancel", request_id)
+                executor.agent_call(rank, "cancel", request_id)
 
     def pending(self) -> list[str]:
         return self.local.pending()
 
     def close(self) -> None:
         self.local.close()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- KVConnector, worker half (rank 0's engine thread)
+    def register_kv_caches(self, kv_cache: torch.Tensor, model_name: str) -> None:
+        executor, _ = self._workers()
+        heads = executor.model_config.num_kv_heads
+        layout = rank_layout(kv_cache, model_name, executor.tp.shard, heads)
+        self.local.register_kv_caches(kv_cache, model_name, layout=layout)
+
+    def begin_step(self, sends: list[PendingSend]) -> None:
+        self.local.begin_step(sends)
+
+    def layer_computed(self, layer_idx: int, kv_cache: torch.Tensor) -> None:
+        pass
+
+    def end_step(self) -> list[str]:
+        return []
+
+    def poll_finished(self) -> list[str]:
+        return []

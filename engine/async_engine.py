@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from pdserve.engine.block_pool import NO_PARENT_HASH, hash_block_tokens
+from pdserve.engine.kv_events import KVEvents
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput, TokenLogprob, merge_outputs
 from pdserve.engine.sampling_params import SamplingParams
@@ -110,6 +110,17 @@ class AsyncLLMEngine:
         """Tokens per KV block."""
         return self.engine.block_size
 
+    def drain_kv_events(self) -> KVEvents:
+        """The prefix cache's stored/evicted block hashes since the last call (never waits
+        for the engine thread: the log has its own lock)."""
+        return self.engine.kv_events.drain()
+
+    def cached_block_hashes(self) -> list[int]:
+        """Every block hash the prefix cache holds now, for a KV-event snapshot. Read off
+        the engine thread on purpose, like ``cached_prefix_tokens``: copying a dict's keys
+        is one step under the GIL, and a slightly stale set only skews routing."""
+        return self.engine.kv_cache_manager.pool.cached_hashes()
+
     def cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
         """Prompt tokens whose KV the prefix cache holds right now (full blocks; the last
         token is always computed, so it never counts).
@@ -119,18 +130,7 @@ class AsyncLLMEngine:
         dict read the GIL keeps whole); a stale answer makes the placement heuristic
         slightly off, never the output wrong (the scheduler looks up again on admission).
         """
-        manager = self.engine.kv_cache_manager
-        if not manager.enable_prefix_caching:
-            return 0
-        bs = manager.block_size
-        parent = NO_PARENT_HASH
-        cached = 0
-        for i in range((len(token_ids) - 1) // bs):
-            parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs])
-            if manager.pool.lookup(parent) is None:
-                break
-            cached += bs
-        return cached
+        return self.engine.cached_prefix_tokens(token_ids)
 
     async def check_integrity(self) -> None:
         """Check queues, request states and block ref counts between steps (on the engine
@@ -205,10 +205,17 @@ class AsyncLLMEngine:
         return await self._call(reserve)
 
     async def complete_remote_prefill(
-        self, request_id: str, first_token_id: int, first_logprobs: TokenLogprob | None = None
+        self,
+        request_id: str,
+        first_token_id: int,
+        first_logprobs: TokenLogprob | None = None,
+        *,
+        num_cached_tokens: int | None = None,
     ) -> None:
         await self._call(
-            lambda: self.engine.complete_remote_prefill(request_id, first_token_id, first_logprobs)
+            lambda: self.engine.complete_remote_prefill(
+                request_id, first_token_id, first_logprobs, num_cached_tokens=num_cached_tokens
+            )
         )
 
     async def fail_remote_prefill(self, request_id: str) -> None:
@@ -227,6 +234,10 @@ class AsyncLLMEngine:
             raise ValueError(f"request_id {request_id!r} has no open stream")
         async for output in self._consume(request_id, stream, abort_on_exit=abort_on_exit):
             yield output
+
+    def worker_places(self) -> list[Any]:
+        """Where the engine's other tensor-parallel ranks run ([] for one device)."""
+        return self.engine.worker_places()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine thread; open streams end with EngineDeadError."""
@@ -320,7 +331,7 @@ class AsyncLLMEngine:
         blocked = False  # the last step could schedule nothing: don't spin on it
         try:
             while not self._stopped.is_set():
-                if self.engine.scheduler.has_work() and not blocked:
+                if self.engine.has_ready_work() and not blocked:
                     self._run_commands(wait=0.0)
                 elif self.engine.has_pending_work():
                     self._run_commands(wait=_POLL_S)

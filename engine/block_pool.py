@@ -17,6 +17,8 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from pdserve.engine.kv_events import KVEventLog
+
 NO_PARENT_HASH = 0
 
 
@@ -35,7 +37,13 @@ class KVBlock:
 class BlockPool:
     """Allocates, shares, caches and evicts KV blocks. Allocation returns ids or None."""
 
-    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_prefix_caching: bool = True,
+        events: KVEventLog | None = None,
+    ) -> None:
+        """``events``, when given, hears every hash cached and evicted (KV events)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -46,6 +54,7 @@ class BlockPool:
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._hash_to_block: dict[int, int] = {}
         self.num_evictions = 0
+        self.events = events
 
     # ----------------------------------------------------------------- queries
     @property
@@ -71,6 +80,10 @@ class BlockPool:
 
     def is_evictable(self, block_id: int) -> bool:
         return block_id in self._evictable
+
+    def cached_hashes(self) -> list[int]:
+        """Every hash the prefix cache holds now (a snapshot for KV-event readers)."""
+        return list(self._hash_to_block)
 
     # ----------------------------------------------------------------- mutation
     def allocate(self, num_blocks: int) -> list[int] | None:
@@ -135,6 +148,8 @@ class BlockPool:
             return False
         block.block_hash = block_hash
         self._hash_to_block[block_hash] = block_id
+        if self.events is not None:
+            self.events.stored(block_hash)
         return True
 
     def reset_prefix_cache(self) -> None:
@@ -146,10 +161,14 @@ class BlockPool:
         for block in self.blocks:
             if block.block_hash is not None:
                 self._evict_hash(block)
+        if self.events is not None:
+            self.events.cleared()
 
     def _evict_hash(self, block: KVBlock) -> None:
         assert block.block_hash is not None
         del self._hash_to_block[block.block_hash]
+        if self.events is not None:
+            self.events.removed(block.block_hash)
         block.block_hash = None
         self.num_evictions += 1
 

@@ -25,6 +25,27 @@ class EngineConfig(BaseModel):
             "for float16 checkpoints and for bfloat16 ones without native bf16 (AVX512-BF16/AMX)."
         ),
     )
+    quantization: Literal["int8", "int8-weight-only", "fp8"] | None = Field(
+        default=None,
+        description=(
+            "Quantize a float checkpoint's decoder linears at load, per output channel: "
+            "'int8' = int8 weights and dynamic per-token int8 activations (W8A8), "
+            "'int8-weight-only' = int8 weights (W8A16), 'fp8' = float8 e4m3 weights (fp8 "
+            "activations on CUDA, weight-only on a CPU). The logits projection stays float. "
+            "None = as the checkpoint is; a checkpoint with a quantization_config is read "
+            "as quantized whatever this says, and setting it too is an error."
+        ),
+    )
+    model_impl: Literal["auto", "native", "transformers"] = Field(
+        default="auto",
+        description=(
+            "Which model code runs the checkpoint: 'native' = pdserve's own class (the Llama "
+            "family), 'transformers' = transformers' modelling code with pdserve's paged "
+            "attention registered as its attention (any decoder-only model whose attention "
+            "goes through AttentionInterface), 'auto' = native where a class exists, else "
+            "transformers."
+        ),
+    )
     device: Literal["auto", "cpu", "cuda"] = Field(
         default="auto", description="'auto' picks cuda when available, else cpu."
     )
@@ -55,7 +76,8 @@ class EngineConfig(BaseModel):
         description=(
             "On CUDA, replay decode steps from CUDA graphs captured over batch-size buckets "
             "at start-up (prefill and mixed steps run eagerly); false = every step eager. "
-            "Ignored on a CPU and under tensor parallelism (eager there)."
+            "Ignored on a CPU, under tensor parallelism and on the transformers model path "
+            "(eager there)."
         ),
     )
 

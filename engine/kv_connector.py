@@ -1,13 +1,28 @@
 """Engine-side KV connector protocol for prefill/decode disaggregation.
 
-A prefill-role engine is given a connector (kvtransfer's ``PrefillKVConnector``) that pushes
-the KV blocks of each ``prefill_only`` request to its decode replica while the prefill is
-computed. This module only defines the protocol and the small message the scheduler emits;
-it never moves bytes and never imports torch at runtime.
+As in vLLM v1, a connector has two halves and one object serves both roles:
+
+- the **scheduler half** (``KVConnectorScheduler``) answers the scheduler's questions about
+  a request whose prompt KV comes from elsewhere: how many prompt tokens are available
+  externally beyond those computed here, which blocks were reserved to receive them, and
+  that the request left the engine;
+- the **worker half** (``KVConnectorWorker``) moves bytes around the forward pass: it learns
+  the KV pool once allocated, starts the step's sends (or loads), is told as each layer's
+  K/V is written, and reports which requests' transfers completed.
+
+A prefill-role engine is given kvtransfer's ``PrefillKVConnector`` (its worker half pushes
+each ``prefill_only`` request's blocks to the decode replica while the prefill is
+computed); a decode-role engine kvtransfer's ``DecodeKVConnector`` (its scheduler half
+reserves blocks for the incoming prompt, its worker half receives into them). The serving
+layer reaches the engine only through the connector and the engine's public methods.
+
+This module only defines the protocols and the small message the scheduler emits; it never
+moves bytes and never imports torch at runtime.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -47,8 +62,43 @@ class PendingSend:
 
 
 @runtime_checkable
-class KVConnector(Protocol):
-    """What the engine calls on the prefill side, in this order, once per step.
+class KVConnectorScheduler(Protocol):
+    """The scheduler half: called on the engine's thread, never touches tensors.
+
+    Only requests whose prompt KV is loaded from another engine (decode role) reach it;
+    a connector that loads nothing answers 0 and keeps no state.
+    """
+
+    def get_num_new_matched_tokens(
+        self, request_id: str, num_prompt_tokens: int, num_computed_tokens: int
+    ) -> int:
+        """Prompt tokens past the ``num_computed_tokens`` already available in this engine
+        (its prefix cache) whose KV the connector will load from elsewhere; 0 when the
+        engine computes the rest of the prompt itself. No side effect."""
+
+    def update_state_after_alloc(
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        num_computed_tokens: int,
+        num_external_tokens: int,
+    ) -> None:
+        """The engine reserved ``block_ids`` (the request's whole block table, prompt order)
+        and will keep them until ``request_finished``; the KV of prompt tokens
+        ``[num_computed_tokens, num_computed_tokens + num_external_tokens)`` is to be
+        written into them by the connector. Side effect: the connector records where the
+        incoming KV goes."""
+
+    def request_finished(self, request_id: str) -> None:
+        """A request given to ``update_state_after_alloc`` left the engine (finished or
+        aborted); its blocks are about to be freed. Side effect: the connector forgets
+        it. Whoever drives the load must have stopped every write into the blocks before
+        the request is finished (``DecodeKVConnector.cancel`` does)."""
+
+
+@runtime_checkable
+class KVConnectorWorker(Protocol):
+    """The worker half, called around each forward pass in this order.
 
     Side effects: ``register_kv_caches`` comes first, once, when the engine has allocated
     its pool (as in vLLM v1, the connector exists before the pool and learns it then);
@@ -57,7 +107,13 @@ class KVConnector(Protocol):
     the request id came back from ``end_step`` or ``poll_finished``: that happens once
     per request, after its final step's blocks were sent and confirmed, after its transfer
     failed, or after it was cancelled (then no read of its blocks is pending).
+
+    ``saves_kv_layers`` says whether the connector reads KV layer by layer during the
+    forward pass; when False the engine does not hook it into the model, so fast paths
+    that cannot call back per layer (CUDA graphs) stay in use.
     """
+
+    saves_kv_layers: bool
 
     def register_kv_caches(self, kv_cache: torch.Tensor, model_name: str) -> None:
         """The engine's KV pool ``[L, 2, N, B, Hkv, D]`` and the identity of the model that
@@ -76,3 +132,8 @@ class KVConnector(Protocol):
 
     def poll_finished(self) -> list[str]:
         """Request ids whose sends completed since the last call (between steps)."""
+
+
+@runtime_checkable
+class KVConnector(KVConnectorScheduler, KVConnectorWorker, Protocol):
+    """Both halves: what ``LLMEngine`` is given as ``kv_connector``."""

@@ -11,13 +11,15 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from pdserve.engine.block_pool import NO_PARENT_HASH, hash_block_tokens
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.kv_connector import KVConnector
+from pdserve.engine.kv_events import KVEventLog
 from pdserve.engine.outputs import RequestOutput, TokenLogprob
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
@@ -28,23 +30,53 @@ from pdserve.engine.stats import EngineStats, ThroughputMeter
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+    from pdserve.engine.loader import ModelConfig
     from pdserve.kernels.ops import DeviceRuntime, RuntimeSettings
 
 logger = logging.getLogger(__name__)
 
 
-class ModelRunnerLike(Protocol):
-    """What the engine needs of pdserve.engine.model_runner.ModelRunner."""
+class SamplerLike(Protocol):
+    """What the engine needs of pdserve.engine.sampler.Sampler."""
 
-    model_config: Any
-    tokenizer: Any
-    runtime: DeviceRuntime
+    def forget(self, request_ids: Sequence[str]) -> None: ...
+
+
+class ModelRunnerLike(Protocol):
+    """What the engine needs of pdserve.engine.model_runner.ModelRunner (or, under tensor
+    parallelism, pdserve.engine.tp_executor.TPExecutor). Read-only members: the engine
+    never sets them."""
+
+    @property
+    def model_config(self) -> ModelConfig: ...
+
+    @property
+    def tokenizer(self) -> Any: ...  # a transformers tokenizer
+
+    @property
+    def runtime(self) -> DeviceRuntime: ...
+
+    @property
+    def sampler(self) -> SamplerLike: ...
 
     def profile_num_blocks(self) -> int: ...
 
     def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor: ...
 
-    def execute(self, out: SchedulerOutput) -> dict[str, SampledTokenLike]: ...
+    def execute(self, out: SchedulerOutput) -> Mapping[str, SampledTokenLike]: ...
+
+
+def checked_connector(connector: object) -> KVConnector | None:
+    """``connector`` as a KVConnector; a TypeError naming its type when it is not one
+    (callers outside the type checker, such as Ray actors, can pass anything)."""
+    if connector is None or isinstance(connector, KVConnector):
+        return connector
+    raise TypeError(f"kv_connector: expected a KVConnector, got {type(connector).__name__}")
+
+
+def saves_kv_layers(connector: KVConnector | None) -> bool:
+    """Whether ``connector`` must be called as each layer's KV is written."""
+    return connector is not None and bool(connector.saves_kv_layers)
 
 
 class LLMEngine:
@@ -65,13 +97,20 @@ class LLMEngine:
         build the KV allocator and KV agent of ranks 1..tp-1 under tensor parallelism
         (``pdserve.engine.tp_executor``)."""
         self.config = config
+        kv_connector = checked_connector(kv_connector)
         if model_runner is None and config.tensor_parallel_size > 1:
-            from pdserve.engine.tp_executor import TPExecutor  # starts ranks 1..tp-1
+            from pdserve.engine.loader import load_model_config
+            from pdserve.engine.model_runner import check_transformers_path
+            from pdserve.engine.tp_executor import TPExecutor, checked_tp_connector
 
-            model_runner = TPExecutor(
+            # Refused before any rank starts.
+            model_config = load_model_config(config.model, config.model_impl)
+            check_transformers_path(model_config, config, config.tensor_parallel_size)
+
+            model_runner = TPExecutor(  # starts ranks 1..tp-1
                 config,
                 kv_cache_allocator=kv_cache_allocator,
-                kv_connector=kv_connector,
+                kv_connector=checked_tp_connector(kv_connector),
                 runtime_settings=runtime_settings,
                 kv_cache_allocator_factory=kv_cache_allocator_factory,
                 kv_agent_factory=kv_agent_factory,
@@ -82,7 +121,8 @@ class LLMEngine:
             model_runner = ModelRunner(
                 config,
                 kv_cache_allocator=kv_cache_allocator,
-                kv_connector=kv_connector,
+                # Only a connector that reads KV per layer is hooked into the forward pass.
+                kv_connector=kv_connector if saves_kv_layers(kv_connector) else None,
                 runtime_settings=runtime_settings,
             )
         self.runner = model_runner
@@ -106,12 +146,15 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching
         )
+        # The prefix cache's stored/evicted block hashes, drained by the serving layer.
+        self.kv_events = KVEventLog()
+        self.kv_cache_manager.pool.events = self.kv_events
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
-            has_kv_connector=kv_connector is not None,
+            kv_connector=kv_connector,
         )
         self._prefill_meter = ThroughputMeter()
         self._decode_meter = ThroughputMeter()
@@ -209,14 +252,19 @@ class LLMEngine:
         request_id: str,
         first_token_id: int,
         first_logprobs: TokenLogprob | None = None,
+        *,
+        num_cached_tokens: int | None = None,
     ) -> None:
         """The prompt's KV is in the reserved blocks; the first token is streamed by the
-        next step() and decoding continues here."""
+        next step() and decoding continues here. ``num_cached_tokens``: the prompt tokens
+        the prefill side took from its prefix cache (None: this side's hit counts)."""
         if not isinstance(first_token_id, int) or not 0 <= first_token_id < self.vocab_size:
             raise ValueError(
                 f"first_token_id must be in [0, {self.vocab_size}), got {first_token_id!r}"
             )
-        self.scheduler.complete_remote_prefill(request_id, first_token_id, first_logprobs)
+        self.scheduler.complete_remote_prefill(
+            request_id, first_token_id, first_logprobs, num_cached_tokens
+        )
 
     def fail_remote_prefill(self, request_id: str) -> None:
         """The remote prefill failed: compute the prompt locally into the reserved blocks."""
@@ -287,7 +335,7 @@ class LLMEngine:
             self.scheduler.finish_sends(connector.poll_finished())
         out = self.scheduler.schedule()
         self.last_step_num_tokens = out.num_batched_tokens
-        sampled: dict[str, SampledTokenLike] = {}
+        sampled: Mapping[str, SampledTokenLike] = {}
         sends_done: list[str] = []
         if out.chunks:
             start = time.perf_counter()
@@ -328,10 +376,30 @@ class LLMEngine:
         """Any request not finished: queued, running, or waiting for remote KV."""
         return self.scheduler.has_unfinished_requests()
 
+    def has_ready_work(self) -> bool:
+        """Whether step() makes progress now: tokens to compute or outputs to emit."""
+        return self.scheduler.has_work()
+
     def has_pending_work(self) -> bool:
         """Whether step() should be called: tokens to compute, outputs to emit, or KV sends
         whose completion must be polled."""
         return self.scheduler.has_work() or bool(self.scheduler.sending)
+
+    def cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
+        """Prompt tokens whose KV the prefix cache holds right now (full blocks; the last
+        token is always computed, so it never counts). Only reads block hashes."""
+        manager = self.kv_cache_manager
+        if not manager.enable_prefix_caching:
+            return 0
+        bs = manager.block_size
+        parent = NO_PARENT_HASH
+        cached = 0
+        for i in range((len(token_ids) - 1) // bs):
+            parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs])
+            if manager.pool.lookup(parent) is None:
+                break
+            cached += bs
+        return cached
 
     def generate(
         self,
@@ -407,6 +475,12 @@ class LLMEngine:
         check = getattr(self.runner, "check_health", None)
         if check is not None:
             check()
+
+    def worker_places(self) -> list[Any]:
+        """Where the runner's other tensor-parallel ranks run (``RankPlace`` each; [] for a
+        single-device engine). Safe from any thread."""
+        places = getattr(self.runner, "worker_places", None)
+        return list(places()) if places is not None else []
 
     def shutdown(self) -> None:
         """Release what the runner holds outside this process (tensor-parallel workers)."""

@@ -15,10 +15,14 @@ from typing import Any
 
 import torch
 
+from pdserve.engine.kv_layout import KVLayerSpec
+from pdserve.engine.quantization import QuantScheme, read_quantization_config
 from pdserve.kernels.ops import can_pack
 
-# Architectures models/llama.py implements (they differ only in config details).
+# Architectures models/llama.py implements (they differ only in config details); any other
+# decoder-only transformers model runs on the transformers-backed path.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+MODEL_IMPLS = ("auto", "native", "transformers")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -53,6 +57,13 @@ class ModelConfig:
     checkpoint_dtype: torch.dtype
     # dtype the engine runs in; set by the runner from EngineConfig.dtype.
     dtype: torch.dtype = torch.float32
+    # How the checkpoint's linear layers are quantized (its quantization_config); None: float.
+    quantization: QuantScheme | None = None
+    # Which model class runs it: "native" (models/llama.py) or "transformers"
+    # (models/transformers_backend.py).
+    impl: str = "native"
+    # Each layer's KV (heads, key/value sizes, window); the transformers path fills it.
+    kv_layers: tuple[KVLayerSpec, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -101,19 +112,29 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return theta, params
 
 
-def load_model_config(model_dir: str | Path) -> ModelConfig:
-    """Parse config.json (+ generation_config.json) of a local HF directory."""
+def load_model_config(model_dir: str | Path, impl: str = "auto") -> ModelConfig:
+    """Parse config.json (+ generation_config.json) of a local HF directory. ``impl``:
+    "native" = the architecture must have a native class, "transformers" = run it through
+    transformers' modelling code, "auto" = native where a class exists, else transformers."""
     model_dir = Path(model_dir)
+    if impl not in MODEL_IMPLS:
+        raise ValueError(f"model_impl must be one of {', '.join(MODEL_IMPLS)}; got {impl!r}")
     config_path = model_dir / "config.json"
     if not config_path.is_file():
         raise ValueError(f"model: {model_dir} has no config.json (expected a local HF directory)")
     cfg = _read_json(config_path)
     archs = cfg.get("architectures") or []
     arch = archs[0] if archs else f"<none; model_type={cfg.get('model_type')!r}>"
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if impl == "native" and arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
-            f"architecture {arch} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"architecture {arch} has no native implementation; native: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)} (model_impl 'auto' or 'transformers' runs "
+            "it through transformers)"
         )
+    if impl == "transformers" or arch not in SUPPORTED_ARCHITECTURES:
+        if not archs:
+            raise ValueError(f"architecture {arch} is not supported: config.json names none")
+        return _transformers_model_config(model_dir, cfg, arch)
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"hidden_act {act!r} is not supported; supported: silu")
@@ -129,15 +150,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     if is_qwen2 and not cfg.get("use_sliding_window", False):
         sliding = None
 
-    gen_path = model_dir / "generation_config.json"
-    gen = _read_json(gen_path) if gen_path.is_file() else {}
-    eos: list[int] = []
-    for tid in _as_id_list(gen.get("eos_token_id")) + _as_id_list(cfg.get("eos_token_id")):
-        if tid not in eos:
-            eos.append(tid)
-    ckpt_dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
-    if ckpt_dtype not in _DTYPES:
-        raise ValueError(f"checkpoint dtype {ckpt_dtype!r} is not supported; use {list(_DTYPES)}")
+    eos, bos, ckpt_dtype = _generation_fields(model_dir, cfg)
     return ModelConfig(
         model_name=model_dir.name,
         architecture=arch,
@@ -157,9 +170,68 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         sliding_window=int(sliding) if sliding else None,
-        eos_token_ids=tuple(eos),
-        bos_token_id=gen.get("bos_token_id", cfg.get("bos_token_id")),
-        checkpoint_dtype=_DTYPES[ckpt_dtype],
+        eos_token_ids=eos,
+        bos_token_id=bos,
+        checkpoint_dtype=ckpt_dtype,
+        quantization=read_quantization_config(cfg),
+        extra=cfg,
+    )
+
+
+def _generation_fields(
+    model_dir: Path, cfg: dict[str, Any]
+) -> tuple[tuple[int, ...], int | None, torch.dtype]:
+    """(eos ids, bos id, checkpoint dtype) from generation_config.json and config.json."""
+    gen_path = model_dir / "generation_config.json"
+    gen = _read_json(gen_path) if gen_path.is_file() else {}
+    eos: list[int] = []
+    for tid in _as_id_list(gen.get("eos_token_id")) + _as_id_list(cfg.get("eos_token_id")):
+        if tid not in eos:
+            eos.append(tid)
+    ckpt_dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    if ckpt_dtype not in _DTYPES:
+        raise ValueError(f"checkpoint dtype {ckpt_dtype!r} is not supported; use {list(_DTYPES)}")
+    return tuple(eos), gen.get("bos_token_id", cfg.get("bos_token_id")), _DTYPES[ckpt_dtype]
+
+
+def _transformers_model_config(model_dir: Path, cfg: dict[str, Any], arch: str) -> ModelConfig:
+    """The ModelConfig of a model the transformers-backed path runs: refused here (before
+    any weight is read) when it cannot work; per-layer KV from the config."""
+    from pdserve.engine import transformers_config as tc
+    from pdserve.engine.kv_layout import pool_dims
+
+    hf = tc.load_hf_config(model_dir, arch)
+    tc.model_class(hf, arch)
+    layers = tc.kv_layer_specs(hf)
+    kv_heads, slot_dim = pool_dims(layers, arch)
+    eos, bos, ckpt_dtype = _generation_fields(model_dir, cfg)
+    heads = int(hf.num_attention_heads)
+    rope = getattr(hf, "rope_parameters", None) or {}
+    return ModelConfig(
+        model_name=model_dir.name,
+        architecture=arch,
+        num_layers=len(layers),
+        hidden_size=int(hf.hidden_size),
+        intermediate_size=int(getattr(hf, "intermediate_size", 0) or 0),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=slot_dim,
+        vocab_size=int(hf.vocab_size),
+        max_position_embeddings=int(getattr(hf, "max_position_embeddings", 2048)),
+        rms_norm_eps=float(getattr(hf, "rms_norm_eps", 1e-6) or 1e-6),
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        rope_scaling=None,  # transformers' own rotary embedding runs on this path
+        qkv_bias=False,
+        o_bias=False,
+        mlp_bias=False,
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        sliding_window=None,  # windows are attended exactly, per layer (kv_layers)
+        eos_token_ids=eos,
+        bos_token_id=bos,
+        checkpoint_dtype=ckpt_dtype,
+        quantization=read_quantization_config(cfg),
+        impl="transformers",
+        kv_layers=layers,
         extra=cfg,
     )
 

@@ -29,8 +29,10 @@ from pdserve.engine.loader import (
     resolve_dtype,
 )
 from pdserve.engine.models import build_model
-from pdserve.engine.models.llama import AttentionMetadata
+from pdserve.engine.models.llama import AttentionMetadata, LlamaForCausalLM
+from pdserve.engine.models.transformers_backend import TransformersForCausalLM
 from pdserve.engine.parallel import SINGLE, TPGroup, check_model
+from pdserve.engine.quantization import at_load_scheme, pack_quantized, quantize_linears
 from pdserve.engine.sampler import SampledToken, Sampler, SamplingRow
 from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.engine.staging import StepStaging
@@ -92,6 +94,22 @@ def _available_memory_bytes() -> int:
     return 4 << 30
 
 
+def check_transformers_path(cfg: ModelConfig, config: EngineConfig, tp_size: int) -> None:
+    """What the transformers-backed path does not do yet, refused before any weight loads."""
+    if cfg.impl != "transformers":
+        return
+    if tp_size > 1:
+        raise ValueError(
+            f"architecture {cfg.architecture} runs on the transformers path, which has no "
+            f"tensor parallelism yet: tensor_parallel_size must be 1, got {tp_size}"
+        )
+    if config.quantization is not None or cfg.quantization is not None:
+        raise ValueError(
+            f"architecture {cfg.architecture} runs on the transformers path, which serves "
+            "float checkpoints only: leave quantization unset and use a float checkpoint"
+        )
+
+
 class ModelRunner:
     """Loads a local HF model and executes ``SchedulerOutput`` steps on it."""
 
@@ -112,7 +130,13 @@ class ModelRunner:
         # Threads, pinning and allocator of the device: the engine calls its hooks.
         self.runtime: DeviceRuntime = make_runtime(self.device, runtime_settings)
         self.runtime.prepare_process()
-        model_config = load_model_config(config.model)
+        model_config = load_model_config(config.model, config.model_impl)
+        check_transformers_path(model_config, config, tp.size)
+        if config.quantization is not None and model_config.quantization is not None:
+            raise ValueError(
+                f"quantization={config.quantization!r}: the checkpoint is already quantized "
+                f"({model_config.quantization.describe()}); leave quantization unset"
+            )
         dtype = resolve_dtype(config.dtype, model_config.checkpoint_dtype, self.device)
         self.model_config: ModelConfig = replace(model_config, dtype=dtype)
         check_model(self.model_config, tp.size)
@@ -143,8 +167,12 @@ class ModelRunner:
         self.decode_graphs: Any = None  # cuda_graphs.DecodeGraphs, captured by warm_up()
         self.staging = StepStaging(self.device)  # pinned host buffers of the step inputs
 
-    def _load_model(self) -> torch.nn.Module:
+    def _load_model(self) -> LlamaForCausalLM | TransformersForCausalLM:
         cfg = self.model_config
+        if cfg.impl == "transformers":
+            hf_model = TransformersForCausalLM.load(cfg, self.config.model, self.device)
+            pack_linears(hf_model)
+            return hf_model.eval()
         # Build on the meta device, then materialise on the target: no double allocation.
         with torch.device("meta"):
             model = build_model(cfg, self.max_model_len, self.tp).to(cfg.dtype)
@@ -153,6 +181,11 @@ class ModelRunner:
             model.lm_head.weight = model.model.embed_tokens.weight
         with torch.no_grad():
             model.load_weights(iter_weight_slices(self.config.model))
+            # Quantized linears: the checkpoint's packed for their kernels, or a float
+            # checkpoint's quantized now (EngineConfig.quantization).
+            pack_quantized(model, cfg.dtype)
+            if self.config.quantization is not None:
+                quantize_linears(model, at_load_scheme(self.config.quantization), cfg.dtype)
         # CPU: oneDNN-packed bf16 weights (native bf16), or bf16-held weights of a bf16
         # checkpoint served in float32 (AVX2); elsewhere the nn.Linear layers stay.
         pack_linears(model)
@@ -228,7 +261,9 @@ class ModelRunner:
         captured = 0
         # Tensor parallel steps run eagerly: capturing c10d's NCCL collectives in a graph
         # is not supported the way vLLM's own communicator is.
-        if self.config.cuda_graphs and self.tp.size == 1:
+        # The transformers path runs eagerly: its mask and position preprocessing may read
+        # tensors on the host, which a graph capture does not allow.
+        if self.config.cuda_graphs and self.tp.size == 1 and self.model_config.impl == "native":
             from pdserve.engine.cuda_graphs import DecodeGraphs
 
             self.decode_graphs = DecodeGraphs(self)
@@ -277,12 +312,13 @@ class ModelRunner:
             if chunk.sample:
                 sample_rows.append(cu[-1] - 1)
                 sample_ids.append(chunk.request_id)
-                history = chunk.history or ((), ())
+                prompt_ids, output_ids = chunk.history or ((), ())
                 sampling.append(
                     SamplingRow(
                         chunk.sampling_params,
                         chunk.num_output_tokens,
-                        *history,
+                        prompt_ids,
+                        output_ids,
                         request_id=chunk.request_id,
                     )
                 )

@@ -150,16 +150,18 @@ def join_group(
     host, port = store_address
     if store is None:
         store = dist.TCPStore(host, port, world_size=size, is_master=False, timeout=_td(timeout_s))
-    store = dist.PrefixStore("pdserve-tp", store)
+    prefixed = dist.PrefixStore("pdserve-tp", store)
+    # torch's stubs omit ProcessGroupGloo._Options and type the backends as a ``Backend``
+    # without the collectives they bind, hence the ignores below.
     if device.type == "cuda":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = _td(timeout_s)
-        group: dist.ProcessGroup = dist.ProcessGroupNCCL(store, rank, size, opts)
+        group: dist.ProcessGroup = dist.ProcessGroupNCCL(prefixed, rank, size, opts)  # type: ignore[assignment]
     else:
-        gloo = dist.ProcessGroupGloo._Options()
+        gloo = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         gloo._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
         gloo._timeout = _td(timeout_s)
-        group = dist.ProcessGroupGloo(store, rank, size, gloo)
+        group = dist.ProcessGroupGloo(prefixed, rank, size, gloo)  # type: ignore[assignment]
     return TPGroup(TPShard(rank, size), group)
 
 

@@ -2,7 +2,9 @@
 
 Each row is sampled independently of the others in the batch. A request with a seed draws
 its randomness from a generator derived from ``(seed, num_output_tokens)``, so it gets the
-same tokens whatever else is batched with it and after a preemption recomputes it.
+same tokens whatever else is batched with it, after a preemption recomputes it, and after a
+migration continues it on another engine (``num_prior_output_tokens`` counts the outputs
+produced before, which end the continuation's prompt).
 Logprobs are the log-softmax of the raw logits (vLLM's default), taken before
 logit bias, penalties, temperature, min_p, top-k/top-p and the min_tokens mask (see
 ``logit_adjust`` for the adjustments). This module never touches the KV cache.
@@ -45,6 +47,21 @@ class SamplingRow:
     output_token_ids: Sequence[int] = ()
     request_id: str = ""  # keys a structured request's grammar state
 
+    @property
+    def output_index(self) -> int:
+        """Index of the token sampled now among all the request's outputs, migrations
+        included (the seeded draw's step)."""
+        return self.params.num_prior_output_tokens + self.num_output_tokens
+
+    def history(self) -> tuple[Sequence[int], Sequence[int]]:
+        """(prompt, output) ids as the original request saw them: the prior outputs that
+        end a continuation's prompt count as output."""
+        k = self.params.num_prior_output_tokens
+        if not k or not self.prompt_token_ids:
+            return self.prompt_token_ids, self.output_token_ids
+        prompt = list(self.prompt_token_ids)
+        return prompt[:-k], [*prompt[-k:], *self.output_token_ids]
+
 
 def seed_for_step(seed: int, num_output_tokens: int) -> int:
     """A well-mixed 63-bit generator seed for token ``num_output_tokens`` of a seeded request."""
@@ -82,14 +99,11 @@ class Sampler:
             return []
         logits = logits.float()
         raw = logits
+        histories = [r.history() for r in rows]
         if any(r.params.adjusts_logits for r in rows):
-            logits = adjust_logits(
-                logits.clone(),
-                [r.params for r in rows],
-                [(r.prompt_token_ids, r.output_token_ids) for r in rows],
-            )
+            logits = adjust_logits(logits.clone(), [r.params for r in rows], histories)
         logits = self._mask_min_tokens(logits, rows)
-        structured = [(r.request_id, r.params, r.output_token_ids) for r in rows]
+        structured = [(r.request_id, r.params, h[1]) for r, h in zip(rows, histories, strict=True)]
         use_grammar = self.grammar is not None and any(r.params.structured for r in rows)
         if use_grammar:
             if logits is raw:
@@ -149,7 +163,7 @@ class Sampler:
         seeded = [j for j, i in enumerate(random_rows) if rows[i].params.seed is not None]
         if seeded:
             seeded_rows = [rows[random_rows[j]] for j in seeded]
-            own = [seed_for_step(r.params.seed or 0, r.num_output_tokens) for r in seeded_rows]
+            own = [seed_for_step(r.params.seed or 0, r.output_index) for r in seeded_rows]
             keys[torch.tensor(seeded, device=dev)] = torch.tensor(own, device=dev)
         noise = exponential_noise(keys, probs.shape[1])
         picked = (probs / noise).argmax(dim=-1)

@@ -53,6 +53,10 @@ class SamplingParams:
     # Structured output (engine/grammar.py): any JSON value, or JSON matching a schema.
     json_object: bool = False
     json_schema: str | None = None  # the schema, serialised as JSON
+    # Output tokens this request produced elsewhere before it was continued here (a migrated
+    # stream): they are the last tokens of its prompt, and seeded draws, the penalties and
+    # the grammar count them as output, so the continuation samples as the original would.
+    num_prior_output_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -100,6 +104,11 @@ class SamplingParams:
             raise ValueError(f"json_object must be a bool, got {self.json_object!r}")
         if self.json_schema is not None and not isinstance(self.json_schema, str):
             raise ValueError(f"json_schema must be a JSON string, got {self.json_schema!r}")
+        if not _is_int(self.num_prior_output_tokens) or self.num_prior_output_tokens < 0:
+            raise ValueError(
+                "num_prior_output_tokens must be an integer >= 0, "
+                f"got {self.num_prior_output_tokens!r}"
+            )
 
     @property
     def structured(self) -> bool:

@@ -21,7 +21,9 @@ back to computing the prompt itself. Preemption therefore *aborts* such a reques
 than restarting it: a restart would send its blocks a second time, which the receiver
 treats as a protocol violation, and the decode side's fallback costs what a restart here
 would. ``reserve_remote_prefill`` / ``complete_remote_prefill`` / ``fail_remote_prefill``
-serve the decode role.
+serve the decode role: the reservation keeps the prefix cache's hit, asks the connector's
+scheduler half how many prompt tokens it loads from elsewhere (the rest: a delta hand-off)
+and tells it which blocks receive them.
 
 Never imports torch and never touches tensors.
 """
@@ -30,11 +32,11 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
 from pdserve.engine.kv_cache_manager import KVCacheManager
-from pdserve.engine.kv_connector import PendingSend
+from pdserve.engine.kv_connector import KVConnectorScheduler, PendingSend
 from pdserve.engine.output_processor import check_stop, make_output
 from pdserve.engine.outputs import RequestOutput, TokenLogprob
 from pdserve.engine.request import Request, RequestStatus
@@ -48,11 +50,19 @@ _FINISHED_STATES = (
 
 
 class SampledTokenLike(Protocol):
-    """pdserve.engine.sampler.SampledToken, seen from here without importing torch."""
+    """pdserve.engine.sampler.SampledToken, seen from here without importing torch.
 
-    token_id: int
-    logprob: float | None
-    top_logprobs: list[tuple[int, float]] | None
+    Read-only members, so a frozen dataclass satisfies it: the scheduler only reads them.
+    """
+
+    @property
+    def token_id(self) -> int: ...
+
+    @property
+    def logprob(self) -> float | None: ...
+
+    @property
+    def top_logprobs(self) -> list[tuple[int, float]] | None: ...
 
 
 class Scheduler:
@@ -66,13 +76,18 @@ class Scheduler:
         max_num_seqs: int,
         max_model_len: int,
         has_kv_connector: bool = False,
+        kv_connector: KVConnectorScheduler | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        """``kv_connector`` is the connector's scheduler half (it implies
+        ``has_kv_connector``); without one a remote reservation expects the whole prompt
+        and the caller moves its KV itself."""
         self.kv = kv_cache_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
-        self.has_kv_connector = has_kv_connector
+        self.has_kv_connector = has_kv_connector or kv_connector is not None
+        self.kv_connector = kv_connector
         self.clock = clock
 
         self.waiting: deque[Request] = deque()
@@ -85,6 +100,8 @@ class Scheduler:
         self._blocks_announced: dict[str, int] = {}
         # Transfers to cancel in the next step (their requests left before the final chunk).
         self._cancelled_sends: list[str] = []
+        # Requests whose prompt KV the connector loads: it hears when each one leaves.
+        self._external_loads: set[str] = set()
 
         self._scheduled: list[tuple[Request, ScheduledChunk]] = []
         self._left_ids: list[str] = []
@@ -122,24 +139,70 @@ class Scheduler:
         self.waiting.append(request)
 
     def reserve_remote_prefill(self, request: Request) -> list[int] | None:
-        """Decode role: hold blocks for the whole prompt; None (nothing kept) if no room."""
+        """Decode role: hold blocks for the prompt; None (nothing kept) if no room.
+
+        With a connector the prefix cache's hit (full blocks) is kept and only the rest of
+        the prompt is loaded (a delta hand-off): the connector says how many prompt tokens it
+        loads past those already here and learns the whole block table. The load must cover
+        the rest of the prompt: the first token comes with it. Without a connector the
+        caller moves the whole prompt's KV itself, so nothing is taken from the cache.
+        """
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        if self.kv.allocate_slots(request, request.num_prompt_tokens) is None:
+        connector = self.kv_connector
+        hits: list[int] = []
+        num_computed = 0
+        if connector is not None:
+            hits, num_computed = self.kv.get_computed_blocks(request)
+        num_external = request.num_prompt_tokens - num_computed
+        if connector is not None:
+            num_external = connector.get_num_new_matched_tokens(
+                request.request_id, request.num_prompt_tokens, num_computed
+            )
+            if num_computed + num_external != request.num_prompt_tokens:
+                raise ValueError(
+                    f"request {request.request_id!r}: the KV connector loads {num_external} of "
+                    f"its {request.num_prompt_tokens - num_computed} uncomputed prompt tokens; "
+                    "a remote prefill must cover all of them"
+                )
+        if self.kv.allocate_slots(request, num_external, hits) is None:
             return None
+        if connector is not None and self.kv.enable_prefix_caching:
+            self.kv.record_prefix_lookup(request.num_prompt_tokens, num_computed)
+        request.num_computed_tokens = num_computed
+        request.num_cached_tokens = num_computed
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self._register(request)
         self.remote[request.request_id] = request
+        if connector is not None:
+            self._external_loads.add(request.request_id)
+            connector.update_state_after_alloc(
+                request.request_id, list(request.block_ids), num_computed, num_external
+            )
         return list(request.block_ids)
 
     def complete_remote_prefill(
-        self, request_id: str, first_token_id: int, first_logprob: TokenLogprob | None = None
+        self,
+        request_id: str,
+        first_token_id: int,
+        first_logprob: TokenLogprob | None = None,
+        num_cached_tokens: int | None = None,
     ) -> None:
         """The KV landed in the reserved blocks: append the first token, join the queue front.
 
+        ``num_cached_tokens``: prompt tokens the prefill side did not compute (its prefix
+        cache's hit), reported as the request's cached tokens; None keeps this side's hit.
         The first token's output is returned by the next ``update_from_output``.
         """
-        request = self._pop_remote(request_id)
+        request = self._remote_request(request_id)
+        if num_cached_tokens is not None and not 0 <= num_cached_tokens < request.num_prompt_tokens:
+            raise ValueError(
+                f"num_cached_tokens: {num_cached_tokens} is not in [0, "
+                f"{request.num_prompt_tokens}) for request {request_id!r}"
+            )
+        del self.remote[request_id]
+        if num_cached_tokens is not None:
+            request.num_cached_tokens = num_cached_tokens
         request.num_computed_tokens = request.num_prompt_tokens
         request.transition(RequestStatus.WAITING)
         self.waiting.appendleft(request)
@@ -153,7 +216,8 @@ class Scheduler:
     def fail_remote_prefill(self, request_id: str) -> None:
         """The remote prefill failed: compute the prompt here, into the reserved blocks."""
         request = self._pop_remote(request_id)
-        request.num_computed_tokens = 0
+        # The prefix hit kept at reservation stays: only the rest is recomputed (never
+        # into blocks other requests may share).
         request.transition(RequestStatus.WAITING)
         self.waiting.appendleft(request)
 
@@ -344,7 +408,7 @@ class Scheduler:
         self._left_ids.append(request.request_id)
 
     # ------------------------------------------------------------------ update
-    def update_from_output(self, sampled: dict[str, SampledTokenLike]) -> list[RequestOutput]:
+    def update_from_output(self, sampled: Mapping[str, SampledTokenLike]) -> list[RequestOutput]:
         """Apply the step's sampled tokens; return one output per request that got a token."""
         outputs, self._pending_outputs = self._pending_outputs, []
         now = self.clock()
@@ -399,6 +463,10 @@ class Scheduler:
         flush = getattr(request.detokenizer, "flush", None)
         if flush is not None:
             flush()  # emit bytes held back for an incomplete character
+        if request.request_id in self._external_loads:
+            self._external_loads.discard(request.request_id)
+            assert self.kv_connector is not None
+            self.kv_connector.request_finished(request.request_id)
         announced = self._blocks_announced.pop(request.request_id, 0)
         if request.kv_send_scheduled and not request.kv_send_done:
             # The connector may be reading these blocks; it reports every send it was given
@@ -416,10 +484,15 @@ class Scheduler:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
 
-    def _pop_remote(self, request_id: str) -> Request:
-        request = self.remote.pop(request_id, None)
+    def _remote_request(self, request_id: str) -> Request:
+        request = self.remote.get(request_id)
         if request is None:
             raise ValueError(f"request_id {request_id!r} is not waiting for remote KV")
+        return request
+
+    def _pop_remote(self, request_id: str) -> Request:
+        request = self._remote_request(request_id)
+        del self.remote[request_id]
         return request
 
     def check_integrity(self) -> None:

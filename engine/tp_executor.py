@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_connector import KVConnector
 from pdserve.engine.parallel import TPGroup, join_group, store_master
+from pdserve.engine.sampler import SampledToken
 from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.engine.tp_worker import (
     GROUP_TIMEOUT_S,
@@ -41,13 +42,16 @@ from pdserve.engine.tp_worker import (
     start_workers,
 )
 
-__all__ = ["TPConnector", "TPExecutor", "TPWorkerError"]
+__all__ = ["TPConnector", "TPExecutor", "TPWorkerError", "checked_tp_connector"]
 
 logger = logging.getLogger(__name__)
 
 
+@runtime_checkable
 class TPConnector(KVConnector, Protocol):
-    """Rank 0's KV connector under tensor parallelism: it speaks for every rank."""
+    """Rank 0's KV connector under tensor parallelism: it speaks for every rank (the
+    workers' halves are their ``RankKVAgent``s, reached through the executor it is
+    attached to)."""
 
     def attach(self, executor: TPExecutor) -> None:
         """Called once by the executor (to poll the workers between steps)."""
@@ -57,6 +61,15 @@ class TPConnector(KVConnector, Protocol):
 
     def worker_reports(self, reports: list[Any]) -> None:
         """The workers' ``step_report`` answers, rank order."""
+
+
+def checked_tp_connector(connector: KVConnector | None) -> TPConnector | None:
+    """``connector`` as a TPConnector; a TypeError naming its type when it cannot speak
+    for the other ranks (it lacks ``attach`` / ``step_meta`` / ``worker_reports``)."""
+    if connector is None or isinstance(connector, TPConnector):
+        return connector
+    kind = type(connector).__name__
+    raise TypeError(f"kv_connector: tensor parallelism needs a TPConnector, got {kind}")
 
 
 # ---- rank 0 ---------------------------------------------------------------------------------
@@ -107,7 +120,10 @@ class TPExecutor:
             self.runner = ModelRunner(
                 config,
                 kv_cache_allocator=kv_cache_allocator,
-                kv_connector=kv_connector,
+                # Only a connector that reads KV per layer is hooked into the forward pass.
+                kv_connector=kv_connector
+                if kv_connector is not None and kv_connector.saves_kv_layers
+                else None,
                 runtime_settings=runtime_settings,
                 tp=tp,
             )
@@ -158,7 +174,7 @@ class TPExecutor:
             w.result(START_TIMEOUT_S)
         return calls
 
-    def execute(self, out: SchedulerOutput) -> dict[str, Any]:
+    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
         connector = self.kv_connector
         meta = connector.step_meta() if connector is not None else None
         for w in self.workers:
@@ -186,8 +202,9 @@ class TPExecutor:
         """Between steps (on the engine's thread): every worker agent's report."""
         return self._all("poll", meta)
 
-    def agent_call(self, rank: int, method: str, *args: Any, timeout: float = 60.0) -> Any:
-        """``method`` of worker ``rank``'s KV agent, from any thread, beside the steps."""
+    def agent_call(self, rank: int, method: str, *args: Any, timeout: float | None = 60.0) -> Any:
+        """``method`` of worker ``rank``'s KV agent, from any thread, beside the steps
+        (``timeout`` None: no limit)."""
         if not 1 <= rank <= len(self.workers):
             raise ValueError(f"rank {rank}: workers are ranks 1..{len(self.workers)}")
         return self.workers[rank - 1].call_agent(method, args, timeout)

@@ -57,9 +57,10 @@ class WorkerSpec:
 
 class RankKVAgent(Protocol):
     """What a worker rank runs beside its shard to move KV (built by the serving layer's
-    ``KVAgentFactory`` once the rank's pool exists): on a prefill rank a KV connector the
-    forward pass feeds, on a decode rank a receiver; rank 0 reaches it through the step
-    (``apply_step_meta`` / ``step_report``) and through ``TPExecutor.agent_call``."""
+    ``KVAgentFactory`` once the rank's pool exists): on a prefill rank the worker half of
+    a KV connector (the forward pass feeds it), on a decode rank a receiver; rank 0's
+    ``TPConnector`` reaches it through the step (``apply_step_meta`` / ``step_report``)
+    and through ``TPExecutor.agent_call``."""
 
     connector: KVConnector | None  # hooked into this rank's forward pass, if any
 
@@ -125,7 +126,11 @@ class TPWorker:
             self.agent = self.agent_factory(
                 cache, model_name, self.runner.tp.shard, cfg.num_kv_heads
             )
-            self.runner.kv_connector = self.agent.connector
+            connector = self.agent.connector
+            # As on rank 0: only a connector that reads KV per layer joins the forward pass.
+            self.runner.kv_connector = (
+                connector if connector is not None and connector.saves_kv_layers else None
+            )
 
     def warm_up(self) -> int:
         return self.runner.warm_up()
@@ -226,8 +231,9 @@ class WorkerHandle(Protocol):
     def result(self, timeout: float) -> Any:
         """The reply to the oldest submitted call; TPWorkerError if the worker failed."""
 
-    def call_agent(self, method: str, args: tuple[Any, ...], timeout: float) -> Any:
-        """``TPWorker.agent_call`` now, beside the step loop (thread-safe, concurrent)."""
+    def call_agent(self, method: str, args: tuple[Any, ...], timeout: float | None) -> Any:
+        """``TPWorker.agent_call`` now, beside the step loop (thread-safe, concurrent);
+        ``timeout`` None waits as long as the call takes."""
 
     def check_alive(self) -> None:
         """TPWorkerError if the worker is gone."""
@@ -321,7 +327,7 @@ class _ProcessWorker:
         for fut in pending:
             fut.set_exception(TPWorkerError(f"tensor-parallel rank {self.rank} is gone"))
 
-    def call_agent(self, method: str, args: tuple[Any, ...], timeout: float) -> Any:
+    def call_agent(self, method: str, args: tuple[Any, ...], timeout: float | None) -> Any:
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._ctl_lock:
             call_id = next(self._ids)
@@ -375,21 +381,8 @@ class _RayWorker:
     """A worker as a Ray actor in bundle ``rank`` of the caller's placement group."""
 
     def __init__(self, spec: WorkerSpec, placement_group: Any) -> None:
-        import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
         self.rank = spec.rank
-        bundle = placement_group.bundle_specs[spec.rank]
-        actor_cls = ray.remote(TPWorker)
-        self.actor = actor_cls.options(
-            num_cpus=bundle.get("CPU", 0),
-            num_gpus=bundle.get("GPU", 0),
-            max_concurrency=4,  # connector calls run beside a step
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=placement_group, placement_group_bundle_index=spec.rank
-            ),
-            name=None,
-        ).remote(spec)
+        self.actor = _start_actor(spec, placement_group)
         self._pending: list[Any] = [self.actor.__ray_ready__.remote()]
 
     def submit(self, method: str, *args: Any) -> None:
@@ -407,7 +400,7 @@ class _RayWorker:
         except ray.exceptions.RayError as exc:
             raise TPWorkerError(f"tensor-parallel rank {self.rank} failed: {exc}") from exc
 
-    def call_agent(self, method: str, args: tuple[Any, ...], timeout: float) -> Any:
+    def call_agent(self, method: str, args: tuple[Any, ...], timeout: float | None) -> Any:
         import ray
 
         try:
@@ -429,6 +422,28 @@ class _RayWorker:
         import ray
 
         ray.kill(self.actor)
+
+
+def _start_actor(spec: WorkerSpec, placement_group: Any) -> Any:
+    """A TPWorker actor in bundle ``spec.rank`` of ``placement_group``. Its handle is
+    untyped: Ray's stubs type neither its methods' ``.remote`` nor ``__ray_ready__``."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    bundle = placement_group.bundle_specs[spec.rank]
+    return (
+        ray.remote(TPWorker)
+        .options(
+            num_cpus=bundle.get("CPU", 0),
+            num_gpus=bundle.get("GPU", 0),
+            max_concurrency=4,  # connector calls run beside a step
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=placement_group, placement_group_bundle_index=spec.rank
+            ),
+            name=None,
+        )
+        .remote(spec)
+    )
 
 
 def _current_placement_group() -> Any:

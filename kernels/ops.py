@@ -24,13 +24,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.kernels import reference
+from pdserve.kernels import quant_reference, reference
 from pdserve.kernels.cpu import batched as cpu
+from pdserve.kernels.cpu.attention_variants import paged_attention_variants_cpu
 from pdserve.kernels.cpu.cpus import RuntimeInfo, RuntimeSettings
 from pdserve.kernels.cpu.linear import can_pack, pack_linears, packed_linear_float32
 from pdserve.kernels.cpu.runtime import CpuRuntime, single_threaded_copies
+from pdserve.kernels.quant_ops import Activations, make_quantized_linear
 
 __all__ = [
+    "Activations",
+    "make_quantized_linear",
+    "quant_reference",
     "DeviceRuntime",
     "RuntimeInfo",
     "RuntimeSettings",
@@ -88,6 +93,21 @@ def _check_heads(q: torch.Tensor, k_cache: torch.Tensor) -> None:
         raise ValueError(f"q: {q.shape[1]} query heads not a multiple of {k_cache.shape[2]}")
 
 
+def _check_variants(
+    q: torch.Tensor, sliding_window: int | None, softcap: float | None, sinks: torch.Tensor | None
+) -> bool:
+    """Validate the attention variants; True when any is set."""
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(
+            f"sliding_window: expected a positive number of tokens, got {sliding_window}"
+        )
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap: expected a positive logit cap, got {softcap}")
+    if sinks is not None and tuple(sinks.shape) != (q.shape[1],):
+        raise ValueError(f"sinks: expected shape ({q.shape[1]},), got {tuple(sinks.shape)}")
+    return sliding_window is not None or softcap is not None or sinks is not None
+
+
 def write_kv(
     key: torch.Tensor,  # [T, Hkv, D]
     value: torch.Tensor,  # [T, Hkv, D]
@@ -119,10 +139,16 @@ def paged_attention(
     seq_lens: torch.Tensor,  # [S] int32, context incl. new tokens
     block_tables: torch.Tensor,  # [S, M] int32
     scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [Hq]
 ) -> torch.Tensor:  # [T, Hq, D]
-    """Causal attention for a mixed prefill/decode batch over paged KV."""
+    """Causal attention for a mixed prefill/decode batch over paged KV; optionally over the
+    last ``sliding_window`` positions only, with logits capped at ``softcap`` (tanh) and
+    per-head ``sinks`` in the softmax denominator (see ``reference.paged_attention_ref``)."""
     _check_cache(k_cache, v_cache)
     _check_heads(q, k_cache)
+    variants = _check_variants(q, sliding_window, softcap, sinks)
     num_seqs = seq_lens.shape[0]
     if cu_seqlens_q.shape != (num_seqs + 1,):
         raise ValueError(f"cu_seqlens_q: expected shape ({num_seqs + 1},)")
@@ -131,8 +157,14 @@ def paged_attention(
     mod = _triton("prefill", q)
     if mod is not None:
         return mod.paged_attention_triton(
-            q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale
-        )
+            q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
+            sliding_window=sliding_window, softcap=softcap, sinks=sinks,
+        )  # fmt: skip
+    if variants:
+        return paged_attention_variants_cpu(
+            q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
+            sliding_window, softcap, sinks,
+        )  # fmt: skip
     return cpu.paged_attention_cpu(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale)
 
 
@@ -143,17 +175,30 @@ def paged_decode_attention(
     block_tables: torch.Tensor,  # [S, M] int32
     seq_lens: torch.Tensor,  # [S] int32
     scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [Hq]
 ) -> torch.Tensor:  # [S, Hq, D]
-    """One new token per sequence against its whole paged context."""
+    """One new token per sequence against its whole paged context (or its window; the
+    variants as in ``paged_attention``)."""
     _check_cache(k_cache, v_cache)
     _check_heads(q, k_cache)
+    variants = _check_variants(q, sliding_window, softcap, sinks)
     if seq_lens.shape != (q.shape[0],):
         raise ValueError(f"seq_lens: expected shape ({q.shape[0]},)")
     if block_tables.dim() != 2 or block_tables.shape[0] != q.shape[0]:
         raise ValueError(f"block_tables: expected [{q.shape[0]}, M]")
     mod = _triton("decode", q)
     if mod is not None:
-        return mod.paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale)
+        return mod.paged_decode_attention_triton(
+            q, k_cache, v_cache, block_tables, seq_lens, scale,
+            sliding_window=sliding_window, softcap=softcap, sinks=sinks,
+        )  # fmt: skip
+    if variants:
+        cu = torch.arange(q.shape[0] + 1, dtype=torch.int32)
+        return paged_attention_variants_cpu(
+            q, k_cache, v_cache, cu, seq_lens, block_tables, scale, sliding_window, softcap, sinks
+        )
     return cpu.paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
 
@@ -223,6 +268,8 @@ def linear_float32(
     if packed is not None:
         return packed
     weight, bias = layer.weight, layer.bias
+    if not isinstance(weight, torch.Tensor) or not (bias is None or isinstance(bias, torch.Tensor)):
+        raise TypeError(f"layer: expected an nn.Linear-like module, got {type(layer).__name__}")
     bias = None if bias is None else bias.float()
     if weight.dtype == torch.float32:
         return F.linear(x, weight, bias)

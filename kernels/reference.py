@@ -67,11 +67,17 @@ def paged_attention_ref(
     seq_lens: torch.Tensor,  # [S] int32, total context incl. the new tokens
     block_tables: torch.Tensor,  # [S, M] int32
     scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [Hq]
 ) -> torch.Tensor:  # [T, Hq, D]
     """Causal attention of a variable-length batch of new tokens over paged KV.
 
     Query j of sequence s sits at position ``seq_lens[s] - q_len_s + j`` and attends to every
-    position <= it. Query head h reads KV head ``h // (Hq // Hkv)``.
+    position <= it (with ``sliding_window`` W: only the last W positions, itself included).
+    Query head h reads KV head ``h // (Hq // Hkv)``. ``softcap`` c caps the scaled logits
+    as ``c * tanh(logit / c)`` (Gemma 2); ``sinks`` adds one logit per query head to the
+    softmax's denominator only (gpt-oss attention sinks).
     """
     num_q_heads = q.shape[1]
     num_kv_heads = k_cache.shape[2]
@@ -90,11 +96,19 @@ def paged_attention_ref(
         v = v.repeat_interleave(group, dim=1)
         qs = q[start:end].float()  # [q_len, Hq, D]
         scores = torch.einsum("qhd,khd->hqk", qs, k) * scale  # [Hq, q_len, L]
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
         q_pos = torch.arange(ctx - q_len, ctx, device=q.device)
         k_pos = torch.arange(ctx, device=q.device)
         visible = k_pos[None, :] <= q_pos[:, None]  # [q_len, L]
+        if sliding_window is not None:
+            visible &= q_pos[:, None] - k_pos[None, :] < sliding_window
         scores = scores.masked_fill(~visible, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        if sinks is not None:
+            sink = sinks.float().to(q.device)[:, None, None].expand(-1, q_len, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
     return out
 
@@ -106,11 +120,17 @@ def paged_decode_attention_ref(
     block_tables: torch.Tensor,  # [S, M] int32
     seq_lens: torch.Tensor,  # [S] int32
     scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [Hq]
 ) -> torch.Tensor:  # [S, Hq, D]
-    """One query token per sequence (the last position) against its whole context."""
+    """One query token per sequence (the last position) against its whole context (or its
+    window); ``softcap`` and ``sinks`` as in ``paged_attention_ref``."""
     num_seqs = q.shape[0]
     cu = torch.arange(num_seqs + 1, dtype=torch.int32)
-    return paged_attention_ref(q, k_cache, v_cache, cu, seq_lens, block_tables, scale)
+    return paged_attention_ref(
+        q, k_cache, v_cache, cu, seq_lens, block_tables, scale, sliding_window, softcap, sinks
+    )
 
 
 def rms_norm_ref(
@@ -153,6 +173,7 @@ def _rope_inv_freq(head_dim: int, base: float, rope_scaling: dict[str, Any] | No
         rope_type = rope_scaling.get("rope_type", rope_scaling.get("type"))
     if rope_type in (None, "default"):
         return inv_freq
+    assert rope_scaling is not None  # rope_type came from it
     if rope_type == "linear":
         return inv_freq / float(rope_scaling["factor"])
     if rope_type == "llama3":

@@ -26,7 +26,11 @@ class PagedBatch:
     block_tables: torch.Tensor  # [S, M] int32, unused entries -1
     scale: float
 
-    def attention_args(self) -> tuple:
+    def attention_args(
+        self,
+    ) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float
+    ]:
         """Positional arguments of ``ops.paged_attention``."""
         return (
             self.q,
@@ -38,7 +42,9 @@ class PagedBatch:
             self.scale,
         )
 
-    def decode_args(self) -> tuple:
+    def decode_args(
+        self,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float]:
         """Positional arguments of ``ops.paged_decode_attention`` (every q_len must be 1)."""
         return (self.q, self.k_cache, self.v_cache, self.block_tables, self.seq_lens, self.scale)
 

@@ -7,8 +7,8 @@ seen as rows (one row = one block of one K or V plane), and a copy picks, per ca
 - destination ids one run (a gather into a staging buffer): ``index_select(out=...)``;
 - source ids one run (a scatter from a staging buffer): ``index_copy_``;
 - otherwise: ``index_select`` into a reused scratch buffer, then ``index_copy_``.
-Both index kernels are parallel row memcpys; measured on 2 cores they run at 2-3x the
-per-row ``_foreach_copy_`` (a C++ loop of small copies on one thread). Rows are viewed as
+Both index kernels are parallel row memcpys, faster than the per-row ``_foreach_copy_`` (a
+C++ loop of small copies on one thread). Rows are viewed as
 int64 where possible: torch's ``index_copy_`` is several times slower on bytes.
 On CUDA, gather and scatter go through ``pdserve.kernels.ops`` (Triton) unless there are few runs.
 """

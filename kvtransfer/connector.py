@@ -18,12 +18,17 @@ only if every send succeeded; its bytes are their sum. A request without a targe
 transfer fails, is still reported finished (once) so the engine frees its blocks; its
 result says what went wrong.
 
-The decode side of a hand-off is driven by the serving layer
-(``pdserve.deployments.remote_prefill``) straight on ``KVReceiver``; it has no glue here.
+Delta hand-off: a target whose ``first_block`` is k says the decode side already holds the
+prompt's first k blocks (its prefix cache); only the blocks from k on are sent, and the
+transfer opens at the first step that completes one of them.
+
+Its scheduler half has nothing to do: a prefill engine loads no KV from elsewhere. The
+decode side's connector is ``pdserve.kvtransfer.decode_connector.DecodeKVConnector``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
@@ -37,6 +42,7 @@ from pdserve.kvtransfer.blocks import check_pool, pool_layout
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.metrics import TransferObserver
 from pdserve.kvtransfer.results import ResultMailbox, merge_results
+from pdserve.kvtransfer.scheduler_half import NoExternalLoads
 from pdserve.kvtransfer.send_handle import SendHandle
 from pdserve.kvtransfer.sender import KVSender
 from pdserve.kvtransfer.types import KVLayout, KVTarget, KVTransferError, TransferResult
@@ -45,8 +51,11 @@ if TYPE_CHECKING:  # the engine's protocol types; kvtransfer does not import eng
     from pdserve.engine.kv_connector import PendingSend
 
 
-class PrefillKVConnector:
-    """pdserve.engine.kv_connector.KVConnector that streams KV through a ``KVSender``."""
+class PrefillKVConnector(NoExternalLoads):
+    """pdserve.engine.kv_connector.KVConnector that streams KV through a ``KVSender`` (its
+    scheduler half, ``NoExternalLoads``, has nothing to do: a prefill engine loads no KV)."""
+
+    saves_kv_layers = True  # reads each layer's KV as the model writes it
 
     def __init__(
         self,
@@ -95,7 +104,12 @@ class PrefillKVConnector:
         """The request's transfer result once it ended (waits up to ``timeout``)."""
         return self._results.take(request_id, timeout)
 
-    # ---- engine side (KVConnector protocol)
+    def close(self) -> None:
+        """Close the sender's connections (idempotent; nothing to do before a pool)."""
+        if self._sender is not None:
+            self._sender.close()
+
+    # ---- engine side: worker half (KVConnectorWorker)
     def register_kv_caches(
         self, kv_cache: torch.Tensor, model_name: str, *, layout: KVLayout | None = None
     ) -> None:
@@ -117,12 +131,20 @@ class PrefillKVConnector:
     def begin_step(self, sends: list[PendingSend]) -> None:
         step: list[tuple[SendHandle, range]] = []
         for send in sends:
+            rid = send.request_id
+            with self._lock:
+                pending = self._targets.get(rid)
+                handles = self._active.get(rid)
             if send.cancel:
-                self._cancel(send.request_id)
-            elif send.first:
-                step += self._begin(send)
-            else:
-                step += self._continue(send)
+                self._cancel(rid)
+            elif handles is not None:
+                trimmed = _trim_held(send, handles[0].target.first_block)
+                if trimmed is not None:
+                    step += self._continue(trimmed)
+            elif pending is not None or send.first:
+                trimmed = _trim_held(send, pending[0].first_block if pending else 0)
+                if trimmed is not None:  # else the decode side holds every block so far
+                    step += self._begin(trimmed)
         with self._lock:
             self._step = step
             self._in_step = {s.request_id for s in sends}
@@ -169,23 +191,33 @@ class PrefillKVConnector:
 
     def _cancel(self, request_id: str) -> None:
         """The request left before its final chunk: end its sends, tell the decode side."""
+        reason = "the request left the prefill engine before its last chunk"
         with self._lock:
-            self._targets.pop(request_id, None)
+            unopened = self._targets.pop(request_id, None)
             handles = self._active.get(request_id, [])
         for handle in handles:
-            self.sender.abort(handle, "the request left the prefill engine before its last chunk")
+            self.sender.abort(handle, reason)
+        if unopened is not None:
+            # Every block announced so far was one the decode side holds: nothing was sent,
+            # but the engine still waits to hear that the request's blocks are free.
+            self._settle_now(request_id, reason)
 
     def _open_sends(self, send: PendingSend, targets: tuple[KVTarget, ...]) -> list[SendHandle]:
         """One send per target that gets heads from this pool (checks every target first:
         sizes, layouts, and that every head this pool sends has a target)."""
         layout = self.sender.layout
         slices = []
+        if len({t.first_block for t in targets}) != 1:
+            raise ValueError(
+                f"targets: the ranks hold different prefixes (first_block "
+                f"{[t.first_block for t in targets]}); they share one block table"
+            )
         for target in targets:
-            needed = math.ceil(send.num_tokens / target.layout.block_size)
+            needed = math.ceil(send.num_tokens / target.layout.block_size) - target.first_block
             if needed != len(target.block_ids):
                 raise ValueError(
                     f"the target has {len(target.block_ids)} blocks for {send.num_tokens} "
-                    f"tokens ({needed} blocks)"
+                    f"tokens past its first {target.first_block} blocks ({needed} blocks)"
                 )
             slices.append(tp_plan.send_slice(layout, target.layout))  # raises on mismatch
         covered = {h for s in slices if s is not None for h in s.heads}
@@ -261,3 +293,15 @@ class PrefillKVConnector:
         self._results.put(request_id, result)
         with self._lock:
             self._finished.append(request_id)
+
+
+def _trim_held(send: PendingSend, held: int) -> PendingSend | None:
+    """The part of a step's send that the decode side lacks: its blocks from prompt block
+    ``held`` on, with ``block_offset`` counted from there (the blocks of the transfer);
+    None when the decode side holds all of them."""
+    drop = max(0, held - send.block_offset)
+    if drop >= len(send.block_ids):
+        return None
+    return dataclasses.replace(
+        send, block_ids=send.block_ids[drop:], block_offset=send.block_offset + drop - held
+    )

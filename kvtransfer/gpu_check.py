@@ -22,6 +22,7 @@ from multiprocessing.connection import Connection
 import torch
 
 from pdserve.kvtransfer import KVLayout, KVTarget, KVTransferConfig
+from pdserve.kvtransfer.types import TransportName
 
 LAYOUT = KVLayout(
     model="gpu-check", num_layers=8, num_kv_heads=8, head_dim=128, block_size=16, dtype="float16"
@@ -38,7 +39,7 @@ def _pool(device: str, seed: int | None, num_blocks: int = NUM_BLOCKS) -> torch.
     return torch.randn(shape, generator=g, dtype=torch.float32).to(torch.float16).to(device)
 
 
-def _decode_side(conn: Connection, device: str, transport: str) -> None:
+def _decode_side(conn: Connection, device: str, transport: TransportName) -> None:
     from pdserve.kvtransfer.receiver import KVReceiver
 
     torch.cuda.set_device(device)
@@ -62,7 +63,7 @@ def _decode_side(conn: Connection, device: str, transport: str) -> None:
         receiver.close()
 
 
-def _transfer_check(name: str, src_device: str, dst_device: str, transport: str) -> bool:
+def _transfer_check(name: str, src_device: str, dst_device: str, transport: TransportName) -> bool:
     from pdserve.kvtransfer.sender import KVSender
 
     ctx = mp.get_context("spawn")
@@ -121,7 +122,7 @@ def _transfer_check(name: str, src_device: str, dst_device: str, transport: str)
 
 
 def _tp_decode_side(
-    conn: Connection, device: str, transport: str, layout_json: str, num_blocks: int
+    conn: Connection, device: str, transport: TransportName, layout_json: str, num_blocks: int
 ) -> None:
     """A decode rank holding some of the heads: expects each request, checks that its pool
     holds exactly its heads of the seeded source blocks."""
@@ -148,7 +149,11 @@ def _tp_decode_side(
 
 
 def tp_transfer_check(
-    name: str, src_device: str, dst_device: str, transport: str, num_blocks: int = NUM_BLOCKS
+    name: str,
+    src_device: str,
+    dst_device: str,
+    transport: TransportName,
+    num_blocks: int = NUM_BLOCKS,
 ) -> bool:
     """Head slices between tensor-parallel ranks: decode rank 1 of TP=2 (heads [4, 8))
     gets one request from prefill ranks 2 and 3 of TP=4 (a quarter of the heads each,

@@ -113,17 +113,23 @@ class KVReceiver:
         deadline: float | None = None,
         *,
         num_tokens: int | None = None,
+        first_block: int = 0,
     ) -> KVTarget:
         """Register a request whose KV will be written into ``block_ids`` (prompt order).
 
         With ``num_tokens`` only the blocks holding that many tokens are expected: an
-        engine's reservation may also hold room for the tokens it will generate."""
+        engine's reservation may also hold room for the tokens it will generate.
+        ``first_block`` > 0: ``block_ids`` receive the prompt's blocks from that one on
+        (this side holds the ones before; ``num_tokens`` still counts the whole prompt)."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id: must be a non-empty string")
+        if first_block < 0:
+            raise ValueError(f"first_block: must be >= 0, got {first_block}")
         if num_tokens is not None:
             if num_tokens <= 0:
                 raise ValueError(f"num_tokens: must be positive, got {num_tokens}")
-            block_ids = block_ids[: math.ceil(num_tokens / self.layout.block_size)]
+            needed = math.ceil(num_tokens / self.layout.block_size) - first_block
+            block_ids = block_ids[: max(0, needed)]
         ids = tuple(int(b) for b in block_ids)
         if not ids:
             raise ValueError("block_ids: must not be empty")
@@ -159,6 +165,7 @@ class KVReceiver:
             node_id=self.node_id,
             request_id=request_id,
             block_ids=ids,
+            first_block=first_block,
             deadline=deadline,
             token=session.token,
             layout=self.layout,

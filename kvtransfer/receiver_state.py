@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,7 +96,7 @@ class Session:
         return f"{head}; missing: {'; '.join(shown)}{more}"
 
 
-def _runs(values: Any) -> list[tuple[int, int]]:
+def _runs(values: Iterable[int]) -> list[tuple[int, int]]:
     """Sorted ints -> maximal [start, stop) runs."""
     out: list[tuple[int, int]] = []
     for v in values:

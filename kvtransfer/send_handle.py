@@ -37,7 +37,8 @@ class SendHandle:
     # Held while bytes are written straight into the peer's pool; a Cancel takes it, so
     # once the peer has our CancelAck no write for this request is in flight or to come.
     write_lock: threading.Lock = field(default_factory=threading.Lock)
-    _state_lock: threading.Lock = field(default_factory=threading.Lock)
+    # Held while the handle is settled (result, error, finished set together, once).
+    state_lock: threading.Lock = field(default_factory=threading.Lock)
     peer: Any = None  # the sender_peer.DecodePeer carrying it (typed loosely: no import cycle)
 
     @property

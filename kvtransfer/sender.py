@@ -59,7 +59,8 @@ class KVSender:
         self.torch_device = torch.device(device)
         if self.torch_device.type == "cuda" and self.torch_device.index is None:
             # Resolve "cuda" now, on the engine's thread: the I/O threads must use its GPU.
-            self.torch_device = torch.device("cuda", torch.cuda.current_device())
+            # (torch's stubs type device.index as int; it is None for a bare "cuda".)
+            self.torch_device = torch.device("cuda", torch.cuda.current_device())  # type: ignore[unreachable]
         self.device = self.torch_device.type
         self.node_id = local_node_id(self.config.node_id)
         self._observer = observer
@@ -239,7 +240,7 @@ class KVSender:
         self._settle(handle, error, handle.bytes_sent)
 
     def _settle(self, handle: SendHandle, error: KVTransferError | None, nbytes: int) -> None:
-        with handle._state_lock:
+        with handle.state_lock:
             if handle.finished.is_set():
                 return
             handle.error = error

@@ -37,16 +37,18 @@ def pair_group(
     store: dist.Store, rank: int, backend: str, bind_host: str, timeout_s: float
 ) -> dist.ProcessGroup:
     """Build this side of the pair's group (blocks until the peer builds its side)."""
+    # torch's stubs omit ProcessGroupGloo._Options and type the backends as a ``Backend``
+    # without the collectives they bind, hence the ignores below.
     if backend == "gloo":
-        opts = dist.ProcessGroupGloo._Options()
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
         opts._timeout = _td(timeout_s)
-        return dist.ProcessGroupGloo(store, rank, 2, opts)
+        return dist.ProcessGroupGloo(store, rank, 2, opts)  # type: ignore[return-value]
     if backend == "nccl":
         survive_peer_failures()
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = _td(timeout_s)
-        return dist.ProcessGroupNCCL(store, rank, 2, opts)
+        return dist.ProcessGroupNCCL(store, rank, 2, opts)  # type: ignore[return-value]
     raise ValueError(f"backend: expected 'gloo' or 'nccl', got {backend!r}")
 
 

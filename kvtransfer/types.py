@@ -125,6 +125,13 @@ class KVTarget(_Frozen):
     node_id: str = Field(description="Identity of the decode node (same node => zero copy).")
     request_id: str = Field(min_length=1, description="Request whose KV is expected.")
     block_ids: tuple[int, ...] = Field(description="Destination block ids, in prompt order.")
+    first_block: int = Field(
+        default=0,
+        ge=0,
+        description="Index among the prompt's blocks of the first one written: the decode "
+        "side already holds the prompt's first ``first_block`` blocks (its prefix cache), "
+        "so only the blocks from there on are sent (a delta hand-off).",
+    )
     deadline: float = Field(description="Unix time after which the decode side gives up.")
     token: str = Field(min_length=16, description="Per-target random secret; writes need it.")
     layout: KVLayout = Field(description="Layout of the decode side's pool.")

@@ -29,12 +29,13 @@ from pdserve.deployments.app import (
     autoscaling_config,
 )
 from pdserve.deployments.load import decode_autoscaling_stats, prefill_autoscaling_stats
+from pdserve.sim.config import ROLES
 
 if TYPE_CHECKING:
+    from pdserve.deployments.config import AppConfig, PoolConfig, PoolRole
     from pdserve.sim.cluster import SimCluster
     from pdserve.sim.replica import SimReplica
 
-ROLES = ("prefill", "decode")
 DEPLOYMENTS = {"prefill": PREFILL_DEPLOYMENT, "decode": DECODE_DEPLOYMENT}
 
 
@@ -50,7 +51,7 @@ def _build(spec: dict[str, Any]) -> Any:
     return getattr(importlib.import_module(module), name)(**spec["policy_kwargs"])
 
 
-def live_policy(app: Any, role: str) -> Any:
+def live_policy(app: AppConfig, role: PoolRole) -> Any:
     """The pool's policy object as Serve would build it; None when the pool does not scale."""
     pool = app.pool(role)
     if not app.autoscaling or pool.min_replicas == pool.max_replicas:
@@ -58,7 +59,7 @@ def live_policy(app: Any, role: str) -> Any:
     return _build(autoscaling_config(app, role)["policy"])
 
 
-def live_application_policy(app: Any) -> Any:
+def live_application_policy(app: AppConfig) -> Any:
     """The joint policy as a Serve config deploys it; None without autoscaling."""
     return _build(application_autoscaling_policy(app)) if app.autoscaling else None
 
@@ -84,13 +85,13 @@ class SimAutoscaler:
             role: None if self.joint is not None else live_policy(cluster.app, role)
             for role in ROLES
         }
-        self._want: dict[str, tuple[int, float]] = {}  # role -> (target, since)
+        self._want: dict[PoolRole, tuple[int, float]] = {}  # role -> (target, since)
 
     @property
     def active(self) -> bool:
         return self.joint is not None or any(self.policies.values())
 
-    def metrics(self, role: str) -> dict[str, dict[str, float]]:
+    def metrics(self, role: PoolRole) -> dict[str, dict[str, float]]:
         """Serve's ``aggregated_metrics``: each ready replica's ``record_autoscaling_stats``
         (the live ``load.*_autoscaling_stats``), by metric name then replica."""
         out: dict[str, dict[str, float]] = {}
@@ -103,19 +104,21 @@ class SimAutoscaler:
                 report = prefill_autoscaling_stats(stats, rate)
             else:
                 report = decode_autoscaling_stats(stats, r.itl.value, rate)
-                report[autoscaling.KV_REFUSED_PER_S] = r.kv_refused.rate()
+                report[autoscaling.KV_REFUSED_PER_S] = (
+                    r.kv_refused.rate() if r.kv_refused is not None else 0.0
+                )
             for name, value in report.items():
                 out.setdefault(name, {})[r.replica_id] = value
         return out
 
-    def _context(self, role: str) -> Context:
+    def _context(self, role: PoolRole) -> Context:
         live = [r for r in self.cluster.pools[role] if not r.draining]
         return Context(self.metrics(role), sum(r.ready for r in live), len(live), {})
 
     def tick(self) -> None:
         c = self.cluster
         now = c.loop.now
-        wanted: dict[str, int] = {}
+        wanted: dict[PoolRole, int] = {}
         if self.joint is not None:
             contexts = {DeploymentKey(DEPLOYMENTS[role]): self._context(role) for role in ROLES}
             decisions, _ = self.joint(contexts)
@@ -124,7 +127,7 @@ class SimAutoscaler:
             if policy is not None:
                 wanted[role], _ = policy(self._context(role))
         for role, n in wanted.items():
-            pool = c.app.pool(role)  # type: ignore[arg-type]
+            pool = c.app.pool(role)
             if pool.min_replicas == pool.max_replicas:
                 continue
             live = [r for r in c.pools[role] if not r.draining]
@@ -136,7 +139,9 @@ class SimAutoscaler:
         if c.open_requests > 0:
             c.loop.after(c.s.autoscale_period_s, self.tick)
 
-    def _apply(self, role: str, pool: Any, live: list[SimReplica], wanted: int, now: float) -> None:
+    def _apply(
+        self, role: PoolRole, pool: PoolConfig, live: list[SimReplica], wanted: int, now: float
+    ) -> None:
         """Serve's delays: a new target holds for upscale/downscale_delay_s before it acts."""
         if wanted == len(live):
             self._want.pop(role, None)
@@ -151,6 +156,6 @@ class SimAutoscaler:
         self._want.pop(role, None)
         c = self.cluster
         for _ in range(wanted - len(live)):
-            c.start_replica(role, ready_in=c.s.replica_startup_s)  # type: ignore[arg-type]
+            c.start_replica(role, ready_in=c.s.replica_startup_s)
         for replica in sorted(live, key=lambda r: r.ongoing)[: max(0, len(live) - wanted)]:
             c.drain(replica)

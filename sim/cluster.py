@@ -25,7 +25,7 @@ which only the last layer's share shows after the prefill when the link keeps pa
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from pdserve.deployments.config import AppConfig, PoolRole
@@ -50,7 +50,7 @@ from pdserve.deployments.routers import (
     rank_prefill_terms,
 )
 from pdserve.sim.autoscaler import SimAutoscaler
-from pdserve.sim.config import SimSettings
+from pdserve.sim.config import ROLES, SimSettings
 from pdserve.sim.cost import CostModel
 from pdserve.sim.engine import SimEngine
 from pdserve.sim.events import EventLoop
@@ -70,7 +70,7 @@ class SimCluster:
         decode_cost: CostModel,
         settings: SimSettings | None = None,
         admission: Admission | None = None,
-        helper_costs: dict[str, CostModel] | None = None,
+        helper_costs: Mapping[PoolRole, CostModel] | None = None,
     ) -> None:
         """``helper_costs``: per pool whose engines add helper threads on the shared CPUs
         (``cpu.helper_threads``), its step profile with the helpers at full speed
@@ -79,7 +79,7 @@ class SimCluster:
         self.s = settings or SimSettings()
         self.admission = admission
         self.loop = EventLoop()
-        self.costs: dict[str, CostModel] = {"prefill": prefill_cost, "decode": decode_cost}
+        self.costs: dict[PoolRole, CostModel] = {"prefill": prefill_cost, "decode": decode_cost}
         shared = self.s.shared_cpu
         self.shared_cpu = (
             SharedCpuLoad(shared, self.loop, self._decode_tokens_per_s, self._decode_steps_per_s)
@@ -89,16 +89,16 @@ class SimCluster:
         if shared is not None and self.shared_cpu is not None:
             for role in shared.roles:
                 self.costs[role] = SharedCpuCost(self.costs[role], self.shared_cpu)
-        self.helpers: dict[str, HelperThreadsCost] = {}
+        self.helpers: dict[PoolRole, HelperThreadsCost] = {}
         for role, helper in (helper_costs or {}).items():
             if self.shared_cpu is None:
                 raise ValueError("helper threads compute on the shared CPUs: set shared_cpu")
-            pool = app.pool(role)  # type: ignore[arg-type]
+            pool = app.pool(role)
             self.helpers[role] = HelperThreadsCost(
                 self.costs[role], helper, self.shared_cpu, pool.cpu.helper_min_tokens
             )
             self.costs[role] = self.helpers[role]
-        self.pools: dict[str, list[SimReplica]] = {"prefill": [], "decode": []}
+        self.pools: dict[PoolRole, list[SimReplica]] = {"prefill": [], "decode": []}
         self.retired: list[SimReplica] = []
         self.ingress_books = InflightLoad()
         self.backlog: deque[SimRequest] = deque()
@@ -112,7 +112,7 @@ class SimCluster:
             kv_weight=r.decode_kv_weight, batch_weight=r.decode_batch_weight
         )
         self.policy = DisaggregationPolicy(app.policy, app.slo, r.default_prefill_tokens_per_s)
-        self.shapes = {role: self._shape(role) for role in ("prefill", "decode")}
+        self.shapes = {role: self._shape(role) for role in ROLES}
         self._remote: dict[int, RemoteInFlight] = {}
         self._open = 0
         self._publishing = False  # a _publish_all is scheduled
@@ -127,23 +127,23 @@ class SimCluster:
         self.kv_refused = 0
         # Per pool, (replica, last report) of the replicas a router may pick: rebuilt only
         # after a report, a replica ready, draining or retired (not once per request).
-        self._pairs: dict[str, list[tuple[SimReplica, ReplicaStats | None]] | None] = {
+        self._pairs: dict[PoolRole, list[tuple[SimReplica, ReplicaStats | None]] | None] = {
             "prefill": None,
             "decode": None,
         }
-        self._terms: dict[str, list[tuple[SimReplica, Any]] | None] = {
+        self._terms: dict[PoolRole, list[tuple[SimReplica, Any]] | None] = {
             "prefill": None,
             "decode": None,
         }
         self._arrivals: Iterator[SimRequest] = iter(())
         self.autoscaler = SimAutoscaler(self)
-        for role in ("prefill", "decode"):
+        for role in ROLES:
             for _ in range(app.pool(role).start_replicas):
-                self.start_replica(role, ready_in=0.0)  # type: ignore[arg-type]
+                self.start_replica(role, ready_in=0.0)
 
     # ------------------------------------------------------------------ setup
-    def _shape(self, role: str) -> EngineShape:
-        limits = self.app.pool(role).engine  # type: ignore[arg-type]
+    def _shape(self, role: PoolRole) -> EngineShape:
+        limits = self.app.pool(role).engine
         cost = self.costs[role]
         blocks = limits.num_kv_blocks or max(1, cost.kv_capacity_tokens // limits.block_size)
         return EngineShape(
@@ -163,22 +163,21 @@ class SimCluster:
         gpus = (
             self.s.gpus_per_prefill_replica if role == "prefill" else self.s.gpus_per_decode_replica
         )
-        replica = SimReplica(f"{role}-{self._next_id}", role, None, gpus, self.loop.now)  # type: ignore[arg-type]
         helper = self.helpers.get(role)
         shared = helper is not None or (
             self.shared_cpu is not None and role in self.shared_cpu.settings.roles
         )
+        # The engine's callbacks name the replica built around it just below.
         if role == "prefill":
-            replica.engine = SimEngine(
+            engine = SimEngine(
                 self.loop,
                 self.costs[role],
                 self.shapes[role],
                 on_finish=lambda seq, t: self._prefill_done(replica, seq, t),
                 macro_steps=self.s.macro_steps and not shared,
             )
-            replica.arrivals = RateMeter(clock=lambda: self.loop.now)
         else:
-            replica.engine = SimEngine(
+            engine = SimEngine(
                 self.loop,
                 self.costs[role],
                 self.shapes[role],
@@ -187,6 +186,10 @@ class SimCluster:
                 macro_steps=self.s.macro_steps and not shared,
                 on_output_rate=self.shared_cpu.tokens_changed if self.shared_cpu else None,
             )
+        replica = SimReplica(f"{role}-{self._next_id}", role, engine, gpus, self.loop.now)
+        if role == "prefill":
+            replica.arrivals = RateMeter(clock=lambda: self.loop.now)
+        else:
             replica.estimate = RemotePrefillEstimator(
                 self.app.router.default_prefill_tokens_per_s, clock=lambda: self.loop.now
             )
@@ -211,7 +214,7 @@ class SimCluster:
         if replica.ongoing == 0 and replica.engine.idle:
             self.retire(replica)
 
-    def routable(self, role: str) -> list[tuple[SimReplica, ReplicaStats | None]]:
+    def routable(self, role: PoolRole) -> list[tuple[SimReplica, ReplicaStats | None]]:
         """(replica, its last report) for the pool's ready replicas that are not draining,
         in pool order: what Serve hands the pool's routers."""
         pairs = self._pairs[role]
@@ -221,7 +224,7 @@ class SimCluster:
             self._terms[role] = None
         return pairs
 
-    def router_terms(self, role: str) -> list[tuple[SimReplica, Any]]:
+    def router_terms(self, role: PoolRole) -> list[tuple[SimReplica, Any]]:
         """``routable(role)`` with each report worked out for the pool's router
         (``routers.prefill_terms`` / ``decode_terms``): once per report, not per request."""
         pairs = self.routable(role)

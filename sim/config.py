@@ -14,6 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.deployments.config import PoolRole
 
+ROLES: tuple[PoolRole, ...] = ("prefill", "decode")  # the pools, in reporting order
+
 
 class SharedCpuSettings(BaseModel):
     """The CPUs a local cluster's serving processes share with engines that have no CPUs of

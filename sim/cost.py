@@ -128,10 +128,10 @@ def roofline(
 ) -> RooflineCost:
     """``RooflineCost`` from table names (ValueError naming an unknown one)."""
     return RooflineCost(
-        lookup(MODELS, model, "model"),  # type: ignore[arg-type]
-        lookup(GPUS, gpu, "gpu"),  # type: ignore[arg-type]
+        lookup(MODELS, model, "model"),
+        lookup(GPUS, gpu, "gpu"),
         tp=tp,
-        link=lookup(LINKS, link, "link"),  # type: ignore[arg-type]
+        link=lookup(LINKS, link, "link"),
         eff=eff,
     )
 
@@ -209,7 +209,7 @@ class LoopOverheadCost:
     """``cost`` plus ``step_overhead_s`` per step: what a replica's engine loop adds to each
     ``LLMEngine.step()`` that a profile of the bare engine does not time (the step's outputs
     handed to the replica's event loop, its stats, the GIL that loop shares with the engine
-    thread). Measured in place by ``sim.validate measure``: the interval between the tokens
+    thread). Measured in place by ``bench.sim_validate measure``: the interval between the tokens
     of requests served one at a time, less the profile's step for one decode."""
 
     def __init__(self, cost: CostModel, step_overhead_s: float) -> None:

@@ -2,7 +2,7 @@
 
 A replica whose engine computes on the CPUs it shares with the serving processes (the Ray
 proxy, the ingress, the decode replica's own threads, Ray's daemons) gets only what they
-leave of those CPUs; a niced one (``cpu.nice``) gets exactly that. ``sim.validate measure``
+leave of those CPUs; a niced one (``cpu.nice``) gets exactly that. ``bench.sim_validate measure``
 takes a ``CpuSnapshot`` before and after each run (and over an idle spell) and writes the
 difference, so the simulation can be told how much of the shared CPUs the serving path
 used per request: a measured cost, like the engine's step profile, not a fit to latencies.

@@ -92,7 +92,10 @@ class SimEngine:
         self._phase = [0] * shape.block_size  # by (c0 - j) mod block_size
         self._heap: list[tuple[int, int, int, Seq]] = []  # (finish step, tie, j, seq)
         self._order: list[Seq] = []  # running requests by admission (preemption victims)
-        self._firsts: list[Seq] = []  # first tokens out at the end of the next step
+        # Landed remote KV: first tokens out at the end of the next step to start (as the
+        # live engine streams them with that step's outputs), then at the end of this one.
+        self._firsts: list[Seq] = []
+        self._step_firsts: list[Seq] = []
         self._tie = 0
         self._step_end: Event | None = None
         self._batch: list[tuple[Seq, int]] = []
@@ -125,20 +128,15 @@ class SimEngine:
         del self.remote[seq.req.rid]
         seq.computed = seq.req.prompt_tokens
         seq.outputs = 1
-        if seq.req.output_tokens <= 1:
-            # Done with its first token: out with the next step's outputs (now, if idle).
-            end = self._step_end.time if self._step_end is not None else self.loop.now
-            self.loop.at(end, self._finish_landed, seq)
-            return
         self._firsts.append(seq)
-        self._wait(seq, front=True)
+        if seq.req.output_tokens <= 1:
+            # Done with its first token: its blocks are free at once, and it finishes with
+            # the next step's outputs (now, if no step starts).
+            self._free(seq)
+            seq.state = GONE
+        else:
+            self._wait(seq, front=True)
         self._poke()
-
-    def _finish_landed(self, seq: Seq) -> None:
-        self._free(seq)
-        seq.state = GONE
-        self.on_first_token(seq, self.loop.now)
-        self.on_finish(seq, self.loop.now)
 
     def fail_remote(self, seq: Seq) -> None:
         """Recompute the prompt here, into the reserved blocks."""
@@ -344,8 +342,10 @@ class SimEngine:
             if len(self._order) > 4 * self.num_running + 64:  # drop the finished ones
                 self._order = [s for s in self._order if s.state in (PREFILLING, DECODING)]
             self._order.append(seq)
-            if seq.uncomputed == 1:
-                # Landed remote KV: it decodes in this very step.
+            if seq.uncomputed == 1 and seq.outputs:
+                # Landed remote KV (its first token is out already): it decodes in this very
+                # step. A one-token prompt also has one token to compute, but it is a
+                # prefill: that step samples its first token.
                 self._join_decoding(seq)
                 decodes += 1
             else:
@@ -356,23 +356,23 @@ class SimEngine:
         return batch, decodes
 
     def _start_step(self) -> None:
+        firsts, self._firsts = self._firsts, []
         if not (self.waiting or self.prefilling or self._n):
-            if self._firsts:
-                self._emit_firsts()
+            self._emit_firsts(firsts)
             return
         batch, decodes = self._schedule()
         ctx = self._base + self._n * self._step  # admitted landed requests included
         if not batch and not decodes:
-            if self._firsts:
-                self._emit_firsts()
+            self._emit_firsts(firsts)
             return  # waiting for blocks that only a finishing request frees
+        self._step_firsts = firsts
         tokens = decodes
         attn = 0.0
         for seq, n in batch:
             tokens += n
             attn += n * (seq.computed + n / 2)
         k = 1
-        if self.macro_steps and not batch and not self.waiting and not self._firsts:
+        if self.macro_steps and not batch and not self.waiting and not self._step_firsts:
             k = self._macro_length()
         t0 = self.cost.step_s(tokens, attn, decodes, ctx)
         if self._request_s is not None:
@@ -429,10 +429,11 @@ class SimEngine:
         self._k = k
         self._step_end = self.loop.at(self._step_began + self._span(k), self._end_step)
 
-    def _emit_firsts(self) -> None:
-        firsts, self._firsts = self._firsts, []
+    def _emit_firsts(self, firsts: list[Seq]) -> None:
         for seq in firsts:
             self.on_first_token(seq, self.loop.now)
+            if seq.state == GONE:  # its only token: done
+                self.on_finish(seq, self.loop.now)
 
     def _end_step(self) -> None:
         now, k = self.loop.now, self._k
@@ -443,7 +444,8 @@ class SimEngine:
         batch, self._batch = self._batch, []
         if self._decodes:
             self._step += k
-        self._emit_firsts()
+        firsts, self._step_firsts = self._step_firsts, []
+        self._emit_firsts(firsts)
         for seq, n in batch:
             if seq.aborted:
                 self.prefilling.remove(seq)

@@ -7,7 +7,9 @@ direction, per GPU pair, as one prefill GPU sees its decode peer.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,10 @@ MODELS: dict[str, ModelShape] = {
 }
 
 
-def lookup(table: dict[str, object], key: str, what: str) -> object:
+T = TypeVar("T")
+
+
+def lookup(table: Mapping[str, T], key: str, what: str) -> T:
     """``table[key]`` with a ValueError that names the bad key and the choices."""
     try:
         return table[key.lower()]

@@ -70,11 +70,8 @@ def summarize(
     ttft_ok = [r for r in done if r.ttft is not None and r.ttft <= slo_ttft_s]
     tpot_ok = [r for r in done if r.tpot is None or r.tpot <= slo_tpot_s]
     both = [r for r in ttft_ok if r.tpot is None or r.tpot <= slo_tpot_s]
-    span = (
-        max(r.finished_at for r in done) - min(r.arrival for r in requests)  # type: ignore[type-var]
-        if done
-        else 0.0
-    )
+    finished_at = [r.finished_at for r in done if r.finished_at is not None]
+    span = max(finished_at) - min(r.arrival for r in requests) if finished_at else 0.0
     return SimReport(
         num_requests=len(requests),
         completed=len(done),

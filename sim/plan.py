@@ -222,14 +222,14 @@ def format_plan(req: PlanRequest, result: Plan) -> str:
             f"{c.label:<16}{c.gpus:>6}{r.goodput:>9.1%}{ttft:>10}{tpot:>10}"
             f"{r.gpu_seconds_per_1k:>10.0f}"
         )
-    for name, c in (("disaggregated", result.disaggregated), ("colocated", result.colocated)):
-        if c is None:
+    for name, best in (("disaggregated", result.disaggregated), ("colocated", result.colocated)):
+        if best is None:
             lines.append(f"recommend {name}: none found within the search bound")
         else:
             lines.append(
-                f"recommend {name}: {c.label} = {c.gpus} GPUs, predicted attainment "
-                f"{c.report.goodput:.1%} (TTFT {c.report.ttft_attainment:.1%}, "
-                f"TPOT {c.report.tpot_attainment:.1%})"
+                f"recommend {name}: {best.label} = {best.gpus} GPUs, predicted attainment "
+                f"{best.report.goodput:.1%} (TTFT {best.report.ttft_attainment:.1%}, "
+                f"TPOT {best.report.tpot_attainment:.1%})"
             )
     lines.append(f"planned in {result.seconds:.1f} s ({len(result.tried)} simulations)")
     return "\n".join(lines)

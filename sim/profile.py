@@ -34,18 +34,23 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pdserve.sim.cost import StepProfile
+
+if TYPE_CHECKING:
+    from pdserve.deployments.config import AppConfig, PoolRole
 
 PREFILL_POINTS = (32, 64, 128, 256, 512, 1024, 2048)
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 CONTEXTS = (16, 512, 1536)
 
 
-def _engine(model_dir: str, dtype: str, budget: int, pool: tuple[Any, str] | None = None):
+def _engine(
+    model_dir: str, dtype: str, budget: int, pool: tuple[AppConfig, PoolRole] | None = None
+):
     """The engine to time (torch: imported late). With ``pool`` = (AppConfig, role) it is
     built as that pool's replicas build theirs (``engine_factory``: the pool's dtype and
     device runtime: torch threads, helper threads, niceness), with room for the profile's
@@ -67,7 +72,9 @@ def _engine(model_dir: str, dtype: str, budget: int, pool: tuple[Any, str] | Non
         cfg, role = pool
         config = engine_config(cfg, role, model_dir).model_copy(update=sizes)
         return LLMEngine(config, runtime_settings=runtime_settings(cfg.pool(role)))
-    return LLMEngine(EngineConfig(model=model_dir, dtype=dtype, device="cpu", **sizes))
+    return LLMEngine(
+        EngineConfig.model_validate({"model": model_dir, "dtype": dtype, "device": "cpu", **sizes})
+    )
 
 
 def _prompt(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
@@ -131,7 +138,7 @@ def measure(
     threads: Threads | None,
     transfer_bytes_per_s: float,
     transfer_latency_s: float,
-    pool: tuple[Any, str] | None = None,
+    pool: tuple[AppConfig, PoolRole] | None = None,
 ) -> tuple[StepProfile, dict]:
     """``threads`` None: the engine's own runtime sets them per step (a pool's engine)."""
     rng = np.random.default_rng(0)
@@ -150,8 +157,8 @@ def measure(
     for c in CONTEXTS:
         ctx[c] = time_decode(engine, 8, c, 8, rng)
 
-    n = np.array(PREFILL_POINTS, dtype=np.float64)
-    design = np.stack([np.ones_like(n), n, n * n / 2], axis=1)
+    tokens = np.array(PREFILL_POINTS, dtype=np.float64)
+    design = np.stack([np.ones_like(tokens), tokens, tokens * tokens / 2], axis=1)
     (a, b, c), *_ = np.linalg.lstsq(
         design, np.array([prefill[k] for k in PREFILL_POINTS]), rcond=None
     )
@@ -170,6 +177,7 @@ def measure(
     cfg = engine.model_config
     kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * engine.kv_cache.element_size()
     capacity = engine.runner.profile_num_blocks() * engine.block_size
+    runtime = f"{pool[1]} pool runtime" if not threads and pool is not None else threads
     profile = StepProfile(
         token_points=tuple(points),
         token_seconds=tuple(max(table[p], 1e-6) for p in points),
@@ -180,7 +188,7 @@ def measure(
         transfer_bytes_per_s=transfer_bytes_per_s,
         transfer_latency_s=transfer_latency_s,
         num_layers=int(cfg.num_layers),
-        source=f"{model_dir} dtype {cfg.dtype} {threads or pool[1] + ' pool runtime'}",
+        source=f"{model_dir} dtype {cfg.dtype} {runtime}",
     )
     raw = {"prefill_s": prefill, "decode_s": decode, "decode8_ctx_s": ctx, "fit_a_b": [a, b]}
     return profile, raw

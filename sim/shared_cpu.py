@@ -25,7 +25,7 @@ that arrive together in one pass: a token in a batch of n costs the per-token pa
   batch streams more than the shared CPUs can carry, the client sees TTFT and TPOT grow
   although the decode engine's steps (on a CPU of its own) did not slow down.
 
-All these numbers are measured by ``sim.validate measure`` (``sim.cpu_account``'s /proc
+All these numbers are measured by ``bench.sim_validate measure`` (``sim.cpu_account``'s /proc
 accounting): the daemons during an idle spell; the serving path per request and per output
 token from two calibration batches that differ only in their output length (one request
 at a time: one token per step), per decode step from a third with the long one's requests
@@ -246,7 +246,7 @@ def measured_settings(
     runs: list[tuple[dict, int]],
     prefill_compute_s: Callable[[int], float] | None = None,
 ) -> SharedCpuSettings | None:
-    """``SharedCpuSettings`` from ``sim.validate measure``'s ``cpu.json`` of runs of ``app``
+    """``SharedCpuSettings`` from ``bench.sim_validate measure``'s ``cpu.json`` of runs of ``app``
     (each with its number of requests); None when nothing was measured, or when no engine
     of ``app`` computes on the shared CPUs and the serving path was not calibrated (with a
     calibration, such a cluster still streams its tokens through the shared CPUs).

@@ -31,6 +31,14 @@ def test_every_source_package_is_listed_in_pyproject() -> None:
     assert setup["package-dir"] == {f"pdserve.{f}": f for f in SOURCE_FOLDERS}
 
 
+def test_type_checker_sees_every_source_folder_as_pdserve() -> None:
+    """mypy finds ``pdserve.<folder>`` through .typecheck/pdserve: one symlink per folder."""
+    links = REPO / ".typecheck" / "pdserve"
+    assert {p.name for p in links.iterdir()} == set(SOURCE_FOLDERS)
+    for folder in SOURCE_FOLDERS:
+        assert (links / folder).resolve() == REPO / folder
+
+
 def test_no_top_level_module_resolves_to_this_project(tmp_path: Path) -> None:
     """Installed, the project is reachable only as ``pdserve.*``: ``import kernels`` finds
     Hugging Face's package (or nothing), never ours."""
@@ -100,3 +108,45 @@ def test_cli_help_runs_without_torch_or_ray(tmp_path: Path) -> None:
     result = _run_python(code, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "pdserve up" in result.stdout
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Every module a source file imports, at any depth (functions included)."""
+    import ast
+
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def test_the_simulator_imports_nothing_from_bench() -> None:
+    """The simulator is a library that ``bench`` uses (``bench.sim_validate`` measures the
+    cluster it is validated against), never the reverse."""
+    offenders = {
+        str(path.relative_to(REPO)): sorted(
+            m
+            for m in _imported_modules(path)
+            if m == "pdserve.bench" or m.startswith("pdserve.bench.")
+        )
+        for path in sorted((REPO / "sim").rglob("*.py"))
+    }
+    assert {path: mods for path, mods in offenders.items() if mods} == {}
+    assert "pdserve.sim.validate" in _imported_modules(REPO / "bench" / "sim_validate.py")
+
+
+def test_no_test_module_imports_another() -> None:
+    """Shared harnesses live in helper modules (``tests/support``, ``fakes.py``...): a test
+    module imported by another would run its tests' module-level setup twice and couple
+    unrelated files."""
+    offenders = {
+        str(path.relative_to(REPO)): sorted(
+            m for m in _imported_modules(path) if m.startswith("tests.") and ".test_" in m
+        )
+        for path in sorted((REPO / "tests").rglob("*.py"))
+    }
+    assert {path: mods for path, mods in offenders.items() if mods} == {}

@@ -23,6 +23,7 @@ from torch import nn
 
 from pdserve.engine.loader import ModelConfig
 from pdserve.engine.parallel import SINGLE, TPGroup
+from pdserve.engine.quantization import QUANT_KINDS, make_linear, read_quant_tensor
 from pdserve.kernels import ops
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -73,8 +74,17 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * cfg.head_dim
         self.kv_size = self.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, cfg.o_bias)
+        prefix, quant = f"model.layers.{layer_idx}.self_attn", cfg.quantization
+        self.qkv_proj = make_linear(
+            cfg.hidden_size,
+            self.q_size + 2 * self.kv_size,
+            cfg.qkv_bias,
+            quant,
+            (f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"),
+        )
+        self.o_proj = make_linear(
+            self.q_size, cfg.hidden_size, cfg.o_bias, quant, (f"{prefix}.o_proj",)
+        )
 
     def forward(
         self,
@@ -106,12 +116,21 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """This rank's intermediate columns: column-parallel gate/up, row-parallel down."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup) -> None:
         super().__init__()
         self.tp = tp
         inter = len(tp.shard.split(cfg.intermediate_size, "intermediate_size"))
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, cfg.mlp_bias)
-        self.down_proj = nn.Linear(inter, cfg.hidden_size, cfg.mlp_bias)
+        prefix, quant = f"model.layers.{layer_idx}.mlp", cfg.quantization
+        self.gate_up_proj = make_linear(
+            cfg.hidden_size,
+            2 * inter,
+            cfg.mlp_bias,
+            quant,
+            (f"{prefix}.gate_proj", f"{prefix}.up_proj"),
+        )
+        self.down_proj = make_linear(
+            inter, cfg.hidden_size, cfg.mlp_bias, quant, (f"{prefix}.down_proj",)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.down_proj(ops.silu_and_mul(self.gate_up_proj(x))))
@@ -144,7 +163,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_idx, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, tp)
+        self.mlp = MLP(cfg, layer_idx, tp)
 
     def forward(
         self,
@@ -283,10 +302,42 @@ class LlamaForCausalLM(nn.Module):
             if cfg.tie_word_embeddings and name == "lm_head.weight":
                 continue
             prefix, module, kind = (["", *name.rsplit(".", 2)])[-3:]
-            target, rows, index = name, every, (every,)
+            target, rows = name, every
+            index: tuple[slice, ...] | None = (every,)  # None: the rank takes zeros
+            src_rows = src_cols = every
+            # Quantized checkpoints: the packed weight fills `weight`, both scale spellings
+            # fill `weight_scale` (see engine/quantization.py).
+            param_kind = {"weight_packed": "weight", "weight_scale_inv": "weight_scale"}.get(
+                kind, kind
+            )
             if module in plan:
                 fused, rows, src_rows, src_cols = plan[module]
-                target = f"{prefix}.{fused}.{kind}" if prefix else f"{fused}.{kind}"
+                target = f"{prefix}.{fused}.{param_kind}" if prefix else f"{fused}.{param_kind}"
+            if kind in QUANT_KINDS:
+                if cfg.quantization is None:
+                    raise ValueError(
+                        f"checkpoint tensor {name!r} is quantized but config.json has no "
+                        "quantization_config"
+                    )
+                if target not in params:
+                    if kind in ("weight_shape", "input_scale"):
+                        continue  # the shape is the module's; activations are dynamic
+                    raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+                dest = params[target].data[rows]
+                tensor = read_quant_tensor(
+                    kind, source, src_rows, src_cols, dest, cfg.quantization, name
+                )
+                if tensor is None:
+                    continue
+                if dest.shape != tensor.shape:
+                    raise ValueError(
+                        f"checkpoint tensor {name!r}: read as {tuple(tensor.shape)}, expected "
+                        f"{tuple(dest.shape)} on rank {shard.rank} of {shard.size}"
+                    )
+                dest.copy_(tensor)
+                expected[target] -= dest.shape[0]
+                continue
+            if module in plan:
                 if kind == "bias" and src_cols is not every:
                     # Row-parallel bias: added once (rank 0) to the all-reduced sum.
                     index = (every,) if shard.rank == 0 else None

@@ -1,9 +1,9 @@
 """CPU linear layers with their weights packed once at load time.
 
-- ``Bf16Linear``: a bfloat16 model on a CPU with AVX512-BF16 but no AMX (AMD Zen 4/5), the
-  weights in the native kernel's layout (``kernels/cpu/csrc/linear_bf16.cpp``): at decode sizes
-  it reads the weights faster than oneDNN's packed matmul (1.8x at 1 row, 1.4x at 8 rows on
-  one Zen 4 core), and it is on par with oneDNN from 32 rows up to prefill sizes.
+- ``Bf16Linear``: a bfloat16 model on a CPU with AVX512-BF16 but no AMX, the weights in
+  the native kernel's layout (``kernels/cpu/csrc/linear_bf16.cpp``): at decode sizes it reads
+  the weights faster than oneDNN's packed matmul, and it is on par with oneDNN from 32 rows
+  up to prefill sizes (measurements in docs/cpu.md).
 - ``PackedLinear``: a bfloat16 model on a CPU with AMX (or without the native kernel), the
   weights in oneDNN's blocked layout.
 - ``Bf16WeightLinear``: a float32 model whose weights are exactly bfloat16 values (a bf16

@@ -14,7 +14,7 @@ CPU ops where torch and its libraries have no good fit:
   packed bf16 matmul reads a decode step's weights at well under the memory bandwidth.
 - the row-wise ops of every layer (``csrc/layer_ops.cpp``): residual add + RMSNorm, rotary
   embedding of q and k, SiLU-and-mul; in torch each is a chain of kernels with a full pass
-  over memory and a temporary per link (about 15% of a 2048-token bf16 prefill step).
+  over memory and a temporary per link (a noticeable share of a bf16 prefill step).
 - binding an engine thread's OpenMP team thread by thread (``csrc/omp_team.cpp``): helper
   threads on a node's shared CPUs (``pdserve.kernels.cpu.runtime``); torch can only set a
   thread count, and OpenMP's places bind a whole process.
@@ -39,6 +39,7 @@ import tempfile
 import threading
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -100,7 +101,9 @@ _DECODE_FN = {
     torch.bfloat16: "pdserve_paged_decode_bf16",
 }
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
-_RMS_NORM_ARGS = [_I32, _I32, _I32, _I32, _P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _F32]
+_RMS_NORM_ARGS: list[type[ctypes._SimpleCData[Any]]] = [_I32, _I32, _I32, _I32, _P, _I64]
+_RMS_NORM_ARGS += [_P, _I64, _P, _P, _P]
+_RMS_NORM_ARGS += [_I64, _I64, _F32]
 _LAYER_OPS_ARGS = {
     "pdserve_rotary": [_P, _P, _I64, _I64, _I32, _P, _I64, _I64, _I32, _I32, _P, _P, _I64],
     "pdserve_silu_and_mul": [_P, _I64, _I64, _I64, _P],
@@ -378,6 +381,12 @@ def bf16_linear_available() -> bool:
     return lib is not None and bool(lib.pdserve_linear_bf16_supported())
 
 
+def _bf16_packed_words(n: int, k: int) -> int:
+    lib = _library()
+    assert lib is not None  # _pack checks availability before it asks
+    return int(lib.pdserve_bf16_packed_words(n, k))
+
+
 def pack_bf16_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` [N, K] (CPU, bfloat16) in ``bf16_linear``'s layout: a flat int32 tensor
     (input pairs interleaved in panels of 16 outputs, zero-padded; csrc/linear_bf16.cpp)."""
@@ -385,7 +394,7 @@ def pack_bf16_linear_weight(weight: torch.Tensor) -> torch.Tensor:
         "pack_bf16_linear_weight",
         weight,
         bf16_linear_available(),
-        lambda n, k: _library().pdserve_bf16_packed_words(n, k),
+        _bf16_packed_words,
         "pdserve_pack_bf16",
     )
 
@@ -408,9 +417,9 @@ def bf16_linear_float32(
     bias: torch.Tensor | None,  # [N] float32
 ) -> torch.Tensor:  # [M, N] float32
     """``x @ W^T + bias`` with float32 sums and a float32 result (the logits): ``x`` enters
-    rounded to bf16 once, as every input of this kernel does. Taking it exactly as well (two
-    bf16 parts) cost 1.5-1.9x the projection and moved neither the top-1 flips nor the KL to
-    float32 of ``bench.numerics`` (5 of 160 and 0.0062 both ways on the small model)."""
+    rounded to bf16 once, as every input of this kernel does: taking it exactly as well (two
+    bf16 parts) cost more than the projection and changed nothing ``bench.numerics``
+    measures (docs/cpu.md)."""
     rows = x.to(torch.bfloat16).contiguous()
     return _linear("pdserve_linear_bf16_f32out", rows, packed, out_features, bias, torch.float32)
 

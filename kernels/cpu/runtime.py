@@ -196,8 +196,8 @@ def single_threaded_copies() -> bool:
     ATen runs a large CPU copy as an OpenMP parallel region on a team of
     ``get_num_threads()`` threads. An I/O thread that opens its own team while the engine's
     model thread runs another oversubscribes the cores: the copy then waits for its slowest
-    team member to be scheduled, which on a busy 2-core host turned a 0.2 ms copy of 2 MiB
-    into a 10 ms median with 100+ ms tails. A block copy is bound by memory bandwidth, which
+    team member to be scheduled, so a sub-millisecond copy takes tens of milliseconds on a
+    busy host (docs/cpu.md). A block copy is bound by memory bandwidth, which
     one core nearly saturates. The OpenMP thread count is a per-thread setting (ICV): this
     changes only the calling thread, not the engine's. Returns whether it took effect.
     """
@@ -219,8 +219,8 @@ def single_threaded_copies() -> bool:
 # Keep freed activation memory in the process heap (glibc ``mallopt``). By default glibc
 # serves every allocation above 128 KiB-32 MiB with a fresh ``mmap`` and hands it back on
 # ``free``. A CPU forward pass allocates and frees megabytes of activations per layer, so
-# each step page-faults the same memory in again: at a 1024-token prefill that costs more
-# than the RMSNorm it feeds (3.0 ms vs 0.7 ms measured for one [1024, 768] norm). Raising
+# each step page-faults the same memory in again, at prefill sizes costing more than the
+# RMSNorm it feeds (docs/cpu.md). Raising
 # the mmap and trim thresholds makes freed blocks reusable, which is what GPU caching
 # allocators do and what vLLM gets on CPU by preloading tcmalloc. The heap keeps its peak.
 _M_TRIM_THRESHOLD = -1

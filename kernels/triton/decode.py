@@ -198,8 +198,22 @@ def paged_decode_attention_triton(
     seq_lens: torch.Tensor,  # [S] int32
     scale: float,
     num_splits: int | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [Hq]
 ) -> torch.Tensor:  # [S, Hq, D]
-    """Decode attention; ``num_splits`` overrides the heuristic (tests use it)."""
+    """Decode attention; ``num_splits`` overrides the heuristic (tests use it). With a
+    window, softcap or sinks the batch goes to the varlen kernel of ``prefill.py`` as
+    one-token sequences (it implements them; few models use them, so this kernel stays
+    lean)."""
+    if sliding_window or softcap or sinks is not None:
+        from pdserve.kernels.triton.prefill import paged_attention_triton
+
+        cu = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+        return paged_attention_triton(
+            q, k_cache, v_cache, cu, seq_lens, block_tables, scale,
+            sliding_window=sliding_window, softcap=softcap, sinks=sinks,
+        )  # fmt: skip
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:

@@ -15,6 +15,7 @@ and exits 0. ``--quick`` shrinks the benchmark shapes (used by the GPU test).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -147,6 +148,33 @@ def _check_attention(dev: torch.device) -> list[Row]:
             err = max_abs_error(paged_decode_attention_triton(*dec, num_splits=splits), expected)
             shape = f"{label} splits={splits or 'auto'}"
             rows.append(_checked("paged_decode_attention", shape, err, ATTN_TOL[dtype]))
+    # The variants some models need: a window (Gemma, gpt-oss), logit softcap (Gemma 2),
+    # sinks (gpt-oss), on mixed and decode batches.
+    heads = {"num_q_heads": 8, "num_kv_heads": 2, "head_dim": 64}
+    q_lens, ctx_lens = random_lengths(7, 12, max_ctx=3000, max_new=600)
+    sinks = torch.linspace(-1.0, 2.0, 8, device=dev)
+    variants: dict[str, tuple[int | None, float | None, torch.Tensor | None]] = {
+        "window=128": (128, None, None),
+        "softcap=30": (None, 30.0, None),
+        "sinks": (None, None, sinks),
+        "window+sinks": (128, None, sinks),
+    }
+    for dtype in (torch.float32, torch.bfloat16):
+        for name, (window, cap, sink) in variants.items():
+            label = f"{name} S=12 g=4 D=64 B=16 {str(dtype).removeprefix('torch.')}"
+            for kind, q_len in (("mixed", q_lens), ("decode", [1] * 12)):
+                batch = make_batch(
+                    7, q_len, ctx_lens, **heads, block_size=16, dtype=dtype, device=dev
+                )
+                want = R.paged_attention_ref(*batch.attention_args(), window, cap, sink)
+                if kind == "decode":
+                    op = "paged_decode_attention"
+                    got = ops.paged_decode_attention(*batch.decode_args(), window, cap, sink)
+                else:
+                    op = "paged_attention"
+                    got = ops.paged_attention(*batch.attention_args(), window, cap, sink)
+                err = max_abs_error(got, want)
+                rows.append(_checked(op, f"{kind} {label}", err, ATTN_TOL[dtype]))
     return rows
 
 
@@ -200,7 +228,7 @@ def _bench_prefill(dev: torch.device, quick: bool, ceil: Ceilings) -> list[Row]:
             device=dev,
         ).attention_args()
         err = max_abs_error(ops.paged_attention(*args), R.paged_attention_ref(*args))
-        ms = _bench(lambda args=args: ops.paged_attention(*args))
+        ms = _bench(functools.partial(ops.paged_attention, *args))
         # visible (query, key) pairs x 2 matmuls x 2 flop per multiply-add x D x heads
         pairs = sum(q * (c - q) + q * (q + 1) // 2 for q, c in zip(q_lens, ctx_lens, strict=True))
         tflops = 4 * pairs * D * HQ / ms / 1e9

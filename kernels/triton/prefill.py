@@ -23,6 +23,7 @@ import triton.language as tl
 __all__ = ["paged_attention_triton"]
 
 _LOG2E = 1.4426950408889634
+_SINK_LOG2E: tl.constexpr = tl.constexpr(_LOG2E)
 
 
 @triton.jit
@@ -45,11 +46,16 @@ def _attend_tile(
     stride_vb,
     stride_vh,
     scale_log2,
+    softcap_in,  # softmax scale / softcap (HAS_SOFTCAP)
+    softcap_out,  # softcap * log2(e) (HAS_SOFTCAP)
+    window,  # attended positions per query (HAS_WINDOW)
     d,  # [BLOCK_D]
     d_mask,  # [BLOCK_D]
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     CAUSAL_MASK: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     n = n0 + tl.arange(0, BLOCK_N)
@@ -75,9 +81,16 @@ def _attend_tile(
         mask=kv_mask,
         other=0.0,
     )
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if HAS_SOFTCAP:
+        # softcap * tanh(scale * qk / softcap), tanh written with exp (no tanh in tl).
+        s = softcap_out * (1.0 - 2.0 / (tl.exp(2.0 * s * softcap_in) + 1.0))
+    else:
+        s = s * scale_log2
     if CAUSAL_MASK:
         visible = (n[None, :] <= q_pos[:, None]) & valid[None, :]
+        if HAS_WINDOW:
+            visible = visible & (n[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # Rows with nothing visible yet keep m == -inf; subtract 0 instead to avoid inf - inf.
@@ -98,8 +111,12 @@ def _prefill_kernel(
     seq_lens_ptr,  # [S] int32
     block_tables_ptr,  # [S, M] int32
     out_ptr,  # [T, Hq, D]
+    sinks_ptr,  # [Hq] float32 (HAS_SINKS)
     num_seqs,
     scale_log2,  # softmax scale * log2(e)
+    softcap_in,  # softmax scale / softcap (HAS_SOFTCAP)
+    softcap_out,  # softcap * log2(e) (HAS_SOFTCAP)
+    window,  # attended positions per query (HAS_WINDOW)
     stride_qt,
     stride_qh,
     stride_kn,
@@ -119,6 +136,9 @@ def _prefill_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     # Reversed so the tiles with the most keys (the ends of long prompts) start first and
@@ -164,25 +184,37 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    table = block_tables_ptr + seq.to(tl.int64) * stride_bts
+    # Under @triton.jit ``seq`` is a Triton scalar, not the int mypy infers from ``lo = 0``.
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bts  # type: ignore[attr-defined]
 
-    # Keys before the tile's first query position are visible to every row: no mask needed.
+    # Keys before the tile's first query position are visible to every row: no mask needed
+    # (without a window; with one, every tile from the first row's window start is masked).
     first_pos = prefix + local * BLOCK_Q
     full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N
     last_pos = tl.minimum(prefix + (local + 1) * BLOCK_Q, seq_len)  # exclusive
-    for n0 in range(0, full_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(
-            q, acc, m_i, l_i, q_pos, n0, seq_len, table, k_cache_ptr, v_cache_ptr, kv_head,
-            stride_kn, stride_kb, stride_kh, stride_vn, stride_vb, stride_vh, scale_log2, d,
-            d_mask, BLOCK_N, BLOCK_SIZE, False, DOT_PRECISION,
-        )  # fmt: skip
+    if HAS_WINDOW:
+        full_end = (tl.maximum(first_pos - window + 1, 0) // BLOCK_N) * BLOCK_N
+    else:
+        for n0 in range(0, full_end, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                q, acc, m_i, l_i, q_pos, n0, seq_len, table, k_cache_ptr, v_cache_ptr, kv_head,
+                stride_kn, stride_kb, stride_kh, stride_vn, stride_vb, stride_vh, scale_log2,
+                softcap_in, softcap_out, window, d, d_mask, BLOCK_N, BLOCK_SIZE, False,
+                HAS_SOFTCAP, False, DOT_PRECISION,
+            )  # fmt: skip
     for n0 in range(full_end, last_pos, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, q_pos, n0, seq_len, table, k_cache_ptr, v_cache_ptr, kv_head,
-            stride_kn, stride_kb, stride_kh, stride_vn, stride_vb, stride_vh, scale_log2, d,
-            d_mask, BLOCK_N, BLOCK_SIZE, True, DOT_PRECISION,
+            stride_kn, stride_kb, stride_kh, stride_vn, stride_vb, stride_vh, scale_log2,
+            softcap_in, softcap_out, window, d, d_mask, BLOCK_N, BLOCK_SIZE, True,
+            HAS_SOFTCAP, HAS_WINDOW, DOT_PRECISION,
         )  # fmt: skip
 
+    if HAS_SINKS:
+        # The sink's logit joins each head's denominator only (gpt-oss), in the log2 domain.
+        sink = tl.load(sinks_ptr + head, mask=row_mask, other=0.0).to(tl.float32) * _SINK_LOG2E
+        m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+        l_i = l_i + tl.exp2(sink - m_safe)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
         out_ptr + row_off[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -213,8 +245,13 @@ def paged_attention_triton(
     block_tables: torch.Tensor,  # [S, M] int32
     scale: float,
     block_m: int | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [Hq]
 ) -> torch.Tensor:  # [T, Hq, D]
-    """Causal attention of a variable-length batch over paged KV; ``block_m`` is for tests."""
+    """Causal attention of a variable-length batch over paged KV (optionally over the last
+    ``sliding_window`` positions, logits capped at ``softcap``, ``sinks`` in the softmax
+    denominator: see ``reference.paged_attention_ref``); ``block_m`` is for tests."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
@@ -243,8 +280,12 @@ def paged_attention_triton(
         seq_lens,
         block_tables,
         out,
+        sinks.float().contiguous() if sinks is not None else out,
         num_seqs,
         scale * _LOG2E,
+        scale / softcap if softcap else 0.0,
+        softcap * _LOG2E if softcap else 0.0,
+        sliding_window or 0,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -264,6 +305,9 @@ def paged_attention_triton(
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size,
+        HAS_SOFTCAP=bool(softcap),
+        HAS_WINDOW=bool(sliding_window),
+        HAS_SINKS=sinks is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
         num_warps=num_warps,
     )

@@ -6,17 +6,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import threading
-import time
 from pathlib import Path
 
 import pytest
-import uvicorn
 
 import pdserve.bench.compare_serving as compare
 from pdserve.bench.serve_metrics import Distribution, Summary
-from tests.bench.test_serve_bench import FakeOpenAI
+from tests.bench.fake_openai import FakeOpenAI
+from tests.support.http import ThreadedServer
 
 
 class ScriptedServer:
@@ -31,8 +28,7 @@ class ScriptedServer:
         self.fail_to_start = fail_to_start
         self.interrupt = interrupt  # raised mid-start, as the SIGTERM handler's SystemExit
         self.fake = FakeOpenAI()
-        self._server: uvicorn.Server | None = None
-        self._thread: threading.Thread | None = None
+        self._server = ThreadedServer(self.fake.app)
 
     def start(self, timeout_s: float) -> str:
         ScriptedServer.log.append(f"start {self.name}")
@@ -40,17 +36,7 @@ class ScriptedServer:
             raise compare.ServerError(f"{self.name}: exited 1")
         if self.interrupt is not None:
             raise self.interrupt
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self._server = uvicorn.Server(uvicorn.Config(self.fake.app, log_level="warning"))
-        self._thread = threading.Thread(
-            target=self._server.run, kwargs={"sockets": [sock]}, daemon=True
-        )
-        self._thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self._server.started and time.monotonic() < deadline:
-            time.sleep(0.02)
-        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+        return self._server.start(timeout_s)
 
     def root_pids(self) -> list[int]:
         return [os.getpid()]  # the fake runs in this process's threads
@@ -60,10 +46,7 @@ class ScriptedServer:
 
     def stop(self) -> None:
         ScriptedServer.log.append(f"stop {self.name}")
-        if self._server is not None:
-            self._server.should_exit = True
-            self._thread.join(timeout=10)
-            self._server = None
+        self._server.stop()
 
 
 def _summary(name: str, tok_s: float, ttft_p50: float, tpot_p99: float) -> Summary:
@@ -225,9 +208,11 @@ def test_engine_cpus_are_found_and_the_load_generator_moved_off_them() -> None:
             sys.executable,
             "-c",
             "import os, sys, threading, time\n"
+            "pinned = threading.Event()\n"
             f"t = threading.Thread(target=lambda: (os.sched_setaffinity(0, {{{last}}}), "
-            "time.sleep(30)), daemon=True)\n"
-            "t.start(); time.sleep(0.2); print('ready', flush=True); time.sleep(30)",
+            "pinned.set(), time.sleep(30)), daemon=True)\n"
+            # time.sleep(30): the stand-in's lifetime (killed by the test), not synchronization
+            "t.start(); pinned.wait(); print('ready', flush=True); time.sleep(30)",
         ],
         stdout=subprocess.PIPE,
         text=True,

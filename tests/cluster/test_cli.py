@@ -19,6 +19,7 @@ from pdserve.cluster.serving import bind_front_door, curl_example, grpc_example,
 from pdserve.cluster.state import ClusterState, NodeRecord, ServeRecord, load_state, save_state
 from pdserve.cluster.topology import ClusterSpec, format_labels
 from pdserve.deployments.config import AppConfig
+from tests.support import wait_until
 
 
 def test_run_parses_config_and_cluster_flags(tmp_path: Path) -> None:
@@ -218,10 +219,14 @@ def test_stop_sessions_kills_whole_session_even_if_sigterm_is_ignored() -> None:
     script = "trap '' TERM; sleep 60 & (trap '' TERM; sleep 60) & wait"
     leader = subprocess.Popen(["sh", "-c", script], start_new_session=True)
     try:
-        deadline = time.monotonic() + 10
-        while len(session_members([leader.pid])) < 3 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        members = session_members([leader.pid])
+
+        def whole_session() -> list[int] | None:
+            members = session_members([leader.pid])
+            return members if len(members) >= 3 else None
+
+        members = wait_until(
+            whole_session, timeout=10, interval=0.05, what="the leader and its two children"
+        )
         assert leader.pid in members and len(members) >= 3
         started = time.monotonic()
         assert stop_sessions([leader.pid], grace_s=0.5) == []

@@ -13,20 +13,9 @@ from pathlib import Path
 import pytest
 
 from pdserve.cluster.procs import is_running, session_members
+from tests.support.cli import pdserve
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
-REPO = Path(__file__).resolve().parents[2]
-
-
-def pdserve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "pdserve.cluster.cli", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
 
 LIST_NODES = """
 import dataclasses, json

@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import re
 import shlex
 import signal
 import socket
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -24,9 +21,10 @@ import pytest
 
 from pdserve.cluster.procs import is_running, session_members
 from tests.cluster.telemetry_scrape import node_samples, spans_by_trace
+from tests.support import wait_until
+from tests.support.cli import REPO, PdserveRun, pdserve
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(480)]
-REPO = Path(__file__).resolve().parents[2]
 CONFIG = """
 model:
   test_model: tiny
@@ -42,34 +40,6 @@ observability:
 ROOT_OPERATION = "text_completion"
 STAGES = ("decode", "prefill_remote", "prefill", "kv_transfer")
 LONG_PROMPT = " ".join(["the river runs past the old mill to the sea"] * 12)
-
-
-def _lines(proc: subprocess.Popen[str]) -> queue.Queue[str | None]:
-    out: queue.Queue[str | None] = queue.Queue()
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            out.put(line.rstrip("\n"))
-        out.put(None)
-
-    threading.Thread(target=pump, daemon=True).start()
-    return out
-
-
-def _wait_for(lines: queue.Queue[str | None], pattern: str, log: list[str], timeout: float) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            line = lines.get(timeout=1.0)
-        except queue.Empty:
-            continue
-        if line is None:
-            raise AssertionError("pdserve run exited early:\n" + "\n".join(log))
-        log.append(line)
-        if match := re.search(pattern, line):
-            return match.group(1)
-    raise AssertionError(f"no {pattern!r} after {timeout} s:\n" + "\n".join(log))
 
 
 def _check_engine_thread_owns_its_cpu(members: list[int]) -> None:
@@ -97,32 +67,15 @@ def test_run_serves_until_sigterm(tmp_path: Path) -> None:
     config = tmp_path / "app.yaml"
     config.write_text(CONFIG)
     state_dir = tmp_path / "state"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pdserve.cluster.cli",
-            "run",
-            str(config),
-            "--state-dir",
-            str(state_dir),
-        ],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        # Ray's agent exports metrics every 10 s by default; the nodes inherit this.
-        env={**os.environ, "RAY_metrics_report_interval_ms": "2000"},
+    # Ray's agent exports metrics every 10 s by default; the nodes inherit this.
+    run = PdserveRun(
+        config, state_dir, env={**os.environ, "RAY_metrics_report_interval_ms": "2000"}
     )
-    log: list[str] = []
     try:
-        lines = _lines(proc)
-        base = _wait_for(lines, r"OpenAI API\s+(http://127\.0\.0\.2:\d+)/v1", log, 400)
-        grpc_port = int(_wait_for(lines, r"gRPC\s+127\.0\.0\.2:(\d+)", log, 10))
-        grpc_call = _wait_for(
-            lines, r"^\s+(python -m pdserve\.deployments\.grpc\.client .*)$", log, 10
-        )
-        _wait_for(lines, r"(serving); Ctrl-C", log, 30)
+        base = run.wait_for(r"OpenAI API\s+(http://127\.0\.0\.2:\d+)/v1", 400)
+        grpc_port = int(run.wait_for(r"gRPC\s+127\.0\.0\.2:(\d+)", 10))
+        grpc_call = run.wait_for(r"^\s+(python -m pdserve\.deployments\.grpc\.client .*)$", 10)
+        run.wait_for(r"serving; Ctrl-C", 30)
         state = json.loads((state_dir / "cluster.json").read_text())
         leaders = [n["pid"] for n in state["nodes"]]
         members = session_members(leaders)
@@ -165,13 +118,7 @@ def test_run_serves_until_sigterm(tmp_path: Path) -> None:
         _check_metrics([n["metrics_export_port"] for n in state["nodes"]], model["id"])
         _check_trace(Path(state["root_dir"]), remote.json()["id"], model["id"])
 
-        status = subprocess.run(
-            [sys.executable, "-m", "pdserve.cluster.cli", "status", "--state-dir", str(state_dir)],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        status = pdserve("status", "--state-dir", str(state_dir), timeout=60)
         assert status.returncode == 0, status.stdout + status.stderr
         rows = [line.split() for line in status.stdout.splitlines()]
         placed = {(r[0], r[2], r[3]) for r in rows if len(r) >= 4 and r[0].endswith("Server")}
@@ -183,23 +130,11 @@ def test_run_serves_until_sigterm(tmp_path: Path) -> None:
         ]
         assert re.search(r"\d+ running, \d+ waiting, kv \d+%$", decode_row), status.stdout
 
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=90) == 0, "\n".join(log)
+        run.proc.send_signal(signal.SIGTERM)
+        assert run.proc.wait(timeout=90) == 0, run.output()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "pdserve.cluster.cli",
-                    "down",
-                    "--state-dir",
-                    str(state_dir),
-                ],
-                cwd=REPO,
-                timeout=120,
-            )
+        if run.kill():
+            pdserve("down", "--state-dir", str(state_dir), timeout=120)
     assert [pid for pid in members if is_running(pid)] == []
     assert not (state_dir / "cluster.json").exists()
     assert not Path(state["root_dir"]).exists()
@@ -216,8 +151,9 @@ def _check_metrics(ports: list[int], model: str, timeout_s: float = 60.0) -> Non
         "ray_pdserve_kv_transfer_bytes_total": {"role": "decode"},
         "ray_pdserve_disagg_decisions_total": {"decision": "remote"},
     }
-    deadline = time.monotonic() + timeout_s
-    while True:
+    last: dict[str, object] = {}
+
+    def every_series_has_values() -> bool:
         samples = node_samples("127.0.0.2", ports)
         missing = [
             name
@@ -227,10 +163,14 @@ def _check_metrics(ports: list[int], model: str, timeout_s: float = 60.0) -> Non
                 for s in samples
             )
         ]
-        if not missing:
-            break
-        assert time.monotonic() < deadline, f"no values for {missing} on ports {ports}"
-        time.sleep(2.0)
+        last.update(samples=samples, missing=missing)
+        return not missing
+
+    try:
+        wait_until(every_series_has_values, timeout_s, interval=2.0, what="pdserve's series")
+    except TimeoutError as e:
+        raise AssertionError(f"no values for {last['missing']} on ports {ports}") from e
+    samples = last["samples"]
     ttft = [s for s in samples if s.name == "ray_pdserve_time_to_first_token_seconds_count"]
     assert {s.labels["model_name"] for s in ttft} == {model}
     assert {"decode", "ingress"} <= {s.labels["role"] for s in ttft}
@@ -240,8 +180,10 @@ def _check_metrics(ports: list[int], model: str, timeout_s: float = 60.0) -> Non
 def _check_trace(root_dir: Path, response_id: str, model: str, timeout_s: float = 20.0) -> None:
     """The console exporter's spans, read from the replicas' log files: the request's
     trace spans the ingress, decode and prefill processes and the KV transfer."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+    needed = {f"{ROOT_OPERATION} {model}"} | {f"pdserve.{stage}" for stage in STAGES}
+    found: dict[str, object] = {}
+
+    def one_whole_trace() -> bool:
         traces = spans_by_trace(root_dir)
         roots = [
             t
@@ -249,11 +191,16 @@ def _check_trace(root_dir: Path, response_id: str, model: str, timeout_s: float 
             if any(s.attributes.get("pdserve.request_id") == response_id for s in t)
         ]
         names = {s.name for t in roots for s in t}
-        needed = {f"{ROOT_OPERATION} {model}"} | {f"pdserve.{stage}" for stage in STAGES}
-        if len(roots) == 1 and needed <= names:
-            break
-        assert time.monotonic() < deadline, f"trace of {response_id}: {len(roots)}, {names}"
-        time.sleep(1.0)
+        found.update(roots=roots, names=names)
+        return len(roots) == 1 and needed <= names
+
+    try:
+        wait_until(one_whole_trace, timeout_s, interval=1.0, what=f"the trace of {response_id}")
+    except TimeoutError as e:
+        raise AssertionError(
+            f"trace of {response_id}: {len(found['roots'])}, {found['names']}"  # type: ignore[arg-type]
+        ) from e
+    roots = found["roots"]
     (spans,) = roots
     by_name = {s.name.removesuffix(f" {model}").removeprefix("pdserve."): s for s in spans}
     files = {by_name[n].source for n in ("text_completion", "decode", "prefill")}

@@ -8,27 +8,22 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
-import socket
-import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
+from pdserve.cluster.ports import free_port_all_interfaces
+from tests.support import free_port, wait_until
+from tests.support.cluster import private_ray
+
 GRPC_SERVICER = "pdserve.deployments.grpc.pdserve_pb2_grpc.add_PDServeServicer_to_server"
 HEALTH_SERVICER = "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server"
 APP_NAME = "pdserve"
 MAX_MODEL_LEN = 1024
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass(frozen=True)
@@ -97,33 +92,6 @@ def running_app(
 
 
 @contextmanager
-def private_ray(prefix: str) -> Iterator[None]:
-    """A private Ray instance (2 CPUs, node address 127.0.0.2) for the span of the block,
-    with Serve shut down after it: address="local" never joins a cluster someone else
-    started on this machine, and its own temp dir keeps it out of /tmp/ray (where
-    `ray.init()` looks)."""
-    import ray
-    from ray import serve
-
-    temp_dir = tempfile.mkdtemp(prefix=prefix)
-    ray.init(
-        address="local",
-        _temp_dir=temp_dir,
-        _node_ip_address="127.0.0.2",
-        num_cpus=2,
-        include_dashboard=False,
-        object_store_memory=256 * 2**20,
-        log_to_driver=False,
-    )
-    try:
-        yield
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        shutil.rmtree(temp_dir, ignore_errors=True)
-
-
-@contextmanager
 def _running_app(
     api: dict[str, Any] | None, overrides: dict[str, Any] | None, direct_ingress: bool
 ) -> Iterator[ServeApp]:
@@ -135,7 +103,8 @@ def _running_app(
     from pdserve.engine.testmodel import ensure_test_model
 
     model_dir = str(ensure_test_model("tiny"))
-    http_port, grpc_port = free_port(), free_port()
+    # Serve's gRPC proxy binds every interface, whatever the HTTP host is.
+    http_port, grpc_port = free_port(), free_port_all_interfaces()
     with private_ray("pdserve-ingress-"):
         serve.start(
             http_options={"host": "127.0.0.1", "port": http_port},
@@ -199,12 +168,31 @@ async def stream_completion(
 
 
 def wait_ready(url: str, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    """Until ``url``'s readiness route answers 200 (both pools have a ready replica)."""
+
+    def ready() -> bool:
         try:
-            if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
-                return
+            return httpx.get(f"{url}/ready", timeout=5).status_code == 200
         except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"{url}/ready did not answer 200 within {timeout_s}s")
+            return False
+
+    wait_until(ready, timeout_s, interval=0.5, what=f"{url}/ready to answer 200")
+
+
+def wait_decode_report(
+    app: ServeApp, done: Callable[[Any], bool], what: str, timeout_s: float = 30.0
+) -> Any:
+    """Poll the decode replica's integrity report until ``done(report)``; returns that
+    report (the timeout's message names ``what``)."""
+    decode = app.decode_handle()
+
+    def report() -> Any:
+        got = decode.check_integrity.remote().result(timeout_s=timeout_s)
+        return got if done(got) else None
+
+    return wait_until(report, timeout_s, interval=0.2, what=what)
+
+
+def no_request_held(report: Any) -> bool:
+    """The decode replica holds no unfinished request and no open stream."""
+    return report.num_unfinished == 0 and report.num_streams == 0

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
-from ray.serve._private.common import DeploymentID
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
 from pdserve.deployments.autoscaling import (
@@ -58,6 +59,16 @@ def test_decode_scales_with_kv_usage_and_tpot() -> None:
     assert decode_replicas_needed(4, [0.1] * 4, [0.01] * 4, [0] * 4, DECODE) == 1
     # Requests waiting for KV on a full pool add a replica even if the ratio rounds down.
     assert decode_replicas_needed(2, [0.5, 0.5], [0.0, 0.0], [3, 0], DECODE) == 3
+
+
+@dataclass(frozen=True)
+class DeploymentID:
+    """Stands in for the key Serve gives each deployment's context (its ``DeploymentID``,
+    which Ray has no public constructor for): the policy reads its ``name`` and uses it as
+    a dict key, as it would Serve's."""
+
+    name: str
+    app_name: str
 
 
 def context(metrics: dict[str, dict[str, float]] | None, current: int) -> AutoscalingContext:

@@ -10,7 +10,7 @@ import pytest
 
 from pdserve.deployments.autoscaling import ADMITTED_PER_S, TURNED_AWAY_PER_S
 from pdserve.deployments.decode_server import DecodeServer
-from tests.deployments.test_servers import LONG_A, SHORT, collect, config, request
+from tests.deployments.in_process import LONG_A, SHORT, collect, config, request
 
 
 def test_decode_replica_reports_admitted_and_turned_away_demand() -> None:

@@ -6,21 +6,15 @@ stays STOPPING while it holds streams) and nothing is left held afterwards."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import httpx
 import pytest
 
-from tests.deployments.ingress_harness import (
-    APP_NAME,
-    app_config,
-    free_port,
-    private_ray,
-    stream_completion,
-    wait_ready,
-)
+from tests.deployments.ingress_harness import APP_NAME, app_config, stream_completion, wait_ready
+from tests.support import free_port, wait_until
+from tests.support.cluster import private_ray
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.cluster]
 
@@ -145,10 +139,12 @@ def test_a_scale_down_drains_the_stopping_replica_and_cuts_no_stream() -> None:
         assert draining, f"no replica seen STOPPING with streams: {timeline[:3]}"
 
         # One replica left, idle: no request, block or stream held.
-        deadline = time.monotonic() + 60
-        while decode_states() != {"RUNNING": 1} and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert decode_states() == {"RUNNING": 1}
+        wait_until(
+            lambda: decode_states() == {"RUNNING": 1},
+            timeout=60,
+            interval=0.5,
+            what="one RUNNING decode replica left",
+        )
         handle = serve.get_deployment_handle(DECODE_DEPLOYMENT, APP_NAME)
         report = handle.check_integrity.remote().result(timeout_s=60)
         assert report.idle, report

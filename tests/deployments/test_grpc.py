@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import grpc
@@ -11,7 +10,13 @@ import pytest
 
 from pdserve.deployments.grpc.client import PDServeClient, main
 from pdserve.engine.loader import load_tokenizer
-from tests.deployments.ingress_harness import APP_NAME, ServeApp, running_app
+from tests.deployments.ingress_harness import (
+    APP_NAME,
+    ServeApp,
+    no_request_held,
+    running_app,
+    wait_decode_report,
+)
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -104,15 +109,7 @@ def test_cancelled_stream_frees_the_decode_replica(app: ServeApp, client: PDServ
     for _ in range(5):
         next(stream)
     stream.cancel()
-    decode = app.decode_handle()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        report = decode.check_integrity.remote().result()
-        if report.num_unfinished == 0 and report.num_streams == 0:
-            break
-        time.sleep(0.2)
-    else:
-        pytest.fail(f"decode replica still busy after the gRPC client cancelled: {report}")
+    wait_decode_report(app, no_request_held, "the decode replica to drop the cancelled stream")
     # and the service still answers
     assert client.complete(PDServeClient.request(prompt="x", max_tokens=2)).usage.completion_tokens
 
@@ -163,11 +160,7 @@ def test_client_deadline_cancels_the_request_on_the_engine(
     with pytest.raises(grpc.RpcError) as info:
         client._stub.Complete(request, metadata=(("application", APP_NAME),), timeout=1.5)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    decode = app.decode_handle()
-    deadline = time.monotonic() + 30
-    while not (report := decode.check_integrity.remote().result()).idle:
-        assert time.monotonic() < deadline, f"still generating past the deadline: {report}"
-        time.sleep(0.2)
+    wait_decode_report(app, lambda r: r.idle, "the decode replica to stop past the deadline")
 
 
 def test_health_and_cli(app: ServeApp, client: PDServeClient, capsys) -> None:

@@ -88,6 +88,7 @@ def _ingress(
     from pdserve.deployments.admission import ProxyLag, ShedHint
     from pdserve.deployments.ingress import OpenAIIngress
     from pdserve.deployments.load import Ema, LoopLag
+    from pdserve.deployments.migration import MigrationMetrics
 
     ingress = object.__new__(OpenAIIngress.func_or_class)
     metrics = SimpleNamespace(
@@ -99,6 +100,8 @@ def _ingress(
         _serving_metrics=metrics, _streams=streams, _limit_batch=True, _num_open=0, _stream_s=Ema(),
         _late=set(),
         _ack_within_s=ack_within_s,
+        _max_migrations=0,
+        _migration_metrics=MigrationMetrics(model_name="m", replica="r", enabled=False),
     )  # fmt: skip
     return ingress
 

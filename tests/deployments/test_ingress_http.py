@@ -12,7 +12,13 @@ import openai
 import pytest
 
 from pdserve.engine.loader import load_tokenizer
-from tests.deployments.ingress_harness import MAX_MODEL_LEN, ServeApp, running_app
+from tests.deployments.ingress_harness import (
+    MAX_MODEL_LEN,
+    ServeApp,
+    no_request_held,
+    running_app,
+    wait_decode_report,
+)
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -272,7 +278,6 @@ def test_official_openai_client(app: ServeApp, reference_text) -> None:
 
 
 def test_client_disconnect_aborts_the_request(app: ServeApp, http: httpx.Client) -> None:
-    decode = app.decode_handle()
     body = {"prompt": "tell me everything", "max_tokens": MAX_MODEL_LEN - 16,
             "ignore_eos": True, "stream": True}  # fmt: skip
     times = []
@@ -288,14 +293,7 @@ def test_client_disconnect_aborts_the_request(app: ServeApp, http: httpx.Client)
     closed_at = time.monotonic()
     per_chunk = (times[-1] - times[0]) / (len(times) - 1)
     full_run_s = per_chunk * body["max_tokens"]
-    deadline = closed_at + 30
-    while time.monotonic() < deadline:
-        report = decode.check_integrity.remote().result()
-        if report.num_unfinished == 0 and report.num_streams == 0:
-            break
-        time.sleep(0.2)
-    else:
-        pytest.fail(f"decode replica still busy after the client left: {report}")
+    report = wait_decode_report(app, no_request_held, "the decode replica to drop the left stream")
     idle_after = time.monotonic() - closed_at
     assert idle_after < full_run_s / 2, (idle_after, full_run_s)
     assert report.num_free_blocks == report.num_total_blocks

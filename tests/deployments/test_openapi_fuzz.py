@@ -5,14 +5,13 @@ engine idle afterwards."""
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 
 import httpx
 import jsonschema
 import pytest
 
-from tests.deployments.ingress_harness import ServeApp, running_app
+from tests.deployments.ingress_harness import ServeApp, running_app, wait_decode_report
 from tests.deployments.openapi_fuzz import fuzz
 
 pytestmark = pytest.mark.timeout(600)
@@ -153,8 +152,5 @@ def test_fuzzed_requests_never_get_a_server_error(app: ServeApp, http: httpx.Cli
     assert not report.failures, "\n".join(report.failures[:10])
     assert any(400 <= s < 500 for s in report.statuses) and 200 in report.statuses
     # Every fuzzed request has finished: the decode replica holds no request and no block.
-    deadline = time.monotonic() + 30
-    while not (report := app.decode_handle().check_integrity.remote().result()).idle:
-        assert time.monotonic() < deadline, report
-        time.sleep(0.5)
+    report = wait_decode_report(app, lambda r: r.idle, "the fuzzed requests to finish")
     assert report.num_free_blocks == report.num_total_blocks

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
-from ray.serve.request_router import PendingRequest
 
 from pdserve.deployments.messages import (
     GenerateRequest,
@@ -25,13 +22,8 @@ from pdserve.deployments.routers import (
     rank_decode,
     rank_prefill,
 )
+from tests.deployments.router_fakes import FakeReplica, ids, make_router, pending_request
 from tests.deployments.serving_fakes import make_kv_target
-
-
-@dataclass
-class FakeReplica:
-    replica_id: str
-    routing_stats: dict[str, Any] = field(default_factory=dict)
 
 
 def prefill_stats(queued: int, rate: float, kv_bytes: int = 0) -> dict[str, Any]:
@@ -46,11 +38,6 @@ def decode_stats(free: int, total: int, running: int, max_seqs: int = 8) -> dict
         role="decode", num_free_blocks=free, num_total_blocks=total, num_running=running,
         max_num_seqs=max_seqs, kv_usage=1 - free / total, block_size=16,
     ).model_dump()  # fmt: skip
-
-
-def ids(tiers: list[list[FakeReplica]]) -> list[str]:
-    assert all(len(t) == 1 for t in tiers)
-    return [t[0].replica_id for t in tiers]
 
 
 def test_prefill_ttft_prediction_adds_queue_prompt_and_transfer() -> None:
@@ -101,48 +88,34 @@ def test_malformed_stats_are_treated_as_unknown() -> None:
     assert ids(rank_prefill([known, odd], 10, {}, PrefillRouterParams()))[0] == "odd"
 
 
-def _router(cls: type, **kwargs: Any) -> Any:
-    router = cls(
-        deployment_id=DeploymentID(name="d", app_name="a"),
-        handle_source=DeploymentHandleSource.UNKNOWN,
-    )
-    router.initialize_state(**kwargs)
-    return router
-
-
-def _pending(arg: Any, internal_id: str) -> PendingRequest:
-    return PendingRequest(
-        args=[arg],
-        kwargs={},
-        metadata=RequestMetadata(request_id=internal_id, internal_request_id=internal_id),
-    )
-
-
 def test_prefill_router_tracks_what_it_routed_until_completion() -> None:
     async def run() -> None:
-        router = _router(PrefillRequestRouter, default_prefill_tokens_per_s=1000.0)
+        # Prefix-blind: the same prompt routed again would otherwise follow its prefix.
+        router = make_router(
+            PrefillRequestRouter, default_prefill_tokens_per_s=1000.0, prefix_aware=False
+        )
         a = FakeReplica("a", prefill_stats(queued=0, rate=1000.0))
         b = FakeReplica("b", prefill_stats(queued=300, rate=1000.0))
         req = PrefillRequest(
             request_id="r1", prompt_token_ids=list(range(500)),
             sampling=SamplingOptions(), kv_targets=(make_kv_target("r1", 32),),
         )  # fmt: skip
-        pending = _pending(req, "i1")
+        pending = pending_request(req, "i1")
         tiers = await router.choose_replicas([a, b], pending)
         assert ids(tiers) == ["a", "b"]
         assert pending.routing_context.should_backoff  # no tight loop when all are full
         router.on_request_routed(pending, "a", None)
-        tiers = await router.choose_replicas([a, b], _pending(req, "i2"))
+        tiers = await router.choose_replicas([a, b], pending_request(req, "i2"))
         assert ids(tiers) == ["b", "a"]  # a now holds 500 routed tokens
         router.on_request_completed("a", "i1")
-        assert ids(await router.choose_replicas([a, b], _pending(req, "i3"))) == ["a", "b"]
+        assert ids(await router.choose_replicas([a, b], pending_request(req, "i3"))) == ["a", "b"]
 
     asyncio.run(run())
 
 
 def test_decode_router_sizes_the_request_in_blocks() -> None:
     async def run() -> None:
-        router = _router(DecodeRequestRouter, kv_weight=1.0, batch_weight=1.0)
+        router = make_router(DecodeRequestRouter, kv_weight=1.0, batch_weight=1.0)
         roomy = FakeReplica("roomy", decode_stats(free=40, total=100, running=4))
         tight = FakeReplica("tight", decode_stats(free=5, total=100, running=0))
         small = GenerateRequest(
@@ -151,9 +124,15 @@ def test_decode_router_sizes_the_request_in_blocks() -> None:
         big = GenerateRequest(
             request_id="b", prompt_token_ids=[1] * 200, sampling=SamplingOptions(max_tokens=100)
         )
-        assert ids(await router.choose_replicas([roomy, tight], _pending(small, "1")))[0] == "tight"
+        assert (
+            ids(await router.choose_replicas([roomy, tight], pending_request(small, "1")))[0]
+            == "tight"
+        )
         # 300 tokens = 19 blocks: only "roomy" has room.
-        assert ids(await router.choose_replicas([roomy, tight], _pending(big, "2")))[0] == "roomy"
+        assert (
+            ids(await router.choose_replicas([roomy, tight], pending_request(big, "2")))[0]
+            == "roomy"
+        )
 
     asyncio.run(run())
 
@@ -164,18 +143,18 @@ def test_router_books_every_call_of_a_request_id() -> None:
     completion, on the replica it went to; none is lost or left behind."""
 
     async def run() -> None:
-        router = _router(DecodeRequestRouter, kv_weight=0.0, batch_weight=1.0)
+        router = make_router(DecodeRequestRouter, kv_weight=0.0, batch_weight=1.0)
         a = FakeReplica("a", decode_stats(free=100, total=100, running=0))
         b = FakeReplica("b", decode_stats(free=100, total=100, running=0))
         req = GenerateRequest(request_id="r", prompt_token_ids=[1] * 16)
         for replica in ("a", "b", "a"):  # three choices, one id
-            router.on_request_routed(_pending(req, "i1"), replica, None)
+            router.on_request_routed(pending_request(req, "i1"), replica, None)
         assert router._inflight == {"a": 2, "b": 1}
         router.on_request_completed("b", "i1")
         assert router._inflight == {"a": 2}
         router.on_request_completed("c", "i1")  # rejected there, never booked: no change
         assert router._inflight == {"a": 2}
-        assert ids(await router.choose_replicas([a, b], _pending(req, "i2")))[0] == "b"
+        assert ids(await router.choose_replicas([a, b], pending_request(req, "i2")))[0] == "b"
         router.on_request_completed("a", "i1")
         router.on_request_completed("a", "i1")
         router.on_request_completed("a", "i1")  # one completion too many: ignored

@@ -13,40 +13,23 @@ from typing import Any
 import pytest
 
 from pdserve.deployments.admission import MIN_DRAIN_S
-from pdserve.deployments.config import AppConfig
 from pdserve.deployments.decode_server import DecodeServer
-from pdserve.deployments.messages import GenerateChunk, GenerateRequest, SamplingOptions
+from pdserve.deployments.messages import GenerateChunk
 from pdserve.deployments.prefill_server import PrefillServer
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
+from tests.deployments.in_process import (
+    LONG_A,
+    LONG_B,
+    SHORT,
+    collect,
+    config,
+    long_prompt,
+    request,
+    tokens,
+)
 from tests.deployments.serving_fakes import InProcessPrefill
-
-SHORT = [11, 12, 13, 14, 15, 16, 17]  # 7 tokens: local
-
-
-def long_prompt(seed: int, n: int) -> list[int]:
-    """A distinct prompt per test: a prompt seen before would hit the prefix cache and
-    (correctly) be prefilled locally."""
-    return [(i * 7 + seed * 101) % 1800 + 20 for i in range(n)]
-
-
-LONG_A = long_prompt(1, 70)  # 70 tokens: remote
-LONG_B = long_prompt(2, 45)
-
-
-def config(**overrides: Any) -> AppConfig:
-    data: dict[str, Any] = {
-        "model": {"test_model": "tiny", "dtype": "float32", "device": "cpu"},
-        "prefill": {"engine": {"num_kv_blocks": 64, "max_num_seqs": 8}},
-        "decode": {"engine": {"num_kv_blocks": 64, "max_num_seqs": 8}},
-        "slo": {"ttft_ms": 60_000},
-        "transport": {"timeout_s": 3.0},
-        "policy": {"local_prefill_max_tokens": 32},
-        "observability": {"metrics_enabled": False},
-    }
-    for key, value in overrides.items():
-        data[key] = {**data.get(key, {}), **value}
-    return AppConfig.from_dict(data)
+from tests.support import async_wait_until
 
 
 @pytest.fixture(scope="module")
@@ -75,14 +58,19 @@ def pd(servers: tuple[DecodeServer, PrefillServer, InProcessPrefill]) -> Iterato
 
 
 def assert_idle(decode: DecodeServer, prefill: PrefillServer) -> None:
+    """Both servers hold nothing: aborts and sends finish asynchronously on the engine
+    threads, so this waits (bounded) for the reports to say idle before asserting it."""
+
     async def reports() -> tuple[Any, Any]:
-        # Aborts and sends finish asynchronously on the engine threads; give them a moment.
-        for _ in range(100):
-            d, p = await decode.check_integrity(), await prefill.check_integrity()
-            if d.idle and p.idle:
-                break
-            await asyncio.sleep(0.05)
-        return d, p
+        last: list[Any] = []
+
+        async def idle() -> bool:
+            last[:] = [await decode.check_integrity(), await prefill.check_integrity()]
+            return last[0].idle and last[1].idle
+
+        with contextlib.suppress(TimeoutError):
+            await async_wait_until(idle, timeout=10, what="both servers idle")
+        return last[0], last[1]
 
     d, p = asyncio.run(reports())
     assert d.idle, d
@@ -99,19 +87,6 @@ def reference(model_dir: str) -> Callable[[list[int]], list[int]]:
         return engine.generate([prompt], greedy)[0].token_ids
 
     return expected
-
-
-def request(rid: str, prompt: list[int], max_tokens: int = 12, **kw: Any) -> GenerateRequest:
-    sampling = SamplingOptions(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling, **kw)
-
-
-async def collect(decode: DecodeServer, req: GenerateRequest) -> list[GenerateChunk]:
-    return [chunk async for chunk in decode.generate(req)]
-
-
-def tokens(chunks: list[GenerateChunk]) -> list[int]:
-    return [t for c in chunks for t in c.token_ids]
 
 
 def test_local_and_remote_prefill_match_a_single_engine(
@@ -150,6 +125,27 @@ def test_local_and_remote_prefill_match_a_single_engine(
     # 70 + 45 prompt tokens -> 5 + 3 blocks of KV, every layer, K and V.
     expected = (5 + 3) * decode.kv_bytes_per_token * decode.block_size
     assert after.kv_bytes_received - before.kv_bytes_received == expected
+
+
+def test_a_follow_up_turn_moves_only_the_blocks_the_decode_side_lacks(
+    pd: Any, reference: Callable[[list[int]], list[int]]
+) -> None:
+    """Turn 2 repeats turn 1 and its answer: the decode replica keeps the 5 blocks it
+    cached (70 prompt + 10 output tokens), the prefill replica computes past the 4 it
+    cached (turn 1's prompt), 3 blocks cross, and the client sees the prefill's hit."""
+    decode, _, client = pd
+    turn1 = long_prompt(31, 70)
+    first = asyncio.run(collect(decode, request("c1", turn1)))
+    assert first[0].prefill_location == "remote"
+    turn2 = turn1 + tokens(first) + long_prompt(32, 40)  # 122 tokens: 8 blocks
+    before = decode.counters()
+    second = asyncio.run(collect(decode, request("c2", turn2)))
+    assert second[0].prefill_location == "remote"
+    assert tokens(second) == reference(turn2)
+    after = decode.counters()
+    moved = after.kv_bytes_received - before.kv_bytes_received
+    assert moved == 3 * decode.kv_bytes_per_token * decode.block_size
+    assert second[-1].num_cached_tokens == 4 * decode.block_size
 
 
 @pytest.mark.parametrize("failure", ["replica_died", "deadline_missed"])
@@ -215,20 +211,22 @@ def test_client_disconnect_mid_stream_frees_blocks_on_both_sides(pd: Any) -> Non
 
 def test_cancel_while_prefill_is_in_flight(pd: Any) -> None:
     decode, prefill, client = pd
-    client.delay_s = 0.5
+    client.delay_s = 30.0  # the prefill call stalls until the cancellation ends it
 
     async def run() -> None:
         prompt = long_prompt(6, 60)
         task = asyncio.create_task(collect(decode, request("cancel-prefill", prompt)))
-        await asyncio.sleep(0.2)
-        assert decode.remote.receiver.pending() == ["cancel-prefill"]
+        await async_wait_until(
+            lambda: client.calls == 1, timeout=30, what="the remote prefill call to start"
+        )
+        assert decode.remote.pending() == ["cancel-prefill"]
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
 
     asyncio.run(run())
     assert client.cancelled == 1
-    assert decode.remote.receiver.pending() == []
+    assert decode.remote.pending() == []
 
 
 def test_invalid_request_gets_an_error_chunk(pd: Any) -> None:

@@ -2,7 +2,7 @@
 (CPU, gloo between the ranks, the serving layer's TP glue of ``deployments.tp_kv``).
 
 The prefill engine (TP=a) runs in a child process with ``TPPrefillConnector``; the decode
-engine (TP=b) runs here with a ``TPReceiver`` over its ranks' receivers. Tokens equal one
+engine (TP=b) runs here with a ``TPDecodeConnector`` over its ranks' receivers. Tokens equal one
 engine doing the whole request; the bytes the prefill ranks put on the wire are the
 request's KV once (every head once per decode rank that holds it: no duplicate heads); no
 block is left held on either side.
@@ -23,19 +23,15 @@ from pdserve.bench.gpu_verify_steps import prefill_batch
 from pdserve.deployments.tp_kv import (
     DecodeAgentFactory,
     PrefillAgentFactory,
+    TPDecodeConnector,
     TPPrefillConnector,
-    TPReceiver,
-    rank_layout,
-    tp_executor_of,
 )
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.parallel import TPShard
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kvtransfer import KVTarget, KVTransferConfig
-from pdserve.kvtransfer.blocks import pool_layout
+from pdserve.kvtransfer import KVTransferConfig
 from pdserve.kvtransfer.connector import PrefillKVConnector
-from pdserve.kvtransfer.receiver import KVReceiver
+from pdserve.kvtransfer.decode_connector import DecodeKVConnector
 from tests.kvtransfer.decode_side import assert_no_leak, decode_all, decode_engine
 
 NUM_NEW = 8
@@ -93,28 +89,22 @@ def test_kv_moves_between_tp_sizes(
     proc = ctx.Process(target=prefill_main, args=(child, str(tiny_model_dir), prefill_tp))
     proc.start()
     transfer = KVTransferConfig(transport="torch_dist")
+    local = DecodeKVConnector(transfer)
+    receiver: Any = TPDecodeConnector(local) if decode_tp > 1 else local
     engine = LLMEngine(
         _config(tiny_model_dir, decode_tp),
+        kv_connector=receiver,
         kv_agent_factory=DecodeAgentFactory(transfer) if decode_tp > 1 else None,
     )
     try:
         model = engine.model_config
-        executor = tp_executor_of(engine)
-        if executor is not None:
-            shard = TPShard(0, decode_tp)
-            layout = rank_layout(engine.kv_cache, model.model_name, shard, model.num_kv_heads)
-            receiver: Any = TPReceiver(KVReceiver(engine.kv_cache, layout, transfer), executor)
-        else:
-            receiver = KVReceiver(
-                engine.kv_cache, pool_layout(engine.kv_cache, model.model_name), transfer
-            )
         batch, prompts = [], {}
         for i, prompt in enumerate(PROMPTS):
             rid = f"r{i}"
+            receiver.register_load(rid)
             blocks = engine.reserve_remote_prefill(rid, prompt, _params())
             assert blocks is not None
-            expected = receiver.expect(rid, blocks, time.time() + 90, num_tokens=len(prompt))
-            targets = (expected,) if isinstance(expected, KVTarget) else expected
+            targets = receiver.expect(rid, time.time() + 90)
             assert len(targets) == decode_tp
             batch.append((rid, prompt, [t.model_dump_json() for t in targets]))
             prompts[rid] = prompt
@@ -145,6 +135,7 @@ def test_kv_moves_between_tp_sizes(
         proc.join(60)
         if proc.is_alive():
             proc.kill()
+        receiver.close()
         engine.shutdown()
 
 

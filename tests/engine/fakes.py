@@ -72,7 +72,10 @@ class FakeKVRunner:
 
 
 class RecordingConnector:
-    """Engine-side KVConnector double: records sends; completes them when told to."""
+    """Engine-side KVConnector double: records sends; completes them when told to (a
+    prefill-role connector: it loads nothing, so its scheduler half answers 0)."""
+
+    saves_kv_layers = True
 
     def __init__(self, complete_in_step: bool = False) -> None:
         self.registered: list[tuple[object, str]] = []  # (KV pool, model name)
@@ -82,6 +85,19 @@ class RecordingConnector:
         self.num_steps = 0
         # Report each send finished from the end_step() of the step that began it.
         self.complete_in_step = complete_in_step
+
+    def get_num_new_matched_tokens(
+        self, request_id: str, num_prompt_tokens: int, num_computed_tokens: int
+    ) -> int:
+        return 0
+
+    def update_state_after_alloc(
+        self, request_id: str, block_ids: object, num_computed: int, num_external: int
+    ) -> None:
+        raise AssertionError("a prefill-role connector reserves nothing")
+
+    def request_finished(self, request_id: str) -> None:
+        pass
 
     def register_kv_caches(self, kv_cache: object, model_name: str) -> None:
         self.registered.append((kv_cache, model_name))

@@ -18,6 +18,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kernels.ops import RuntimeSettings
+from tests.support import async_wait_until
 
 PROMPT = [11, 22, 33, 44, 55, 66, 77, 88, 99, 111, 222, 333]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -33,16 +34,17 @@ def async_engine(tiny_model_dir: Path) -> Iterator[AsyncLLMEngine]:
     eng.shutdown()
 
 
+def _idle(eng: AsyncLLMEngine) -> bool:
+    """The engine holds no request and no block (stats are published by its thread)."""
+    s = eng.stats()
+    queued = s.num_running + s.num_waiting + s.num_waiting_remote_kv + s.num_sending_kv
+    return queued == 0 and s.num_free_blocks == s.num_total_blocks
+
+
 async def _wait_idle(eng: AsyncLLMEngine, timeout: float = 10.0) -> None:
-    """Until the engine holds no request and no block (stats are published by its thread)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        s = eng.stats()
-        queued = s.num_running + s.num_waiting + s.num_waiting_remote_kv + s.num_sending_kv
-        if queued == 0 and s.num_free_blocks == s.num_total_blocks:
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"engine not idle: {eng.stats()}")
+    await async_wait_until(
+        lambda: _idle(eng), timeout, what="the engine to hold no request or block"
+    )
 
 
 async def _collect(eng: AsyncLLMEngine, rid: str, params: SamplingParams) -> list[RequestOutput]:
@@ -75,8 +77,8 @@ def test_a_consumer_that_falls_behind_gets_the_backlog_merged(
         outs = []
         async for out in async_engine.generate("slow", PROMPT, params):
             outs.append(out)
-            if len(outs) == 1:
-                await asyncio.sleep(0.5)  # the engine runs ahead meanwhile
+            if len(outs) == 1:  # the engine runs ahead, to the end, while nobody reads
+                await _wait_idle(async_engine)
         return outs
 
     outs = asyncio.run(main())
@@ -233,11 +235,16 @@ def test_remote_stream_left_early_waits_for_explicit_abort(
         assert blocks is not None
         stream = async_engine.stream("fence", abort_on_exit=False)
         task = asyncio.create_task(anext(stream))
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0)  # the consumer queues its stream lookup on the engine thread
+        # Engine commands run in order: once this one is done, so is the lookup, and the
+        # consumer waits for outputs inside the stream.
+        await async_engine.check_integrity()
+        assert not task.done()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await asyncio.sleep(0.1)
+        # An abort the consumer's exit queued would run before this command.
+        await async_engine.check_integrity()
         # The peer may still be writing: the reservation must survive the consumer.
         assert async_engine.stats().num_waiting_remote_kv == 1
         await async_engine.abort("fence")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -22,48 +21,20 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.loader import load_model_config
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
+from tests.engine.transformers_reference import (
+    ARRIVALS,
+    ATOL,
+    PREEMPT_ARRIVALS,
+    Reference,
+    assert_clean,
+    assert_matches,
+    make_prompt,
+    run,
+)
 
 VARIANTS = ["llama3-gqa", "qwen2", "mqa"]
-ATOL = 1e-4
-NUM_NEW = 6
-# (arrival step, prompt length); several arrive while others are mid-prefill or decoding.
-ARRIVALS = [(0, 600), (0, 1), (0, 45), (1, 130), (2, 17), (4, 301), (7, 2), (9, 64)]
-# For the small pool: medium prompts first, then the long one that needs the blocks they hold.
-PREEMPT_ARRIVALS = [(0, 130), (0, 200), (0, 45), (1, 600), (2, 17), (3, 1), (5, 64), (6, 2)]
-
-
-@dataclass
-class Reference:
-    """A transformers model and the greedy continuations it produced (memoised)."""
-
-    model: torch.nn.Module
-    vocab_size: int
-    greedy: dict[tuple[int, ...], list[int]] = field(default_factory=dict)
-    full_logits: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
-
-    def generate(self, prompt: list[int], n: int = NUM_NEW) -> list[int]:
-        key = tuple(prompt)
-        if key not in self.greedy:
-            from transformers import GenerationConfig
-
-            ids = torch.tensor([prompt])
-            gc = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=None)
-            with torch.no_grad():
-                out = self.model.generate(
-                    ids, generation_config=gc, attention_mask=torch.ones_like(ids)
-                )
-            self.greedy[key] = out[0, len(prompt) :].tolist()
-        return self.greedy[key]
-
-    def logits(self, token_ids: list[int]) -> torch.Tensor:  # [len, V]
-        key = tuple(token_ids)
-        if key not in self.full_logits:
-            with torch.no_grad():
-                self.full_logits[key] = self.model(torch.tensor([token_ids])).logits[0].float()
-        return self.full_logits[key]
 
 
 @pytest.fixture(scope="module", params=VARIANTS)
@@ -75,57 +46,6 @@ def variant(
     model_dir = test_model(request.param)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     return model_dir, Reference(hf, hf.config.vocab_size)
-
-
-def make_prompt(length: int, seed: int, vocab: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(4, vocab, (length,), generator=g).tolist()  # ids 0..3 are special
-
-
-def run(
-    engine: LLMEngine, arrivals: list[tuple[int, str, list[int]]], logprobs: int = 2
-) -> dict[str, RequestOutput]:
-    """Add each request at its step, step until all finish; returns final outputs."""
-    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=logprobs)
-    final: dict[str, RequestOutput] = {}
-    logprob_log: dict[str, list] = {}
-    for step in range(2000):
-        for at, rid, prompt in arrivals:
-            if at == step:
-                engine.add_request(rid, prompt, params)
-        if step > max(a[0] for a in arrivals) and not engine.has_unfinished_requests():
-            break
-        for out in engine.step():
-            logprob_log.setdefault(out.request_id, []).extend(out.logprobs or [])
-            if out.finished:
-                final[out.request_id] = out
-    else:
-        raise AssertionError("engine did not finish within 2000 steps")
-    # The streamed logprob deltas, concatenated, are what a client sees.
-    for rid, out in final.items():
-        object.__setattr__(out, "logprobs", logprob_log[rid])
-    return final
-
-
-def assert_clean(engine: LLMEngine) -> None:
-    engine.check_integrity()
-    stats = engine.stats()
-    assert not engine.has_unfinished_requests()
-    assert stats.num_free_blocks == stats.num_total_blocks, "a block is still held"
-
-
-def assert_matches(ref: Reference, prompt: list[int], out: RequestOutput) -> None:
-    assert out.finish_reason == "length"
-    assert out.token_ids == ref.generate(prompt), f"{out.request_id}: greedy tokens differ"
-    hf = torch.log_softmax(ref.logits(prompt + out.token_ids[:-1]), dim=-1)[len(prompt) - 1 :]
-    assert out.logprobs is not None and len(out.logprobs) == NUM_NEW
-    for i, lp in enumerate(out.logprobs):
-        assert lp.token_id == out.token_ids[i]
-        assert abs(lp.logprob - hf[i, lp.token_id].item()) <= ATOL
-        assert lp.top_logprobs is not None and len(lp.top_logprobs) == 2
-        for tid, value in lp.top_logprobs:
-            assert abs(value - hf[i, tid].item()) <= ATOL
-        assert lp.top_logprobs[0][0] == out.token_ids[i]  # greedy = the top-1
 
 
 SCENARIOS = {
@@ -261,6 +181,11 @@ def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
         json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
     )
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM"):
+        load_model_config(tmp_path, "native")
+    (tmp_path / "config.json").write_text(
+        json.dumps({"architectures": ["FooForCausalLM"], "model_type": "foo"})
+    )
+    with pytest.raises(ValueError, match="FooForCausalLM is not supported: transformers"):
         load_model_config(tmp_path)
 
 

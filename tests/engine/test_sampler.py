@@ -178,3 +178,22 @@ def test_seeded_noise_is_the_same_on_any_batch_position() -> None:
     assert torch.equal(both[1], exponential_noise(keys[1:], 1000)[0])
     # Exp(1): mean ~1 over many draws.
     assert abs(float(both.double().mean()) - 1.0) < 0.1
+
+
+def test_prior_outputs_shift_the_seeded_step_and_count_for_penalties() -> None:
+    """A continued request (its first outputs at the end of its prompt) samples as the
+    original did at the same output index, penalties included."""
+    base = dict(temperature=1.0, seed=42, presence_penalty=2.0, frequency_penalty=2.0)
+    original = SamplingRow(SamplingParams(**base), 3, [1, 2], [7, 7, 8])
+    continued = SamplingRow(
+        SamplingParams(**base, num_prior_output_tokens=3), 0, [1, 2, 7, 7, 8], []
+    )
+    assert continued.output_index == original.output_index == 3
+    assert continued.history() == ([1, 2], [7, 7, 8])
+    for seed in range(20):
+        logits = random_logits(1, seed=seed)
+        a = Sampler([EOS])(logits, [original])[0].token_id
+        b = Sampler([EOS])(logits, [continued])[0].token_id
+        assert a == b
+    with pytest.raises(ValueError, match="num_prior_output_tokens"):
+        SamplingParams(num_prior_output_tokens=-1)

@@ -26,7 +26,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.parallel import TPShard, check_model
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tp_executor import TPWorkerError
-from tests.engine.test_model_vs_transformers import (
+from tests.engine.transformers_reference import (
     PREEMPT_ARRIVALS,
     Reference,
     assert_clean,
@@ -34,6 +34,7 @@ from tests.engine.test_model_vs_transformers import (
     make_prompt,
     run,
 )
+from tests.support import wait_until
 
 CASES = [
     ("mha", 1),
@@ -152,6 +153,8 @@ def test_workers_exit_when_rank_0_is_killed(tiny_model_dir: Path, tmp_path: Path
                 print(e.runner.workers[0].process.pid, flush=True)
                 e.add_request("a", list(range(10, 60)),
                               SamplingParams(max_tokens=10**6 // 2, ignore_eos=True))
+                e.step()
+                print("stepping", flush=True)
                 while True:  # killed mid-step
                     e.step()
             """
@@ -162,13 +165,15 @@ def test_workers_exit_when_rank_0_is_killed(tiny_model_dir: Path, tmp_path: Path
     )
     try:
         worker_pid = int(proc.stdout.readline())
-        time.sleep(1.0)
+        assert proc.stdout.readline().strip() == "stepping"  # both ranks are computing
         proc.kill()
         proc.wait(10)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and _alive(worker_pid):
-            time.sleep(0.2)
-        assert not _alive(worker_pid), "the worker outlived rank 0"
+        wait_until(
+            lambda: not _alive(worker_pid),
+            timeout=30,
+            interval=0.2,
+            what="the worker to exit after rank 0 (it outlived rank 0)",
+        )
     finally:
         proc.kill()
 

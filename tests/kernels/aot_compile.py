@@ -65,23 +65,35 @@ def _cases():  # type: ignore[no-untyped-def]
         {"SPLITS": 4, "SPLITS_PAD": 4, "HEAD_DIM": 128, "BLOCK_D": 128},
         4,
     )
-    yield (
-        "prefill",
-        prefill._prefill_kernel,
-        {**attn, **index, "out_ptr": bf16},
-        {
-            "GROUP": 4,
-            "GROUP_PAD": 4,
-            "BLOCK_Q": 32,
-            "BLOCK_M": 128,
-            "BLOCK_N": 64,
-            "HEAD_DIM": 128,
-            "BLOCK_D": 128,
-            "BLOCK_SIZE": 16,
-            "DOT_PRECISION": None,
-        },
-        8,
-    )
+    variants = {"plain": False, "window+softcap+sinks": True}  # Gemma 2/3, gpt-oss
+    for name, variant in variants.items():
+        yield (
+            f"prefill {name}",
+            prefill._prefill_kernel,
+            {
+                **attn,
+                **index,
+                "out_ptr": bf16,
+                "sinks_ptr": "*fp32",
+                "softcap_in": "fp32",
+                "softcap_out": "fp32",
+            },
+            {
+                "GROUP": 4,
+                "GROUP_PAD": 4,
+                "BLOCK_Q": 32,
+                "BLOCK_M": 128,
+                "BLOCK_N": 64,
+                "HEAD_DIM": 128,
+                "BLOCK_D": 128,
+                "BLOCK_SIZE": 16,
+                "HAS_SOFTCAP": variant,
+                "HAS_WINDOW": variant,
+                "HAS_SINKS": variant,
+                "DOT_PRECISION": None,
+            },
+            8,
+        )
     yield (
         "write_kv",
         kv._write_kv_kernel,

@@ -25,3 +25,29 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: float) -> No
     assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
     err = max_abs_error(actual, expected)
     assert err <= tol, f"max abs error {err:.3g} > {tol:.3g}"
+
+
+# Unit roundoff of float32 and bfloat16: the error bounds below are counted in them.
+U32 = 2.0**-24
+U16 = 2.0**-8
+
+
+def rms_norm_bound(
+    truth: torch.Tensor, hidden: int, out_dtype: torch.dtype, truncating: bool = False
+) -> torch.Tensor:
+    """|out - truth| allowed: the float32 sum of squares over ``hidden`` terms (relative
+    error <= hidden * u32, so the 1/rms factor is off by <= hidden/2 * u32), the square root
+    and the division (2 u32), the input sum (u32) and the two products (2 u32), then one
+    rounding to ``out_dtype`` (``truncating``: Triton's interpreter converts to bf16 by
+    truncation, a whole ulp, where compiled kernels round to nearest)."""
+    f32 = (hidden / 2 + 5) * U32
+    final = (2 if truncating else 1) * (U16 if out_dtype == torch.bfloat16 else U32)
+    return (final + f32 * (1 + final)) * truth.abs()
+
+
+def silu_bound(truth: torch.Tensor, truncating: bool = False) -> torch.Tensor:
+    """exp to ~2^-23 (its polynomial, kernels/cpu/csrc/cpu_math.h) plus four float32
+    roundings (1 + e, the division, g * sigmoid, * up): 6 u32, then one bf16 rounding
+    (a whole ulp where ``truncating``, as for rms_norm_bound)."""
+    final = (2 if truncating else 1) * U16
+    return (final + 6 * U32 * (1 + final)) * truth.abs()

@@ -39,8 +39,9 @@ from tests.kernels.cases import (  # noqa: E402
     assert_close,
     make_batch,
     random_lengths,
+    rms_norm_bound,
+    silu_bound,
 )
-from tests.kernels.test_layer_numerics import rms_norm_bound, silu_bound  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16]
 # (head_dim, query heads per KV head, block_size, dtype); KV heads: 2, or 1 for ratio 8.

@@ -17,6 +17,7 @@ from pdserve.kvtransfer.connector import PrefillKVConnector
 from pdserve.kvtransfer.receiver import KVReceiver
 from pdserve.kvtransfer.sender import KVSender
 from pdserve.kvtransfer.shm import SharedKVAllocator
+from tests.support import wait_until
 
 LAYOUT = KVLayout(
     model="tiny-test", num_layers=4, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32"
@@ -61,9 +62,8 @@ def sender_main(
         for h in handles:
             sender.send_layer(h, layer, src)
     if stop_after_layers is not None:
-        time.sleep(0.5)  # let the partial layers land
-        conn.send("partial")
-        time.sleep(600)
+        conn.send("partial")  # the test waits for those layers to land, on its side
+        time.sleep(600)  # stalled, not synchronizing: it stays alive until the test kills it
         os._exit(3)
     results = [sender.finish(h, check=False).model_dump_json() for h in handles]
     conn.send((results, sender.open_handles()))
@@ -78,7 +78,7 @@ def receiver_main(conn: Connection, layout_json: str, transport: str, num_blocks
     block_ids, deadline = conn.recv()
     target = receiver.expect("victim", block_ids, deadline)
     conn.send((target.model_dump_json(), _alloc.segment_for(_pool).name))
-    time.sleep(600)
+    time.sleep(600)  # idle, not synchronizing: it stays alive until the test kills it
 
 
 def prefill_engine_main(conn: Connection, model_dir: str, num_kv_blocks: int) -> None:
@@ -146,7 +146,7 @@ def chunked_prefill_main(
                 if out.finished and out.token_ids:
                     first, first_step = out.token_ids[0], len(starts) - 1
             if not engine.has_unfinished_requests():
-                time.sleep(0.002)  # only the send is left: let it land
+                time.sleep(0.002)  # poll interval: only the send is left, until it lands
         result = connector.take_result(rid, timeout=10)
         engine.check_integrity()
         stats = engine.stats()
@@ -199,12 +199,14 @@ def run_prefill_step(
         for connector, pool in zip(connectors, pools, strict=True):
             connector.layer_computed(layer, pool)
     seen: list[set[str]] = [set(c.end_step()) for c in connectors]
-    deadline = time.time() + timeout
     want = {rid for rid, *_ in jobs}
-    while any(s != want for s in seen) and time.time() < deadline:
+
+    def all_reported() -> bool:
         for connector, s in zip(connectors, seen, strict=True):
             s.update(connector.poll_finished())
-        time.sleep(0.005)
+        return all(s == want for s in seen)
+
+    wait_until(all_reported, timeout, interval=0.005, what=f"every rank to report {want}")
     results = []
     for connector in connectors:
         got = {rid: connector.take_result(rid, timeout=0) for rid in want}

@@ -27,6 +27,7 @@ from tests.kvtransfer.procs import chunked_prefill_main
 
 engine_mod = pytest.importorskip("pdserve.engine.llm_engine")
 from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
+from tests.support import wait_until  # noqa: E402
 
 NUM_NEW = 8
 BLOCKS = 64  # of 16 tokens: a 600-token prompt takes 38
@@ -57,7 +58,7 @@ class _FirstLanding:
             if (receiver.landed_blocks(request_id) or 0) > 0:
                 self.at = time.time()
                 return
-            time.sleep(0.0005)
+            time.sleep(0.0005)  # sampling interval of the timestamp, not synchronization
 
     def stop(self) -> None:
         self._stop.set()
@@ -155,15 +156,16 @@ def test_abort_mid_prefill_ends_the_transfer_on_both_sides(
         prefill.step()
         out = prefill.abort("ab")
         assert out is not None and out.finish_reason == "abort"
-        start = time.time()
+
         # The engine's next step passes the cancel on (there is nothing left to compute);
         # it steps until the connector confirmed it: then no read of the blocks is pending.
-        for _ in range(2000):
+        def settled() -> bool:
             if not prefill.has_pending_work():
-                break
+                return True
             prefill.step()
-            time.sleep(0.002)
-        assert time.time() - start < 10
+            return False
+
+        wait_until(settled, timeout=10, interval=0.002, what="the engine to pass the cancel on")
         with pytest.raises(KVTransferError, match=r"aborted the transfer.*missing: blocks"):
             receiver.wait("ab")
         assert time.time() < deadline - 30  # failed on the sender's word, not by the deadline

@@ -15,6 +15,7 @@ from pdserve.kvtransfer import KVLayout, KVTransferError
 from pdserve.kvtransfer.sender import KVSender
 from pdserve.kvtransfer.tp_plan import rank_layout
 from tests.kvtransfer.procs import LAYOUT, make_receiver, prefill_ranks, rank_pool, source_pool
+from tests.support import wait_until
 
 MODEL = KVLayout(
     model="tiny-chunks", num_layers=3, num_kv_heads=4, head_dim=8, block_size=4, dtype="float32"
@@ -26,13 +27,15 @@ CHUNKS = [(0, 3), (3, 5), (5, 7)]  # blocks each step completes: the last one is
 
 
 def _poll(connectors, want: set[str], timeout: float = 30.0) -> None:
+    """Poll every connector the way the engine does until each reported ``want``."""
     seen = [set() for _ in connectors]
-    deadline = time.time() + timeout
-    while any(s != want for s in seen) and time.time() < deadline:
+
+    def all_reported() -> bool:
         for connector, s in zip(connectors, seen, strict=True):
             s.update(connector.poll_finished())
-        time.sleep(0.005)
-    assert all(s == want for s in seen), seen
+        return all(s == want for s in seen)
+
+    wait_until(all_reported, timeout, interval=0.005, what=f"every rank to report {want}")
 
 
 @pytest.mark.parametrize("transport", ["shm", "torch_dist"])
@@ -61,10 +64,12 @@ def test_tp_ranks_send_their_heads_chunk_by_chunk(transport: str, a: int, b: int
                 # complete before its last block: nothing reports it, every rank waits.
                 want = MODEL.num_layers * stop * _shares(a, b)  # (layer, block) pairs
                 for receiver, _, _ in decode:
-                    end = time.time() + 10
-                    while (landed := receiver.landed_blocks("c")) != want and time.time() < end:
-                        time.sleep(0.002)
-                    assert landed == want, (step, landed)
+                    wait_until(
+                        lambda r=receiver, w=want: r.landed_blocks("c") == w,
+                        timeout=10,
+                        interval=0.002,
+                        what=f"step {step}'s {want} (layer, block) pairs to land",
+                    )
                 assert all(c.poll_finished() == [] for c in connectors)
         _poll(connectors, {"c"})
         results = [c.take_result("c", timeout=0) for c in connectors]

@@ -10,14 +10,19 @@ import pytest
 from pdserve.engine.kv_connector import KVConnector, PendingSend
 from pdserve.kvtransfer.connector import PrefillKVConnector
 from tests.kvtransfer.procs import LAYOUT, make_receiver, source_pool
+from tests.support import wait_until
 
 
 def _poll_until(connector: PrefillKVConnector, rid: str, timeout: float = 20) -> list[str]:
+    """Poll the connector the way the engine does until ``rid`` is reported; every id
+    reported on the way."""
     seen: list[str] = []
-    deadline = time.time() + timeout
-    while rid not in seen and time.time() < deadline:
-        seen += connector.poll_finished()
-        time.sleep(0.005)
+
+    def reported() -> bool:
+        seen.extend(connector.poll_finished())
+        return rid in seen
+
+    wait_until(reported, timeout, interval=0.005, what=f"the connector to report {rid!r}")
     return seen
 
 
@@ -36,7 +41,12 @@ def test_connector_streams_layers_and_reports_after_the_step() -> None:
         connector.begin_step([PendingSend("a", [5, 1, 6, 7], tokens), PendingSend("stray", [0], 4)])
         for layer in range(LAYOUT.num_layers):
             connector.layer_computed(layer, src)
-        time.sleep(0.3)  # the sends complete while the "step" is still running
+        # The sends complete while the "step" is still running.
+        wait_until(
+            lambda: "a" not in connector.sender.open_handles(),
+            timeout=20,
+            what="request a's send to complete",
+        )
         # Ids begun in this step are not reported by its own end_step: the engine only
         # tracks them as sending after processing the step's outputs.
         assert connector.end_step() == []

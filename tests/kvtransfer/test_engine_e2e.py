@@ -27,6 +27,7 @@ from tests.kvtransfer.procs import prefill_engine_main
 
 engine_mod = pytest.importorskip("pdserve.engine.llm_engine")
 from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
+from tests.support import wait_until  # noqa: E402
 
 NUM_NEW = 10
 BLOCKS = 64
@@ -148,10 +149,14 @@ def test_prefill_frees_blocks_when_the_decode_side_is_gone(tiny_model_dir: Path)
     )
     connector.register_target("gone", target)
     engine.add_request("gone", prompt, _params(), prefill_only=True)
-    deadline = time.time() + 30
-    while engine.has_pending_work() and time.time() < deadline:
+
+    def settled() -> bool:
+        if not engine.has_pending_work():
+            return True
         engine.step()
-        time.sleep(0.001)
+        return False
+
+    wait_until(settled, timeout=30, interval=0.001, what="the send to the closed peer to end")
     result = connector.take_result("gone", timeout=1)
     assert result is not None and not result.ok and result.error
     assert_no_leak(engine)

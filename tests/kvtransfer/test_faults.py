@@ -14,6 +14,7 @@ from pdserve.kvtransfer import KVTarget, KVTransferError, KVTransferTimeoutError
 from pdserve.kvtransfer.sender import KVSender
 from pdserve.kvtransfer.shm import list_segments
 from tests.kvtransfer.procs import LAYOUT, make_receiver, receiver_main, sender_main, source_pool
+from tests.support import wait_until
 
 # Bound from the issue: a receiver raises within 2 s past its deadline.
 SLACK_S = 2.0
@@ -32,6 +33,12 @@ def test_sender_hangs_then_dies_mid_transfer(transport: str) -> None:
         die = receiver.expect("die", [9, 30], time.time() + 60)
         parent.send([(hang.model_dump_json(), [5, 0, 9]), (die.model_dump_json(), [2, 14])])
         assert parent.poll(60) and parent.recv() == "partial"
+        # Both requests' first 2 layers land (3 and 2 blocks each) before the sender stalls.
+        wait_until(
+            lambda: (receiver.landed_blocks("hang"), receiver.landed_blocks("die")) == (6, 4),
+            timeout=30,
+            what="the partial layers to land",
+        )
 
         # The sender is alive but stalled after 2 of 4 layers: wait raises by the deadline.
         deadline = time.time() + 1.0
@@ -76,7 +83,8 @@ def test_receiver_dies_mid_transfer(transport: str) -> None:
         handle = sender.open(KVTarget.model_validate_json(target_json), [1, 6, 3])
         for layer in range(2):
             sender.send_layer(handle, layer, src)
-        time.sleep(0.5)
+        # Mid-transfer: the receiver accepted the send and two layers went out to it.
+        wait_until(lambda: handle.layers_sent == 2, timeout=30, what="two layers sent")
         proc.kill()
         killed = time.time()
         for layer in range(2, LAYOUT.num_layers):
@@ -87,11 +95,12 @@ def test_receiver_dies_mid_transfer(transport: str) -> None:
         assert time.time() - killed < 5.0  # detected from the dead connection, not the deadline
         assert sender.open_handles() == []
         # The owner's guardian unlinks its segment although the owner was SIGKILLed.
-        for _ in range(50):
-            if segment not in list_segments():
-                break
-            time.sleep(0.1)
-        assert segment not in list_segments()
+        wait_until(
+            lambda: segment not in list_segments(),
+            timeout=5,
+            interval=0.1,
+            what=f"the guardian to unlink {segment}",
+        )
     finally:
         proc.kill()
         proc.join(10)

@@ -17,7 +17,7 @@ from pdserve.kvtransfer.gpu_ids import GpuId
 from pdserve.kvtransfer.node import receiver_offer, sender_choice
 from pdserve.kvtransfer.send_handle import SendHandle
 from pdserve.kvtransfer.tp_plan import HeadSlice
-from tests.kvtransfer.test_units import LAYOUT
+from tests.kvtransfer.procs import LAYOUT
 
 NODE = [  # the node's four GPUs, as nvidia-smi lists them
     GpuId("GPU-aaaa", "0000:18:00.0"),
@@ -89,7 +89,7 @@ def test_dropping_an_ipc_peer_waits_for_the_copy_in_flight(monkeypatch) -> None:
 
     def slow_copy(src, src_ids, dst, dst_ids, scratch=None) -> None:
         copying.set()
-        time.sleep(0.2)
+        time.sleep(0.2)  # a slow copy is the behaviour under test, not synchronization
         dst[:, dst_ids[0]] = src[:, src_ids[0]]
         events.append("copied")
 

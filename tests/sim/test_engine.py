@@ -119,3 +119,40 @@ def test_output_rate_is_the_decode_tokens_per_second_of_the_step_being_computed(
     assert engine.step_rate == pytest.approx(500.0)  # 2 tokens per step
     loop.run()
     assert engine.output_rate == 0.0 and engine.step_rate == 0.0 and engine.idle
+
+
+def test_a_one_token_prompt_is_prefilled_and_reports_its_first_token() -> None:
+    """A one-token prompt has one token to compute, as a request whose KV landed from a
+    prefill replica has; unlike that one, its step samples its first token."""
+    req = SimRequest(0, 0.0, prompt_tokens=1, output_tokens=3)
+    engine = _run([req], EngineShape(64, 8, 16, 100), macro=False)
+    assert req.first_token_at == pytest.approx(0.001)
+    assert req.finished_at == pytest.approx(0.003)
+    assert engine.prefill_meter.rate > 0 and engine.idle
+
+
+def test_landed_kv_streams_its_first_token_with_the_next_steps_outputs() -> None:
+    """As the live engine: KV that lands while a step runs joins the next step, and its
+    first token goes out with that step's outputs, not the running one's."""
+    loop = EventLoop()
+    engine = SimEngine(
+        loop,
+        LinearCost(0.001),
+        EngineShape(64, 8, 16, 100),
+        on_first_token=lambda s, t: setattr(s.req, "first_token_at", t),
+        on_finish=lambda s, t: setattr(s.req, "finished_at", t),
+        macro_steps=False,
+    )
+    a = SimRequest(0, 0.0, prompt_tokens=10, output_tokens=50)
+    b, one = SimRequest(1, 0.0105, 16, 3), SimRequest(2, 0.0105, 16, 1)
+    seqs = {r.rid: Seq(r) for r in (a, b, one)}
+    loop.at(0.0, engine.add, seqs[0])
+    loop.at(0.0105, lambda: engine.reserve_remote(seqs[1]) and engine.reserve_remote(seqs[2]))
+    # Both land during the decode step [0.011, 0.012); the next step is a's and b's decodes.
+    loop.at(0.0115, engine.complete_remote, seqs[1])
+    loop.at(0.0115, engine.complete_remote, seqs[2])
+    loop.run()
+    assert b.first_token_at == pytest.approx(0.014)
+    assert one.first_token_at == one.finished_at == pytest.approx(0.014)
+    assert b.finished_at == pytest.approx(0.016)  # the next step samples its third token
+    assert engine.idle and engine.used_blocks == 0

@@ -9,7 +9,7 @@
 // - SiLU-and-mul of the fused gate/up projection (float32 math, rounded once).
 //
 // In torch each of these is several kernels, each a full pass over a [T, H] tensor with a
-// temporary in between; at prefill sizes those passes cost about 15% of a bf16 step. Rows
+// temporary in between, a noticeable share of a bf16 prefill step (docs/cpu.md). Rows
 // are split over the OpenMP threads of the calling process (torch's runtime) when there is
 // enough work; decode-sized inputs run on the calling thread. Plain C ABI, loaded by
 // kernels/cpu/native.py; the inner loops are portable code that the compiler vectorizes.

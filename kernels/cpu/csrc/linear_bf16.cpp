@@ -2,9 +2,9 @@
 // (AMD Zen 4/5, Intel Cooper Lake; not used where AMX is, oneDNN's AMX kernels win there).
 //
 // Why not oneDNN: for the few rows of a decode step the weights stream from memory once per
-// step, and oneDNN's packed bf16 matmul read them at 7 GB/s on one Zen 4 core (a plain read
-// runs at 16-19); this kernel's one pass reads them at 10-14 GB/s (1.4x oneDNN's speed at 8
-// rows, 1.8x at 1 row) and is on par with oneDNN from 32 rows up to prefill sizes.
+// step, and oneDNN's packed bf16 matmul reads them well below the memory bandwidth; this
+// kernel's one pass reads them faster and is on par with oneDNN from 32 rows up to prefill
+// sizes (measurements in docs/cpu.md).
 //
 // Layout (pdserve_pack_bf16): the N outputs in panels of 16 (their count rounded up to even,
 // zero-padded past N); panel p holds for every pair of inputs (2j, 2j+1) the 16 uint32 lanes

@@ -94,8 +94,7 @@ inline void tile(const float* x, int64_t ldx, const uint32_t* panel, int64_t K,
 //
 // The first tile streams the panel from memory and prefetches kAheadWords ahead of itself
 // (on into the next panel, which follows in memory); the second one, computing from L1,
-// prefetches the next panel, so that memory stays busy meanwhile. On a Zen 3 core, with
-// weights that do not fit in L3: 1.2x at 1 row, 1.2-1.3x at 4 and 8 rows.
+// prefetches the next panel, so that memory stays busy meanwhile (gain in docs/cpu.md).
 void panel_rows(const float* x, int64_t ldx, int64_t rows, const uint32_t* panel, int64_t K,
                 const float* bias, float* y, int64_t ldy, int64_t cols, bool has_next) {
   const int64_t tiles = (rows + 5) / 6;

@@ -1,0 +1,133 @@
+"""Engine integration, decode side: ``DecodeKVConnector``.
+
+It implements pdserve.engine.kv_connector.KVConnector for an engine whose prompts are
+prefilled elsewhere, on top of a ``KVReceiver`` over the engine's pool (built when the engine
+registers its pool, as on the prefill side). The serving layer says which requests are
+prefilled remotely (``register_load``) before reserving them in the engine; the engine's
+scheduler then asks the connector how many prompt tokens it loads
+(``get_num_new_matched_tokens``) and tells it which blocks receive them
+(``update_state_after_alloc``): the prompt past the engine's prefix-cache hit, so only the
+blocks the engine lacks are sent. The serving layer opens the transfer (``expect``: the
+``KVTarget`` it hands to the prefill pool), waits for the bytes (``wait``) and fences every
+writer (``cancel``) before the request may leave the engine. Loads are pushed by the prefill
+peers into the reserved blocks on the receiver's threads, not during the forward pass, so
+the worker half has no per-step work.
+
+It never allocates or frees engine blocks itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from pdserve.kvtransfer.blocks import check_pool, pool_layout
+from pdserve.kvtransfer.config import KVTransferConfig
+from pdserve.kvtransfer.metrics import TransferObserver
+from pdserve.kvtransfer.receiver import KVReceiver
+from pdserve.kvtransfer.scheduler_half import LoadPlan, RemoteLoads
+from pdserve.kvtransfer.shm import ShmSegment
+from pdserve.kvtransfer.types import KVLayout, KVTarget, TransferResult
+
+__all__ = ["DecodeKVConnector", "LoadPlan"]
+
+
+class DecodeKVConnector(RemoteLoads):
+    """pdserve.engine.kv_connector.KVConnector that receives KV through a ``KVReceiver``.
+
+    Its scheduler half (``RemoteLoads``: ``register_load``, ``plan`` and the engine's
+    calls) keeps the engine's prefix-cache hit out of the load. ``segment_for`` maps the
+    engine's pool to the shared-memory segment holding it (a ``SharedKVAllocator``'s),
+    needed to offer the shared-memory transport.
+    """
+
+    saves_kv_layers = False  # the peers write into reserved blocks, not the forward pass
+
+    def __init__(
+        self,
+        config: KVTransferConfig | None = None,
+        *,
+        observer: TransferObserver | None = None,
+        segment_for: Callable[[torch.Tensor], ShmSegment | None] | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.observer = observer
+        self._segment_for = segment_for
+        self._receiver: KVReceiver | None = None
+
+    @property
+    def receiver(self) -> KVReceiver:
+        """The receiver over the registered pool (exists once the pool is registered)."""
+        if self._receiver is None:
+            raise RuntimeError("no KV pool registered with the connector yet")
+        return self._receiver
+
+    @property
+    def layout(self) -> KVLayout:
+        """The registered pool's layout (this rank's heads under tensor parallelism)."""
+        return self.receiver.layout
+
+    # ---- serving-layer side
+    def expect(self, request_id: str, deadline: float | None = None) -> tuple[KVTarget, ...]:
+        """Open the reserved request's transfer: the targets (one here) the prefill side
+        writes to, valid until ``deadline``. Only the blocks past this engine's prefix
+        hit are expected (``KVTarget.first_block`` says where they start)."""
+        return (self.expect_plan(request_id, self.require_plan(request_id), deadline),)
+
+    def expect_plan(
+        self, request_id: str, plan: LoadPlan, deadline: float | None = None
+    ) -> KVTarget:
+        """Expect the blocks ``plan`` loads in this pool (the tensor-parallel front passes
+        its own plan: every rank holds the same block ids)."""
+        first, block_ids = plan.delta(self.layout.block_size)
+        return self.receiver.expect(request_id, block_ids, deadline, first_block=first)
+
+    def wait(self, request_id: str, deadline: float | None = None) -> TransferResult:
+        """Block until the request's KV landed (its result) or raise ``KVTransferError``."""
+        return self.receiver.wait(request_id, deadline)
+
+    def cancel(self, request_id: str) -> None:
+        """Stop expecting the request (idempotent); returns once no peer writes its blocks."""
+        if self._receiver is not None:
+            self._receiver.cancel(request_id)
+
+    def pending(self) -> list[str]:
+        """Request ids whose KV is still expected (for leak checks)."""
+        return self._receiver.pending() if self._receiver is not None else []
+
+    def close(self) -> None:
+        """Drop every prefill peer and fail what is still expected."""
+        if self._receiver is not None:
+            self._receiver.close()
+
+    # ---- engine side: worker half (KVConnectorWorker)
+    def register_kv_caches(
+        self, kv_cache: torch.Tensor, model_name: str, *, layout: KVLayout | None = None
+    ) -> None:
+        """The engine's pool. A tensor-parallel rank passes ``layout`` (``pool_layout``
+        with its head range); the default is a single-rank pool holding every head."""
+        if self._receiver is not None:
+            raise RuntimeError("a KV pool is already registered with this connector")
+        if layout is None:
+            layout = pool_layout(kv_cache, model_name)
+        else:
+            check_pool(kv_cache, layout)
+        segment = self._segment_for(kv_cache) if self._segment_for is not None else None
+        self._receiver = KVReceiver(
+            kv_cache, layout, self.config, shm_segment=segment, observer=self.observer
+        )
+
+    def begin_step(self, sends: list) -> None:
+        if sends:
+            raise ValueError(f"a decode connector sends no KV, got {len(sends)} sends")
+
+    def layer_computed(self, layer_idx: int, kv_cache: torch.Tensor) -> None:
+        pass
+
+    def end_step(self) -> list[str]:
+        return []
+
+    def poll_finished(self) -> list[str]:
+        return []
