@@ -58,6 +58,8 @@ DEVICE_MODULES = (
     "pdserve.kernels.triton.rotary",
     "pdserve.kernels.triton.quant_gemm",
     "pdserve.kernels.triton.gpu_check",
+    "pdserve.kernels.triton.gpu_check_kvquant",
+    "pdserve.kernels.kv_quant",
     "pdserve.kernels.triton.jit_count",
     "pdserve.engine.llm_engine",
     "pdserve.engine.parallel",

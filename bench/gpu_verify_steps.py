@@ -65,6 +65,9 @@ def kernels(quick: bool) -> list[Row]:
     torch.manual_seed(0)
     ceil, rows = g._measure_ceilings(dev, quick)
     rows += g._check_attention(dev)
+    from pdserve.kernels.triton.gpu_check_kvquant import check_quantized_kv
+
+    rows += check_quantized_kv(dev)
     rows.append(g._bench_decode(dev, quick, ceil))
     torch.cuda.empty_cache()
     rows += g._bench_prefill(dev, quick, ceil)

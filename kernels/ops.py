@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.kernels import quant_reference, reference
+from pdserve.kernels import kv_quant, quant_reference, reference
 from pdserve.kernels.cpu import batched as cpu
 from pdserve.kernels.cpu.attention_variants import paged_attention_variants_cpu
 from pdserve.kernels.cpu.cpus import RuntimeInfo, RuntimeSettings
@@ -108,15 +108,39 @@ def _check_variants(
     return sliding_window is not None or softcap is not None or sinks is not None
 
 
+def _check_kv_scales(
+    k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
+) -> bool:
+    """Validate the scales of a quantized cache (required there, refused elsewhere); True
+    when the cache is quantized."""
+    quantized = kv_quant.is_quantized_kv(k_cache.dtype)
+    if not quantized:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"k_scale/v_scale: given for a {k_cache.dtype} cache (not quantized)")
+        return False
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if s is None or tuple(s.shape) != (k_cache.shape[2],) or s.dtype != torch.float32:
+            got = None if s is None else f"{tuple(s.shape)} {s.dtype}"
+            raise ValueError(
+                f"{name}: a {k_cache.dtype} cache needs float32 scales of shape "
+                f"({k_cache.shape[2]},), got {got}"
+            )
+    return True
+
+
 def write_kv(
     key: torch.Tensor,  # [T, Hkv, D]
     value: torch.Tensor,  # [T, Hkv, D]
     k_cache: torch.Tensor,  # [N, B, Hkv, D]
     v_cache: torch.Tensor,  # [N, B, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int64, < 0 = skip
+    k_scale: torch.Tensor | None = None,  # [Hkv] float32: int8 / float8 caches only
+    v_scale: torch.Tensor | None = None,  # [Hkv] float32
 ) -> None:
-    """Write each token's K/V into its cache slot (in place)."""
+    """Write each token's K/V into its cache slot (in place); into an int8 / float8 cache
+    quantized with the layer's per-head scales (``kernels.kv_quant``)."""
     _check_cache(k_cache, v_cache)
+    quantized = _check_kv_scales(k_cache, k_scale, v_scale)
     if key.shape != value.shape or key.shape[1:] != k_cache.shape[2:]:
         raise ValueError(
             f"key: shape {tuple(key.shape)} / value {tuple(value.shape)} do not match "
@@ -126,7 +150,14 @@ def write_kv(
         raise ValueError(f"slot_mapping: expected shape ({key.shape[0]},)")
     mod = _triton("kv", key)
     if mod is not None:
-        mod.write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+        mod.write_kv_triton(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    elif quantized:
+        assert k_scale is not None and v_scale is not None
+        # Copied as bytes: torch has no float8 index_copy_ on a CPU.
+        kq = kv_quant.quantize_kv(key, k_scale, k_cache.dtype).view(torch.uint8)
+        vq = kv_quant.quantize_kv(value, v_scale, v_cache.dtype).view(torch.uint8)
+        u8 = torch.uint8
+        cpu.write_kv_cpu(kq, vq, k_cache.view(u8), v_cache.view(u8), slot_mapping)
     else:
         cpu.write_kv_cpu(key, value, k_cache, v_cache, slot_mapping)
 
@@ -142,13 +173,17 @@ def paged_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,  # [Hq]
+    k_scale: torch.Tensor | None = None,  # [Hkv] float32: int8 / float8 caches only
+    v_scale: torch.Tensor | None = None,  # [Hkv] float32
 ) -> torch.Tensor:  # [T, Hq, D]
     """Causal attention for a mixed prefill/decode batch over paged KV; optionally over the
     last ``sliding_window`` positions only, with logits capped at ``softcap`` (tanh) and
-    per-head ``sinks`` in the softmax denominator (see ``reference.paged_attention_ref``)."""
+    per-head ``sinks`` in the softmax denominator (see ``reference.paged_attention_ref``).
+    An int8 / float8 cache is dequantized with ``k_scale`` / ``v_scale`` as it is read."""
     _check_cache(k_cache, v_cache)
     _check_heads(q, k_cache)
     variants = _check_variants(q, sliding_window, softcap, sinks)
+    quantized = _check_kv_scales(k_cache, k_scale, v_scale)
     num_seqs = seq_lens.shape[0]
     if cu_seqlens_q.shape != (num_seqs + 1,):
         raise ValueError(f"cu_seqlens_q: expected shape ({num_seqs + 1},)")
@@ -159,7 +194,13 @@ def paged_attention(
         return mod.paged_attention_triton(
             q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
             sliding_window=sliding_window, softcap=softcap, sinks=sinks,
+            k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
+    if quantized:
+        assert k_scale is not None and v_scale is not None
+        k_cache, v_cache, block_tables = kv_quant.dequantized_context(
+            k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, q.dtype
+        )
     if variants:
         return paged_attention_variants_cpu(
             q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
@@ -178,12 +219,15 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,  # [Hq]
+    k_scale: torch.Tensor | None = None,  # [Hkv] float32: int8 / float8 caches only
+    v_scale: torch.Tensor | None = None,  # [Hkv] float32
 ) -> torch.Tensor:  # [S, Hq, D]
     """One new token per sequence against its whole paged context (or its window; the
-    variants as in ``paged_attention``)."""
+    variants and a quantized cache as in ``paged_attention``)."""
     _check_cache(k_cache, v_cache)
     _check_heads(q, k_cache)
     variants = _check_variants(q, sliding_window, softcap, sinks)
+    quantized = _check_kv_scales(k_cache, k_scale, v_scale)
     if seq_lens.shape != (q.shape[0],):
         raise ValueError(f"seq_lens: expected shape ({q.shape[0]},)")
     if block_tables.dim() != 2 or block_tables.shape[0] != q.shape[0]:
@@ -193,7 +237,13 @@ def paged_decode_attention(
         return mod.paged_decode_attention_triton(
             q, k_cache, v_cache, block_tables, seq_lens, scale,
             sliding_window=sliding_window, softcap=softcap, sinks=sinks,
+            k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
+    if quantized:
+        assert k_scale is not None and v_scale is not None
+        k_cache, v_cache, block_tables = kv_quant.dequantized_context(
+            k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, q.dtype
+        )
     if variants:
         cu = torch.arange(q.shape[0] + 1, dtype=torch.int32)
         return paged_attention_variants_cpu(

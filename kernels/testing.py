@@ -9,7 +9,14 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ATTN_TOL", "PagedBatch", "make_batch", "max_abs_error", "random_lengths"]
+__all__ = [
+    "ATTN_TOL",
+    "PagedBatch",
+    "make_batch",
+    "max_abs_error",
+    "quantize_batch",
+    "random_lengths",
+]
 
 # Max abs error of attention outputs (values O(1)) against the float32-math reference, per
 # dtype: bfloat16 keeps 8 mantissa bits (and the Triton interpreter truncates, not rounds).
@@ -94,6 +101,26 @@ def make_batch(
         block_tables=block_tables.to(device),
         scale=head_dim**-0.5,
     )
+
+
+def quantize_batch(
+    batch: PagedBatch, kv_dtype: torch.dtype
+) -> tuple[PagedBatch, torch.Tensor, torch.Tensor]:
+    """``batch`` with its caches quantized to ``kv_dtype`` (int8 / float8_e4m3fn) at
+    per-head absmax scales; returns it with ``k_scale`` and ``v_scale`` ([Hkv] float32)."""
+    from dataclasses import replace
+
+    from pdserve.kernels.kv_quant import kv_qmax, quantize_kv
+
+    qmax = kv_qmax(kv_dtype)
+    out = []
+    for cache in (batch.k_cache, batch.v_cache):
+        n, b, h, d = cache.shape
+        scale = cache.float().abs().amax(dim=(0, 1, 3)).clamp(min=1e-6) / qmax
+        flat = quantize_kv(cache.reshape(n * b, h, d), scale, kv_dtype)
+        out.append((flat.view(n, b, h, d), scale.contiguous()))
+    (kq, ks), (vq, vs) = out
+    return replace(batch, k_cache=kq, v_cache=vq), ks, vs
 
 
 def random_lengths(

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.kernels.kv_quant import is_quantized_kv
+
 __all__ = ["SPLIT_BUCKETS", "bucket_splits", "paged_decode_attention_triton", "warm_up"]
 
 _LOG2E = 1.4426950408889634
@@ -31,6 +33,8 @@ def _decode_split_kernel(
     seq_lens_ptr,  # [S] int32
     out_ptr,  # SPLITS == 1: [S, Hq, D] in q's dtype; else [S, Hq, SPLITS, D] float32
     lse_ptr,  # [S, Hq, SPLITS] float32 (log2 domain); unused when SPLITS == 1
+    k_scale_ptr,  # [Hkv] float32 (QUANT)
+    v_scale_ptr,  # [Hkv] float32 (QUANT)
     scale_log2,  # softmax scale * log2(e)
     partition_size,  # context tokens per split, a multiple of BLOCK_N
     stride_qs,
@@ -55,10 +59,15 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,  # context tokens per inner iteration
     SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    QUANT: tl.constexpr,  # int8 / float8 cache: K's scale joins the softmax scale, V's the output
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    v_scale = 1.0
+    if QUANT:
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr + kv_head)
+        v_scale = tl.load(v_scale_ptr + kv_head)
     seq_len = tl.load(seq_lens_ptr + seq)
     start = split * partition_size
     end = tl.minimum(start + partition_size, seq_len)
@@ -98,6 +107,10 @@ def _decode_split_kernel(
             mask=kv_mask,
             other=0.0,
         )
+        if k.dtype != q.dtype:  # compile-time: an int8 / e4m3 cache
+            # Exact through float32 into q's dtype (the interpreter mis-casts int8 to bf16).
+            k = k.to(tl.float32).to(q.dtype)
+            v = v.to(tl.float32).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         s = tl.where(valid[None, :], s, float("-inf"))  # [GROUP_PAD, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -109,7 +122,7 @@ def _decode_split_kernel(
 
     # An empty slice (past the end of a short sequence) leaves l_i == 0: write 0 / -inf.
     safe_l = tl.where(l_i > 0, l_i, 1.0)
-    out = acc / safe_l[:, None]
+    out = acc * (v_scale / safe_l)[:, None]
     o_ptrs = out_ptr + seq * stride_os + heads[:, None] * stride_oh + d[None, :]
     if SPLITS == 1:
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
@@ -201,11 +214,13 @@ def paged_decode_attention_triton(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,  # [Hq]
+    k_scale: torch.Tensor | None = None,  # [Hkv] float32: int8 / float8 caches only
+    v_scale: torch.Tensor | None = None,  # [Hkv] float32
 ) -> torch.Tensor:  # [S, Hq, D]
-    """Decode attention; ``num_splits`` overrides the heuristic (tests use it). With a
-    window, softcap or sinks the batch goes to the varlen kernel of ``prefill.py`` as
-    one-token sequences (it implements them; few models use them, so this kernel stays
-    lean)."""
+    """Decode attention (an int8 / float8 cache dequantized with its per-head scales);
+    ``num_splits`` overrides the heuristic (tests use it). With a window, softcap or sinks
+    the batch goes to the varlen kernel of ``prefill.py`` as one-token sequences (it
+    implements them; few models use them, so this kernel stays lean)."""
     if sliding_window or softcap or sinks is not None:
         from pdserve.kernels.triton.prefill import paged_attention_triton
 
@@ -213,7 +228,11 @@ def paged_decode_attention_triton(
         return paged_attention_triton(
             q, k_cache, v_cache, cu, seq_lens, block_tables, scale,
             sliding_window=sliding_window, softcap=softcap, sinks=sinks,
+            k_scale=k_scale, v_scale=v_scale,
         )  # fmt: skip
+    quant = is_quantized_kv(k_cache.dtype)
+    if quant and (k_scale is None or v_scale is None):
+        raise ValueError(f"k_scale/v_scale: a {k_cache.dtype} cache needs its scales")
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
@@ -255,6 +274,8 @@ def paged_decode_attention_triton(
         seq_lens,
         partial,
         lse,
+        k_scale if quant else seq_lens,
+        v_scale if quant else seq_lens,
         scale * _LOG2E,
         partition,
         q.stride(0),
@@ -276,6 +297,7 @@ def paged_decode_attention_triton(
         BLOCK_N=block_n,
         SPLITS=splits,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+        QUANT=quant,
         num_warps=4,
     )
     if splits > 1:

@@ -8,6 +8,8 @@ reported against ceilings measured in the same run, on the same GPU:
   - prefill attention (8k new tokens): causal attention TFLOP/s as a fraction of a bf16
     matmul's (torch's own SDPA on the same problem is printed for context);
   - block gather/scatter, KV write, RMSNorm, rotary: bandwidth vs the copy.
+The int8 / float8 KV cache (quantizing write, attention over it) is checked too
+(``gpu_check_kvquant``).
 Prints a table, writes JSON (``--out``), exits 1 if a check fails. Without CUDA it says so
 and exits 0. ``--quick`` shrinks the benchmark shapes (used by the GPU test).
 """
@@ -401,6 +403,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     ceil, rows = _measure_ceilings(dev, args.quick)
     rows += _check_attention(dev)
+    from pdserve.kernels.triton.gpu_check_kvquant import check_quantized_kv
+
+    rows += check_quantized_kv(dev)
     rows.append(_bench_decode(dev, args.quick, ceil))
     torch.cuda.empty_cache()
     rows += _bench_prefill(dev, args.quick, ceil)

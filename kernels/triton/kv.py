@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.kernels.kv_quant import is_quantized_kv, kv_qmax
+
 __all__ = ["gather_blocks_triton", "scatter_blocks_triton", "write_kv_triton"]
 
 
@@ -20,6 +22,8 @@ def _write_kv_kernel(
     k_cache_ptr,  # [N, B, Hkv, D]
     v_cache_ptr,  # [N, B, Hkv, D]
     slot_ptr,  # [T] int64
+    k_scale_ptr,  # [Hkv] float32 (QUANT)
+    v_scale_ptr,  # [Hkv] float32 (QUANT)
     stride_kt,
     stride_kh,
     stride_vt,
@@ -35,6 +39,9 @@ def _write_kv_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    QUANT: tl.constexpr,  # the cache is int8 / float8: store x / scale, clamped to QMAX
+    QMAX: tl.constexpr,
+    ROUND: tl.constexpr,  # int8: round half away from zero before the cast
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -47,10 +54,25 @@ def _write_kv_kernel(
     mask = (heads < NUM_HEADS) & (dims < HEAD_DIM)
     k = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
     v = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
+    if QUANT:
+        k = _quantize(
+            k, tl.load(k_scale_ptr + heads, mask=heads < NUM_HEADS, other=1.0), QMAX, ROUND
+        )
+        v = _quantize(
+            v, tl.load(v_scale_ptr + heads, mask=heads < NUM_HEADS, other=1.0), QMAX, ROUND
+        )
     k_dst = k_cache_ptr + block * stride_kcn + offset * stride_kcb + heads * stride_kch + dims
     v_dst = v_cache_ptr + block * stride_vcn + offset * stride_vcb + heads * stride_vch + dims
     tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _quantize(x, scale, QMAX: tl.constexpr, ROUND: tl.constexpr):
+    y = tl.minimum(tl.maximum(x.to(tl.float32) / scale, -QMAX), QMAX)
+    if ROUND:
+        y = tl.where(y >= 0, tl.floor(y + 0.5), -tl.floor(-y + 0.5))
+    return y
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -63,8 +85,11 @@ def write_kv_triton(
     k_cache: torch.Tensor,  # [N, B, Hkv, D]
     v_cache: torch.Tensor,  # [N, B, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int64, < 0 = skip
+    k_scale: torch.Tensor | None = None,  # [Hkv] float32: int8 / float8 caches only
+    v_scale: torch.Tensor | None = None,  # [Hkv] float32
 ) -> None:
-    """Store each token's K/V row at its slot (in place)."""
+    """Store each token's K/V row at its slot (in place), quantized with the per-head
+    scales into an int8 / float8 cache (``kernels.kv_quant``)."""
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("k_cache/v_cache: the head_dim axis must be contiguous")
     num_tokens, num_heads, head_dim = key.shape
@@ -72,12 +97,17 @@ def write_kv_triton(
         return
     key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
     slot_mapping = slot_mapping.contiguous()
+    quant = is_quantized_kv(k_cache.dtype)
+    if quant and (k_scale is None or v_scale is None):
+        raise ValueError(f"k_scale/v_scale: a {k_cache.dtype} cache needs its scales")
     _write_kv_kernel[(num_tokens,)](
         key,
         value,
         k_cache,
         v_cache,
         slot_mapping,
+        k_scale if quant else slot_mapping,
+        v_scale if quant else slot_mapping,
         key.stride(0),
         key.stride(1),
         value.stride(0),
@@ -93,6 +123,9 @@ def write_kv_triton(
         BLOCK_SIZE=k_cache.shape[1],
         BLOCK_H=triton.next_power_of_2(num_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
+        QUANT=quant,
+        QMAX=kv_qmax(k_cache.dtype) if quant else 1.0,
+        ROUND=k_cache.dtype == torch.int8,
     )
 
 

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.kernels.kv_quant import is_quantized_kv
+
 __all__ = ["paged_attention_triton"]
 
 _LOG2E = 1.4426950408889634
@@ -81,6 +83,10 @@ def _attend_tile(
         mask=kv_mask,
         other=0.0,
     )
+    if k.dtype != q.dtype:  # compile-time: an int8 / e4m3 cache
+        # Exact through float32 into q's dtype (the interpreter mis-casts int8 to bf16).
+        k = k.to(tl.float32).to(q.dtype)
+        v = v.to(tl.float32).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     if HAS_SOFTCAP:
         # softcap * tanh(scale * qk / softcap), tanh written with exp (no tanh in tl).
@@ -112,6 +118,8 @@ def _prefill_kernel(
     block_tables_ptr,  # [S, M] int32
     out_ptr,  # [T, Hq, D]
     sinks_ptr,  # [Hq] float32 (HAS_SINKS)
+    k_scale_ptr,  # [Hkv] float32 (QUANT)
+    v_scale_ptr,  # [Hkv] float32 (QUANT)
     num_seqs,
     scale_log2,  # softmax scale * log2(e)
     softcap_in,  # softmax scale / softcap (HAS_SOFTCAP)
@@ -140,11 +148,18 @@ def _prefill_kernel(
     HAS_WINDOW: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    QUANT: tl.constexpr,  # int8 / float8 cache: K's scale joins the logit scale, V's the output
 ):
     # Reversed so the tiles with the most keys (the ends of long prompts) start first and
     # the cheap ones fill the tail of the schedule.
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
+    v_scale = 1.0
+    if QUANT:
+        k_scale = tl.load(k_scale_ptr + kv_head)
+        scale_log2 = scale_log2 * k_scale
+        softcap_in = softcap_in * k_scale
+        v_scale = tl.load(v_scale_ptr + kv_head)
 
     # Last sequence whose first tile index (cu[s] // BLOCK_Q + s) is <= tile.
     lo = 0
@@ -215,7 +230,7 @@ def _prefill_kernel(
         sink = tl.load(sinks_ptr + head, mask=row_mask, other=0.0).to(tl.float32) * _SINK_LOG2E
         m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
         l_i = l_i + tl.exp2(sink - m_safe)
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
     tl.store(
         out_ptr + row_off[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
         out.to(out_ptr.dtype.element_ty),
@@ -248,10 +263,16 @@ def paged_attention_triton(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,  # [Hq]
+    k_scale: torch.Tensor | None = None,  # [Hkv] float32: int8 / float8 caches only
+    v_scale: torch.Tensor | None = None,  # [Hkv] float32
 ) -> torch.Tensor:  # [T, Hq, D]
     """Causal attention of a variable-length batch over paged KV (optionally over the last
     ``sliding_window`` positions, logits capped at ``softcap``, ``sinks`` in the softmax
-    denominator: see ``reference.paged_attention_ref``); ``block_m`` is for tests."""
+    denominator: see ``reference.paged_attention_ref``; an int8 / float8 cache dequantized
+    with its per-head scales); ``block_m`` is for tests."""
+    quant = is_quantized_kv(k_cache.dtype)
+    if quant and (k_scale is None or v_scale is None):
+        raise ValueError(f"k_scale/v_scale: a {k_cache.dtype} cache needs its scales")
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
@@ -281,6 +302,8 @@ def paged_attention_triton(
         block_tables,
         out,
         sinks.float().contiguous() if sinks is not None else out,
+        k_scale if quant else out,
+        v_scale if quant else out,
         num_seqs,
         scale * _LOG2E,
         scale / softcap if softcap else 0.0,
@@ -309,6 +332,7 @@ def paged_attention_triton(
         HAS_WINDOW=bool(sliding_window),
         HAS_SINKS=sinks is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+        QUANT=quant,
         num_warps=num_warps,
     )
     return out

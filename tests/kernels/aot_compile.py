@@ -41,21 +41,22 @@ def _cases():  # type: ignore[no-untyped-def]
     bf16 = "*bf16"
     attn = {"k_cache_ptr": bf16, "v_cache_ptr": bf16, "q_ptr": bf16, "scale_log2": "fp32"}
     index = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "cu_seqlens_q_ptr": "*i32"}
+    decode_consts = {
+        "GROUP": 4,
+        "GROUP_PAD": 16,
+        "HEAD_DIM": 128,
+        "BLOCK_D": 128,
+        "BLOCK_SIZE": 16,
+        "BLOCK_N": 64,
+        "DOT_PRECISION": None,
+        "QUANT": False,
+    }
     for splits in (1, 4):
         yield (
             f"decode splits={splits}",
             decode._decode_split_kernel,
             {**attn, **index, "out_ptr": bf16 if splits == 1 else "*fp32", "lse_ptr": "*fp32"},
-            {
-                "GROUP": 4,
-                "GROUP_PAD": 16,
-                "HEAD_DIM": 128,
-                "BLOCK_D": 128,
-                "BLOCK_SIZE": 16,
-                "BLOCK_N": 64,
-                "SPLITS": splits,
-                "DOT_PRECISION": None,
-            },
+            {**decode_consts, "SPLITS": splits},
             4,
         )
     yield (
@@ -65,48 +66,55 @@ def _cases():  # type: ignore[no-untyped-def]
         {"SPLITS": 4, "SPLITS_PAD": 4, "HEAD_DIM": 128, "BLOCK_D": 128},
         4,
     )
+    prefill_types = {
+        **attn,
+        **index,
+        "out_ptr": bf16,
+        "sinks_ptr": "*fp32",
+        "softcap_in": "fp32",
+        "softcap_out": "fp32",
+    }
+    prefill_consts = {
+        "GROUP": 4,
+        "GROUP_PAD": 4,
+        "BLOCK_Q": 32,
+        "BLOCK_M": 128,
+        "BLOCK_N": 64,
+        "HEAD_DIM": 128,
+        "BLOCK_D": 128,
+        "BLOCK_SIZE": 16,
+        "DOT_PRECISION": None,
+        "QUANT": False,
+    }
     variants = {"plain": False, "window+softcap+sinks": True}  # Gemma 2/3, gpt-oss
     for name, variant in variants.items():
-        yield (
-            f"prefill {name}",
-            prefill._prefill_kernel,
-            {
-                **attn,
-                **index,
-                "out_ptr": bf16,
-                "sinks_ptr": "*fp32",
-                "softcap_in": "fp32",
-                "softcap_out": "fp32",
-            },
-            {
-                "GROUP": 4,
-                "GROUP_PAD": 4,
-                "BLOCK_Q": 32,
-                "BLOCK_M": 128,
-                "BLOCK_N": 64,
-                "HEAD_DIM": 128,
-                "BLOCK_D": 128,
-                "BLOCK_SIZE": 16,
-                "HAS_SOFTCAP": variant,
-                "HAS_WINDOW": variant,
-                "HAS_SINKS": variant,
-                "DOT_PRECISION": None,
-            },
-            8,
-        )
-    yield (
-        "write_kv",
-        kv._write_kv_kernel,
-        {
-            "key_ptr": bf16,
-            "value_ptr": bf16,
-            "k_cache_ptr": bf16,
-            "v_cache_ptr": bf16,
-            "slot_ptr": "*i64",
-        },  # fmt: skip
-        {"NUM_HEADS": 8, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "BLOCK_H": 8, "BLOCK_D": 128},
-        4,
-    )
+        flags = {"HAS_SOFTCAP": variant, "HAS_WINDOW": variant, "HAS_SINKS": variant}
+        yield (f"prefill {name}", prefill._prefill_kernel, prefill_types,
+               {**prefill_consts, **flags}, 8)  # fmt: skip
+    write_types = {
+        "key_ptr": bf16,
+        "value_ptr": bf16,
+        "k_cache_ptr": bf16,
+        "v_cache_ptr": bf16,
+        "slot_ptr": "*i64",
+    }
+    write_consts = {"NUM_HEADS": 8, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "BLOCK_H": 8, "BLOCK_D": 128}
+    plain_write = {"QUANT": False, "QMAX": 1.0, "ROUND": False}
+    yield ("write_kv", kv._write_kv_kernel, write_types, {**write_consts, **plain_write}, 4)
+    # An int8 / float8 KV cache (kernels.kv_quant): quantizing write, dequantizing attention.
+    for cache in ("*i8", "*fp8e4nv"):
+        quant = {"k_cache_ptr": cache, "v_cache_ptr": cache, "k_scale_ptr": "*fp32",
+                 "v_scale_ptr": "*fp32"}  # fmt: skip
+        yield (f"decode {cache} cache", decode._decode_split_kernel,
+               {**attn, **index, **quant, "out_ptr": "*fp32", "lse_ptr": "*fp32"},
+               {**decode_consts, "SPLITS": 4, "QUANT": True}, 4)  # fmt: skip
+        flags = {"HAS_SOFTCAP": True, "HAS_WINDOW": True, "HAS_SINKS": False, "QUANT": True}
+        yield (f"prefill {cache} cache, window+softcap", prefill._prefill_kernel,
+               {**prefill_types, **quant}, {**prefill_consts, **flags}, 8)  # fmt: skip
+        int8 = cache == "*i8"
+        q_write = {"QUANT": True, "QMAX": 127.0 if int8 else 448.0, "ROUND": int8}
+        yield (f"write_kv into {cache}", kv._write_kv_kernel, {**write_types, **quant},
+               {**write_consts, **q_write}, 4)  # fmt: skip
     for gather in (True, False):
         yield (
             f"copy_blocks gather={gather}",

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.kernels.testing import ATTN_TOL, PagedBatch, make_batch, max_abs_error, random_lengths
+from pdserve.kernels.testing import (
+    ATTN_TOL,
+    PagedBatch,
+    make_batch,
+    max_abs_error,
+    quantize_batch,
+    random_lengths,
+)
 
 __all__ = [
     "ATTN_TOL",
@@ -12,6 +19,7 @@ __all__ = [
     "PagedBatch",
     "assert_close",
     "make_batch",
+    "quantized_case",
     "random_lengths",
 ]
 
@@ -51,3 +59,20 @@ def silu_bound(truth: torch.Tensor, truncating: bool = False) -> torch.Tensor:
     (a whole ulp where ``truncating``, as for rms_norm_bound)."""
     final = (2 if truncating else 1) * U16
     return (final + 6 * U32 * (1 + final)) * truth.abs()
+
+
+def quantized_case(
+    seed: int,
+    q_lens: list[int],
+    ctx_lens: list[int],
+    ratio: int,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+) -> tuple[PagedBatch, PagedBatch, torch.Tensor, torch.Tensor]:
+    """A batch over 2 KV heads (``ratio`` query heads each, head_dim 64, block size 16), and
+    the same batch over its caches quantized to ``kv_dtype``, with the K and V scales."""
+    batch = make_batch(
+        seed, q_lens, ctx_lens, num_q_heads=2 * ratio, num_kv_heads=2, head_dim=64,
+        block_size=16, dtype=dtype,
+    )  # fmt: skip
+    return (batch, *quantize_batch(batch, kv_dtype))

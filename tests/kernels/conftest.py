@@ -5,7 +5,7 @@ already at ``import triton``, so TRITON_INTERPRET=1 is set here, at collection, 
 anything imports triton. Only on a machine without CUDA: there the compiled kernels are
 never used; on a GPU machine the interpreter tests skip (unless TRITON_INTERPRET=1 was set
 by hand) and test_gpu_check runs the compiled kernels against the references instead.
-Also patches two bugs of triton 3.5.1's interpreter.
+Also patches three bugs of triton 3.5.1's interpreter.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 
 
 def _patch_interpreter() -> None:
-    """Fix two bugs of triton 3.5.1's interpreter that break correct kernels on CPU."""
+    """Fix three bugs of triton 3.5.1's interpreter that break correct kernels on CPU."""
     try:
         from triton.runtime import interpreter
     except ImportError:  # no triton: the triton tests skip themselves
@@ -31,6 +31,29 @@ def _patch_interpreter() -> None:
     interpreter._pdserve_patched = True
     _patch_index(interpreter)
     _patch_bf16_dot(interpreter)
+    _patch_fp8_rounding(interpreter)
+
+
+def _patch_fp8_rounding(interpreter) -> None:  # type: ignore[no-untyped-def]
+    """A float cast to e4m3 whose rounding carries out of the mantissa (124 -> 128) loses
+    the carry and lands a whole binade low (64). Convert with torch instead: round to
+    nearest even, as the GPU's ``cvt.rn`` does."""
+    import numpy as np
+    import triton.language as tl
+
+    original = interpreter._convert_float
+
+    def convert(input, input_dtype, output_dtype, rounding_mode):  # type: ignore[no-untyped-def]
+        if output_dtype != tl.float8e4nv or input_dtype not in (tl.float32, tl.bfloat16):
+            return original(input, input_dtype, output_dtype, rounding_mode)
+        if input_dtype == tl.bfloat16:  # stored as its uint16 bit pattern
+            x = (input.astype(np.uint32) << np.uint32(16)).view(np.float32)
+        else:
+            x = input.astype(np.float32)
+        out = torch.from_numpy(np.ascontiguousarray(x)).to(torch.float8_e4m3fn)
+        return out.view(torch.uint8).numpy().reshape(input.shape)
+
+    interpreter._convert_float = convert
 
 
 def _patch_bf16_dot(interpreter) -> None:  # type: ignore[no-untyped-def]
