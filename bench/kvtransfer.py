@@ -13,7 +13,9 @@ the same two processes.
 Part 2, hand-off: the ``small`` test model prefills a ``--handoff-tokens`` prompt in this
 process while a decode engine waits in another; the hand-off is the time from the last
 layer computed to the decode side's ``wait`` returning, reported next to TTFT and the time
-the last layer's bytes take at the measured bandwidth.
+the last layer's bytes take at the measured bandwidth. ``--kv-dtypes auto,fp8_e4m3,int8``
+repeats it for each KV cache dtype (both engines alike) and reports the bytes each hand-off
+moved next to the float cache's.
 
 Prints a table and writes JSON (``--out``, default bench/results/kvtransfer.json).
 Targets checked: shm >= 50% of copy bandwidth from 64 MiB up; gloo >= 50% of the raw
@@ -144,7 +146,7 @@ def _socket_sink(conn: Connection, size: int) -> None:
 
 
 def _decode_engine(
-    model_dir: str, num_blocks: int, transport: TransportName
+    model_dir: str, num_blocks: int, transport: TransportName, kv_cache_dtype: str
 ) -> tuple[LLMEngine, KVReceiver]:
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.kvtransfer.blocks import pool_layout
@@ -153,11 +155,12 @@ def _decode_engine(
 
     alloc = SharedKVAllocator()
     engine = LLMEngine.from_pretrained(
-        model_dir, kv_cache_allocator=alloc, num_kv_blocks=num_blocks
-    )
+        model_dir, kv_cache_allocator=alloc, num_kv_blocks=num_blocks,
+        kv_cache_dtype=kv_cache_dtype,
+    )  # fmt: skip
     receiver = KVReceiver(
         engine.kv_cache,
-        pool_layout(engine.kv_cache, engine.model_config.model_name),
+        pool_layout(engine.kv_cache, engine.model_config.model_name, kv_scales=engine.kv_scales),
         KVTransferConfig(transport=transport),
         shm_segment=alloc.segment_for(engine.kv_cache),
     )
@@ -291,9 +294,14 @@ class _LastLayerClock(PrefillKVConnector):
         self.last_layer_time = 0.0
 
     def register_kv_caches(
-        self, kv_cache: torch.Tensor, model_name: str, *, layout: KVLayout | None = None
+        self,
+        kv_cache: torch.Tensor,
+        model_name: str,
+        *,
+        layout: KVLayout | None = None,
+        kv_scales: torch.Tensor | None = None,
     ) -> None:
-        super().register_kv_caches(kv_cache, model_name, layout=layout)
+        super().register_kv_caches(kv_cache, model_name, layout=layout, kv_scales=kv_scales)
         self.num_layers = kv_cache.shape[0]
 
     def layer_computed(self, layer_idx: int, kv_cache: torch.Tensor) -> None:
@@ -303,7 +311,7 @@ class _LastLayerClock(PrefillKVConnector):
 
 
 def _handoff(
-    conn: Connection, model: str, tokens: int, reps: int, transport: str
+    conn: Connection, model: str, tokens: int, reps: int, transport: str, kv_cache_dtype: str
 ) -> dict[str, Any]:
     from pdserve.engine.llm_engine import LLMEngine
     from pdserve.engine.sampling_params import SamplingParams
@@ -311,13 +319,14 @@ def _handoff(
 
     model_dir = ensure_test_model(model)
     num_blocks = math.ceil(tokens / 16) + 8
-    conn.send(("engine", str(model_dir), num_blocks, transport))
+    conn.send(("engine", str(model_dir), num_blocks, transport, kv_cache_dtype))
     assert conn.recv() == "ok"
     connector = _LastLayerClock()
     # The engine registers its pool: the connector builds its sender and learns L.
     engine = LLMEngine.from_pretrained(
-        model_dir, kv_connector=connector, num_kv_blocks=num_blocks, enable_prefix_caching=False
-    )
+        model_dir, kv_connector=connector, num_kv_blocks=num_blocks, enable_prefix_caching=False,
+        kv_cache_dtype=kv_cache_dtype,
+    )  # fmt: skip
     layout = connector.sender.layout
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     rng = random.Random(1)
@@ -345,7 +354,8 @@ def _handoff(
                 }
             )
         print(
-            f"  {transport} {'rep ' + str(rep) if rep else 'warm-up'} ({length} tokens): "
+            f"  {transport} kv={kv_cache_dtype} {'rep ' + str(rep) if rep else 'warm-up'} "
+            f"({length} tokens): "
             f"TTFT {ready - submitted:.3f} s, "
             f"hand-off {(ready - connector.last_layer_time) * 1e3:.2f} ms",
             flush=True,
@@ -357,6 +367,8 @@ def _handoff(
         "model": model,
         "prompt_tokens": tokens,
         "transport": transport,
+        "kv_cache_dtype": kv_cache_dtype,
+        "kv_pool_dtype": layout.dtype,
         "kv_bytes": samples[0]["bytes"],
         "layer_bytes": samples[0]["bytes"] // layout.num_layers,
         "handoff_p50_s": statistics.median(handoffs),
@@ -420,6 +432,22 @@ def _targets(rows: list[dict[str, Any]], handoffs: list[dict[str, Any]]) -> dict
     return out
 
 
+def _print_bytes(handoffs: list[dict[str, Any]]) -> None:
+    """Bytes per hand-off of each KV dtype, next to the float cache's (same transport)."""
+    base = {h["transport"]: h["kv_bytes"] for h in handoffs if h["kv_cache_dtype"] == "auto"}
+    if len({h["kv_cache_dtype"] for h in handoffs}) < 2:
+        return
+    print("\nBytes per hand-off by KV cache dtype")
+    for h in handoffs:
+        ref = base.get(h["transport"])
+        ratio = f"{h['kv_bytes'] / ref:.3f} of auto" if ref else ""
+        h["bytes_vs_auto"] = h["kv_bytes"] / ref if ref else None
+        print(
+            f"{h['transport']:>10} {h['kv_cache_dtype']:>9} ({h['kv_pool_dtype']}): "
+            f"{h['kv_bytes']:>12,d} B  {ratio}"
+        )
+
+
 def _cpu_pressure() -> float | None:
     try:
         line = Path("/proc/pressure/cpu").read_text().splitlines()[0]
@@ -444,6 +472,11 @@ def main(argv: list[str] | None = None) -> None:
         default="shm",
         help="comma-separated; shm is what 'auto' picks for CPU engines on one node",
     )
+    p.add_argument(
+        "--kv-dtypes",
+        default="auto",
+        help="comma-separated KV cache dtypes of the hand-off (auto, fp8_e4m3, int8)",
+    )
     p.add_argument("--out", type=Path, default=Path("bench/results/kvtransfer.json"))
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -466,13 +499,14 @@ def main(argv: list[str] | None = None) -> None:
                 handoff_note = f"needs the engine (pdserve.engine.llm_engine): {exc}"
             else:
                 print(f"\nHand-off, {args.handoff_model} model, {args.handoff_tokens}-token prompt")
-                for transport in args.handoff_transports.split(","):
-                    handoffs.append(
-                        _handoff(
-                            conn, args.handoff_model, args.handoff_tokens, args.handoff_reps,
-                            transport,
-                        )
-                    )  # fmt: skip
+                for kv_dtype in args.kv_dtypes.split(","):
+                    for transport in args.handoff_transports.split(","):
+                        handoffs.append(
+                            _handoff(
+                                conn, args.handoff_model, args.handoff_tokens,
+                                args.handoff_reps, transport, kv_dtype,
+                            )
+                        )  # fmt: skip
         conn.send(("quit",))
         conn.recv()
     finally:
@@ -487,6 +521,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{h['layer_bytes'] / MIB:.2f} MiB), TTFT p50 {h['ttft_p50_s']:.2f} s, "
             f"hand-off share of TTFT {h['handoff_share_of_ttft']:.2%}"
         )
+    _print_bytes(handoffs)
     if handoff_note:
         print(f"hand-off: {handoff_note}")
     print("\nTargets: " + ", ".join(f"{k}={v}" for k, v in targets.items()))

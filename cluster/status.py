@@ -36,6 +36,7 @@ LOAD_GAUGES = {
     exported_name(PREFIX + "num_requests_waiting", "gauge"): "waiting",
     exported_name(PREFIX + "kv_cache_usage_perc", "gauge"): "kv",
 }
+DTYPES_GAUGE = exported_name(PREFIX + "engine_dtypes", "gauge")
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ class ReplicaStatus:
     pid: int | None
     load: dict[str, float] = field(default_factory=dict)  # running / waiting / kv
     tp: int = 1  # ranks of its tensor-parallel group (bundles of its placement group)
+    dtypes: str = "-"  # "<weights>/<kv cache>", e.g. "bfloat16/fp8_e4m3"
 
 
 @dataclass(frozen=True)
@@ -123,7 +125,8 @@ def _node_name(labels: dict[str, str], is_head: bool, fallback: str) -> str:
 
 
 def scrape_load(records: list[NodeRecord], node_ip: str) -> dict[str, dict[str, float]]:
-    """pdserve's load gauges per replica label, from every node's metrics endpoint."""
+    """pdserve's load gauges per replica label, from every node's metrics endpoint; the
+    engine dtypes gauge adds ``{"<weights>/<kv>": 1.0}`` to its replica's entry."""
     from prometheus_client.parser import text_string_to_metric_families
 
     load: dict[str, dict[str, float]] = defaultdict(dict)
@@ -136,13 +139,23 @@ def scrape_load(records: list[NodeRecord], node_ip: str) -> dict[str, dict[str, 
             continue
         for family in text_string_to_metric_families(text):
             key = LOAD_GAUGES.get(family.name)
-            if key is None:
+            if key is None and family.name != DTYPES_GAUGE:
                 continue
             for sample in family.samples:
                 replica = sample.labels.get("replica")
-                if replica:
+                if replica and key is not None:
                     load[replica][key] = sample.value
+                elif replica:
+                    w, kv = sample.labels.get("weight_dtype"), sample.labels.get("kv_cache_dtype")
+                    load[replica][f"{w}/{kv}"] = sample.value
     return load
+
+
+def split_dtypes(load: dict[str, float]) -> tuple[dict[str, float], str]:
+    """A replica's scraped entry as (its load gauges, its "<weights>/<kv>" or "-")."""
+    gauges = {k: v for k, v in load.items() if "/" not in k}
+    dtypes = [k for k in load if "/" in k]
+    return gauges, dtypes[0] if dtypes else "-"
 
 
 def replica_load(load: dict[str, dict[str, float]], replica_id: str) -> dict[str, float]:
@@ -262,6 +275,7 @@ def collect_status(state: ClusterState) -> ClusterStatus:
         for deployment, details in app.deployments.items():
             for rep in details.replicas:
                 node_id = rep.node_id or "?"
+                gauges, dtypes = split_dtypes(replica_load(load, rep.replica_id))
                 replicas.append(
                     ReplicaStatus(
                         deployment=deployment,
@@ -269,8 +283,9 @@ def collect_status(state: ClusterState) -> ClusterStatus:
                         state=str(rep.state.value),
                         node=id_to_name.get(node_id, node_id[:8]),
                         pid=rep.pid,
-                        load=replica_load(load, rep.replica_id),
+                        load=gauges,
                         tp=tp.get(rep.actor_name or "", 1),
+                        dtypes=dtypes,
                     )
                 )
     return ClusterStatus(
@@ -334,7 +349,12 @@ def format_status(status: ClusterStatus) -> str:
         # TP per pool: its replicas' (two sizes while a redeploy changes it).
         sizes = "/".join(str(t) for t in sorted({r.tp for r in on_node}))
         tp_text = f"  tp {sizes}" if sizes else ""
-        lines.append(f"  {n.labels[POOL_LABEL_KEY]:8s} node {n.name}: {summary}{tp_text}")
+        # Weight and KV dtypes per pool (two while a redeploy changes them).
+        kinds = ", ".join(sorted({r.dtypes for r in on_node if r.dtypes != "-"}))
+        dtype_text = f"  weights/kv {kinds}" if kinds else ""
+        lines.append(
+            f"  {n.labels[POOL_LABEL_KEY]:8s} node {n.name}: {summary}{tp_text}{dtype_text}"
+        )
     if st.serve is None:
         lines.append("serve    not deployed (run `pdserve serve`)")
     else:
@@ -347,7 +367,7 @@ def format_status(status: ClusterStatus) -> str:
             lines.append(f"  message: {status.app_message}")
         if status.replicas:
             lines.append("replicas")
-            rows = [["DEPLOYMENT", "REPLICA", "STATE", "NODE", "TP", "PID", "LOAD"]]
+            rows = [["DEPLOYMENT", "REPLICA", "STATE", "NODE", "TP", "WEIGHTS/KV", "PID", "LOAD"]]
             for r in sorted(status.replicas, key=lambda r: (r.deployment, r.replica_id)):
                 rows.append(
                     [
@@ -356,6 +376,7 @@ def format_status(status: ClusterStatus) -> str:
                         r.state,
                         r.node,
                         str(r.tp),
+                        r.dtypes,
                         str(r.pid or "-"),
                         _fmt_load(r.load),
                     ]

@@ -168,6 +168,15 @@ class EngineLimits(_Strict):
         default=True,
         description="On a GPU, replay decode steps from CUDA graphs (false = every step eager).",
     )
+    kv_cache_dtype: Literal["auto", "fp8_e4m3", "int8"] = Field(
+        default="auto",
+        description=(
+            "KV cache element type (EngineConfig.kv_cache_dtype): 'auto' = the model's dtype; "
+            "'fp8_e4m3' / 'int8' = one byte per element with per-layer, per-head scales: "
+            "twice the blocks in the same memory, half the bytes per hand-off. The prefill "
+            "and decode pools must agree (the hand-off moves the cache as it is)."
+        ),
+    )
 
 
 class CpuSettings(_Strict):
@@ -769,6 +778,13 @@ class AppConfig(_Strict):
             raise ValueError("decode.min_replicas must be >= 1: the decode pool serves requests")
         if self.policy.mode != "always_local" and self.prefill.max_replicas < 1:
             raise ValueError("prefill.max_replicas must be >= 1 unless policy.mode=always_local")
+        kv_p, kv_d = self.prefill.engine.kv_cache_dtype, self.decode.engine.kv_cache_dtype
+        if kv_p != kv_d and self.policy.mode != "always_local":
+            raise ValueError(
+                f"prefill.engine.kv_cache_dtype={kv_p!r} and decode.engine.kv_cache_dtype="
+                f"{kv_d!r} differ: the KV hand-off moves the cache in its own dtype, so both "
+                "pools must use the same one"
+            )
         return self
 
     def pool(self, role: PoolRole) -> PoolConfig:

@@ -157,6 +157,7 @@ class DecodeServer:
             ),
         )
         self._kv_events = kv_events.publisher_for(self.engine)
+        self.metrics.record_dtypes(self.engine)
         self.block_size: int = self.engine.block_size
         self.max_num_seqs = self.cfg.decode.engine.max_num_seqs
         model = self.engine.model_config

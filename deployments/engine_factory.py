@@ -119,5 +119,6 @@ def engine_config(cfg: AppConfig, role: PoolRole, model_dir: str) -> EngineConfi
         max_model_len=limits.max_model_len,
         enable_prefix_caching=limits.enable_prefix_caching,
         cuda_graphs=limits.cuda_graphs,
+        kv_cache_dtype=limits.kv_cache_dtype,
         tensor_parallel_size=pool.tensor_parallel_size,
     )

@@ -10,7 +10,8 @@ Prometheus the usual suffixes: a histogram ``h`` is scraped as ``ray_h_bucket``/
 
 Every metric carries ``model_name``, ``role`` (prefill|decode|ingress) and ``replica``;
 ``pdserve_disagg_decisions`` adds ``decision`` (local|remote), ``pdserve_requests_shed``
-adds ``reason`` (ttft_slo|deadline) and ``priority`` (interactive|batch). The pools' replica
+adds ``reason`` (ttft_slo|deadline) and ``priority`` (interactive|batch),
+``pdserve_engine_dtypes`` (always 1) ``weight_dtype`` and ``kv_cache_dtype``. The pools' replica
 counts (``pdserve_pool_replicas{pool}``) are recorded by the autoscaling policy, in Serve's
 controller, through ``PoolReplicaGauge``. With metrics disabled every recorder is a no-op,
 so call sites never branch.
@@ -29,6 +30,7 @@ LATENCY_BUCKETS_S = [
     0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 ]  # fmt: skip
 BASE_TAGS = ("model_name", "role", "replica")
+DTYPE_TAGS = ("weight_dtype", "kv_cache_dtype")
 
 
 def exported_name(name: str, kind: MetricKind) -> str:
@@ -143,6 +145,11 @@ class ServingMetrics:
             "stream_limit",
             "An ingress's adaptive bound on its open streams (admission.StreamLimit).",
         )
+        self.engine_dtypes = self._gauge(
+            "engine_dtypes",
+            "1, labelled with the replica engine's weight and KV cache dtypes.",
+            DTYPE_TAGS,
+        )
         self.ttft_prediction_error = self._histogram(
             "ttft_prediction_error_seconds",
             "|predicted - observed| TTFT of admitted requests (the prediction's error).",
@@ -158,6 +165,15 @@ class ServingMetrics:
 
     def record_decision(self, decision: str) -> None:
         self.disagg_decisions.inc(1.0, {"decision": decision})
+
+    def record_dtypes(self, engine: object) -> None:
+        """Once, when the engine is up: what its weights and KV cache are stored in (an
+        engine without ``dtypes()``, a test's fake, records nothing)."""
+        dtypes = getattr(engine, "dtypes", None)
+        if dtypes is None:
+            return
+        weights, kv = dtypes()
+        self.engine_dtypes.set(1.0, {"weight_dtype": weights, "kv_cache_dtype": kv})
 
     def record_load(self, *, running: int, waiting: int, kv_usage: float) -> None:
         self.num_requests_running.set(running)
@@ -186,13 +202,13 @@ class ServingMetrics:
         metric.set_default_tags(self._tags)
         return _Counter(metric)
 
-    def _gauge(self, name: str, description: str) -> Any:
+    def _gauge(self, name: str, description: str, extra_tags: tuple[str, ...] = ()) -> Any:
         self.kinds[PREFIX + name] = "gauge"
         if not self.enabled:
             return _Null()
         from ray.util.metrics import Gauge
 
-        metric = Gauge(PREFIX + name, description, tag_keys=BASE_TAGS)
+        metric = Gauge(PREFIX + name, description, tag_keys=BASE_TAGS + extra_tags)
         metric.set_default_tags(self._tags)
         return metric
 

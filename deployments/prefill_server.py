@@ -93,6 +93,7 @@ class PrefillServer:
             ),
         )
         self._kv_events = kv_events.publisher_for(self.engine)
+        self.metrics.record_dtypes(self.engine)
         # The engine registered its pool with the connector, which built the sender.
         self.sender = self.connector.sender
         self.layout = self.sender.layout

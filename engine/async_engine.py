@@ -95,6 +95,10 @@ class AsyncLLMEngine:
         self._started.wait(5.0)
         return self.engine.runtime.describe()
 
+    def dtypes(self) -> tuple[str, str]:
+        """(weights, KV cache) dtypes of the engine (``LLMEngine.dtypes``)."""
+        return self.engine.dtypes()
+
     def stats(self) -> EngineStats:
         """The snapshot taken after the latest step or command (never blocks)."""
         return self._stats

@@ -36,6 +36,16 @@ class EngineConfig(BaseModel):
             "as quantized whatever this says, and setting it too is an error."
         ),
     )
+    kv_cache_dtype: Literal["auto", "fp8_e4m3", "int8"] = Field(
+        default="auto",
+        description=(
+            "Element type of the KV cache: 'auto' = the model's dtype; 'fp8_e4m3' / 'int8' "
+            "= one byte per element (half of bf16: twice the blocks in the same memory and "
+            "half the bytes per KV hand-off), with per-layer, per-KV-head scales from the "
+            "checkpoint's k_scale/v_scale (fp8) or calibrated at load. Prefill and decode "
+            "pools must use the same value."
+        ),
+    )
     model_impl: Literal["auto", "native", "transformers"] = Field(
         default="auto",
         description=(
@@ -101,6 +111,11 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> EngineConfig:
+        if self.kv_cache_dtype != "auto" and self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported with "
+                f"tensor_parallel_size={self.tensor_parallel_size} yet; use 'auto'"
+            )
         if self.num_kv_blocks is not None and self.max_model_len is not None:
             need = -(-self.max_model_len // self.block_size)
             if self.num_kv_blocks < need:

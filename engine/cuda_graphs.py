@@ -64,6 +64,7 @@ class DecodeGraphs:
             seq_lens=self.seq_lens[:b],
             block_tables=self.tables[:b],
             decode_only=True,
+            kv_scales=runner.kv_scales,
         )
         hidden = runner.model(self.input_ids[:b], self.positions[:b], runner.kv_cache, meta)
         return runner.model.compute_logits(hidden).float()

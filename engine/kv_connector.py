@@ -137,3 +137,13 @@ class KVConnectorWorker(Protocol):
 @runtime_checkable
 class KVConnector(KVConnectorScheduler, KVConnectorWorker, Protocol):
     """Both halves: what ``LLMEngine`` is given as ``kv_connector``."""
+
+
+class QuantizedKVConnector(Protocol):
+    """A connector that can move an int8 / float8 pool: it learns the pool's per-layer,
+    per-head scales ``[L, 2, Hkv]`` with the pool, and both ends of a hand-off compare
+    them (kvtransfer's connectors). The engine registers a quantized pool only this way."""
+
+    def register_kv_caches(
+        self, kv_cache: torch.Tensor, model_name: str, *, kv_scales: torch.Tensor | None = None
+    ) -> None: ...

@@ -13,12 +13,12 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from pdserve.engine.block_pool import NO_PARENT_HASH, hash_block_tokens
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache_manager import KVCacheManager
-from pdserve.engine.kv_connector import KVConnector
+from pdserve.engine.kv_connector import KVConnector, QuantizedKVConnector
 from pdserve.engine.kv_events import KVEventLog
 from pdserve.engine.outputs import RequestOutput, TokenLogprob
 from pdserve.engine.request import Request
@@ -141,7 +141,13 @@ class LLMEngine:
         warm_up = getattr(model_runner, "warm_up", None)  # optional: fakes have none
         if warm_up is not None:  # GPU: compile every kernel variant before serving
             warm_up()
-        if kv_connector is not None:
+        # int8 / float8 pools: [L, 2, Hkv] scales the hand-off compares (engine/kv_scales.py).
+        self.kv_scales: torch.Tensor | None = getattr(model_runner, "kv_scales", None)
+        if kv_connector is not None and self.kv_scales is not None:
+            cast(QuantizedKVConnector, kv_connector).register_kv_caches(
+                self.kv_cache, self.model_config.model_name, kv_scales=self.kv_scales
+            )
+        elif kv_connector is not None:
             kv_connector.register_kv_caches(self.kv_cache, self.model_config.model_name)
         self.kv_cache_manager = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching
@@ -441,6 +447,21 @@ class LLMEngine:
                     self.abort(rid)
 
     # ------------------------------------------------------------------ state
+    def dtypes(self) -> tuple[str, str]:
+        """(weights, KV cache) as reports show them: 'bfloat16', 'int8 a8 int8' (a quantized
+        checkpoint or at-load quantization), and 'bfloat16' / 'int8' / 'fp8_e4m3'."""
+        from pdserve.engine.kv_scales import kv_dtype_label
+
+        dtype = str(self.model_config.dtype).removeprefix("torch.")
+        quant = self.model_config.quantization
+        if quant is not None:
+            weights = quant.describe()
+        elif self.config.quantization is not None:
+            weights = self.config.quantization
+        else:
+            weights = dtype
+        return weights, kv_dtype_label(self.kv_cache.dtype)
+
     def stats(self) -> EngineStats:
         s = self.scheduler
         kv = self.kv_cache_manager

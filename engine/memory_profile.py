@@ -67,7 +67,7 @@ def run_profile_step(runner: ModelRunner, num_tokens: int | None = None) -> int:
     runner.kv_connector = None  # the profile step sends nothing
     runner.decode_graphs = None  # captured graphs are bound to the real pool: run eagerly
     runner.kv_cache = torch.zeros(
-        runner.kv_cache_shape(num_blocks), dtype=runner.model_config.dtype, device=runner.device
+        runner.kv_cache_shape(num_blocks), dtype=runner.kv_dtype, device=runner.device
     )
     try:
         _, logits = runner.compute_logits(step)

@@ -21,6 +21,7 @@ from pdserve.engine import memory_profile
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.grammar import GrammarBackend
 from pdserve.engine.kv_connector import KVConnector
+from pdserve.engine.kv_scales import kv_cache_torch_dtype, resolve_kv_scales
 from pdserve.engine.loader import (
     ModelConfig,
     iter_weight_slices,
@@ -103,6 +104,12 @@ def check_transformers_path(cfg: ModelConfig, config: EngineConfig, tp_size: int
             f"architecture {cfg.architecture} runs on the transformers path, which has no "
             f"tensor parallelism yet: tensor_parallel_size must be 1, got {tp_size}"
         )
+    if config.kv_cache_dtype != "auto":
+        raise ValueError(
+            f"architecture {cfg.architecture} runs on the transformers path, whose KV cache "
+            f"is the model's dtype for now: kv_cache_dtype must be 'auto', got "
+            f"{config.kv_cache_dtype!r}"
+        )
     if config.quantization is not None or cfg.quantization is not None:
         raise ValueError(
             f"architecture {cfg.architecture} runs on the transformers path, which serves "
@@ -166,6 +173,11 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.decode_graphs: Any = None  # cuda_graphs.DecodeGraphs, captured by warm_up()
         self.staging = StepStaging(self.device)  # pinned host buffers of the step inputs
+        # The pool's element type and, for int8 / float8, its [L, 2, Hkv] scales (fixed for
+        # the engine's life: read from the checkpoint or calibrated now, engine/kv_scales.py).
+        self.kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, dtype)
+        self.kv_scales: torch.Tensor | None = None
+        self.kv_scales = resolve_kv_scales(self, self.kv_dtype)
 
     def _load_model(self) -> LlamaForCausalLM | TransformersForCausalLM:
         cfg = self.model_config
@@ -197,7 +209,7 @@ class ModelRunner:
     def block_bytes(self) -> int:
         """Bytes one KV block takes on this rank across all layers (K and V)."""
         c = self.model_config
-        elem = torch.empty((), dtype=c.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
         heads = len(self.kv_heads)
         return c.num_layers * 2 * self.config.block_size * heads * c.head_dim * elem
 
@@ -236,7 +248,7 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         """Allocate the pool (layout ``[L, 2, N, B, Hkv, D]``) through the allocator."""
         shape = self.kv_cache_shape(num_blocks)
-        cache = self.kv_cache_allocator(shape, self.model_config.dtype, self.device)
+        cache = self.kv_cache_allocator(shape, self.kv_dtype, self.device)
         if tuple(cache.shape) != shape or not cache.is_contiguous():
             raise ValueError(f"kv_cache_allocator returned {tuple(cache.shape)}, expected {shape}")
         self.kv_cache = cache
@@ -346,6 +358,7 @@ class ModelRunner:
             seq_lens=lens_t,
             block_tables=tables_t,
             decode_only=len(input_ids) == len(out.chunks),
+            kv_scales=self.kv_scales,
         )
         return BatchInputs(
             input_ids=ids_t,

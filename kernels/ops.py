@@ -30,6 +30,7 @@ from pdserve.kernels.cpu.attention_variants import paged_attention_variants_cpu
 from pdserve.kernels.cpu.cpus import RuntimeInfo, RuntimeSettings
 from pdserve.kernels.cpu.linear import can_pack, pack_linears, packed_linear_float32
 from pdserve.kernels.cpu.runtime import CpuRuntime, single_threaded_copies
+from pdserve.kernels.kv_quant import is_quantized_kv, kv_qmax
 from pdserve.kernels.quant_ops import Activations, make_quantized_linear
 
 __all__ = [
@@ -43,6 +44,8 @@ __all__ = [
     "build_rope_cache",
     "can_pack",
     "gather_blocks",
+    "is_quantized_kv",
+    "kv_qmax",
     "linear_float32",
     "make_runtime",
     "pack_linears",

@@ -176,8 +176,10 @@ def pool_layout(
     kv_head_replica: int = 0,
     tp_size: int = 1,
     tp_rank: int = 0,
+    kv_scales: torch.Tensor | None = None,  # [L, 2, H] float32: an int8 / float8 pool's
 ) -> KVLayout:
-    """The layout of an engine's pool ``[L, 2, N, B, H, D]`` filled by model ``model``.
+    """The layout of an engine's pool ``[L, 2, N, B, H, D]`` filled by model ``model``
+    (with ``kv_scales``, the scales of a quantized pool).
 
     A tensor-parallel rank's pool holds the global KV heads ``[kv_head_start,
     kv_head_start + H)`` of the model's ``total_kv_heads``; ``kv_head_replica`` > 0 marks a
@@ -197,6 +199,7 @@ def pool_layout(
         kv_head_replica=kv_head_replica,
         tp_size=tp_size,
         tp_rank=tp_rank,
+        kv_scales=() if kv_scales is None else tuple(kv_scales.float().flatten().tolist()),
     )
 
 

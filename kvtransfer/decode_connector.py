@@ -104,14 +104,20 @@ class DecodeKVConnector(RemoteLoads):
 
     # ---- engine side: worker half (KVConnectorWorker)
     def register_kv_caches(
-        self, kv_cache: torch.Tensor, model_name: str, *, layout: KVLayout | None = None
+        self,
+        kv_cache: torch.Tensor,
+        model_name: str,
+        *,
+        layout: KVLayout | None = None,
+        kv_scales: torch.Tensor | None = None,
     ) -> None:
-        """The engine's pool. A tensor-parallel rank passes ``layout`` (``pool_layout``
-        with its head range); the default is a single-rank pool holding every head."""
+        """The engine's pool (and an int8 / float8 pool's ``[L, 2, H]`` scales). A
+        tensor-parallel rank passes ``layout`` (``pool_layout`` with its head range); the
+        default is a single-rank pool holding every head."""
         if self._receiver is not None:
             raise RuntimeError("a KV pool is already registered with this connector")
         if layout is None:
-            layout = pool_layout(kv_cache, model_name)
+            layout = pool_layout(kv_cache, model_name, kv_scales=kv_scales)
         else:
             check_pool(kv_cache, layout)
         segment = self._segment_for(kv_cache) if self._segment_for is not None else None

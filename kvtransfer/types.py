@@ -48,6 +48,12 @@ class KVLayout(_Frozen):
     )
     tp_size: int = Field(default=1, gt=0, description="Ranks of the replica's TP group.")
     tp_rank: int = Field(default=0, ge=0, description="This pool's rank in its TP group.")
+    kv_scales: tuple[float, ...] = Field(
+        default=(),
+        description="An int8 / float8 pool's scales, [num_layers, 2 (K, V), num_kv_heads] "
+        "flattened: the values its blocks hold are multiplied by these; empty for a float "
+        "pool. Both sides of a hand-off must hold the same.",
+    )
 
     @model_validator(mode="after")
     def _heads_inside_the_model(self) -> KVLayout:
@@ -99,6 +105,10 @@ class KVLayout(_Frozen):
                 mine, theirs = self.heads_total, other.heads_total
             if mine != theirs:
                 diffs.append(f"{name}: local={mine!r} peer={theirs!r}")
+        if not diffs and self.num_kv_heads == other.num_kv_heads:
+            worst = _scale_mismatch(self.kv_scales, other.kv_scales)
+            if worst is not None:
+                diffs.append(f"kv_scales ({self.dtype}): {worst}")
         if not diffs:  # layouts built with model_construct skip the validator
             for side, layout in (("local", self), ("peer", other)):
                 heads = layout.kv_heads
@@ -185,6 +195,21 @@ _DTYPE_SIZES = {
     "int8": 1,
     "uint8": 1,
 }
+
+
+# Scales computed by the same calibration on different devices may differ in their last
+# bits; past this relative difference the two pools mean different values.
+_SCALE_RTOL = 1e-3
+
+
+def _scale_mismatch(mine: tuple[float, ...], theirs: tuple[float, ...]) -> str | None:
+    """Where two pools' scales disagree (one line), or None when they agree."""
+    if len(mine) != len(theirs):
+        return f"local has {len(mine)} scales, peer {len(theirs)}"
+    for i, (a, b) in enumerate(zip(mine, theirs, strict=True)):
+        if abs(a - b) > _SCALE_RTOL * max(abs(a), abs(b)):
+            return f"scale {i} local={a!r} peer={b!r} (the pools quantize differently)"
+    return None
 
 
 def _dtype_size(name: str) -> int:

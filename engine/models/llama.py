@@ -39,6 +39,8 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [S] int32: context length of each sequence incl. new tokens
     block_tables: torch.Tensor  # [S, M] int32: block ids of each sequence (padded)
     decode_only: bool  # every sequence has exactly one new token: use the decode kernel
+    # [L, 2, Hkv] float32: per-layer K and V scales of an int8 / float8 pool; None: float
+    kv_scales: torch.Tensor | None = None
 
 
 # The residual stream's dtype in every model dtype: each layer's bf16 output is added to it
@@ -101,15 +103,20 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = ops.apply_rotary(positions, q, k, cos_sin)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        ks = vs = None
+        if meta.kv_scales is not None:
+            ks, vs = meta.kv_scales[self.layer_idx]
+        ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, ks, vs)
         if meta.decode_only:
             out = ops.paged_decode_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale
-            )
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale,
+                k_scale=ks, v_scale=vs,
+            )  # fmt: skip
         else:
             out = ops.paged_attention(
-                q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, self.scale
-            )
+                q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
+                self.scale, k_scale=ks, v_scale=vs,
+            )  # fmt: skip
         return self.tp.all_reduce(self.o_proj(out.reshape(t, self.q_size)))
 
 
@@ -302,6 +309,8 @@ class LlamaForCausalLM(nn.Module):
             if cfg.tie_word_embeddings and name == "lm_head.weight":
                 continue
             prefix, module, kind = (["", *name.rsplit(".", 2)])[-3:]
+            if module == "self_attn" and kind in ("k_scale", "v_scale"):
+                continue  # the KV cache's scales: engine/kv_scales.py reads them
             target, rows = name, every
             index: tuple[slice, ...] | None = (every,)  # None: the rank takes zeros
             src_rows = src_cols = every

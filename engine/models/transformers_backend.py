@@ -79,7 +79,10 @@ def paged_attention_forward(
         q, k = (F.pad(x, (0, slot_dim - x.shape[-1])) for x in (q, k))
     if value_dim < slot_dim:
         v = F.pad(v, (0, slot_dim - value_dim))
-    ops.write_kv(k, v, k_cache, v_cache, step.meta.slot_mapping)
+    ks = vs = None
+    if step.meta.kv_scales is not None:
+        ks, vs = step.meta.kv_scales[layer]
+    ops.write_kv(k, v, k_cache, v_cache, step.meta.slot_mapping, ks, vs)
     if step.kv_connector is not None:
         # This layer's K/V are in the cache now: the connector may start sending them.
         step.kv_connector.layer_computed(layer, step.kv_cache)
@@ -89,12 +92,13 @@ def paged_attention_forward(
     meta = step.meta
     if meta.decode_only:
         out = ops.paged_decode_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window, cap, s_aux
-        )
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window, cap, s_aux,
+            ks, vs,
+        )  # fmt: skip
     else:
         out = ops.paged_attention(
             q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, scale,
-            window, cap, s_aux,
+            window, cap, s_aux, ks, vs,
         )  # fmt: skip
     return out[None, :, :, :value_dim], None
 

@@ -18,6 +18,7 @@ from pdserve.cluster.status import (
     replica_load,
     reserved_by_groups,
     scrape_load,
+    split_dtypes,
     tp_by_actor,
 )
 
@@ -30,6 +31,8 @@ ray_pdserve_num_requests_running{model_name="m",role="ingress",replica=""} 9.0
 ray_pdserve_num_requests_waiting{model_name="m",role="decode",replica="dec1"} 2.0
 # TYPE ray_pdserve_kv_cache_usage_perc gauge
 ray_pdserve_kv_cache_usage_perc{model_name="m",role="decode",replica="dec1"} 0.25
+# TYPE ray_pdserve_engine_dtypes gauge
+ray_pdserve_engine_dtypes{replica="dec1",weight_dtype="int8 a8 int8",kv_cache_dtype="fp8_e4m3"} 1.0
 # TYPE ray_serve_num_http_requests counter
 ray_serve_num_http_requests_total{route="/"} 7.0
 """
@@ -73,8 +76,10 @@ def _node(name: str, port: int, labels: dict[str, str]) -> NodeRecord:
 def test_load_comes_from_pdserve_gauges_per_replica(metrics_port: int) -> None:
     records = [_node("decode", metrics_port, {"pdserve.io/pool": "decode"})]
     load = scrape_load(records, "127.0.0.1")
-    assert load == {"dec1": {"running": 3.0, "waiting": 2.0, "kv": 0.25}}
+    gauges = {"running": 3.0, "waiting": 2.0, "kv": 0.25}
+    assert load == {"dec1": {**gauges, "int8 a8 int8/fp8_e4m3": 1.0}}
     assert replica_load(load, "dec1") == load["dec1"]
+    assert split_dtypes(load["dec1"]) == (gauges, "int8 a8 int8/fp8_e4m3")
     assert replica_load(load, "other") == {}
 
 
@@ -107,24 +112,40 @@ def test_format_status_shows_nodes_pools_replicas_and_load() -> None:
         NodeStatus("decode", 12, False, "unknown", "", {"pdserve.io/pool": "decode"}, 0, 0),
     ]
     replicas = [
-        ReplicaStatus("PrefillServer", "pre1", "RUNNING", "prefill", 21, tp=2),
-        ReplicaStatus("DecodeServer", "dec1", "STARTING", "decode", 22, {"running": 3, "kv": 0.5}),
+        ReplicaStatus(
+            "PrefillServer", "pre1", "RUNNING", "prefill", 21, tp=2, dtypes="bfloat16/int8"
+        ),
+        ReplicaStatus(
+            "DecodeServer",
+            "dec1",
+            "STARTING",
+            "decode",
+            22,
+            {"running": 3, "kv": 0.5},
+            dtypes="bfloat16/int8",
+        ),  # fmt: skip
     ]
     text = format_status(ClusterStatus(state, nodes, replicas, "DEPLOYING", "", ["dashboard slow"]))
     lines = text.splitlines()
     assert lines[0] == "cluster  gcs 127.0.0.2:6000  dashboard http://127.0.0.2:6001"
     (decode_row,) = [line for line in lines if line.split()[:2] == ["decode", "12"]]
     assert "gone" in decode_row and "unknown" in decode_row
-    assert "  prefill  node prefill: 1 PrefillServer running  tp 2" in lines
-    assert "  decode   node decode: 1 DecodeServer starting  tp 1" in lines
+    assert (
+        "  prefill  node prefill: 1 PrefillServer running  tp 2  weights/kv bfloat16/int8" in lines
+    )
+    assert (
+        "  decode   node decode: 1 DecodeServer starting  tp 1  weights/kv bfloat16/int8" in lines
+    )
     assert "serve    pdserve: DEPLOYING  http://127.0.0.2:6002" in lines
     (header,) = [line for line in lines if line.split()[:1] == ["DEPLOYMENT"]]
-    assert header.split() == ["DEPLOYMENT", "REPLICA", "STATE", "NODE", "TP", "PID", "LOAD"]
+    assert header.split() == [
+        "DEPLOYMENT", "REPLICA", "STATE", "NODE", "TP", "WEIGHTS/KV", "PID", "LOAD"
+    ]  # fmt: skip
     (dec_replica,) = [line for line in lines if line.split()[:1] == ["DecodeServer"]]
-    assert dec_replica.split()[1:6] == ["dec1", "STARTING", "decode", "1", "22"]
+    assert dec_replica.split()[1:7] == ["dec1", "STARTING", "decode", "1", "bfloat16/int8", "22"]
     assert dec_replica.endswith("3 running, kv 50%")
     (pre_replica,) = [line for line in lines if line.split()[:1] == ["PrefillServer"]]
-    assert pre_replica.split()[1:6] == ["pre1", "RUNNING", "prefill", "2", "21"]
+    assert pre_replica.split()[1:7] == ["pre1", "RUNNING", "prefill", "2", "bfloat16/int8", "21"]
     assert lines[-1] == "warning: dashboard slow"
 
 

@@ -197,3 +197,17 @@ def test_a_tensor_parallel_cuda_pool_without_a_gpu_names_its_ranks() -> None:
     cfg = AppConfig.from_dict({"model": {"device": "cuda"}, "decode": {"tensor_parallel_size": 2}})
     with pytest.raises(RuntimeError, match="1 GPU per rank, 2 ranks per replica"):
         require_device(cfg, "decode", cuda_available=False)
+
+
+def test_prefill_and_decode_pools_of_different_kv_dtypes_are_refused_naming_both() -> None:
+    from pdserve.deployments.engine_factory import engine_config
+
+    pools = {"prefill": {"engine": {"kv_cache_dtype": "int8"}}}
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='int8'.*kv_cache_dtype='auto'"):
+        AppConfig.model_validate({**pools, "decode": {"engine": {"kv_cache_dtype": "auto"}}})
+    both = {**pools, "decode": {"engine": {"kv_cache_dtype": "int8"}}}
+    cfg = AppConfig.model_validate(both)
+    assert engine_config(cfg, "decode", "/models/m").kv_cache_dtype == "int8"
+    # A decode pool that always prefills itself hands nothing off: any dtype.
+    local = {**pools, "policy": {"mode": "always_local"}}
+    assert AppConfig.model_validate(local).decode.engine.kv_cache_dtype == "auto"

@@ -34,7 +34,7 @@ def test_every_metric_name_survives_ray_export() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # Ray warns (and drops the metric) on bad names
         metrics = ServingMetrics(model_name="m", role="decode", replica="r", enabled=True)
-    assert len(metrics.kinds) == 24
+    assert len(metrics.kinds) == 25
     for name in metrics.kinds:
         assert OTEL_NAME.match(name) and PROMETHEUS_NAME.match(name), name
         assert name.startswith("pdserve_")
@@ -45,6 +45,8 @@ def test_every_metric_name_survives_ray_export() -> None:
     # The ingress's adaptive bound on its open streams, and what it holds open.
     assert metrics.kinds["pdserve_stream_limit"] == "gauge"
     assert metrics.kinds["pdserve_open_streams"] == "gauge"
+    # Each engine replica's weight and KV cache dtypes, as labels of a constant gauge.
+    assert metrics.kinds["pdserve_engine_dtypes"] == "gauge"
     assert exported_name("pdserve_prompt_tokens", "counter") == "ray_pdserve_prompt_tokens_total"
     assert (
         exported_name("pdserve_kv_cache_usage_perc", "gauge") == "ray_pdserve_kv_cache_usage_perc"
@@ -59,6 +61,13 @@ def test_recording_zero_or_a_decision_does_not_raise() -> None:
     metrics.record_decision("remote")
     metrics.record_load(running=0, waiting=0, kv_usage=0.0)
     metrics.e2e_latency.observe(0.2)
+
+    class Engine:
+        def dtypes(self) -> tuple[str, str]:
+            return "bfloat16", "fp8_e4m3"
+
+    metrics.record_dtypes(Engine())
+    metrics.record_dtypes(object())  # a fake engine without dtypes(): nothing recorded
 
 
 @pytest.fixture(scope="module")

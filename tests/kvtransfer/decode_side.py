@@ -17,7 +17,7 @@ from pdserve.kvtransfer.shm import SharedKVAllocator
 
 
 def decode_engine(
-    model_dir: Path, transport: str, num_blocks: int
+    model_dir: Path, transport: str, num_blocks: int, kv_cache_dtype: str = "auto"
 ) -> tuple[Any, KVReceiver, SharedKVAllocator]:
     """A decode-role engine whose pool lives in shared memory, and its receiver offering
     ``transport``. CPU on every host: the shm/gloo transports are the subject here
@@ -26,11 +26,12 @@ def decode_engine(
 
     alloc = SharedKVAllocator()
     engine = LLMEngine.from_pretrained(
-        model_dir, kv_cache_allocator=alloc, num_kv_blocks=num_blocks, device="cpu"
-    )
+        model_dir, kv_cache_allocator=alloc, num_kv_blocks=num_blocks, device="cpu",
+        kv_cache_dtype=kv_cache_dtype,
+    )  # fmt: skip
     receiver = KVReceiver(
         engine.kv_cache,
-        pool_layout(engine.kv_cache, engine.model_config.model_name),
+        pool_layout(engine.kv_cache, engine.model_config.model_name, kv_scales=engine.kv_scales),
         KVTransferConfig(transport=transport),
         shm_segment=alloc.segment_for(engine.kv_cache),
     )
@@ -57,7 +58,11 @@ def assert_no_leak(engine: Any) -> None:
 
 @contextmanager
 def prefill_process_and_decoders(
-    target: Callable[..., None], args: tuple, model_dir: Path, num_blocks: int
+    target: Callable[..., None],
+    args: tuple,
+    model_dir: Path,
+    num_blocks: int,
+    kv_cache_dtype: str = "auto",
 ) -> Iterator[tuple[Any, dict[str, tuple[Any, KVReceiver, SharedKVAllocator]]]]:
     """A spawned prefill process ``target(child_pipe, *args)`` and a decode engine on each
     of the shm and torch_dist transports: yields (the parent pipe, the decoders by
@@ -70,7 +75,7 @@ def prefill_process_and_decoders(
     decoders: dict[str, tuple[Any, KVReceiver, SharedKVAllocator]] = {}
     try:
         for transport in ("shm", "torch_dist"):
-            decoders[transport] = decode_engine(model_dir, transport, num_blocks)
+            decoders[transport] = decode_engine(model_dir, transport, num_blocks, kv_cache_dtype)
         yield parent, decoders
         parent.send(None)
         proc.join(30)

@@ -81,7 +81,9 @@ def receiver_main(conn: Connection, layout_json: str, transport: str, num_blocks
     time.sleep(600)  # idle, not synchronizing: it stays alive until the test kills it
 
 
-def prefill_engine_main(conn: Connection, model_dir: str, num_kv_blocks: int) -> None:
+def prefill_engine_main(
+    conn: Connection, model_dir: str, num_kv_blocks: int, kv_cache_dtype: str = "auto"
+) -> None:
     """Prefill-role engine: for each batch [(request_id, prompt_ids, params_json?, target)]
     add the requests ``prefill_only`` with their targets, step until every send ended, and
     answer [(request_id, first_token_id, transfer_result_json)]. ``None`` ends the loop."""
@@ -102,8 +104,9 @@ def prefill_engine_main(conn: Connection, model_dir: str, num_kv_blocks: int) ->
             # CPU on every host: these tests are about the shm and gloo transports
             # (bench.gpu_verify runs the CUDA ones).
             engine = LLMEngine.from_pretrained(
-                model_dir, kv_connector=connector, num_kv_blocks=num_kv_blocks, device="cpu"
-            )
+                model_dir, kv_connector=connector, num_kv_blocks=num_kv_blocks, device="cpu",
+                kv_cache_dtype=kv_cache_dtype,
+            )  # fmt: skip
         assert connector is not None
         answers = prefill_batch(engine, connector, batch)
         engine.check_integrity()
