@@ -6,6 +6,7 @@
                                         [--device cpu|cuda] [--out FILE.json]
                                         [--quantization int8 int8-weight-only fp8]
                                         [--quantized NAME=DIR ...]
+                                        [--kv-cache-dtype fp8_e4m3 int8]
 
 Each prompt (random token ids, lengths uniform in ``[--min-len, --max-len]``, fixed seed)
 runs once through each system; the reference is transformers in float32 (the engine's
@@ -27,7 +28,9 @@ Two tables:
 Quantized variants join the first-token table against the same float32 reference:
 ``--quantization`` quantizes the float model at load, ``--quantized NAME=DIR`` loads a
 quantized checkpoint of it (``engine/testmodel_quant.py`` writes them) in pdserve and, where
-transformers can run that format here, in transformers too.
+transformers can run that format here, in transformers too. ``--kv-cache-dtype`` runs
+pdserve bf16 over an int8 / float8 KV cache (``EngineConfig.kv_cache_dtype``): the prompt's
+own attention reads the quantized cache, so the first token carries its error.
 
 Writes the tables as JSON with ``--out``. On CUDA the engine runs its Triton kernels, so the
 same command compares the GPU path (``bench/gpu_verify.py`` runs it as its ``numerics``
@@ -314,6 +317,13 @@ def main(argv: list[str] | None = None) -> None:
         "transformers where it loads them)",
     )
     parser.add_argument(
+        "--kv-cache-dtype",
+        nargs="*",
+        default=[],
+        choices=["fp8_e4m3", "int8"],
+        help="also run pdserve bf16 over a KV cache of each dtype",
+    )
+    parser.add_argument(
         "--model-impl",
         choices=["auto", "native", "transformers"],
         default="auto",
@@ -345,6 +355,10 @@ def main(argv: list[str] | None = None) -> None:
     for method in args.quantization:
         systems[f"pdserve {method}"] = EngineProbe(
             model_dir, "auto", args.device, quantization=method
+        )
+    for kv_dtype in args.kv_cache_dtype:
+        systems[f"pdserve bf16 kv {kv_dtype}"] = EngineProbe(
+            model_dir, "bfloat16", args.device, kv_cache_dtype=kv_dtype, **impl
         )
     for spec in args.quantized:
         name, sep, path = spec.partition("=")
