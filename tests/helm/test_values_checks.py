@@ -167,6 +167,10 @@ def test_accelerator_type_without_gfd_labels_comes_from_the_value() -> None:
             "needs autoscaling.enabled",
         ),
         ({"serviceUnhealthySecondThreshold": 900}, "serviceUnhealthySecondThreshold"),
+        (
+            {"app": {"prefill": {"engine": {"kv_cache_dtype": "int8"}}}},
+            'app.prefill.engine.kv_cache_dtype="int8" and app.decode.engine.kv_cache_dtype="auto"',
+        ),
     ],
 )
 def test_contradictions_fail_at_render_time(values: dict, message: str) -> None:

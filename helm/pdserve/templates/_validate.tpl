@@ -88,6 +88,12 @@ rank unplaceable or GPUs idle. */}}
 {{- if and (eq (toString ($app.policy).mode) "always_local") (gt (int $v.pools.prefill.minReplicas) 0) }}
 {{- fail "app.policy.mode is always_local (no prefill replicas) but pools.prefill.minReplicas keeps idle prefill pods: set it to 0" }}
 {{- end }}
+{{- /* The KV hand-off moves the cache in its own dtype (AppConfig refuses this too). */}}
+{{- $kvP := toString (default "auto" (default dict (default dict $app.prefill).engine).kv_cache_dtype) }}
+{{- $kvD := toString (default "auto" (default dict (default dict $app.decode).engine).kv_cache_dtype) }}
+{{- if and (ne $kvP $kvD) (ne (toString ($app.policy).mode) "always_local") }}
+{{- fail (printf "app.prefill.engine.kv_cache_dtype=%q and app.decode.engine.kv_cache_dtype=%q differ: the KV hand-off moves the cache in its own dtype, so both pools must use the same one" $kvP $kvD) }}
+{{- end }}
 {{- include "pdserve.checkRequests" (dict "resources" $v.head.resources "where" "head") }}
 {{- if hasKey $app "graceful_shutdown_timeout_s" }}
 {{- fail "app.graceful_shutdown_timeout_s is set by the chart; set drain.timeoutSeconds" }}
