@@ -13,8 +13,8 @@ Called unchanged, as the Serve app calls it:
   report worked out once by ``routers.prefill_terms``) with each decode replica's own books;
 - load reports: ``load.replica_stats`` and ``RateMeter``;
 - autoscaling: ``SimAutoscaler`` (``autoscaler.py``);
-- admission: an optional ``Admission`` asked after the policy placed the request (issue 18's
-  admission control plugs in here: ``pdserve.sim.admission.LiveAdmission``); with one, the
+- admission: an optional ``Admission`` asked after the policy placed the request (the decode
+  replicas' admission control plugs in here: ``pdserve.sim.admission.LiveAdmission``); with one, the
   policy itself never sheds, as in the decode server that runs it.
 
 What is modelled, not run: the engines (``SimEngine`` over a cost model), the network

@@ -26,7 +26,7 @@ import torch
 
 __all__ = ["main"]
 
-# Benchmark shape of the issue: Hq 32 / Hkv 8, head_dim 128, block size 16, bf16.
+# Benchmark shape (a Llama-3-8B layer): Hq 32 / Hkv 8, head_dim 128, block size 16, bf16.
 HQ, HKV, D, BS = 32, 8, 128, 16
 LLAMA3_SCALING = {
     "rope_type": "llama3",
