@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.kernels.triton.paged import load_kv_tile
+
 __all__ = ["SPLIT_BUCKETS", "bucket_splits", "paged_decode_attention_triton", "warm_up"]
 
 _LOG2E = 1.4426950408889634
@@ -77,27 +79,23 @@ def _decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         valid = n < end
-        block = tl.load(table + n // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        offset = (n % BLOCK_SIZE).to(tl.int64)
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(
-            k_cache_ptr
-            + block[:, None] * stride_kn
-            + offset[:, None] * stride_kb
-            + kv_head * stride_kh
-            + d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )  # [BLOCK_N, BLOCK_D]
-        v = tl.load(
-            v_cache_ptr
-            + block[:, None] * stride_vn
-            + offset[:, None] * stride_vb
-            + kv_head * stride_vh
-            + d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
+        k, v = load_kv_tile(
+            k_cache_ptr,
+            v_cache_ptr,
+            table,
+            n,
+            valid,
+            kv_head,
+            d,
+            d_mask,
+            stride_kn,
+            stride_kb,
+            stride_kh,
+            stride_vn,
+            stride_vb,
+            stride_vh,
+            BLOCK_SIZE,
+        )  # [BLOCK_N, BLOCK_D] each
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         s = tl.where(valid[None, :], s, float("-inf"))  # [GROUP_PAD, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(s, 1))

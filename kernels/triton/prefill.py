@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.kernels.triton.paged import load_kv_tile
+
 __all__ = ["paged_attention_triton"]
 
 _LOG2E = 1.4426950408889634
@@ -60,27 +62,23 @@ def _attend_tile(
 ):
     n = n0 + tl.arange(0, BLOCK_N)
     valid = n < seq_len
-    block = tl.load(table + n // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-    offset = (n % BLOCK_SIZE).to(tl.int64)
-    kv_mask = valid[:, None] & d_mask[None, :]
-    k = tl.load(
-        k_cache_ptr
-        + block[:, None] * stride_kn
-        + offset[:, None] * stride_kb
-        + kv_head * stride_kh
-        + d[None, :],
-        mask=kv_mask,
-        other=0.0,
-    )  # [BLOCK_N, BLOCK_D]
-    v = tl.load(
-        v_cache_ptr
-        + block[:, None] * stride_vn
-        + offset[:, None] * stride_vb
-        + kv_head * stride_vh
-        + d[None, :],
-        mask=kv_mask,
-        other=0.0,
-    )
+    k, v = load_kv_tile(
+        k_cache_ptr,
+        v_cache_ptr,
+        table,
+        n,
+        valid,
+        kv_head,
+        d,
+        d_mask,
+        stride_kn,
+        stride_kb,
+        stride_kh,
+        stride_vn,
+        stride_vb,
+        stride_vh,
+        BLOCK_SIZE,
+    )  # [BLOCK_N, BLOCK_D] each
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     if HAS_SOFTCAP:
         # softcap * tanh(scale * qk / softcap), tanh written with exp (no tanh in tl).
