@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels.triton.paged import load_kv_tile
+from pdserve.kernels.triton.paged import block_slots, load_tile
 
 __all__ = ["SPLIT_BUCKETS", "bucket_splits", "paged_decode_attention_triton", "warm_up"]
 
@@ -79,23 +79,14 @@ def _decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         valid = n < end
-        k, v = load_kv_tile(
-            k_cache_ptr,
-            v_cache_ptr,
-            table,
-            n,
-            valid,
-            kv_head,
-            d,
-            d_mask,
-            stride_kn,
-            stride_kb,
-            stride_kh,
-            stride_vn,
-            stride_vb,
-            stride_vh,
-            BLOCK_SIZE,
-        )  # [BLOCK_N, BLOCK_D] each
+        block, offset = block_slots(table, n, valid, BLOCK_SIZE)
+        kv_mask = valid[:, None] & d_mask[None, :]
+        k = load_tile(
+            k_cache_ptr, block, offset, kv_head, d, kv_mask, stride_kn, stride_kb, stride_kh
+        )
+        v = load_tile(
+            v_cache_ptr, block, offset, kv_head, d, kv_mask, stride_vn, stride_vb, stride_vh
+        )
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         s = tl.where(valid[None, :], s, float("-inf"))  # [GROUP_PAD, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(s, 1))

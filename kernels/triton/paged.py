@@ -9,43 +9,24 @@ import triton.language as tl
 
 
 @triton.jit
-def load_kv_tile(
-    k_cache_ptr,  # [N, B, Hkv, D]
-    v_cache_ptr,  # [N, B, Hkv, D]
-    table,  # this sequence's block table row
-    n,  # [BLOCK_N] context positions
-    valid,  # [BLOCK_N] which of them to read (the rest load as 0)
-    kv_head,
-    d,  # [BLOCK_D]
-    d_mask,  # [BLOCK_D]
-    stride_kn,
-    stride_kb,
-    stride_kh,
-    stride_vn,
-    stride_vb,
-    stride_vh,
-    BLOCK_SIZE: tl.constexpr,  # paged block size
-):
-    """K and V of positions ``n``, each ``[BLOCK_N, BLOCK_D]`` in the cache's dtype."""
+def block_slots(table, n, valid, BLOCK_SIZE: tl.constexpr):
+    """(block id, offset in the block) of each context position ``n`` [BLOCK_N], int64, read
+    from ``table`` (the sequence's block table row); positions not ``valid`` get block 0."""
     block = tl.load(table + n // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
     offset = (n % BLOCK_SIZE).to(tl.int64)
-    kv_mask = valid[:, None] & d_mask[None, :]
-    k = tl.load(
-        k_cache_ptr
-        + block[:, None] * stride_kn
-        + offset[:, None] * stride_kb
-        + kv_head * stride_kh
+    return block, offset
+
+
+@triton.jit
+def load_tile(cache_ptr, block, offset, kv_head, d, mask, stride_n, stride_b, stride_h):
+    """The ``[BLOCK_N, BLOCK_D]`` slice of a ``[N, B, Hkv, D]`` cache at ``block_slots``'
+    positions for head ``kv_head`` and dims ``d``; 0 where ``mask`` is False."""
+    return tl.load(
+        cache_ptr
+        + block[:, None] * stride_n
+        + offset[:, None] * stride_b
+        + kv_head * stride_h
         + d[None, :],
-        mask=kv_mask,
+        mask=mask,
         other=0.0,
     )
-    v = tl.load(
-        v_cache_ptr
-        + block[:, None] * stride_vn
-        + offset[:, None] * stride_vb
-        + kv_head * stride_vh
-        + d[None, :],
-        mask=kv_mask,
-        other=0.0,
-    )
-    return k, v
