@@ -208,6 +208,16 @@ def heads(kv: torch.Tensor, start: int, count: int) -> torch.Tensor:
     return kv.narrow(-2, start, count)
 
 
+def registered_layout(kv_cache: torch.Tensor, model: str, layout: KVLayout | None) -> KVLayout:
+    """The layout a connector registers its engine's pool under: ``layout`` (a tensor-parallel
+    rank's, with its head range) checked against ``kv_cache``, or by default the layout of a
+    single-rank pool holding every head (``pool_layout``). ValueError on a mismatch."""
+    if layout is None:
+        return pool_layout(kv_cache, model)
+    check_pool(kv_cache, layout)
+    return layout
+
+
 def check_pool(kv_cache: torch.Tensor, layout: KVLayout) -> None:
     """Raise ValueError unless ``kv_cache`` is a [L, 2, N, B, H, D] pool matching ``layout``."""
     want = (layout.num_layers, 2, None, layout.block_size, layout.num_kv_heads, layout.head_dim)
