@@ -1,12 +1,13 @@
 """Tensor parallelism on the transformers-backed path (CPU, gloo between real processes),
 split by each model's own ``base_model_tp_plan``.
 
-At TP=2 tiny random Qwen3, Gemma 3 (sliding and full layers, scaled embedding) and GLM-4
-(gathered MLP output, split-input down projection) give transformers' float32 greedy
-tokens and logprobs, each rank's paged KV cache holding its own KV head, under a
-chunked-prefill budget with a pool small enough to force preemption (and, for Qwen3, the
-default budget). Models the plan cannot split are refused from their config alone, before
-any rank starts or any weight is read.
+At TP=2 tiny random Qwen3, Gemma 3 (sliding and full layers, scaled embedding), GLM-4
+(gathered MLP output, split-input down projection), Gemma 2 (softcaps) and Granite
+(multipliers, logits scaling) give transformers' float32 greedy tokens and logprobs, each
+rank's paged KV cache holding its own KV head, under a chunked-prefill budget with a pool
+small enough to force preemption (and, for Qwen3, the default budget). Models the plan
+cannot split are refused from their config alone, before any rank starts or any weight is
+read.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ CASES = [
     ("qwen3", "default"),
     ("gemma3", "small-pool"),
     ("glm4", "small-pool"),
+    ("gemma2", "small-pool"),
+    ("granite", "small-pool"),
 ]
 
 
