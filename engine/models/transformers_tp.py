@@ -10,7 +10,9 @@ applies it with them: each rank holds only its slice of every split weight (read
 safetensors as a slice, never the whole tensor), row-parallel outputs are all-reduced and
 vocabulary-parallel embeddings masked and summed. Attention must be split by heads
 (q/k/v ``colwise``, o ``rowwise``), so each rank's paged KV cache holds its own KV heads
-(the contiguous ranges of ``TPShard.kv_heads``).
+(the contiguous ranges of ``TPShard.kv_heads``). Checkpoint tensors that transformers fuses
+at load (per-expert MoE weights) are fused here with its own rules
+(``weight_conversion``); their parameter must not be split.
 
 ``check_plan`` refuses, from the config alone, a model this cannot split; ``load_sharded``
 builds one rank's model. This module never allocates the KV cache.
@@ -29,6 +31,7 @@ from torch import nn
 
 from pdserve.engine.loader import iter_weight_slices
 from pdserve.engine.models.llama import _read
+from pdserve.engine.models.weight_conversion import CheckpointConversion
 from pdserve.engine.parallel import TPGroup, TPShard
 
 # plan style -> whether the output is all-gathered afterwards
@@ -85,14 +88,6 @@ def check_plan(hf_config: Any, architecture: str, size: int) -> None:
                 f"architecture {architecture}: {what} ({n}) is not divisible by "
                 f"tensor_parallel_size ({size}); its plan splits whole heads"
             )
-    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-
-    if get_checkpoint_conversion_mapping(getattr(hf_config, "model_type", "")) is not None:
-        raise ValueError(
-            f"architecture {architecture}: transformers converts its checkpoint's weights at "
-            "load (e.g. per-expert MoE weights fused into one tensor), which pdserve's "
-            "sharded loader does not do: use tensor_parallel_size 1"
-        )
 
 
 class _ColumnParallel(nn.Module):
@@ -220,6 +215,11 @@ class _Target:
         self.rows = rows  # rows of ``param`` the read fills (the vocabulary's padding stays 0)
         self.loaded = False
 
+    @property
+    def whole(self) -> bool:
+        """Whether this rank holds the whole tensor (it is not split)."""
+        return self.index == (slice(None),) and self.rows == self.param.shape[0]
+
 
 def _materialize(
     hf: nn.Module, styles: dict[str, str], shard: TPShard, device: torch.device
@@ -260,27 +260,50 @@ def _materialize(
 
 
 def _load(
-    hf: nn.Module, targets: dict[str, _Target], model_dir: str | Path, shard: TPShard, arch: str
+    hf: Any, targets: dict[str, _Target], model_dir: str | Path, shard: TPShard, arch: str
 ) -> None:
-    """Read this rank's slice of every checkpoint tensor into its parameter."""
+    """Read this rank's slice of every checkpoint tensor into its parameter; tensors that
+    transformers fuses at load (per-expert MoE weights) are read whole and fused, which
+    their parameter must allow (it must not be split)."""
+    conversion = CheckpointConversion(str(getattr(hf.config, "model_type", "")))
     with torch.no_grad():
-        for name, source in iter_weight_slices(model_dir):
+        for original, source in iter_weight_slices(model_dir):
+            name = conversion.rename(original)
             target = targets.get(name)
-            if target is None:
+            if target is not None:
+                part = _read(source, target.index, name) if target.index else None
+                _copy(target, part, name, shard)
+                continue
+            fused = conversion.fused_target(name)
+            if fused is None:
                 continue  # e.g. rotary frequencies some checkpoints store; derived here
-            if target.index is not None:
-                tensor = _read(source, target.index, name)
-                dest = target.param.data[: target.rows]
-                if tensor.shape != dest.shape:
-                    raise ValueError(
-                        f"checkpoint tensor {name!r}: read {tuple(tensor.shape)}, expected "
-                        f"{tuple(dest.shape)} on rank {shard.rank} of {shard.size}"
-                    )
-                dest.copy_(tensor)
-            target.loaded = True
+            param, converter, pattern, index = fused
+            if param in targets and not targets[param].whole:
+                raise ValueError(
+                    f"{arch}: {param} is built at load from several checkpoint tensors and "
+                    "split by the tensor-parallel plan, which pdserve does not do: use "
+                    "tensor_parallel_size 1"
+                )
+            if param in targets:
+                conversion.collect(param, converter, pattern, index, source[:])
+        for param, tensor in conversion.build().items():
+            _copy(targets[param], tensor, param, shard)
     missing = sorted(n for n, t in targets.items() if not t.loaded)
     if missing:
         raise ValueError(f"{arch}: the checkpoint is missing weights for {', '.join(missing[:8])}")
+
+
+def _copy(target: _Target, tensor: torch.Tensor | None, name: str, shard: TPShard) -> None:
+    """Fill a parameter with what its rank read (None: it holds zeros)."""
+    if tensor is not None:
+        dest = target.param.data[: target.rows]
+        if tensor.shape != dest.shape:
+            raise ValueError(
+                f"checkpoint tensor {name!r}: read {tuple(tensor.shape)}, expected "
+                f"{tuple(dest.shape)} on rank {shard.rank} of {shard.size}"
+            )
+        dest.copy_(tensor)
+    target.loaded = True
 
 
 def _wrap(hf: nn.Module, styles: dict[str, str], tp: TPGroup) -> None:

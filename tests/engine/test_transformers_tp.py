@@ -2,12 +2,13 @@
 split by each model's own ``base_model_tp_plan``.
 
 At TP=2 tiny random Qwen3, Gemma 3 (sliding and full layers, scaled embedding), GLM-4
-(gathered MLP output, split-input down projection), Gemma 2 (softcaps) and Granite
-(multipliers, logits scaling) give transformers' float32 greedy tokens and logprobs, each
-rank's paged KV cache holding its own KV head, under a chunked-prefill budget with a pool
-small enough to force preemption (and, for Qwen3, the default budget). Models the plan
-cannot split are refused from their config alone, before any rank starts or any weight is
-read.
+(gathered MLP output, split-input down projection), Gemma 2 (softcaps), Granite
+(multipliers, logits scaling), Qwen3-MoE and Mixtral (per-expert checkpoint tensors fused at
+load, experts replicated as their plans leave them) give transformers' float32 greedy tokens
+and logprobs, each rank's paged KV cache holding its own KV head, under a chunked-prefill
+budget with a pool small enough to force preemption (and, for Qwen3, the default budget).
+Models the plan cannot split are refused from their config alone, before any rank starts or
+any weight is read.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ CASES = [
     ("glm4", "small-pool"),
     ("gemma2", "small-pool"),
     ("granite", "small-pool"),
+    ("qwen3-moe", "small-pool"),
+    ("mixtral", "small-pool"),
 ]
 
 
@@ -88,7 +91,6 @@ REFUSALS = [
     ("gpt-oss", "GptOssForCausalLM", 2, "does not split attention by heads"),
     ("phi3", "Phi3ForCausalLM", 2, "does not split attention by heads"),
     ("deepseek-v3", "DeepseekV3ForCausalLM", 2, "mla_kv_a_proj, which pdserve does not apply"),
-    ("qwen3-moe", "Qwen3MoeForCausalLM", 2, "converts its checkpoint's weights at load"),
     ("qwen3", "Qwen3ForCausalLM", 4, r"num_key_value_heads \(2\) is not divisible by .* \(4\)"),
 ]
 
