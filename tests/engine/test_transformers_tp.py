@@ -33,7 +33,9 @@ from tests.engine.transformers_reference import (
 
 NUM_NEW = 16
 SMALL_POOL = {"num_kv_blocks": 48, "max_model_len": 640, "max_num_batched_tokens": 128}
-# (model, schedule): the small pool forces chunked prefill and preemption.
+# (model, schedule): the small pool forces chunked prefill and preemption; "tied-odd-vocab"
+# also ties the lm_head to the embedding (as Gemma checkpoints do) over a vocabulary that
+# does not divide by 2 (the last rank's rows end in padding).
 CASES = [
     ("qwen3", "small-pool"),
     ("qwen3", "default"),
@@ -43,6 +45,7 @@ CASES = [
     ("granite", "small-pool"),
     ("qwen3-moe", "small-pool"),
     ("mixtral", "small-pool"),
+    ("gemma3", "tied-odd-vocab"),
 ]
 
 
@@ -52,10 +55,12 @@ def test_tp2_greedy_and_logprobs_match_transformers(
 ) -> None:
     from transformers import AutoModelForCausalLM
 
-    model_dir = build_tiny_model(name, tmp_path, tiny_model_dir)
+    tied = {"tie_word_embeddings": True, "vocab_size": 2047}
+    overrides = tied if schedule == "tied-odd-vocab" else {}
+    model_dir = build_tiny_model(name, tmp_path, tiny_model_dir, **overrides)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ref = Reference(hf, hf.config.vocab_size)
-    small = schedule == "small-pool"
+    small = schedule != "default"
     pool = SMALL_POOL if small else {}
     engine = LLMEngine(
         EngineConfig(model=str(model_dir), device="cpu", tensor_parallel_size=2, **pool)

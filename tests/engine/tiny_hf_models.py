@@ -81,19 +81,21 @@ SPECS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def tiny_config(name: str) -> Any:
-    """The named tiny model's transformers config."""
+def tiny_config(name: str, **overrides: Any) -> Any:
+    """The named tiny model's transformers config (``overrides`` on top)."""
     import transformers
 
-    class_name, overrides = SPECS[name]
-    return getattr(transformers, class_name)(**{**_COMMON, **overrides})
+    class_name, spec = SPECS[name]
+    return getattr(transformers, class_name)(**{**_COMMON, **spec, **overrides})
 
 
-def build_tiny_model(name: str, out_dir: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+def build_tiny_model(
+    name: str, out_dir: Path, tokenizer_dir: Path, seed: int = 0, **overrides: Any
+) -> Path:
     """Write the named tiny model (config.json, model.safetensors, tokenizer) to ``out_dir``."""
     from transformers import AutoModelForCausalLM
 
-    config = tiny_config(name)
+    config = tiny_config(name, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(out_dir, safe_serialization=True)
