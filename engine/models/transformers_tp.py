@@ -139,7 +139,9 @@ class _VocabParallelEmbedding(nn.Module):
 def _parameters_on_meta() -> Iterator[None]:
     """Parameters created inside go to the meta device (no memory, no init); buffers (rotary
     frequencies, embedding scales) are computed for real, as transformers computes them.
-    ``torch.device("meta")`` alone would leave those buffers empty."""
+    ``torch.device("meta")`` alone would leave those buffers empty. The patch is process-wide
+    while it lasts, which is safe because a process builds its model on one thread, before
+    it serves."""
     original = nn.Module.register_parameter
 
     def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
