@@ -176,12 +176,6 @@ def test_native_impl_refuses_an_architecture_without_a_native_class(
     assert config["architectures"] == ["Qwen3ForCausalLM"]
 
 
-def test_transformers_path_refuses_tensor_parallelism(tiny_model_dir: Path, tmp_path: Path) -> None:
-    model_dir = build_tiny_model("qwen3", tmp_path, tiny_model_dir)
-    with pytest.raises(ValueError, match="no tensor parallelism yet"):
-        LLMEngine(EngineConfig(model=str(model_dir), tensor_parallel_size=2))
-
-
 def test_app_config_model_impl_reaches_both_pools() -> None:
     from pdserve.deployments.config import AppConfig
     from pdserve.deployments.engine_factory import engine_config
