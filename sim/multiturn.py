@@ -78,7 +78,11 @@ def run_mode(
         "routing_decisions": {
             f"{pool}:{why}": n for (pool, why), n in cluster.prefix_reasons.items()
         },
-        "replicas_at_end": {role: len(cluster.pools[role]) for role in ("prefill", "decode")},
+        # Autoscaling's (time, prefill replicas, decode replicas) steps: the most it ran.
+        "replicas_peak": {
+            "prefill": max((p for _, p, _ in cluster.timeline), default=None),
+            "decode": max((d for _, _, d in cluster.timeline), default=None),
+        },
     }
 
 
