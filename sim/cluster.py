@@ -534,10 +534,10 @@ class SimCluster:
             return  # the decode side gave up before the call arrived
         assert target.arrivals is not None
         req = seq_p.req
-        target.arrivals.add(req.prompt_tokens)
         if target.cache is not None:  # the prefill engine computes only what it lacks
             held = target.cache.held_blocks(req.block_hashes) * self.shapes["prefill"].block_size
             seq_p.computed = req.cached_tokens = min(held, req.prompt_tokens - 1)
+        target.arrivals.add(req.prompt_tokens - seq_p.computed)  # as the prefill server counts
         target.engine.add(seq_p)
 
     def _prefill_done(self, replica: SimReplica, seq_p: Seq, t: float) -> None:
