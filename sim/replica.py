@@ -16,6 +16,7 @@ from pdserve.deployments.routers import InflightLoad
 from pdserve.engine.stats import EngineStats
 from pdserve.sim.engine import SimEngine
 from pdserve.sim.events import Event
+from pdserve.sim.prefix import SimPrefixCache
 from pdserve.sim.request import SimRequest
 from pdserve.sim.seq import Seq
 
@@ -60,6 +61,7 @@ class SimReplica:
         self.engine = engine
         self.gpus = gpus
         self.stats: ReplicaStats | None = None  # the last published report
+        self.cache: SimPrefixCache | None = None  # its engine's prefix cache, when it has one
         self.started_at = now
         self.ready = False
         self.draining = False
