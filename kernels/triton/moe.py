@@ -36,11 +36,11 @@ def _moe_gemm_kernel(
     block_expert_ptr,  # [R // BLOCK_M] int32: expert of each row block, -1 if unused
     num_pairs,
     n,
-    k,
     stride_am,
     stride_we,
     stride_wn,
     stride_om,
+    K: tl.constexpr,  # hidden or expert intermediate size: one compile per layer shape
     A_DIV: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -60,9 +60,9 @@ def _moe_gemm_kernel(
     col_ok = cols < n
     w_base = w_ptr + expert.to(tl.int64) * stride_we + cols.to(tl.int64)[None, :] * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, k, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < k
+        k_ok = ks < K
         a = tl.load(
             a_ptr + a_row[:, None] * stride_am + ks[None, :],
             mask=row_ok[:, None] & k_ok[None, :],
@@ -90,7 +90,9 @@ def align_by_expert(
     expert, each expert's run padded to ``block_m`` rows (padding rows hold ``T * K``)."""
     flat = topk_ids.reshape(-1).to(torch.int64)
     pairs, dev = flat.numel(), flat.device
-    counts = torch.bincount(flat, minlength=num_experts)
+    # scatter_add, not bincount: bincount on CUDA reads the maximum back to the host.
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     ends = torch.cumsum(padded, 0)
     order = torch.argsort(flat, stable=True)
@@ -121,9 +123,9 @@ def _grouped_gemm(
     grid = (block_expert.numel(), triton.cdiv(n, BLOCK_N))
     _moe_gemm_kernel[grid](
         a, w, out, route_w, sorted_ids, block_expert,
-        out.shape[0], n, k,
+        out.shape[0], n,
         a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        A_DIV=a_div, MUL_WEIGHT=mul_weight,
+        K=k, A_DIV=a_div, MUL_WEIGHT=mul_weight,
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else None,
     )  # fmt: skip

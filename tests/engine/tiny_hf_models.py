@@ -81,13 +81,16 @@ SPECS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def build_tiny_model(name: str, out_dir: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
-    """Write the named tiny model (config.json, model.safetensors, tokenizer) to ``out_dir``."""
+def build_tiny_model(
+    name: str, out_dir: Path, tokenizer_dir: Path, seed: int = 0, **extra: Any
+) -> Path:
+    """Write the named tiny model (config.json, model.safetensors, tokenizer) to ``out_dir``;
+    ``extra`` overrides config fields of the spec."""
     import transformers
     from transformers import AutoModelForCausalLM
 
     class_name, overrides = SPECS[name]
-    config = getattr(transformers, class_name)(**{**_COMMON, **overrides})
+    config = getattr(transformers, class_name)(**{**_COMMON, **overrides, **extra})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(out_dir, safe_serialization=True)

@@ -169,6 +169,7 @@ def _cases():  # type: ignore[no-untyped-def]
                 "block_expert_ptr": "*i32",
             },  # fmt: skip
             {
+                "K": 768 if mul_weight else 2048,
                 "A_DIV": 1 if mul_weight else 8,
                 "MUL_WEIGHT": mul_weight,
                 "BLOCK_M": 64,
