@@ -33,6 +33,19 @@ _EXPERT_PROJECTIONS: dict[str, tuple[str, int | None]] = {
 }
 
 
+class Router(nn.Module):
+    """The router's ``[E, H]`` weight (``gate.weight`` in the checkpoint). Not an
+    ``nn.Linear``, so the CPU linear packing leaves it alone: the logits are computed in
+    float32, where a near-tie between two experts is not decided by rounding."""
+
+    def __init__(self, hidden_size: int, num_experts: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, E] float32
+        return x.float() @ self.weight.float().t()
+
+
 class SparseMoeBlock(nn.Module):
     """Router + stacked experts; ``forward`` is ``[T, H] -> [T, H]`` like a dense MLP."""
 
@@ -44,14 +57,12 @@ class SparseMoeBlock(nn.Module):
         self.columns = tp.shard.split(moe.intermediate_size, "moe_intermediate_size")
         inter = len(self.columns)
         self.router = ops.RouterConfig(moe.num_experts, moe.top_k, renormalize=moe.renormalize)
-        self.gate = nn.Linear(cfg.hidden_size, moe.num_experts, bias=False)
+        self.gate = Router(cfg.hidden_size, moe.num_experts)
         self.w13 = nn.Parameter(torch.empty(moe.num_experts, 2 * inter, cfg.hidden_size))
         self.w2 = nn.Parameter(torch.empty(moe.num_experts, cfg.hidden_size, inter))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        # Router logits in float32: a near-tie between two experts is not decided by rounding.
-        logits = ops.linear_float32(x.float(), self.gate)
-        weights, ids = ops.select_experts(logits, self.router)
+        weights, ids = ops.select_experts(self.gate(x), self.router)
         return self.tp.all_reduce(ops.fused_moe(x, self.w13, self.w2, weights, ids))
 
     def load_expert(self, expert: int, projection: str, source: Any, name: str) -> str:
