@@ -8,8 +8,10 @@ The router covers the scoring rules of the open MoE families, picked by ``Router
   - top-k of the logits, softmax over those k (gpt-oss);
   - sigmoid scores, a selection-only bias, grouped top-k (the best ``topk_groups`` of
     ``num_groups`` expert groups, a group scored by its two best experts), renormalised and
-    scaled by ``routed_scaling`` (DeepSeek-V3). Shared experts are a dense MLP the model
-    adds beside this.
+    scaled by ``routed_scaling`` (DeepSeek-V3).
+Shared experts (DeepSeek-V3) ride in the same fused call: ``add_shared_experts`` routes every
+token also to experts stacked after the routed ones, with weight 1 (a shared MLP of
+``n * I`` columns is ``n`` experts of ``I`` columns, its down projection summing them).
 Routing is a few small torch ops over ``[T, E]`` on every device. Nothing here keeps state.
 """
 
@@ -23,7 +25,7 @@ import torch
 from pdserve.kernels.cpu.moe import fused_moe_cpu
 from pdserve.kernels.moe_reference import fused_moe_ref
 
-__all__ = ["RouterConfig", "fused_moe", "select_experts"]
+__all__ = ["RouterConfig", "add_shared_experts", "fused_moe", "select_experts"]
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,21 @@ def select_experts(
     if cfg.routed_scaling != 1.0:
         weights = weights * cfg.routed_scaling
     return weights, ids
+
+
+def add_shared_experts(
+    topk_weights: torch.Tensor,  # [T, K] float32
+    topk_ids: torch.Tensor,  # [T, K] int64
+    first_shared: int,  # index of the first shared expert in the stacked weights
+    num_shared: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, K + S], [T, K + S])
+    """Also send every token to experts ``first_shared .. first_shared + num_shared - 1``
+    with weight 1 (not scaled: the routed scaling applies to routed experts only)."""
+    t = topk_ids.shape[0]
+    shared = torch.arange(first_shared, first_shared + num_shared, device=topk_ids.device)
+    ids = torch.cat([topk_ids, shared.expand(t, num_shared)], dim=1)
+    ones = torch.ones(t, num_shared, dtype=topk_weights.dtype, device=topk_weights.device)
+    return torch.cat([topk_weights, ones], dim=1), ids
 
 
 def fused_moe(

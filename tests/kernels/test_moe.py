@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels.moe_ops import RouterConfig, fused_moe, select_experts
+from pdserve.kernels.moe_ops import RouterConfig, add_shared_experts, fused_moe, select_experts
 from pdserve.kernels.moe_reference import fused_moe_ref
 from tests.kernels.moe_cases import assert_moe_close, make_moe_problem
 
@@ -137,3 +137,45 @@ def test_router_config_refuses_impossible_choices() -> None:
         RouterConfig(num_experts=8, top_k=2, scoring="sigmoid", softmax_after_topk=True)
     with pytest.raises(ValueError, match="logits"):
         select_experts(torch.zeros(3, 5), RouterConfig(num_experts=4, top_k=2))
+
+
+def test_deepseek_v3_moe_block_with_shared_experts_matches_transformers() -> None:
+    """Sigmoid grouped routing, routed scaling and two shared experts folded into the one
+    fused call give transformers' DeepseekV3MoE output."""
+    import transformers as tf
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+    config = tf.DeepseekV3Config(
+        hidden_size=32,
+        moe_intermediate_size=16,
+        n_routed_experts=16,
+        num_experts_per_tok=4,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        n_shared_experts=2,
+    )
+    block = DeepseekV3MoE(config).eval()
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for param in block.parameters():
+            param.copy_(torch.randn(param.shape, generator=g) * 0.3)
+        block.gate.e_score_correction_bias.copy_(torch.randn(16, generator=g) * 0.1)
+    x = torch.randn(1, 20, 32, generator=g)
+    with torch.no_grad():
+        want = block(x)[0]
+    shared = block.shared_experts
+    inter = config.moe_intermediate_size
+    # The shared MLP (2 x 16 columns) as two experts of 16 columns.
+    sg, su = shared.gate_proj.weight.view(2, inter, 32), shared.up_proj.weight.view(2, inter, 32)
+    w13 = torch.cat([block.experts.gate_up_proj, torch.cat([sg, su], dim=1)]).detach()
+    sd = shared.down_proj.weight.view(32, 2, inter).permute(1, 0, 2)
+    w2 = torch.cat([block.experts.down_proj, sd]).detach()
+    cfg = RouterConfig(16, 4, "sigmoid", True, False, 4, 2, 2.5)
+    rows = x[0]
+    weights, ids = select_experts(
+        rows @ block.gate.weight.t(), cfg, block.gate.e_score_correction_bias
+    )
+    weights, ids = add_shared_experts(weights, ids, first_shared=16, num_shared=2)
+    torch.testing.assert_close(fused_moe(rows, w13, w2, weights, ids), want, rtol=1e-5, atol=1e-5)
