@@ -71,6 +71,10 @@ def kernels(quick: bool) -> list[Row]:
     torch.cuda.empty_cache()
     rows += g._bench_blocks(dev, quick, ceil)
     rows += g._bench_elementwise(dev, ceil)
+    torch.cuda.empty_cache()
+    from pdserve.kernels.triton.gpu_check_moe import bench_moe
+
+    rows += bench_moe(dev, quick, ceil)
     out = quant_kernels(dev, quick)
     for r in rows:
         nominal = None

@@ -100,9 +100,10 @@ class ModelSettings(_Strict):
         default="auto",
         description=(
             "Model code (EngineConfig.model_impl): 'native' = pdserve's own class (the Llama "
-            "family), 'transformers' = transformers' modelling code on pdserve's paged "
-            "attention (any decoder-only model whose attention goes through "
-            "AttentionInterface), 'auto' = native where a class exists, else transformers."
+            "family, Qwen3, Qwen3-MoE, Mixtral), 'transformers' = transformers' modelling code "
+            "on pdserve's paged attention (any decoder-only model whose attention goes "
+            "through AttentionInterface), 'auto' = native where a class exists, else "
+            "transformers."
         ),
     )
     seed: int = Field(default=0, description="Engine seed for unseeded sampling.")

@@ -30,6 +30,7 @@ from pdserve.kernels.cpu.attention_variants import paged_attention_variants_cpu
 from pdserve.kernels.cpu.cpus import RuntimeInfo, RuntimeSettings
 from pdserve.kernels.cpu.linear import can_pack, pack_linears, packed_linear_float32
 from pdserve.kernels.cpu.runtime import CpuRuntime, single_threaded_copies
+from pdserve.kernels.moe_ops import RouterConfig, add_shared_experts, fused_moe, select_experts
 from pdserve.kernels.quant_ops import Activations, make_quantized_linear
 
 __all__ = [
@@ -37,10 +38,13 @@ __all__ = [
     "make_quantized_linear",
     "quant_reference",
     "DeviceRuntime",
+    "RouterConfig",
+    "add_shared_experts",
     "RuntimeInfo",
     "RuntimeSettings",
     "apply_rotary",
     "build_rope_cache",
+    "fused_moe",
     "can_pack",
     "gather_blocks",
     "linear_float32",
@@ -51,6 +55,7 @@ __all__ = [
     "prepare_copy_thread",
     "rms_norm",
     "scatter_blocks",
+    "select_experts",
     "silu_and_mul",
     "write_kv",
 ]

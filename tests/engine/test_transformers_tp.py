@@ -63,7 +63,13 @@ def test_tp2_greedy_and_logprobs_match_transformers(
     small = schedule != "default"
     pool = SMALL_POOL if small else {}
     engine = LLMEngine(
-        EngineConfig(model=str(model_dir), device="cpu", tensor_parallel_size=2, **pool)
+        EngineConfig(
+            model=str(model_dir),
+            device="cpu",
+            tensor_parallel_size=2,
+            model_impl="transformers",
+            **pool,
+        )  # fmt: skip
     )
     try:
         assert engine.runner.model_config.impl == "transformers"
@@ -110,6 +116,13 @@ def test_what_the_plan_cannot_split_is_refused_before_any_rank_starts(tmp_path: 
         cases.append((_config_only(tmp_path / name, name, arch), arch, tp, reason))
     for model_dir, arch, tp, reason in cases:
         with pytest.raises(ValueError, match=reason) as info:
-            LLMEngine(EngineConfig(model=str(model_dir), device="cpu", tensor_parallel_size=tp))
+            LLMEngine(
+                EngineConfig(
+                    model=str(model_dir),
+                    device="cpu",
+                    tensor_parallel_size=tp,
+                    model_impl="transformers",
+                )  # fmt: skip
+            )
         assert arch in str(info.value)
         assert "\n" not in str(info.value)  # one line
