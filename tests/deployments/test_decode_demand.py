@@ -15,7 +15,7 @@ from tests.deployments.in_process import LONG_A, SHORT, collect, config, request
 
 def test_decode_replica_reports_admitted_and_turned_away_demand() -> None:
     cfg = config(
-        slo={"ttft_ms": 0.01}, policy={"on_slo_miss": "shed", "batch_on_slo_miss": "queue"}
+        slo={"ttft_ms": 0.01}, admission={"on_slo_miss": "shed", "batch_on_slo_miss": "queue"}
     )
     decode = DecodeServer(cfg, cfg.model.resolve_path(), prefill=None)
     try:
@@ -23,7 +23,7 @@ def test_decode_replica_reports_admitted_and_turned_away_demand() -> None:
         assert before[ADMITTED_PER_S] == 0.0 and before[TURNED_AWAY_PER_S] == 0.0
         # A batch request (queues: admitted) measures the prefill rate; then an interactive
         # one predicted over its 10 us objective is shed.
-        asyncio.run(collect(decode, request("batch", SHORT, slo_class="batch")))
+        asyncio.run(collect(decode, request("batch", SHORT, priority="batch")))
         shed = asyncio.run(collect(decode, request("shed-me", LONG_A)))
         assert shed[0].error is not None and shed[0].error.code == 429
         stats = decode.record_autoscaling_stats()

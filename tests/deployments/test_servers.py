@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from pdserve.deployments.admission import MIN_DRAIN_S
+from pdserve.deployments.admission.rules import MIN_DRAIN_S
 from pdserve.deployments.decode_server import DecodeServer
 from pdserve.deployments.messages import GenerateChunk
 from pdserve.deployments.prefill_server import PrefillServer
@@ -239,13 +239,13 @@ def test_invalid_request_gets_an_error_chunk(pd: Any) -> None:
 
 def test_shedding_when_no_placement_meets_the_slo(model_dir: str) -> None:
     cfg = config(
-        slo={"ttft_ms": 0.01}, policy={"on_slo_miss": "shed", "batch_on_slo_miss": "queue"}
+        slo={"ttft_ms": 0.01}, admission={"on_slo_miss": "shed", "batch_on_slo_miss": "queue"}
     )
     decode = DecodeServer(cfg, model_dir, prefill=None)
     try:
         # The batch request (which queues) runs first: it gives the engine a measured
         # prefill rate, and a prediction from the configured prior alone never sheds.
-        batch = asyncio.run(collect(decode, request("batch", SHORT, slo_class="batch")))
+        batch = asyncio.run(collect(decode, request("batch", SHORT, priority="batch")))
         assert batch[-1].finish_reason == "length" and batch[0].prefill_location == "local"
         # One the ingress answered 429 already (no decision by its admit_by): no work.
         before = decode.counters()
