@@ -292,6 +292,8 @@ class DecodeServer:
             self._admitted_prompt_tokens.add(uncached_tokens(n, cached, decision.location))
             self._admitted.add(1)
             self.metrics.predicted_ttft.observe(verdict.predicted_ttft_s)
+            if verdict.past_slo:
+                self.metrics.record_admitted_past_slo(verdict.reason, req.priority)
         return verdict
 
     def _first_token(self, req: GenerateRequest, now: float, span: Any) -> float | None:

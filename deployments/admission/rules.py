@@ -55,6 +55,8 @@ class TTFTPrediction:
     first_step_s: float
     calibration: float = 1.0
     measured: bool = True  # False: the prefill time rests on a configured prior rate
+    # The part of slot_wait_s + prefill_s that is other requests' work (0 = nothing ahead).
+    ahead_s: float = 0.0
 
     @property
     def remaining_s(self) -> float:
@@ -120,9 +122,15 @@ class AdmissionRules:
 @dataclass(frozen=True)
 class AdmissionDecision:
     action: Action
-    reason: str  # admitted | queued_past_slo | unmeasured | ttft_slo | queue_full | deadline
+    # admitted | queued_past_slo | unmeasured | idle_past_slo | ttft_slo | queue_full | deadline
+    reason: str
     predicted_ttft_s: float
     retry_after_s: float | None  # set when shed
+
+    @property
+    def past_slo(self) -> bool:
+        """Admitted although predicted over its class's threshold."""
+        return self.action == "admit" and self.reason != "admitted"
 
 
 def slot_wait_s(q: QueueAhead) -> float:
@@ -146,13 +154,15 @@ def predict_ttft(q: QueueAhead, uncached_tokens: int, calibration: float = 1.0) 
     prefill_s = (
         q.prefill_overhead_s + (q.queued_prefill_tokens + uncached_tokens) / q.prefill_tokens_per_s
     )
+    slot_s = slot_wait_s(q)
     return TTFTPrediction(
         waited_s=max(0.0, q.waited_s),
-        slot_wait_s=slot_wait_s(q),
+        slot_wait_s=slot_s,
         prefill_s=prefill_s,
         first_step_s=q.step_s,
         calibration=calibration,
         measured=q.rate_measured,
+        ahead_s=slot_s + q.queued_prefill_tokens / q.prefill_tokens_per_s,
     )
 
 
@@ -165,8 +175,10 @@ def retry_after_s(prediction: TTFTPrediction, threshold_s: float) -> float:
     predicted under ``threshold_s``: exact, since the ingress sheds the class at its door
     for that long (``ShedHint``; rounded up to whole seconds, at least 1, the window could
     leave the engine idle for up to a second after every shed). The HTTP ``Retry-After``
-    header rounds it up to whole seconds."""
-    return max(MIN_DRAIN_S, prediction.remaining_s - threshold_s)
+    header rounds it up to whole seconds. Never past the drain of the queue ahead: a request
+    whose own work exceeds the threshold is served once nothing is ahead of it."""
+    drained_s = prediction.calibration * prediction.ahead_s
+    return max(MIN_DRAIN_S, min(prediction.remaining_s - threshold_s, drained_s))
 
 
 def decide(
@@ -194,6 +206,10 @@ def decide(
         # a guess turned a whole cold burst away, and a shed request never produces the
         # measurement that would correct the guess.
         return AdmissionDecision("admit", "unmeasured", total, None)
+    if prediction.ahead_s <= 0:
+        # Nothing is queued ahead: its own work is over the threshold, so waiting cannot
+        # help and every retry would be shed again. Served, and counted as an SLO miss.
+        return AdmissionDecision("admit", "idle_past_slo", total, None)
     return AdmissionDecision("shed", "ttft_slo", total, retry_after_s(prediction, threshold))
 
 

@@ -322,3 +322,20 @@ def test_the_ingress_waits_for_the_admission_decision_most_of_reject_within() ->
     assert admission_ack_timeout_s(0.1, 0.5) == pytest.approx(0.0125)
     with pytest.raises(ValueError, match="-0.1"):
         admission_ack_timeout_s(-0.1, 0.0)
+
+
+def test_a_request_whose_own_work_misses_the_slo_is_served_when_nothing_is_ahead() -> None:
+    """A long prompt on an idle replica: shedding it would shed every retry too (waiting
+    cannot shorten its own work), so it is admitted and counted as past its SLO; behind a
+    queue it is shed until that queue has drained, not for as long as its own work."""
+    own = admission_rules.predict_ttft(ahead(), 2000)  # 4 s of prefill alone, over 3 s
+    idle = admission_rules.decide(own, "interactive", RULES)
+    assert idle.action == "admit" and idle.reason == "idle_past_slo" and idle.past_slo
+    assert idle.predicted_ttft_s > RULES.threshold_s("interactive")
+    busy = admission_rules.predict_ttft(ahead(queued_prefill_tokens=250), 2000)  # 0.5 s ahead
+    shed = admission_rules.decide(busy, "interactive", RULES)
+    assert shed.action == "shed" and shed.reason == "ttft_slo"
+    assert shed.retry_after_s == pytest.approx(0.5)  # the queue ahead's drain, not 1.55 s
+    # A request that fits is still admitted plainly, and a short one behind a short queue too.
+    fits = admission_rules.decide(admission_rules.predict_ttft(ahead(), 100), "interactive", RULES)
+    assert fits.reason == "admitted" and not fits.past_slo
