@@ -6,7 +6,7 @@ Called unchanged, as the Serve app calls it:
   replicas' published ``ReplicaStats``, each worked out once by ``routers.decode_terms``
   (refreshed every ``router.stats_period_s``, so as stale as in Serve) and the ingress
   router's own ``InflightLoad``;
-- local / remote / shed: ``DisaggregationPolicy.decide`` with the decode replica's
+- local / remote: ``DisaggregationPolicy.decide`` with the decode replica's
   ``LocalLoad`` and its own ``RemotePrefillEstimator`` (started / observe / finished around
   each remote prefill, the deadline of ``RemotePrefill``: predicted compute + timeout);
 - prefill routing: ``routers.rank_prefill_terms`` (what ``rank_prefill`` ranks by, each
@@ -19,9 +19,9 @@ Called unchanged, as the Serve app calls it:
   replica lacks and only the blocks the decode replica lacks cross the link (requests
   without ``block_hashes`` share no prefix);
 - autoscaling: ``SimAutoscaler`` (``autoscaler.py``);
-- admission: an optional ``Admission`` asked after the policy placed the request (the decode
-  replicas' admission control plugs in here: ``pdserve.sim.admission.LiveAdmission``); with one, the
-  policy itself never sheds, as in the decode server that runs it.
+- admission: an optional ``Admission`` asked after the policy placed the request (the
+  decode server's own admission control plugs in here: ``replica.LiveAdmission``); without
+  one nothing is shed.
 
 What is modelled, not run: the engines (``SimEngine`` over a cost model), the network
 (``SimSettings.rpc_s`` per hop) and the KV transfer (the cost model's transfer time, of
@@ -68,12 +68,18 @@ from pdserve.sim.cost import CostModel
 from pdserve.sim.engine import SimEngine
 from pdserve.sim.events import EventLoop
 from pdserve.sim.prefix import SimPrefixCache
-from pdserve.sim.replica import Admission, AdmissionQuery, RemoteInFlight, SimReplica
+from pdserve.sim.replica import (
+    Admission,
+    AdmissionQuery,
+    LiveAdmission,
+    RemoteInFlight,
+    SimReplica,
+)
 from pdserve.sim.request import SimRequest
 from pdserve.sim.seq import EngineShape, Seq
 from pdserve.sim.shared_cpu import HelperThreadsCost, SharedCpuCost, SharedCpuLoad
 
-__all__ = ["Admission", "AdmissionQuery", "SimCluster", "SimReplica"]
+__all__ = ["Admission", "AdmissionQuery", "LiveAdmission", "SimCluster", "SimReplica"]
 
 
 class SimCluster:
@@ -451,25 +457,21 @@ class SimCluster:
             num_cached_tokens=cached,
             load=load,
             remote=remote,
-            sheddable=self.admission is None,
         )
         self.reasons[decision.location, decision.reason] += 1
-        if decision.location == "shed" or (
-            self.admission is not None
-            and not self.admission.admit(
-                AdmissionQuery(
-                    req,
-                    self.loop.now,
-                    replica.replica_id,
-                    decision,
-                    replica.engine.stats(),
-                    replica.ongoing,
-                    replica.itl.value,
-                    replica.outputs.value,
-                    remote,
-                    self.shapes["decode"].max_num_seqs,
-                    self.app.router.default_prefill_tokens_per_s,
-                )
+        if self.admission is not None and not self.admission.admit(
+            AdmissionQuery(
+                req,
+                self.loop.now,
+                replica.replica_id,
+                decision,
+                replica.engine.stats(),
+                replica.ongoing,
+                replica.itl.value,
+                replica.outputs.value,
+                remote,
+                self.shapes["decode"].max_num_seqs,
+                self.app.router.default_prefill_tokens_per_s,
             )
         ):
             self._shed(replica, req)

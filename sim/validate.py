@@ -38,8 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from pdserve.deployments.config import AppConfig, PoolRole
-from pdserve.sim.admission import LiveAdmission, live_admission_available
-from pdserve.sim.cluster import SimCluster
+from pdserve.sim.cluster import LiveAdmission, SimCluster
 from pdserve.sim.config import ROLES, SharedCpuSettings, SimSettings
 from pdserve.sim.cost import (
     CostModel,
@@ -116,8 +115,8 @@ def compare_one(
     records = {
         r["index"]: r for r in next(iter(json.loads(summary.read_text())["requests"].values()))
     }
-    # The decode servers run admission control; so does the simulation.
-    admission = LiveAdmission(app) if live_admission_available() else None
+    # The decode servers run their admission control; so does the simulation.
+    admission = LiveAdmission(app)
     # The pools whose engines add helper threads on the shared CPUs (the colocated config's
     # decode engine), with the profile measured with the helpers, when given.
     helpers: dict[PoolRole, CostModel] = {

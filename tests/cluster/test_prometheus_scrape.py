@@ -56,7 +56,9 @@ def _config() -> AppConfig:
     data = app_config().model_dump(mode="json")
     data["transport"]["timeout_s"] = 1.0  # a frozen prefill replica misses it quickly
     # Batch requests are shed (429) once they waited a microsecond: a shed series.
-    data["policy"].update({"batch_max_queue_wait_s": 1e-6, "batch_shed_ttft_factor": 1e-6})
+    data.setdefault("admission", {}).update(
+        {"batch_max_queue_wait_s": 1e-6, "batch_shed_ttft_factor": 1e-6}
+    )
     return AppConfig.from_dict(data)
 
 

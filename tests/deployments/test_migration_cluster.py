@@ -36,7 +36,7 @@ def _config() -> AppConfig:
     # Every prompt, and every continuation, prefills on the decode replicas themselves.
     data["policy"]["local_prefill_max_tokens"] = 4096
     # Admission control must not shed any of the streams this test counts.
-    data["policy"].update({"on_slo_miss": "queue", "adaptive_concurrency": False})
+    data.setdefault("admission", {}).update({"on_slo_miss": "queue", "adaptive_concurrency": False})
     data["max_migrations"] = 2
     return AppConfig.from_dict(data)
 
