@@ -64,11 +64,8 @@ DEFAULT_APP: dict[str, Any] = {
         "num_cpus": 1,
         "engine": {"num_kv_blocks": 1024, "max_num_seqs": 16, "max_model_len": 1024},
     },
-    "policy": {
-        "local_prefill_max_tokens": 32,
-        "on_slo_miss": "queue",
-        "adaptive_concurrency": False,
-    },
+    "policy": {"local_prefill_max_tokens": 32},
+    "admission": {"on_slo_miss": "queue", "adaptive_concurrency": False},
     "slo": {"ttft_ms": 60000},
     "autoscaling": False,
     "max_migrations": 3,

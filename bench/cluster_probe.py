@@ -17,6 +17,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Literal
 
+from pdserve.cluster.metrics_scrape import node_metric_families
 from pdserve.cluster.state import ClusterState, auth_header
 from pdserve.deployments.metrics import PREFIX, exported_name
 
@@ -88,21 +89,13 @@ def running_replicas(state: ClusterState) -> dict[str, list[RunningReplica]]:
 
 def scrape(state: ClusterState, names: set[str]) -> list[tuple[str, dict[str, str], float]]:
     """Samples (name, labels, value) of the metric families ``names`` on every node."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    samples = []
-    for node in state.nodes:
-        url = f"http://{state.node_ip}:{node.metrics_export_port}/metrics"
-        try:
-            with urllib.request.urlopen(url, timeout=HTTP_TIMEOUT_S) as resp:
-                text = resp.read().decode()
-        except (urllib.error.URLError, OSError):
-            continue
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name in names:
-                    samples.append((sample.name, dict(sample.labels), float(sample.value)))
-    return samples
+    ports = [node.metrics_export_port for node in state.nodes]
+    return [
+        (sample.name, dict(sample.labels), float(sample.value))
+        for family in node_metric_families(state.node_ip, ports, HTTP_TIMEOUT_S)
+        for sample in family.samples
+        if sample.name in names
+    ]
 
 
 def migrations_by_cause(state: ClusterState) -> dict[str, float]:

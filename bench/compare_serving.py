@@ -113,7 +113,8 @@ class Measurement:
 
 
 def default_workloads(scale: float, output_len: int, long_prompt: int) -> list[Workload]:
-    """Sized so the whole comparison takes about 10-15 minutes on 2 cores at ``scale=1``."""
+    """Sized so that ``scale=1`` compares the three systems in minutes on a small CPU machine
+    (run times in docs/benchmarks.md)."""
 
     def n(base: int, at_least: int) -> int:
         return max(at_least, round(base * scale))
@@ -266,8 +267,8 @@ def _get(results: list[Measurement], system: str, workload: str) -> Summary | No
 
 
 def check_targets(results: list[Measurement], recommended: str) -> list[dict[str, Any]]:
-    """The issue's targets, each with the two numbers compared and whether it holds
-    (``passed`` is None when a side is missing)."""
+    """The comparison's targets (docs/benchmarks.md), each with the two numbers compared and
+    whether it holds (``passed`` is None when a side is missing)."""
     checks: list[dict[str, Any]] = []
 
     def add(what: str, ours: float | None, theirs: float | None, higher_is_better: bool) -> None:

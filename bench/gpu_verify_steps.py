@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-# H200 datasheet ceilings (the issue's yardsticks; the kernel check also measures its own).
+# H200 datasheet ceilings, the yardsticks of the report (the kernel check also measures its own).
 H200_COPY_GBS = 4300.0
 H200_BF16_TFLOPS = 790.0
 VARIANTS = ("llama3-gqa", "qwen2", "mqa")  # the three test configs of tests/engine
@@ -28,7 +28,7 @@ ARRIVALS = [(0, 600), (0, 1), (0, 45), (1, 130), (2, 17), (4, 301), (7, 2), (9, 
 PREEMPT_ARRIVALS = [(0, 130), (0, 200), (0, 45), (1, 600), (2, 17), (3, 1), (5, 64), (6, 2)]
 # bf16 engine logits vs transformers fp32: max |diff| / max |ref logit|, per prompt.
 BF16_REL_TOL = 0.05
-NUMERICS_MODEL = "small"  # the issue-23 table's model
+NUMERICS_MODEL = "small"  # the model of the numerics table in docs/benchmarks.md
 THROUGHPUT_BATCHES = (1, 8, 32, 128)
 THROUGHPUT_MODEL = "small"  # a test-model size (engine.testmodel.SIZES)
 # Where the steps run: "cuda" on the device; the CPU smoke test points steps 2-3 at "cpu".
@@ -74,6 +74,10 @@ def kernels(quick: bool) -> list[Row]:
     torch.cuda.empty_cache()
     rows += g._bench_blocks(dev, quick, ceil)
     rows += g._bench_elementwise(dev, ceil)
+    torch.cuda.empty_cache()
+    from pdserve.kernels.triton.gpu_check_moe import bench_moe
+
+    rows += bench_moe(dev, quick, ceil)
     out = quant_kernels(dev, quick)
     for r in rows:
         nominal = None

@@ -18,7 +18,7 @@ of the last prompt token (the first sampled token's distribution).
 
 Two tables:
 
-- **first token** (the issue-23 table): share of prompts whose top-1 token equals the
+- **first token**: share of prompts whose top-1 token equals the
   reference's; top-1 flips costing more than 0.05 nats (the reference log-probability of
   the reference's top token minus that of the chosen one); mean |log-probability error| of
   the chosen token; mean KL(reference || system).

@@ -262,6 +262,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     turns.add_argument("--turns", default="uniform:2:6", help="turns per conversation")
     turns.add_argument("--system-len", type=int, default=512, help="shared system prompt tokens")
     turns.add_argument("--num-system-prompts", type=int, default=2)
+    turns.add_argument(
+        "--context-len",
+        type=int,
+        default=0,
+        help="tokens of each conversation's own context opening its first user message",
+    )
     turns.add_argument("--user-len", default="uniform:32:128", help="tokens per user message")
     turns.add_argument(
         "--think-time-s",

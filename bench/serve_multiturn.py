@@ -20,6 +20,7 @@ import asyncio
 import json
 import random
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,11 @@ class MultiTurnSpec:
     think_time_s: float  # mean of an exponential pause between turns; 0 = none
     conversation_rate: float | None  # Poisson starts per second; None = all at once
     seed: int
+    # Tokens of a context of the conversation's own (a document, an agent's tool output)
+    # that opens its first user message: what makes history, not the new message, the bulk
+    # of a follow-up turn's prompt, as in vLLM's multi-turn benchmark's per-conversation
+    # prefix. 0 = none.
+    context_len: int = 0
 
     def check(self) -> None:
         if self.num_conversations < 1:
@@ -73,6 +79,8 @@ class MultiTurnSpec:
                 f"system_len ({self.system_len}) and num_system_prompts "
                 f"({self.num_system_prompts}) must be >= 1"
             )
+        if self.context_len < 0:
+            raise ValueError(f"context_len must be >= 0, got {self.context_len}")
         if self.think_time_s < 0:
             raise ValueError(f"think_time_s must be >= 0, got {self.think_time_s}")
         if self.conversation_rate is not None and self.conversation_rate <= 0:
@@ -91,6 +99,9 @@ def build_conversations(tokenizer: Any, spec: MultiTurnSpec) -> list[Conversatio
         turns = []
         for k in range(spec.turns.sample(rng)):
             text, n = builder.build(spec.user_len.sample(rng))
+            if k == 0 and spec.context_len:
+                context, m = builder.build(spec.context_len)
+                text, n = context.lstrip() + " " + text.lstrip(), m + n
             think = rng.expovariate(1 / spec.think_time_s) if spec.think_time_s and k else 0.0
             turns.append(Turn(" " + text.lstrip(), n, spec.output_len.sample(rng), think))
         system_id = rng.randrange(spec.num_system_prompts)
@@ -206,6 +217,8 @@ def summarize_turns(
         by_turn.setdefault(r.turn, []).append(r.record.ttft)
     first = _pcts(by_turn.get(1, []))
     later = _pcts([t for k, ts in by_turn.items() if k >= 2 for t in ts])
+    # The prompt tokens some replica had to compute: what a turn's TTFT can shrink with.
+    computed = [(r.turn, r.record.prompt_tokens - r.record.cached_tokens) for r in done]
 
     def hit_rate(rs: list[TurnRecord]) -> float | None:
         prompt = sum(r.record.prompt_tokens for r in rs)
@@ -224,9 +237,13 @@ def summarize_turns(
         "ttft_later_turns": later,
         "ttft_p50_later_over_turn1": ratio(later["p50"], first["p50"]),
         "ttft_p99_later_over_turn1": ratio(later["p99"], first["p99"]),
+        "computed_tokens_turn1": _pcts([float(n) for k, n in computed if k == 1]),
+        "computed_tokens_later_turns": _pcts([float(n) for k, n in computed if k >= 2]),
         "hit_rate": hit_rate(done),
         "hit_rate_later_turns": hit_rate([r for r in done if r.turn >= 2]),
         "kv_bytes_per_request": kv_bytes / len(done) if kv_bytes is not None and done else None,
+        # Why turns failed (each failure ends its conversation): error text -> count.
+        "errors": dict(Counter(str(r.record.error)[:200] for r in records if not r.record.ok)),
     }
 
 
@@ -245,6 +262,14 @@ def format_turn_table(summaries: list[dict[str, Any]]) -> str:
         ("TTFT turns>=2 p99 (ms)", [ms(s["ttft_later_turns"]["p99"]) for s in summaries]),
         ("p50 turns>=2 / turn 1", [num(s["ttft_p50_later_over_turn1"], ".2f") for s in summaries]),
         ("p99 turns>=2 / turn 1", [num(s["ttft_p99_later_over_turn1"], ".2f") for s in summaries]),
+        (
+            "computed prompt tokens turn 1 p50",
+            [num(s["computed_tokens_turn1"]["p50"], ".0f") for s in summaries],
+        ),
+        (
+            "computed prompt tokens turns>=2 p50",
+            [num(s["computed_tokens_later_turns"]["p50"], ".0f") for s in summaries],
+        ),
         ("prefix hit rate", [num(s["hit_rate"], ".1%") for s in summaries]),
         ("hit rate turns>=2", [num(s["hit_rate_later_turns"], ".1%") for s in summaries]),
         ("KV bytes / request", [num(s["kv_bytes_per_request"], ",.0f") for s in summaries]),
@@ -274,7 +299,7 @@ def run_multiturn(args: Any) -> dict[str, Any]:
             system_len=args.system_len, num_system_prompts=args.num_system_prompts,
             user_len=LengthDist.parse(args.user_len), output_len=args.output_dist,
             think_time_s=args.think_time_s, conversation_rate=args.conversation_rate,
-            seed=args.seed,
+            seed=args.seed, context_len=args.context_len,
         )  # fmt: skip
         conversations = build_conversations(tokenizer, spec)
     out_dir = Path(args.out_dir or f"bench/results/multiturn-{time.strftime('%Y%m%d-%H%M%S')}")

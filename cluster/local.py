@@ -56,9 +56,8 @@ class StopReport:
 # Serve's direct ingress (``ClusterSpec.direct_ingress``). Ray holds a draining ingress
 # replica open MIN_DRAINING_PERIOD_S so that a load balancer can deregister it; a local
 # cluster has no load balancer in front (clients hold the replica's URL), so one second is
-# enough. Not Ray's whole throughput-optimized preset (RAY_SERVE_THROUGHPUT_OPTIMIZED: user
-# code and router on the replica's own event loop): it measured no better than direct
-# ingress alone (docs/decisions.md, decision 5).
+# enough. Not Ray's whole throughput-optimized preset (RAY_SERVE_THROUGHPUT_OPTIMIZED): why
+# in docs/decisions.md, decision 5.
 DIRECT_INGRESS_ENV = {
     "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
     "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",

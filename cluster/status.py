@@ -19,6 +19,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pdserve.cluster.metrics_scrape import node_metric_families
 from pdserve.cluster.procs import is_running
 from pdserve.cluster.state import ClusterState, NodeRecord, auth_header
 from pdserve.deployments.config import POOL_LABEL_KEY
@@ -127,27 +128,19 @@ def _node_name(labels: dict[str, str], is_head: bool, fallback: str) -> str:
 def scrape_load(records: list[NodeRecord], node_ip: str) -> dict[str, dict[str, float]]:
     """pdserve's load gauges per replica label, from every node's metrics endpoint; the
     engine dtypes gauge adds ``{"<weights>/<kv>": 1.0}`` to its replica's entry."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     load: dict[str, dict[str, float]] = defaultdict(dict)
-    for record in records:
-        url = f"http://{node_ip}:{record.metrics_export_port}/metrics"
-        try:
-            with urllib.request.urlopen(url, timeout=HTTP_TIMEOUT_S) as resp:
-                text = resp.read().decode()
-        except (urllib.error.URLError, OSError):
+    ports = [record.metrics_export_port for record in records]
+    for family in node_metric_families(node_ip, ports, HTTP_TIMEOUT_S):
+        key = LOAD_GAUGES.get(family.name)
+        if key is None and family.name != DTYPES_GAUGE:
             continue
-        for family in text_string_to_metric_families(text):
-            key = LOAD_GAUGES.get(family.name)
-            if key is None and family.name != DTYPES_GAUGE:
-                continue
-            for sample in family.samples:
-                replica = sample.labels.get("replica")
-                if replica and key is not None:
-                    load[replica][key] = sample.value
-                elif replica:
-                    w, kv = sample.labels.get("weight_dtype"), sample.labels.get("kv_cache_dtype")
-                    load[replica][f"{w}/{kv}"] = sample.value
+        for sample in family.samples:
+            replica = sample.labels.get("replica")
+            if replica and key is not None:
+                load[replica][key] = sample.value
+            elif replica:
+                w, kv = sample.labels.get("weight_dtype"), sample.labels.get("kv_cache_dtype")
+                load[replica][f"{w}/{kv}"] = sample.value
     return load
 
 

@@ -55,29 +55,26 @@ def build_application(
 
     prefill = None
     if cfg.policy.mode != "always_local":
-        prefill = (
-            serve.deployment(PrefillServer)
-            .options(name=PREFILL_DEPLOYMENT, **deployment_options(cfg, "prefill", gauge_model))
-            .bind(cfg_data, model_dir, engine_factory)
-        )
-    decode = (
-        serve.deployment(DecodeServer)
-        .options(name=DECODE_DEPLOYMENT, **deployment_options(cfg, "decode", gauge_model))
-        .bind(cfg_data, model_dir, prefill, engine_factory)
-    )
+        prefill = serve.deployment(
+            name=PREFILL_DEPLOYMENT, **deployment_options(cfg, "prefill", gauge_model)
+        )(PrefillServer).bind(cfg_data, model_dir, engine_factory)
+    decode = serve.deployment(
+        name=DECODE_DEPLOYMENT, **deployment_options(cfg, "decode", gauge_model)
+    )(DecodeServer).bind(cfg_data, model_dir, prefill, engine_factory)
     if not with_ingress:
         return decode
 
+    from pdserve.deployments.admission.front_door import FrontDoorSettings
     from pdserve.deployments.ingress import OpenAIIngress
 
     ready = [DECODE_DEPLOYMENT] + ([PREFILL_DEPLOYMENT] if prefill is not None else [])
-    return OpenAIIngress.options(
+    return serve.deployment(
         name=INGRESS_DEPLOYMENT,
         num_replicas=cfg.ingress_replicas,
         ray_actor_options={"num_cpus": cfg.ingress_num_cpus},
         graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
         **ingress_bounds(cfg),
-    ).bind(
+    )(OpenAIIngress).bind(
         decode,
         model_dir,
         model_name=cfg.model.served_name(model_dir),
@@ -85,11 +82,7 @@ def build_application(
         ready_deployments=ready,
         observability=cfg.observability,
         api=cfg.api,
-        ttft_slo_ms=cfg.slo.ttft_ms if cfg.policy.on_slo_miss == "shed" else None,
-        max_streams=cfg.ingress_ongoing_limit if cfg.policy.adaptive_concurrency else None,
-        limit_batch=cfg.policy.batch_on_slo_miss == "shed",
-        reject_within_ms=cfg.policy.reject_within_ms,
-        admission_timeout=cfg.policy.admission_timeout,
+        door=FrontDoorSettings.from_config(cfg),
         max_migrations=cfg.max_migrations,
     )
 
@@ -206,11 +199,14 @@ def router_config(cfg: AppConfig, role: PoolRole) -> RequestRouterConfig:
             "max_imbalance": r.prefix_max_imbalance,
             **prefix,
         }
-    return RequestRouterConfig(
-        request_router_class=cls,
-        request_router_kwargs=kwargs,
-        request_routing_stats_period_s=r.stats_period_s,
-        request_routing_stats_timeout_s=r.stats_timeout_s,
+    # model_validate: Ray annotates the constructor's keyword arguments as dicts.
+    return RequestRouterConfig.model_validate(
+        {
+            "request_router_class": cls,
+            "request_router_kwargs": kwargs,
+            "request_routing_stats_period_s": r.stats_period_s,
+            "request_routing_stats_timeout_s": r.stats_timeout_s,
+        }
     )
 
 

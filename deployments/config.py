@@ -100,9 +100,10 @@ class ModelSettings(_Strict):
         default="auto",
         description=(
             "Model code (EngineConfig.model_impl): 'native' = pdserve's own class (the Llama "
-            "family), 'transformers' = transformers' modelling code on pdserve's paged "
-            "attention (any decoder-only model whose attention goes through "
-            "AttentionInterface), 'auto' = native where a class exists, else transformers."
+            "family, Qwen3, Qwen3-MoE, Mixtral), 'transformers' = transformers' modelling code "
+            "on pdserve's paged attention (any decoder-only model whose attention goes "
+            "through AttentionInterface), 'auto' = native where a class exists, else "
+            "transformers."
         ),
     )
     seed: int = Field(default=0, description="Engine seed for unseeded sampling.")
@@ -300,9 +301,9 @@ class PoolConfig(_Strict):
         ge=1,
         description=(
             "Serve's per-replica cap on in-flight requests; None = 4 x engine.max_num_seqs. "
-            "On a decode replica admission control keeps at most half of it admitted (a "
-            "running batch and a waiting one, within the TTFT SLO), so a shed request always "
-            "finds a slot and gets its 429 without queueing."
+            "On a decode replica admission control keeps only part of it admitted "
+            "(AdmissionConfig.max_admitted), so a shed request always finds a slot and gets "
+            "its 429 without queueing."
         ),
     )
     max_queued_requests: int | None = Field(
@@ -384,7 +385,9 @@ class PoolConfig(_Strict):
 
     def label_selector(self, role: PoolRole) -> dict[str, str]:
         """The Ray ``label_selector`` for this pool's replicas."""
-        selector = {POOL_LABEL_KEY: role} if self.node_labels is None else dict(self.node_labels)
+        selector: dict[str, str] = (
+            {POOL_LABEL_KEY: role} if self.node_labels is None else dict(self.node_labels)
+        )
         if self.accelerator_type is not None:
             selector[ACCELERATOR_LABEL_KEY] = self.accelerator_type
         return selector
@@ -516,11 +519,17 @@ class PolicyConfig(_Strict):
             "prompt off the decode batch (steady TPOT) at the cost of TTFT under load."
         ),
     )
+
+
+class AdmissionConfig(_Strict):
+    """Overload control: what the decode replicas admit or shed (``DecodeAdmission``) and
+    what each ingress turns away at its door (``FrontDoor``)."""
+
     on_slo_miss: Literal["queue", "shed"] = Field(
         default="shed",
         description=(
             "Interactive requests whose predicted TTFT (everything queued ahead on the decode "
-            "replica, see deployments/admission.py) exceeds shed_ttft_factor x SLO: shed "
+            "replica, see deployments/admission/) exceeds shed_ttft_factor x SLO: shed "
             "(429 + Retry-After from the predicted drain time) or queue anyway."
         ),
     )
@@ -538,7 +547,7 @@ class PolicyConfig(_Strict):
             "With shedding on: each ingress bounds the streams it holds open by the time to "
             "first token it observes and its own event loop's lag (grow while first tokens "
             "come within half the TTFT SLO and the loop is quiet, cut when one comes past "
-            "the SLO or the loop lags; admission.StreamLimit), and answers 429 past the "
+            "the SLO or the loop lags; admission/stream_limit.py), and answers 429 past the "
             "bound. It covers the serving path the decode replica's prediction does not "
             "model (event loops, Ray transfers, HTTP writes)."
         ),
@@ -550,9 +559,7 @@ class PolicyConfig(_Strict):
             "request the decode pool has not admitted or shed within half of "
             "reject_within_ms: a guard for a path to the decode replicas slower than the 429 "
             "budget. Off by default: the stream bound alone meets the 429 target, and each "
-            "late decision cuts that bound, so it costs admissions (beside one CPU-bound "
-            "process on a 2-core VM, 170 interactive requests admitted at a 10x step with it, "
-            "480 without)."
+            "late decision cuts that bound, so it costs admissions (docs/tuning.md)."
         ),
     )
     reject_within_ms: float = Field(
@@ -595,6 +602,35 @@ class PolicyConfig(_Strict):
         gt=0,
         description="The same bound for batch requests, in seconds: batch may queue longer.",
     )
+
+    def max_admitted(self, ongoing_limit: int) -> int:
+        """Most requests a decode replica holds admitted under Serve's per-replica cap
+        ``ongoing_limit`` before a class that sheds is shed whatever its prediction: half
+        of it, so that the other half of Serve's slots stays free for answering 429s at
+        once."""
+        return max(1, ongoing_limit // 2)
+
+    def admitted_per_replica(self, ongoing_limit: int) -> int:
+        """The requests one decode replica takes at once: ``max_admitted`` while
+        interactive traffic is shed, else its whole ongoing cap."""
+        if self.on_slo_miss == "shed":
+            return self.max_admitted(ongoing_limit)
+        return ongoing_limit
+
+
+# Keys that left ``policy`` for ``admission``: a config naming one there gets an error
+# naming where it went, not "unknown field".
+MOVED_TO_ADMISSION = (
+    "on_slo_miss",
+    "shed_ttft_factor",
+    "adaptive_concurrency",
+    "admission_timeout",
+    "reject_within_ms",
+    "batch_on_slo_miss",
+    "batch_shed_ttft_factor",
+    "max_queue_wait_factor",
+    "batch_max_queue_wait_s",
+)
 
 
 class ObservabilityConfig(_Strict):
@@ -718,10 +754,10 @@ class AppConfig(_Strict):
         description=(
             "Serve's cap on requests one ingress replica holds at once, streams included. "
             "None = what the decode pool takes at decode.max_replicas, split over the "
-            "ingress replicas: the requests its admission control admits (half of each "
-            "replica's ongoing cap) when interactive traffic is shed, its ongoing caps when "
-            "it queues. Past it Serve's HTTP proxy queues up to ingress_max_queued_requests, "
-            "then answers 429 itself."
+            "ingress replicas: the requests its admission control admits "
+            "(AdmissionConfig.max_admitted of each replica's ongoing cap) when interactive "
+            "traffic is shed, its ongoing caps when it queues. Past it Serve's HTTP proxy "
+            "queues up to ingress_max_queued_requests, then answers 429 itself."
         ),
     )
     ingress_max_queued_requests: int | None = Field(
@@ -740,6 +776,10 @@ class AppConfig(_Strict):
     transport: TransportConfig = Field(default_factory=TransportConfig, description="KV transport.")
     router: RouterConfig = Field(default_factory=RouterConfig, description="Request routers.")
     policy: PolicyConfig = Field(default_factory=PolicyConfig, description="Disaggregation policy.")
+    admission: AdmissionConfig = Field(
+        default_factory=AdmissionConfig,
+        description="Overload control: admission on the decode replicas, the ingress's door.",
+    )
     graceful_shutdown_timeout_s: float = Field(
         default=5.0,
         gt=0,
@@ -771,6 +811,18 @@ class AppConfig(_Strict):
             "error chunk. 0 = never migrate."
         ),
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_moved_keys(cls, data: Any) -> Any:
+        policy = data.get("policy") if isinstance(data, dict) else None
+        if isinstance(policy, dict):
+            moved = [key for key in MOVED_TO_ADMISSION if key in policy]
+            if moved:
+                raise ValueError(
+                    "; ".join(f"policy.{key} moved to admission.{key}" for key in moved)
+                )
+        return data
 
     @model_validator(mode="after")
     def _check_pools(self) -> AppConfig:
@@ -804,10 +856,7 @@ class AppConfig(_Strict):
         """``ingress_max_ongoing_requests``, or what the decode pool takes per ingress."""
         if self.ingress_max_ongoing_requests is not None:
             return self.ingress_max_ongoing_requests
-        per_replica = self.decode.ongoing_limit
-        if self.policy.on_slo_miss == "shed":
-            # DecodeServer admits at most half its ongoing cap (the rest answers 429s).
-            per_replica = max(1, per_replica // 2)
+        per_replica = self.admission.admitted_per_replica(self.decode.ongoing_limit)
         total = self.decode.max_replicas * per_replica
         return max(1, -(-total // self.ingress_replicas))
 

@@ -9,9 +9,10 @@ For every ``GenerateRequest`` it asks the disaggregation policy where to prefill
   TTFT-aware router) with a ``PrefillRequest``, wait for the KV, then decode here. If the
   prefill replica dies or the transfer misses its deadline, it recomputes locally into the
   same blocks: the client sees a slower first token, never an error;
-- shed: admission control (``admission.py``) predicts the request's TTFT from everything
-  queued ahead of it here and answers at once with a 429 error chunk (Retry-After from the
-  predicted drain time) when the prediction exceeds its class's threshold.
+- shed: admission control (``admission.decode.DecodeAdmission``) predicts the request's
+  TTFT from everything queued ahead of it here and answers at once with a 429 error chunk
+  (Retry-After from the predicted drain time) when the prediction exceeds its class's
+  threshold.
 
 Tokens stream back as ``GenerateChunk``s. If the consumer goes away (client disconnect:
 the generator is closed or its task cancelled) the prefill call is cancelled, the receiver
@@ -25,14 +26,20 @@ import contextlib
 import logging
 import statistics
 import time
-from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 from ray.serve.handle import DeploymentHandle
 
-from pdserve.deployments import admission, autoscaling, kv_events, tracing
+from pdserve.deployments import autoscaling, kv_events, tracing
+from pdserve.deployments.admission.decode import (
+    AdmissionRequest,
+    DecodeAdmission,
+    ReplicaSignals,
+    uncached_tokens,
+)
+from pdserve.deployments.admission.rules import MIN_DRAIN_S, AdmissionDecision
 from pdserve.deployments.config import AppConfig
 from pdserve.deployments.engine_factory import (
     EngineFactory,
@@ -186,21 +193,13 @@ class DecodeServer:
         self._counts = {"local": 0, "remote": 0, "shed": 0}
         self._open_streams = 0
         self._itl = Ema()
-        # Half of Serve's slots for admitted requests, the rest free to answer 429s at once.
-        self._rules = admission.AdmissionRules.from_config(
-            self.cfg.policy, self.cfg.slo, max(1, self.cfg.decode.ongoing_limit // 2)
-        )
-        self._calibration = admission.Calibration()
-        self._pending = admission.PendingPrefills()
+        self.admission = DecodeAdmission.from_config(self.cfg)
         self._output_tokens = Ema()
         self._admitted_prompt_tokens = RateMeter()
         # Demand for the autoscaling policy: requests admitted here, and requests turned away
         # for lack of capacity (this replica's sheds, and those the ingress reports).
         self._admitted = RateMeter()
         self._turned_away = RateMeter()
-        # request id -> its prediction, until its first token; then (predicted, actual).
-        self._predicted: dict[str, admission.TTFTPrediction] = {}
-        self._ttft_pairs: deque[tuple[float, float]] = deque(maxlen=4096)
 
     # ------------------------------------------------------------------ request path
     async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
@@ -211,9 +210,7 @@ class DecodeServer:
         if req.admit_by is not None and start > req.admit_by:
             # The ingress answered it 429 already (its decision came too late): no work,
             # and not counted (the ingress counted the shed and the demand).
-            yield GenerateChunk.overloaded(
-                req, "overloaded (admission_timeout)", admission.MIN_DRAIN_S
-            )
+            yield GenerateChunk.overloaded(req, "overloaded (admission_timeout)", MIN_DRAIN_S)
             return
         self._open_streams += 1
         attrs = {
@@ -242,8 +239,7 @@ class DecodeServer:
                     async for chunk in self._stream(req, decision, start, span):
                         yield chunk
                 finally:
-                    self._pending.finished(req.request_id)
-                    self._predicted.pop(req.request_id, None)
+                    self.admission.finished(req.request_id)
         finally:
             self._open_streams -= 1
             if self.remote is not None:
@@ -267,75 +263,58 @@ class DecodeServer:
             num_cached_tokens=cached,
             load=load,
             remote=self.remote_estimate if self.remote is not None else None,
-            sheddable=False,
         )
         return decision, cached
 
     def _admit(
         self, req: GenerateRequest, decision: Decision, cached: int, now: float
-    ) -> admission.AdmissionDecision:
+    ) -> AdmissionDecision:
         """Predict the TTFT from what is queued ahead here; admit or shed."""
-        stats = self.engine.stats()
         n = len(req.prompt_token_ids)
-        if decision.location == "remote":
-            est = self.remote_estimate
-            # Its queue drains over the whole prefill pool, its own prompt on one replica.
-            queued = est.as_one_queue(max(est.in_flight_tokens, self._pending.tokens("remote")))
-            rate, overhead, uncached = est.tokens_per_s, est.overhead_s, n
-            measured = est.rate_measured
-        else:
-            queued = max(stats.queued_prefill_tokens, self._pending.tokens("local"))
-            rate = stats.prefill_tokens_per_s or self.cfg.router.default_prefill_tokens_per_s
-            overhead, uncached = 0.0, max(1, n - cached)
-            measured = stats.prefill_tokens_per_s > 0
-        in_engine = stats.num_running + stats.num_waiting + stats.num_waiting_remote_kv
-        ahead = admission.QueueAhead(
-            waited_s=now - req.arrival_time if req.arrival_time is not None else 0.0,
-            num_in_batch=max(in_engine, self._pending.num_open),
-            max_num_seqs=self.max_num_seqs,
-            step_s=self._itl.value or self.cfg.slo.tpot_ms / 1000.0,
-            mean_output_tokens=self._output_tokens.value or req.sampling.max_tokens,
-            queued_prefill_tokens=queued,
-            prefill_tokens_per_s=rate,
-            prefill_overhead_s=overhead,
-            rate_measured=measured,
+        verdict = self.admission.admit(
+            AdmissionRequest(
+                request_id=req.request_id,
+                priority=req.priority,
+                prompt_tokens=n,
+                cached_tokens=cached,
+                max_tokens=req.sampling.max_tokens,
+                arrival_time=req.arrival_time,
+                location=decision.location,
+            ),
+            ReplicaSignals(
+                engine=self.engine.stats(),
+                remote=self.remote_estimate if self.remote is not None else None,
+                step_s=self._itl.value,
+                mean_output_tokens=self._output_tokens.value,
+            ),
+            now,
         )
-        prediction = admission.predict_ttft(ahead, uncached, self._calibration.value)
-        verdict = admission.decide(prediction, req.slo_class, self._rules, self._pending.num_open)
         if verdict.action == "admit":
-            self._pending.admitted(req.request_id, decision.location, uncached)
-            self._admitted_prompt_tokens.add(uncached)
+            self._admitted_prompt_tokens.add(uncached_tokens(n, cached, decision.location))
             self._admitted.add(1)
-            self._predicted[req.request_id] = prediction
             self.metrics.predicted_ttft.observe(verdict.predicted_ttft_s)
+            if verdict.past_slo:
+                self.metrics.record_admitted_past_slo(verdict.reason, req.priority)
         return verdict
 
-    def _first_token(
-        self, req: GenerateRequest, start: float, now: float, span: Any
-    ) -> float | None:
+    def _first_token(self, req: GenerateRequest, now: float, span: Any) -> float | None:
         """Score the admission prediction against the observed TTFT; the prediction (from
         arrival) goes to the ingress with the first token (None: not predicted)."""
-        self._pending.first_token(req.request_id)
-        prediction = self._predicted.pop(req.request_id, None)
-        if prediction is None:
+        score = self.admission.first_token(req.request_id, now)
+        if score is None:
             return None
-        arrival = req.arrival_time if req.arrival_time is not None else start
-        actual = now - arrival
-        uncalibrated = prediction.remaining_s / prediction.calibration
-        self._calibration.observe(uncalibrated, now - start)
-        self._ttft_pairs.append((prediction.total_s, actual))
-        self.metrics.ttft_prediction_error.observe(abs(prediction.total_s - actual))
-        span.set_attribute("pdserve.admission.actual_ttft_s", actual)
-        return prediction.total_s
+        self.metrics.ttft_prediction_error.observe(abs(score.predicted_s - score.actual_s))
+        span.set_attribute("pdserve.admission.actual_ttft_s", score.actual_s)
+        return score.predicted_s
 
-    def _shed(self, req: GenerateRequest, verdict: admission.AdmissionDecision) -> GenerateChunk:
+    def _shed(self, req: GenerateRequest, verdict: AdmissionDecision) -> GenerateChunk:
         self._counts["shed"] += 1
         self._turned_away.add(1)
-        self.metrics.record_shed(verdict.reason, req.slo_class)
+        self.metrics.record_shed(verdict.reason, req.priority)
         retry = verdict.retry_after_s or 1.0
         message = (
             f"overloaded ({verdict.reason}): predicted time to first token "
-            f"{verdict.predicted_ttft_s:.1f}s exceeds what a {req.slo_class} request "
+            f"{verdict.predicted_ttft_s:.1f}s exceeds what a {req.priority} request "
             f"may wait (TTFT objective {self.cfg.slo.ttft_ms / 1000:.1f}s); "
             f"retry after {retry:g}s"
         )
@@ -366,7 +345,7 @@ class DecodeServer:
                         if first_at is None:
                             first_at = now
                             self.metrics.time_to_first_token.observe(now - start)
-                            extra["predicted_ttft_s"] = self._first_token(req, start, now, span)
+                            extra["predicted_ttft_s"] = self._first_token(req, now, span)
                         else:
                             gap = (now - last_at) / len(out.new_token_ids)
                             self.metrics.inter_token_latency.observe(gap)
@@ -463,12 +442,12 @@ class DecodeServer:
 
     def admission_report(self, last: int = 1000) -> AdmissionReport:
         """Predicted vs observed TTFT of the most recent admitted requests."""
-        pairs = list(self._ttft_pairs)[-last:]
+        pairs = [(s.predicted_s, s.actual_s) for s in self.admission.scores][-last:]
         errors = [abs(p - a) for p, a in pairs]
         return AdmissionReport(
             num_observed=len(pairs),
             median_abs_error_s=statistics.median(errors) if errors else None,
-            calibration=self._calibration.value,
+            calibration=self.admission.calibration.value,
             samples=pairs,
         )
 

@@ -9,13 +9,10 @@ GET /health (503 while a deployment in ``ready_deployments`` has no running repl
 GET /ready (the same, with the reason as JSON), GET /version, GET /metrics (Prometheus text
 of the ingress's own registry). Every route first passes ``APIGuard`` (API keys, rate
 limits; /health and /metrics can stay open) and bodies past ``api.max_body_bytes`` get 413.
-The request header ``x-pdserve-priority`` (gRPC: metadata of that name; the older
-``x-pdserve-slo-class`` is read too) is ``interactive`` (default) or ``batch``: admission
-control on the decode replica sheds batch first and lets it queue longer. With shedding on,
-the ingress itself answers 429 at its door past its adaptive bound on open streams
-(``admission.StreamLimit``), and, with ``policy.admission_timeout``, for a request the
-decode pool did not admit (or shed) within half of ``policy.reject_within_ms``
-(``admission.admission_ack_timeout_s``).
+The request header ``x-pdserve-priority`` (gRPC: metadata of that name) is ``interactive``
+(default) or ``batch``: admission control on the decode replica sheds batch first and lets
+it queue longer. The ingress's own overload control is its ``FrontDoor``
+(``admission/front_door.py``), asked once per request before its body is read.
 Serve bounds the ingress (``app.ingress_bounds``): past what the decode pool admits, Serve's
 proxy answers 429 itself; a full Serve queue for the decode pool is a 429 here too.
 gRPC: ``pdserve.v1.PDServe.Generate`` (server streaming) and ``.Complete`` (unary) from
@@ -26,7 +23,6 @@ gRPC proxy.
 import asyncio
 import contextvars
 import logging
-import math
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from importlib.metadata import version as package_version
@@ -43,26 +39,21 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pdserve.deployments.admission import (
-    MIN_DRAIN_S,
-    ProxyLag,
-    ShedHint,
-    StreamLimit,
-    admission_ack_timeout_s,
-    ingress_overloaded,
-    stream_lag_budget_s,
+from pdserve.deployments.admission.front_door import (
+    DoorShed,
+    FrontDoor,
+    FrontDoorSettings,
 )
+from pdserve.deployments.admission.rules import Priority
 from pdserve.deployments.api_guard import APIGuard, read_body
 from pdserve.deployments.config import APIConfig, ObservabilityConfig
 from pdserve.deployments.decode_stream import DecodeStream, error_from_info
 from pdserve.deployments.grpc import pdserve_pb2 as pb2
 from pdserve.deployments.ingress_telemetry import IngressTelemetry
-from pdserve.deployments.load import Ema, LoopLag
 from pdserve.deployments.messages import (
     ErrorInfo,
     GenerateChunk,
     GenerateRequest,
-    SLOClass,
     TokenLogprob,
 )
 from pdserve.deployments.metrics import APIMetrics, ServingMetrics
@@ -93,11 +84,9 @@ from pdserve.engine.loader import load_model_config, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-SLO_CLASS_HEADER = "x-pdserve-slo-class"
 PRIORITY_HEADER = "x-pdserve-priority"
 READY_CACHE_S = 1.0
 RETRY_AFTER_S = 1.0
-TURNED_AWAY_REPORT_S = 1.0  # how often the door's capacity sheds are reported to the pool
 TURNED_AWAY_TIMEOUT_S = 5.0
 
 PDSERVE_VERSION = package_version("pdserve")
@@ -126,17 +115,16 @@ async def _http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
     return error_response(OpenAIError(str(err.detail), status_code=err.status_code, type=kind))
 
 
-def _slo_class(headers: Any) -> SLOClass:
+def _priority(headers: Any) -> Priority:
     """The request's priority class from its headers (or gRPC metadata as a mapping)."""
-    name = PRIORITY_HEADER if headers.get(PRIORITY_HEADER) is not None else SLO_CLASS_HEADER
-    value = headers.get(name)
+    value = headers.get(PRIORITY_HEADER)
     if value in (None, "", "interactive"):
         return "interactive"
     if value == "batch":
         return "batch"
     raise OpenAIError(
-        f"header {name} must be 'interactive' or 'batch', got {value!r}",
-        param=name,
+        f"header {PRIORITY_HEADER} must be 'interactive' or 'batch', got {value!r}",
+        param=PRIORITY_HEADER,
         code="invalid_value",
     )
 
@@ -264,6 +252,16 @@ async def _prepend(
         yield chunk
 
 
+def _overloaded_info(shed: DoorShed) -> ErrorInfo:
+    return ErrorInfo(
+        code=429, type="rate_limit_error", message=shed.message, retry_after_s=shed.retry_after_s
+    )
+
+
+def _overloaded(request: GenerateRequest, shed: DoorShed) -> GenerateChunk:
+    return GenerateChunk.overloaded(request, shed.message, retry_after_s=shed.retry_after_s)
+
+
 def pools_ready(app_status: Any, deployments: list[str]) -> tuple[bool, str]:
     """Whether every named deployment of the app (``serve.status()``'s application
     overview, None if the app is missing) has a running replica, and why not."""
@@ -290,32 +288,8 @@ def _grpc_usage(stream: DecodeStream) -> pb2.Usage:
     )
 
 
-class TurnedAway:
-    """Requests turned away for lack of decode capacity (the pool's drain hint, or Serve's
-    queue for the pool full) and not yet reported to the pool: its autoscaling policy
-    counts them as demand (``DecodeServer.report_turned_away``). Sheds on the front door's
-    own lag are not counted: more decode replicas would not fix them. Reported at most
-    every ``period_s``, so a flood costs one call a second."""
-
-    def __init__(self, period_s: float = TURNED_AWAY_REPORT_S) -> None:
-        self.period_s = period_s
-        self.pending = 0
-        self._last: float | None = None
-
-    def add(self, n: int = 1) -> None:
-        self.pending += n
-
-    def take(self, now: float) -> int:
-        """The count to report now (0: nothing pending, or reported under ``period_s`` ago)."""
-        if not self.pending or (self._last is not None and now - self._last < self.period_s):
-            return 0
-        n, self.pending, self._last = self.pending, 0, now
-        return n
-
-
 # The class comes last: @serve.ingress pickles the app (and so these methods) when the
 # class is defined, capturing only the module globals that exist at that point.
-@serve.deployment(name="OpenAIIngress", max_ongoing_requests=1024)
 @serve.ingress(app)
 class OpenAIIngress:
     """OpenAI HTTP + pdserve gRPC front door over the decode deployment.
@@ -329,17 +303,9 @@ class OpenAIIngress:
             for GET /ready to answer 200 (the prefill and decode pools); empty = always ready.
         observability: tracing exporter and metrics switch; None = defaults (no tracing).
         api: API keys, request size and rate limits; None = defaults (no keys).
-        ttft_slo_ms: the TTFT objective; with it a request is shed (429) while this
-            replica's own event loop and Serve's proxy in front of it (the wait for a
-            request body) lag past a share of it (None = never).
-        max_streams: with ``ttft_slo_ms``, bound the streams held open adaptively
-            (``admission.StreamLimit``, up to this many; None = no bound of pdserve's own).
-        limit_batch: whether that bound sheds batch requests too (False when batch queues).
-        reject_within_ms: how fast a 429 should be answered (p99); the bound is cut while
-            this replica's loop lags a sixth of it (``admission.stream_lag_budget_s``).
-        admission_timeout: with ``ttft_slo_ms``, answer 429 here for a request the decode
-            pool has not admitted (or shed) within half of ``reject_within_ms``
-            (``admission.admission_ack_timeout_s``; ``policy.admission_timeout``).
+        door: what this replica sheds at its door (``FrontDoorSettings.from_config``);
+            None = nothing (no shedding of pdserve's own at the ingress).
+        max_migrations: how often one stream may move to another decode replica.
     """
 
     def __init__(
@@ -351,11 +317,7 @@ class OpenAIIngress:
         ready_deployments: list[str] | None = None,
         observability: ObservabilityConfig | dict[str, Any] | None = None,
         api: APIConfig | dict[str, Any] | None = None,
-        ttft_slo_ms: float | None = None,
-        max_streams: int | None = None,
-        limit_batch: bool = True,
-        reject_within_ms: float = 100.0,
-        admission_timeout: bool = False,
+        door: FrontDoorSettings | None = None,
         max_migrations: int = 0,
     ) -> None:
         observability = ObservabilityConfig.model_validate(observability or {})
@@ -389,12 +351,6 @@ class OpenAIIngress:
             SamplingDefaults.from_model_dir(model_dir),
         )
         self._api_metrics = APIMetrics(info.name)
-        # Admission control runs on the decode replica (it knows its queue exactly); this
-        # remembers the drain time of its last sheds so that a flood is answered 429 here,
-        # at once, instead of queueing for a replica busy streaming (admission.ShedHint);
-        # for at most half the TTFT SLO, then a replica is asked again (its drain time is a
-        # prediction, and a pessimistic one would idle the engine).
-        self._shed_hint = ShedHint(max_window_s=ttft_slo_ms / 2000.0 if ttft_slo_ms else None)
         self._serving_metrics = metrics
         self._max_migrations = max_migrations
         self._migration_metrics = MigrationMetrics(
@@ -402,96 +358,20 @@ class OpenAIIngress:
             replica=serve.get_replica_context().replica_tag,
             enabled=observability.metrics_enabled,
         )
-        self._loop_lag = LoopLag()
-        self._proxy_lag = ProxyLag()
-        self._ttft_slo_s = ttft_slo_ms / 1000.0 if ttft_slo_ms else None
-        self._turned_away = TurnedAway()
-        # The serving path's own bound: streams open here, by the TTFT observed on them
-        # and the lag of this replica's loop (admission.StreamLimit).
-        self._streams = (
-            StreamLimit(
-                self._ttft_slo_s,
-                high=max_streams,
-                lag_budget_s=stream_lag_budget_s(reject_within_ms / 1000.0),
-            )
-            if max_streams and self._ttft_slo_s is not None
-            else None
-        )
-        self._limit_batch = limit_batch
-        # With admission_timeout, a request whose admission decision does not come within
-        # a share of reject_within_ms is answered 429 here (admission_ack_timeout_s).
-        shedding = admission_timeout and self._ttft_slo_s is not None
-        self._ack_within_s = reject_within_ms / 1000.0 if shedding else None
-        self._num_open = 0
-        self._stream_s = Ema()  # how long a stream stays open
+        self.door = FrontDoor(door or FrontDoorSettings(), metrics, self._report_turned_away)
         self._reports: set[asyncio.Task[None]] = set()
         self._late: set[asyncio.Task[None]] = set()  # calls answered 429, left to end
         self._ready_deployments = list(ready_deployments or [])
         self._ready_cache: tuple[float, bool, str] = (0.0, False, "")
 
-    def _door(self, slo_class: SLOClass) -> tuple[str, float] | None:
-        """(message, Retry-After) when a request of this class is to be shed before any
-        work: the decode pool shed its class within its drain time, or the front door is
-        the queue (this ingress's event loop, or Serve's proxy in front of it: the
-        request waited there already, unseen by admission control). Recorded as shed."""
-        self._loop_lag.ensure_running()
-        now = time.monotonic()
-        self._report_turned_away(now)
-        loop_lag, proxy_lag = self._loop_lag.seconds, self._proxy_lag.seconds(now)
-        wait_s = self._shed_hint.remaining_s(slo_class, now)
-        reason = "drain_hint" if wait_s > 0 else ""
-        if reason:
-            self._turned_away.add()  # the pool is full: demand it did not see
-        slo_s = self._ttft_slo_s
-        if not reason and slo_s is not None:
-            if ingress_overloaded(loop_lag, slo_class, slo_s):
-                reason = "ingress_lag"
-            elif ingress_overloaded(loop_lag, slo_class, slo_s, proxy_lag_s=proxy_lag):
-                reason = "proxy_lag"
-            wait_s = 2 * (loop_lag + proxy_lag)  # the lag in, and again out
-        if not reason and (drain_s := self._stream_drain_s(slo_class)) is not None:
-            reason, wait_s = "concurrency", drain_s
-            self._turned_away.add()  # the pool, as far as this door can feed it, is full
-        if not reason:
-            return None
-        self._serving_metrics.record_shed(reason, slo_class)
-        message = (
-            f"overloaded ({reason}): predicted time to first token over what a "
-            f"{slo_class} request may wait; the queue drains in {wait_s:.1f}s"
-        )
-        return message, wait_s
-
-    def _stream_drain_s(self, slo_class: SLOClass) -> float | None:
-        """None while a stream of this class fits under the adaptive bound; else when a
-        slot is expected to free."""
-        limit = self._streams
-        if limit is None or (slo_class == "batch" and not self._limit_batch):
-            return None
-        limit.check_loop(self._loop_lag.seconds, self._num_open, time.monotonic())
-        if limit.admits(slo_class, self._num_open):
-            return None
-        return limit.drain_s(self._stream_s.value, self._num_open)
-
-    def _report_turned_away(self, now: float) -> None:
-        """Send the pending count of capacity sheds to a decode replica (in the background;
-        a lost report only under-counts demand).
-
-        The report runs in a fresh context, not the current request's: a handle call takes
-        its request id from the caller's context, and Serve's router matches a pending call
-        to the replica it chose by that id. Two calls of one request to the decode pool
-        (this report and the request's own generate) share it, so the router hands the
-        replica chosen for one to the other and the first one's routing task retries in
-        backoff until the call is cancelled (this report's 5 s timeout). Each such orphan
-        holds one of the router's two routing tasks per replica; with one decode replica,
-        two of them stopped all routing to it for seconds, the requests behind them
-        answered 429 seconds late."""
-        n = self._turned_away.take(now)
-        if n:
-            task = asyncio.get_running_loop().create_task(
-                self._send_turned_away(n), context=contextvars.Context()
-            )
-            self._reports.add(task)
-            task.add_done_callback(self._reports.discard)
+    def _report_turned_away(self, n: int) -> None:
+        """Send a count of the door's capacity sheds to a decode replica (in the background;
+        a lost report only under-counts demand). It runs in a fresh context: a handle call
+        sharing the current request's Serve id would be confused with that request's own
+        call by Serve's router (docs/decisions.md, decision 3)."""
+        task = contextvars.Context().run(asyncio.create_task, self._send_turned_away(n))
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
 
     async def _send_turned_away(self, n: int) -> None:
         async def send() -> None:
@@ -502,32 +382,22 @@ class OpenAIIngress:
         except Exception as err:  # noqa: BLE001 - best effort; the next report still goes
             logger.debug("turned-away report (%d requests) not delivered: %r", n, err)
 
-    def _shed_at_the_door(self, headers: Any) -> None:
-        """HTTP: the door check before the body is read, parsed and tokenized, so a flood
-        gets its 429s for the cost of reading headers."""
-        shed = self._door(_slo_class(headers))
+    def _check_door(self, priority: Priority) -> None:
+        """The door check, once per request and before its body is read, parsed and
+        tokenized, so that a flood gets its 429s for the cost of reading headers."""
+        shed = self.door.check(priority)
         if shed is not None:
-            message, wait_s = shed
-            info = ErrorInfo(
-                code=429, type="rate_limit_error", message=message, retry_after_s=wait_s
-            )
-            raise error_from_info(info)
+            raise error_from_info(_overloaded_info(shed))
 
     async def _generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateChunk, None]:
-        shed = self._door(request.slo_class)  # again: gRPC, and hints set meanwhile
-        if shed is not None:
-            message, wait_s = shed
-            yield GenerateChunk.overloaded(request, message, retry_after_s=wait_s)
-            return
-        ack_s = self._ack_timeout_s(request)
+        door = self.door
+        ack_s = door.ack_timeout_s(request.priority, request.arrival_time)
         if ack_s is not None:
             request = request.model_copy(update={"admit_by": time.time() + ack_s})
         response = self._open_decode_stream(request)
         finished = False
-        admitted_at, open_before = time.monotonic(), self._num_open
+        ticket = door.opened(request.priority)
         first_token = False
-        self._num_open += 1
-        self._serving_metrics.record_streams(self._num_open, self._stream_limit())
         try:
             chunks = aiter(response)
             if ack_s is not None:
@@ -538,7 +408,7 @@ class OpenAIIngress:
                 if not decision.done():
                     finished = True  # the call is left to _drop_late, not cancelled
                     self._leave_late(decision, chunks, response)
-                    yield self._not_admitted_in_time(request, admitted_at, open_before)
+                    yield _overloaded(request, door.not_admitted_in_time(ticket))
                     return
                 chunks = _prepend(decision.result(), chunks)
             async for chunk in chunks:
@@ -546,29 +416,24 @@ class OpenAIIngress:
                     continue
                 if chunk.token_ids and not first_token:
                     first_token = True
-                    self._first_token(admitted_at, open_before, chunk.predicted_ttft_s)
+                    door.first_token(ticket, chunk.predicted_ttft_s)
                 # Before the yield: a consumer stops at an error chunk (DecodeStream.open
                 # raises it as the HTTP 429) and never resumes this generator after it.
                 if chunk.finish_reason is not None or chunk.error is not None:
                     finished = True
                 err = chunk.error
                 if err is not None and err.code == 429 and err.retry_after_s:
-                    now = time.monotonic()
-                    self._shed_hint.shed(request.slo_class, now, err.retry_after_s)
-                    if self._streams is not None:
-                        self._streams.refused(admitted_at, open_before, now)
+                    door.refused(ticket, err.retry_after_s)
                 yield chunk
         except BackPressureError as err:
             # Serve's queue for the decode pool is full (its max_queued_requests): overload,
             # answered like a shed, not as a failure.
-            self._serving_metrics.record_shed("serve_queue_full", request.slo_class)
-            self._turned_away.add()
             raise OpenAIError(
                 f"overloaded (serve_queue_full): {err}",
                 status_code=429,
                 type="rate_limit_error",
                 code="429",
-                retry_after_s=max(RETRY_AFTER_S, math.ceil(self._ttft_slo_s or 0.0)),
+                retry_after_s=door.serve_queue_full(ticket),
             ) from err
         except (DeploymentUnavailableError, RayActorError) as err:
             # A replica went away (or none is up): the client may retry.
@@ -579,10 +444,7 @@ class OpenAIIngress:
                 retry_after_s=RETRY_AFTER_S,
             ) from err
         finally:
-            self._num_open -= 1
-            if first_token:
-                self._stream_s.add(time.monotonic() - admitted_at)
-            self._serving_metrics.record_streams(self._num_open, self._stream_limit())
+            door.closed(ticket, first_token)
             if not finished:
                 # The client went away (or we failed): stop the decode replica's work.
                 response.cancel()
@@ -606,49 +468,6 @@ class OpenAIIngress:
         task = asyncio.get_running_loop().create_task(_drop_late(decision, chunks, response))
         self._late.add(task)
         task.add_done_callback(self._late.discard)
-
-    def _ack_timeout_s(self, request: GenerateRequest) -> float | None:
-        """How long to wait for the decode replica's admission decision before answering
-        429 here (``admission.admission_ack_timeout_s``); None: as long as it takes (the
-        timeout is off, or a batch request that queues)."""
-        if self._ack_within_s is None or (request.slo_class == "batch" and not self._limit_batch):
-            return None
-        arrival = request.arrival_time
-        waited = time.time() - arrival if arrival is not None else 0.0
-        return admission_ack_timeout_s(self._ack_within_s, waited)
-
-    def _not_admitted_in_time(
-        self, request: GenerateRequest, admitted_at: float, open_before: int
-    ) -> GenerateChunk:
-        """The 429 of a request whose admission decision did not come in time: the path to
-        the decode pool (Serve's routing, the replica's loop) is the queue. Cuts the stream
-        bound like a refusal; counted as turned-away demand."""
-        now = time.monotonic()
-        reason = "admission_timeout"
-        self._serving_metrics.record_shed(reason, request.slo_class)
-        self._turned_away.add()
-        wait_s = MIN_DRAIN_S
-        if self._streams is not None:
-            self._streams.refused(admitted_at, open_before, now)
-            wait_s = self._streams.drain_s(self._stream_s.value, self._num_open)
-        message = (
-            f"overloaded ({reason}): the decode pool did not take the request within "
-            f"{now - admitted_at:.2f}s; retry after {wait_s:.1f}s"
-        )
-        return GenerateChunk.overloaded(request, message, retry_after_s=wait_s)
-
-    def _first_token(self, admitted_at: float, open_before: int, predicted: float | None) -> None:
-        """A first token reached this ingress: the TTFT the serving path gave it, against
-        the one the decode replica predicted."""
-        if self._streams is not None:
-            now = time.monotonic()
-            lag = self._loop_lag.seconds
-            self._streams.observe(
-                now - admitted_at, admitted_at, open_before, now, lag, predicted or 0.0
-            )
-
-    def _stream_limit(self) -> float | None:
-        return self._streams.limit if self._streams is not None else None
 
     # ------------------------------------------------------------------ HTTP
     async def _serve(
@@ -681,8 +500,7 @@ class OpenAIIngress:
         first = True
         async for chunk in chunks:
             if first:
-                now = time.monotonic()
-                self._proxy_lag.observe(now - began, now)
+                self.door.body_wait(time.monotonic() - began)
                 first = False
             yield chunk
 
@@ -756,11 +574,11 @@ class OpenAIIngress:
         return await self._serve(request, "/v1/completions", lambda: self._completions(request))
 
     async def _completions(self, request: Request) -> Response:
-        self._shed_at_the_door(request.headers)
+        priority = _priority(request.headers)
+        self._check_door(priority)
         req = validate_request(CompletionRequest, await self._json_body(request))
-        slo_class = _slo_class(request.headers)
         stream = await self.serving.start_choices(
-            req, slo_class=slo_class, trace_headers=request.headers
+            req, priority=priority, trace_headers=request.headers
         )
         created = int(time.time())
         headers = ignored_fields_header(req.ignored_fields())
@@ -774,11 +592,11 @@ class OpenAIIngress:
         return await self._serve(request, "/v1/chat/completions", lambda: self._chat(request))
 
     async def _chat(self, request: Request) -> Response:
-        self._shed_at_the_door(request.headers)
+        priority = _priority(request.headers)
+        self._check_door(priority)
         req = validate_request(ChatCompletionRequest, await self._json_body(request))
-        slo_class = _slo_class(request.headers)
         stream = await self.serving.start_choices(
-            req, slo_class=slo_class, trace_headers=request.headers
+            req, priority=priority, trace_headers=request.headers
         )
         created = int(time.time())
         headers = ignored_fields_header(req.ignored_fields())
@@ -871,10 +689,12 @@ class OpenAIIngress:
     ) -> DecodeStream:
         try:
             metadata = _metadata(grpc_context)
+            priority = _priority(metadata)
+            self._check_door(priority)
             return await self.serving.start(
                 req,
                 request_id=proto.request_id or None,
-                slo_class=_slo_class(metadata),
+                priority=priority,
                 trace_headers=metadata,
             )
         except OpenAIError as err:

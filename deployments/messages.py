@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from pdserve.deployments.admission.rules import Priority
 from pdserve.deployments.kv_events import KVEventBatch
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.outputs import TokenLogprob as EngineLogprob
@@ -26,7 +27,6 @@ from pdserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from pdserve.kvtransfer.types import KVTarget, TransferResult
 
 FinishReason = Literal["stop", "length", "abort", "error"]
-SLOClass = Literal["interactive", "batch"]
 
 
 class _Message(BaseModel):
@@ -111,8 +111,9 @@ class GenerateRequest(_Message):
     request_id: str = Field(min_length=1, description="Unique id (also the engine's id).")
     prompt_token_ids: list[int] = Field(min_length=1, description="Prompt token ids.")
     sampling: SamplingOptions = Field(default_factory=SamplingOptions, description="How to sample.")
-    slo_class: SLOClass = Field(
-        default="interactive", description="'batch' requests are never shed for TTFT."
+    priority: Priority = Field(
+        default="interactive",
+        description="'batch' is shed first and may queue longer (AdmissionConfig).",
     )
     trace_carrier: dict[str, str] = Field(
         default_factory=dict, description="W3C trace context (traceparent/tracestate)."

@@ -10,8 +10,9 @@ Prometheus the usual suffixes: a histogram ``h`` is scraped as ``ray_h_bucket``/
 
 Every metric carries ``model_name``, ``role`` (prefill|decode|ingress) and ``replica``;
 ``pdserve_disagg_decisions`` adds ``decision`` (local|remote), ``pdserve_requests_shed``
-adds ``reason`` (ttft_slo|deadline) and ``priority`` (interactive|batch),
-``pdserve_engine_dtypes`` (always 1) ``weight_dtype`` and ``kv_cache_dtype``. The pools' replica
+and ``pdserve_requests_admitted_past_slo`` add ``reason`` and ``priority``
+(interactive|batch), ``pdserve_engine_dtypes`` (always 1) ``weight_dtype`` and
+``kv_cache_dtype``. The pools' replica
 counts (``pdserve_pool_replicas{pool}``) are recorded by the autoscaling policy, in Serve's
 controller, through ``PoolReplicaGauge``. With metrics disabled every recorder is a no-op,
 so call sites never branch.
@@ -134,6 +135,13 @@ class ServingMetrics:
             "Requests answered 429 by admission control (predicted TTFT over the threshold).",
             ("reason", "priority"),
         )
+        self.requests_admitted_past_slo = self._counter(
+            "requests_admitted_past_slo",
+            "Requests admitted although predicted over their TTFT threshold, by reason "
+            "(queued_past_slo: the class queues; unmeasured: a cold pool's prior rate; "
+            "idle_past_slo: nothing queued ahead, its own work is over the threshold).",
+            ("reason", "priority"),
+        )
         self.predicted_ttft = self._histogram(
             "predicted_time_to_first_token_seconds",
             "Admission control's predicted TTFT of admitted requests (from arrival).",
@@ -162,6 +170,9 @@ class ServingMetrics:
 
     def record_shed(self, reason: str, priority: str) -> None:
         self.requests_shed.inc(1.0, {"reason": reason, "priority": priority})
+
+    def record_admitted_past_slo(self, reason: str, priority: str) -> None:
+        self.requests_admitted_past_slo.inc(1.0, {"reason": reason, "priority": priority})
 
     def record_decision(self, decision: str) -> None:
         self.disagg_decisions.inc(1.0, {"decision": decision})

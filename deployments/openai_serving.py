@@ -15,6 +15,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.deployments.admission.rules import Priority
 from pdserve.deployments.choices import Choices
 from pdserve.deployments.decode_stream import DecodeStream
 from pdserve.deployments.ingress_telemetry import IngressTelemetry, RequestTelemetry
@@ -22,7 +23,6 @@ from pdserve.deployments.messages import (
     GenerateChunk,
     GenerateRequest,
     SamplingOptions,
-    SLOClass,
     TokenLogprob,
 )
 from pdserve.deployments.openai_protocol import (
@@ -154,7 +154,7 @@ class OpenAIServing:
         req: CompletionRequest | ChatCompletionRequest,
         *,
         request_id: str | None = None,
-        slo_class: SLOClass = "interactive",
+        priority: Priority = "interactive",
         trace_headers: Mapping[str, str] | None = None,
         choice: _Choice | None = None,
     ) -> DecodeStream:
@@ -171,11 +171,11 @@ class OpenAIServing:
         try:
             if isinstance(req, ChatCompletionRequest):
                 gen = self.chat_request(
-                    req, request_id=request_id, slo_class=slo_class, trace_carrier=record.carrier
+                    req, request_id=request_id, priority=priority, trace_carrier=record.carrier
                 )
             else:
                 gen = self.completion_request(
-                    req, request_id=request_id, slo_class=slo_class, trace_carrier=record.carrier
+                    req, request_id=request_id, priority=priority, trace_carrier=record.carrier
                 )
             if choice and choice.index and gen.sampling.seed is not None:
                 # Choice i of a seeded request: its own, reproducible, sample.
@@ -225,14 +225,14 @@ class OpenAIServing:
         self,
         req: CompletionRequest | ChatCompletionRequest,
         *,
-        slo_class: SLOClass = "interactive",
+        priority: Priority = "interactive",
         trace_headers: Mapping[str, str] | None = None,
     ) -> Choices:
         """``start`` once per requested choice (``n``) under one root span (usage counted
         once); the streams must be consumed or closed together (``Choices.close``)."""
         n = req.n or 1
         if n == 1:
-            stream = await self.start(req, slo_class=slo_class, trace_headers=trace_headers)
+            stream = await self.start(req, priority=priority, trace_headers=trace_headers)
             return Choices(stream.request.request_id, [stream])
         request_id = random_id("chatcmpl" if isinstance(req, ChatCompletionRequest) else "cmpl")
         shared = _SharedRecord(self._begin(req, request_id, trace_headers), n)
@@ -244,7 +244,7 @@ class OpenAIServing:
                     await self.start(
                         req,
                         request_id=f"{request_id}-{i}",
-                        slo_class=slo_class,
+                        priority=priority,
                         trace_headers=trace_headers,
                         choice=choice,
                     )
@@ -263,7 +263,7 @@ class OpenAIServing:
         req: CompletionRequest,
         *,
         request_id: str,
-        slo_class: SLOClass = "interactive",
+        priority: Priority = "interactive",
         trace_carrier: dict[str, str] | None = None,
     ) -> GenerateRequest:
         self.check_model(req.model)
@@ -279,7 +279,7 @@ class OpenAIServing:
                     "prompt", f"token id {bad[0]} is out of range [0, {self._vocab_size})"
                 )
         return self._generate_request(
-            request_id, prompt_ids, req, req.max_tokens, req.logprobs, slo_class, trace_carrier
+            request_id, prompt_ids, req, req.max_tokens, req.logprobs, priority, trace_carrier
         )
 
     def chat_request(
@@ -287,7 +287,7 @@ class OpenAIServing:
         req: ChatCompletionRequest,
         *,
         request_id: str,
-        slo_class: SLOClass = "interactive",
+        priority: Priority = "interactive",
         trace_carrier: dict[str, str] | None = None,
     ) -> GenerateRequest:
         self.check_model(req.model)
@@ -299,7 +299,7 @@ class OpenAIServing:
             add_generation_prompt=req.add_generation_prompt,
         )
         return self._generate_request(
-            request_id, prompt_ids, req, req.output_limit(), logprobs, slo_class, trace_carrier
+            request_id, prompt_ids, req, req.output_limit(), logprobs, priority, trace_carrier
         )
 
     def _check_messages(self, count: int) -> None:
@@ -342,7 +342,7 @@ class OpenAIServing:
         req: CompletionRequest | ChatCompletionRequest,
         max_tokens: int | None,
         logprobs: int | None,
-        slo_class: SLOClass,
+        priority: Priority,
         trace_carrier: dict[str, str] | None,
     ) -> GenerateRequest:
         limit = self.model.max_model_len
@@ -412,7 +412,7 @@ class OpenAIServing:
             request_id=request_id,
             prompt_token_ids=prompt_ids,
             sampling=sampling,
-            slo_class=slo_class,
+            priority=priority,
             trace_carrier=dict(trace_carrier or {}),
             arrival_time=time.time(),
         )

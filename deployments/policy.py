@@ -1,4 +1,4 @@
-"""Disaggregation policy: prefill a request on its decode replica, remotely, or shed it.
+"""Disaggregation policy: prefill a request on its decode replica or remotely.
 
 The decode server asks ``DisaggregationPolicy.decide`` once per request. The rule follows
 NVIDIA Dynamo's disaggregated router, made SLO-aware:
@@ -7,9 +7,9 @@ NVIDIA Dynamo's disaggregated router, made SLO-aware:
   the round trip and the KV transfer would cost more than the compute;
 - long prompts prefill remotely so that they do not stall the running decode batch,
   unless the prefill pool is saturated (its predicted TTFT misses the SLO while a local
-  prefill would be faster) and ``local_when_saturated`` allows it;
-- when neither placement can meet ``shed_ttft_factor`` x the TTFT SLO and the config says
-  ``on_slo_miss: shed``, an interactive request is shed (HTTP 429 with Retry-After).
+  prefill would be faster) and ``local_when_saturated`` allows it.
+
+Whether to serve the request at all is admission's decision (``deployments/admission/``).
 
 Remote predictions come from what this decode replica measured on its own remote calls
 (``RemotePrefillEstimator``), so the policy needs no extra RPC. Pure logic: no Ray, no torch.
@@ -26,7 +26,7 @@ from typing import Literal
 
 from pdserve.deployments.config import PolicyConfig, SLOConfig
 
-Location = Literal["local", "remote", "shed"]
+Location = Literal["local", "remote"]
 
 
 @dataclass(frozen=True)
@@ -194,7 +194,7 @@ class RemotePrefillEstimator:
 
 
 class DisaggregationPolicy:
-    """Decides local vs remote prefill (vs shed) for one request."""
+    """Decides local vs remote prefill for one request."""
 
     def __init__(self, config: PolicyConfig, slo: SLOConfig, default_tokens_per_s: float) -> None:
         self.config = config
@@ -212,7 +212,6 @@ class DisaggregationPolicy:
         num_cached_tokens: int,
         load: LocalLoad,
         remote: RemotePrefillEstimator | None,
-        sheddable: bool,
     ) -> Decision:
         """``remote`` is None when no prefill pool exists (or none is reachable)."""
         if num_prompt_tokens < 1:
@@ -225,19 +224,6 @@ class DisaggregationPolicy:
 
         def decision(location: Location, reason: str) -> Decision:
             return Decision(location, reason, local_s, remote_s)
-
-        if mode == "always_local" or remote_s is None:
-            best_s = local_s
-        elif mode == "always_remote":
-            best_s = remote_s
-        else:
-            best_s = min(local_s, remote_s)
-        if (
-            sheddable
-            and self.config.on_slo_miss == "shed"
-            and best_s > self.config.shed_ttft_factor * slo_s
-        ):
-            return decision("shed", "slo_unreachable")
 
         if remote_s is None:
             return decision("local", "no_prefill_pool")

@@ -111,7 +111,9 @@ class PrefillServer:
         """
         rid = req.request_id
         num_tokens = len(req.prompt_token_ids)
-        self._arrivals.add(num_tokens)
+        # The autoscaler weighs this rate against the measured prefill throughput, which
+        # counts computed tokens only: a prefix this replica holds costs it nothing.
+        self._arrivals.add(num_tokens - self.engine.cached_prefix_tokens(req.prompt_token_ids))
         self.metrics.prompt_tokens.inc(num_tokens)
         params = req.sampling.to_params()
         attrs = {

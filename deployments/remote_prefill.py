@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any, Protocol
 
 from pdserve.deployments import tracing
@@ -93,7 +93,7 @@ class RemotePrefill:
     # ------------------------------------------------------------------ the request path
     async def outputs(
         self, req: GenerateRequest, params: SamplingParams
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """The request's engine outputs, its prompt prefilled remotely (or locally when
         the pool has no room, or after a failure)."""
         rid, ids = req.request_id, req.prompt_token_ids

@@ -50,8 +50,9 @@ class EngineConfig(BaseModel):
         default="auto",
         description=(
             "Which model code runs the checkpoint: 'native' = pdserve's own class (the Llama "
-            "family), 'transformers' = transformers' modelling code with pdserve's paged "
-            "attention registered as its attention (any decoder-only model whose attention "
+            "family, Qwen3, Qwen3-MoE, Mixtral), 'transformers' = transformers' modelling code "
+            "with pdserve's paged attention registered as its attention (any decoder-only "
+            "model whose attention "
             "goes through AttentionInterface), 'auto' = native where a class exists, else "
             "transformers."
         ),

@@ -19,12 +19,33 @@ from pdserve.engine.kv_layout import KVLayerSpec
 from pdserve.engine.quantization import QuantScheme, read_quantization_config
 from pdserve.kernels.ops import can_pack
 
-# Architectures models/llama.py implements (they differ only in config details); any other
-# decoder-only transformers model runs on the transformers-backed path.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# Architectures models/llama.py implements (they differ only in config details: q/k norm,
+# mixture-of-experts MLPs); any other decoder-only transformers model runs on the
+# transformers-backed path.
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
+)
+_QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+_MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 MODEL_IMPLS = ("auto", "native", "transformers")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The mixture-of-experts MLPs of a checkpoint (Mixtral, Qwen3-MoE)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of one expert
+    renormalize: bool  # the top-k weights are divided by their sum
+    sparse_layers: frozenset[int]  # layers whose MLP is the MoE (the others are dense)
 
 
 @dataclass(frozen=True)
@@ -64,6 +85,10 @@ class ModelConfig:
     impl: str = "native"
     # Each layer's KV (heads, key/value sizes, window); the transformers path fills it.
     kv_layers: tuple[KVLayerSpec, ...] = ()
+    # RMSNorm over each query and key head before RoPE (Qwen3).
+    qk_norm: bool = False
+    # Mixture-of-experts MLPs; None: every layer's MLP is dense.
+    moe: MoEConfig | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -147,8 +172,11 @@ def load_model_config(model_dir: str | Path, impl: str = "auto") -> ModelConfig:
     is_qwen2 = arch == "Qwen2ForCausalLM"
     attention_bias = bool(cfg.get("attention_bias", False))
     sliding = cfg.get("sliding_window")
-    if is_qwen2 and not cfg.get("use_sliding_window", False):
-        sliding = None
+    if arch.startswith("Qwen") and not cfg.get("use_sliding_window", False):
+        sliding = None  # the Qwen configs store a window they do not use
+    moe = _moe_config(cfg, arch)
+    if moe is not None and read_quantization_config(cfg) is not None:
+        raise ValueError(f"quantized {arch} checkpoints are not supported natively yet")
 
     eos, bos, ckpt_dtype = _generation_fields(model_dir, cfg)
     return ModelConfig(
@@ -174,8 +202,32 @@ def load_model_config(model_dir: str | Path, impl: str = "auto") -> ModelConfig:
         bos_token_id=bos,
         checkpoint_dtype=ckpt_dtype,
         quantization=read_quantization_config(cfg),
+        qk_norm=arch in _QK_NORM_ARCHITECTURES,
+        moe=moe,
         extra=cfg,
     )
+
+
+def _moe_config(cfg: dict[str, Any], arch: str) -> MoEConfig | None:
+    """Mixtral: every layer, renormalised top-k. Qwen3-MoE: the layers that
+    ``decoder_sparse_step`` picks minus ``mlp_only_layers``, renormalised if
+    ``norm_topk_prob``."""
+    if arch not in _MOE_ARCHITECTURES:
+        return None
+    layers = range(int(cfg["num_hidden_layers"]))
+    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    top_k = int(cfg.get("num_experts_per_tok", 0))
+    if not 0 < top_k <= experts:
+        raise ValueError(f"{arch}: num_experts_per_tok ({top_k}) must be in [1, {experts}]")
+    if arch == "MixtralForCausalLM":
+        return MoEConfig(experts, top_k, int(cfg["intermediate_size"]), True, frozenset(layers))
+    step = int(cfg.get("decoder_sparse_step", 1))
+    if step < 1:
+        raise ValueError(f"{arch}: decoder_sparse_step must be >= 1, got {step}")
+    dense = {int(i) for i in cfg.get("mlp_only_layers") or ()}
+    sparse = frozenset(i for i in layers if i not in dense and (i + 1) % step == 0)
+    renorm = bool(cfg.get("norm_topk_prob", False))
+    return MoEConfig(experts, top_k, int(cfg["moe_intermediate_size"]), renorm, sparse)
 
 
 def _generation_fields(

@@ -96,14 +96,16 @@ def _available_memory_bytes() -> int:
 
 
 def check_transformers_path(cfg: ModelConfig, config: EngineConfig, tp_size: int) -> None:
-    """What the transformers-backed path does not do yet, refused before any weight loads."""
+    """What the transformers-backed path cannot do, refused before any weight loads: a
+    tensor-parallel split its ``base_model_tp_plan`` does not give, quantization."""
     if cfg.impl != "transformers":
         return
     if tp_size > 1:
-        raise ValueError(
-            f"architecture {cfg.architecture} runs on the transformers path, which has no "
-            f"tensor parallelism yet: tensor_parallel_size must be 1, got {tp_size}"
-        )
+        from pdserve.engine.models.transformers_tp import check_plan
+        from pdserve.engine.transformers_config import load_hf_config
+
+        hf_config = load_hf_config(config.model, cfg.architecture)
+        check_plan(hf_config, cfg.architecture, tp_size)
     if config.kv_cache_dtype != "auto":
         raise ValueError(
             f"architecture {cfg.architecture} runs on the transformers path, whose KV cache "
@@ -182,7 +184,7 @@ class ModelRunner:
     def _load_model(self) -> LlamaForCausalLM | TransformersForCausalLM:
         cfg = self.model_config
         if cfg.impl == "transformers":
-            hf_model = TransformersForCausalLM.load(cfg, self.config.model, self.device)
+            hf_model = TransformersForCausalLM.load(cfg, self.config.model, self.device, self.tp)
             pack_linears(hf_model)
             return hf_model.eval()
         # Build on the meta device, then materialise on the target: no double allocation.

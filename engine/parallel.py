@@ -74,6 +74,8 @@ def check_model(cfg: ModelConfig, size: int) -> None:
         shard.split(cfg.num_heads, "num_attention_heads")
         shard.kv_heads(cfg.num_kv_heads)
         shard.split(cfg.intermediate_size, "intermediate_size")
+        if cfg.moe is not None:  # each expert's intermediate columns split like a dense MLP's
+            shard.split(cfg.moe.intermediate_size, "moe_intermediate_size")
     if size > 1 and cfg.num_heads % cfg.num_kv_heads:
         raise ValueError(
             f"num_attention_heads ({cfg.num_heads}) is not a multiple of "

@@ -31,6 +31,7 @@ from pdserve.kernels.cpu.cpus import RuntimeInfo, RuntimeSettings
 from pdserve.kernels.cpu.linear import can_pack, pack_linears, packed_linear_float32
 from pdserve.kernels.cpu.runtime import CpuRuntime, single_threaded_copies
 from pdserve.kernels.kv_quant import is_quantized_kv, kv_qmax
+from pdserve.kernels.moe_ops import RouterConfig, add_shared_experts, fused_moe, select_experts
 from pdserve.kernels.quant_ops import Activations, make_quantized_linear
 
 __all__ = [
@@ -38,10 +39,13 @@ __all__ = [
     "make_quantized_linear",
     "quant_reference",
     "DeviceRuntime",
+    "RouterConfig",
+    "add_shared_experts",
     "RuntimeInfo",
     "RuntimeSettings",
     "apply_rotary",
     "build_rope_cache",
+    "fused_moe",
     "can_pack",
     "gather_blocks",
     "is_quantized_kv",
@@ -54,6 +58,7 @@ __all__ = [
     "prepare_copy_thread",
     "rms_norm",
     "scatter_blocks",
+    "select_experts",
     "silu_and_mul",
     "write_kv",
 ]

@@ -211,6 +211,23 @@ def heads(kv: torch.Tensor, start: int, count: int) -> torch.Tensor:
     return kv.narrow(-2, start, count)
 
 
+def registered_layout(
+    kv_cache: torch.Tensor,
+    model: str,
+    layout: KVLayout | None,
+    *,
+    kv_scales: torch.Tensor | None = None,
+) -> KVLayout:
+    """The layout a connector registers its engine's pool under: ``layout`` (a tensor-parallel
+    rank's, with its head range) checked against ``kv_cache``, or by default the layout of a
+    single-rank pool holding every head (``pool_layout``, with ``kv_scales`` for a quantized
+    pool). ValueError on a mismatch."""
+    if layout is None:
+        return pool_layout(kv_cache, model, kv_scales=kv_scales)
+    check_pool(kv_cache, layout)
+    return layout
+
+
 def check_pool(kv_cache: torch.Tensor, layout: KVLayout) -> None:
     """Raise ValueError unless ``kv_cache`` is a [L, 2, N, B, H, D] pool matching ``layout``."""
     want = (layout.num_layers, 2, None, layout.block_size, layout.num_kv_heads, layout.head_dim)

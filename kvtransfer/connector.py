@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pdserve.kvtransfer import tp_plan
-from pdserve.kvtransfer.blocks import check_pool, pool_layout
+from pdserve.kvtransfer.blocks import registered_layout
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.metrics import TransferObserver
 from pdserve.kvtransfer.results import ResultMailbox, merge_results
@@ -123,10 +123,7 @@ class PrefillKVConnector(NoExternalLoads):
         default is a single-rank pool holding every head."""
         if self._sender is not None:
             raise RuntimeError("a KV pool is already registered with this connector")
-        if layout is None:
-            layout = pool_layout(kv_cache, model_name, kv_scales=kv_scales)
-        else:
-            check_pool(kv_cache, layout)
+        layout = registered_layout(kv_cache, model_name, layout, kv_scales=kv_scales)
         self._sender = KVSender(
             layout,
             self.config,

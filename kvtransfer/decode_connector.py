@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from pdserve.kvtransfer.blocks import check_pool, pool_layout
+from pdserve.kvtransfer.blocks import registered_layout
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.metrics import TransferObserver
 from pdserve.kvtransfer.receiver import KVReceiver
@@ -116,10 +116,7 @@ class DecodeKVConnector(RemoteLoads):
         default is a single-rank pool holding every head."""
         if self._receiver is not None:
             raise RuntimeError("a KV pool is already registered with this connector")
-        if layout is None:
-            layout = pool_layout(kv_cache, model_name, kv_scales=kv_scales)
-        else:
-            check_pool(kv_cache, layout)
+        layout = registered_layout(kv_cache, model_name, layout, kv_scales=kv_scales)
         segment = self._segment_for(kv_cache) if self._segment_for is not None else None
         self._receiver = KVReceiver(
             kv_cache, layout, self.config, shm_segment=segment, observer=self.observer

@@ -6,16 +6,22 @@ Called unchanged, as the Serve app calls it:
   replicas' published ``ReplicaStats``, each worked out once by ``routers.decode_terms``
   (refreshed every ``router.stats_period_s``, so as stale as in Serve) and the ingress
   router's own ``InflightLoad``;
-- local / remote / shed: ``DisaggregationPolicy.decide`` with the decode replica's
+- local / remote: ``DisaggregationPolicy.decide`` with the decode replica's
   ``LocalLoad`` and its own ``RemotePrefillEstimator`` (started / observe / finished around
   each remote prefill, the deadline of ``RemotePrefill``: predicted compute + timeout);
 - prefill routing: ``routers.rank_prefill_terms`` (what ``rank_prefill`` ranks by, each
   report worked out once by ``routers.prefill_terms``) with each decode replica's own books;
 - load reports: ``load.replica_stats`` and ``RateMeter``;
+- prefix-aware routing (``router.prefix_aware``): ``prefix_routing.rank_decode_prefix`` and
+  ``rank_prefill_prefix`` over each pool's live ``PrefixIndex``, fed the KV events the
+  replicas' prefix caches (``prefix.SimPrefixCache``) publish with their reports; the
+  local/remote policy gets the decode replica's own hit, a prefill computes only what its
+  replica lacks and only the blocks the decode replica lacks cross the link (requests
+  without ``block_hashes`` share no prefix);
 - autoscaling: ``SimAutoscaler`` (``autoscaler.py``);
-- admission: an optional ``Admission`` asked after the policy placed the request (issue 18's
-  admission control plugs in here: ``pdserve.sim.admission.LiveAdmission``); with one, the
-  policy itself never sheds, as in the decode server that runs it.
+- admission: an optional ``Admission`` asked after the policy placed the request (the
+  decode server's own admission control plugs in here: ``replica.LiveAdmission``); without
+  one nothing is shed.
 
 What is modelled, not run: the engines (``SimEngine`` over a cost model), the network
 (``SimSettings.rpc_s`` per hop) and the KV transfer (the cost model's transfer time, of
@@ -39,6 +45,13 @@ from pdserve.deployments.policy import (
     LocalLoad,
     RemotePrefillEstimator,
 )
+from pdserve.deployments.prefix_index import PrefixIndex
+from pdserve.deployments.prefix_routing import (
+    AffinityParams,
+    RoutingReason,
+    rank_decode_prefix,
+    rank_prefill_prefix,
+)
 from pdserve.deployments.routers import (
     DecodeRouterParams,
     InflightLoad,
@@ -54,12 +67,19 @@ from pdserve.sim.config import ROLES, SimSettings
 from pdserve.sim.cost import CostModel
 from pdserve.sim.engine import SimEngine
 from pdserve.sim.events import EventLoop
-from pdserve.sim.replica import Admission, AdmissionQuery, RemoteInFlight, SimReplica
+from pdserve.sim.prefix import SimPrefixCache
+from pdserve.sim.replica import (
+    Admission,
+    AdmissionQuery,
+    LiveAdmission,
+    RemoteInFlight,
+    SimReplica,
+)
 from pdserve.sim.request import SimRequest
 from pdserve.sim.seq import EngineShape, Seq
 from pdserve.sim.shared_cpu import HelperThreadsCost, SharedCpuCost, SharedCpuLoad
 
-__all__ = ["Admission", "AdmissionQuery", "SimCluster", "SimReplica"]
+__all__ = ["Admission", "AdmissionQuery", "LiveAdmission", "SimCluster", "SimReplica"]
 
 
 class SimCluster:
@@ -112,8 +132,18 @@ class SimCluster:
             kv_weight=r.decode_kv_weight, batch_weight=r.decode_batch_weight
         )
         self.policy = DisaggregationPolicy(app.policy, app.slo, r.default_prefill_tokens_per_s)
+        self.affinity = AffinityParams(r.prefix_weight, r.prefix_max_imbalance)
+        self.prefix_index = {
+            role: PrefixIndex(history_ttl_s=r.prefix_history_ttl_s, clock=lambda: self.loop.now)
+            for role in ROLES
+        }
+        # The prefix-aware routers' decisions by (pool, reason).
+        self.prefix_reasons: Counter[tuple[PoolRole, RoutingReason]] = Counter()
+        self.kv_transfer_tokens = 0  # prompt tokens whose KV crossed from prefill to decode
         self.shapes = {role: self._shape(role) for role in ROLES}
         self._remote: dict[int, RemoteInFlight] = {}
+        # Per remote prefill: (prompt tokens to send, prompt tokens the decode side holds).
+        self._transfer: dict[int, tuple[int, int]] = {}
         self._open = 0
         self._publishing = False  # a _publish_all is scheduled
         self._next_id = 0
@@ -181,12 +211,14 @@ class SimCluster:
                 self.loop,
                 self.costs[role],
                 self.shapes[role],
-                on_first_token=self._first_token,
+                on_first_token=lambda seq, t: self._first_token(replica, seq, t),
                 on_finish=lambda seq, t: self._finished(replica, seq, t),
                 macro_steps=self.s.macro_steps and not shared,
                 on_output_rate=self.shared_cpu.tokens_changed if self.shared_cpu else None,
             )
         replica = SimReplica(f"{role}-{self._next_id}", role, engine, gpus, self.loop.now)
+        if self.app.pool(role).engine.enable_prefix_caching:
+            replica.cache = SimPrefixCache(self.shapes[role].num_blocks)
         if role == "prefill":
             replica.arrivals = RateMeter(clock=lambda: self.loop.now)
         else:
@@ -276,6 +308,8 @@ class SimCluster:
         self.reasons.clear()
         self.kv_refused = 0
         self.routes.clear()
+        self.prefix_reasons.clear()
+        self.kv_transfer_tokens = 0
         return sent_at
 
     def gpu_seconds(self) -> float:
@@ -305,6 +339,10 @@ class SimCluster:
                 replica.arrivals.rate() if replica.arrivals and replica.role == "prefill" else 0.0
             ),
         )
+        if replica.cache is not None and replica.cache.stored_any:
+            self.prefix_index[replica.role].apply(
+                replica.replica_id, replica.cache.publisher.publish()
+            )
         self._pairs[replica.role] = None
 
     def _start_publishing(self) -> None:
@@ -351,15 +389,34 @@ class SimCluster:
         shape = self.shapes["decode"]
         blocks = decode_blocks_needed(req.prompt_tokens, req.output_tokens, shape.block_size)
         # The live ranking over each replica's last report (worked out once per report).
-        ranked = rank_decode_terms(
-            candidates,
-            blocks,
-            self.ingress_books.by_replica,
-            self.decode_params,
-        )
+        hashes = req.block_hashes if self.app.router.prefix_aware else ()
+        if hashes:
+            index = self.prefix_index["decode"]
+            matched = {
+                r.replica_id: index.matched_blocks(r.replica_id, hashes) for r, _ in candidates
+            }
+            ranked, reason = rank_decode_prefix(
+                candidates,
+                blocks,
+                len(hashes),
+                matched,
+                self.ingress_books.by_replica,
+                self.decode_params,
+                self.affinity,
+            )
+            self.prefix_reasons["decode", reason] += 1
+        else:
+            ranked = rank_decode_terms(
+                candidates,
+                blocks,
+                self.ingress_books.by_replica,
+                self.decode_params,
+            )
         for (replica,) in ranked:
             if replica.ongoing < cap:
                 self.ingress_books.routed(str(req.rid), replica.replica_id, 1)
+                if hashes:
+                    self.prefix_index["decode"].routed(replica.replica_id, hashes)
                 replica.ongoing += 1
                 self.loop.after(self.s.rpc_s, self._on_decode, replica, req)
                 return True
@@ -390,30 +447,31 @@ class SimCluster:
         load = self._local_load(replica)
         prefill_pool = self.routable("prefill")
         remote = replica.estimate if prefill_pool else None
+        # The decode replica's own hit, as the decode server asks its engine (whole blocks;
+        # the last prompt token is always computed).
+        bs = self.shapes["decode"].block_size
+        held = replica.cache.held_blocks(req.block_hashes) if replica.cache is not None else 0
+        cached = min(held * bs, req.prompt_tokens - 1)
         decision = self.policy.decide(
             num_prompt_tokens=req.prompt_tokens,
-            num_cached_tokens=0,  # simulated prompts share no prefix
+            num_cached_tokens=cached,
             load=load,
             remote=remote,
-            sheddable=self.admission is None,
         )
         self.reasons[decision.location, decision.reason] += 1
-        if decision.location == "shed" or (
-            self.admission is not None
-            and not self.admission.admit(
-                AdmissionQuery(
-                    req,
-                    self.loop.now,
-                    replica.replica_id,
-                    decision,
-                    replica.engine.stats(),
-                    replica.ongoing,
-                    replica.itl.value,
-                    replica.outputs.value,
-                    remote,
-                    self.shapes["decode"].max_num_seqs,
-                    self.app.router.default_prefill_tokens_per_s,
-                )
+        if self.admission is not None and not self.admission.admit(
+            AdmissionQuery(
+                req,
+                self.loop.now,
+                replica.replica_id,
+                decision,
+                replica.engine.stats(),
+                replica.ongoing,
+                replica.itl.value,
+                replica.outputs.value,
+                remote,
+                self.shapes["decode"].max_num_seqs,
+                self.app.router.default_prefill_tokens_per_s,
             )
         ):
             self._shed(replica, req)
@@ -423,7 +481,7 @@ class SimCluster:
         seq = Seq(req)
         if decision.location == "remote":
             if replica.engine.reserve_remote(seq):
-                self._prefill_remotely(replica, seq)
+                self._prefill_remotely(replica, seq, cached)
                 return
             assert replica.kv_refused is not None
             replica.kv_refused.add(1)  # no room for the prompt's KV: prefilled here
@@ -431,6 +489,7 @@ class SimCluster:
         req.placement = "local"
         self.counts["local"] += 1
         self.routes[req.rid] = (replica.replica_id, None)
+        seq.computed = req.cached_tokens = cached
         replica.engine.add(seq)
 
     def _shed(self, replica: SimReplica, req: SimRequest) -> None:
@@ -439,14 +498,28 @@ class SimCluster:
         self._release_decode(replica, req)
         self._done()
 
-    def _prefill_remotely(self, replica: SimReplica, seq: Seq) -> None:
+    def _prefill_remotely(self, replica: SimReplica, seq: Seq, decode_cached: int) -> None:
+        """``decode_cached``: the prompt tokens the decode replica holds (whole blocks), the
+        ``KVTarget.first_block`` it sends: only the rest crosses the link."""
         req, est = seq.req, replica.estimate
         assert est is not None
         n = req.prompt_tokens
         deadline_at = self.loop.now + est.compute_s(n) + self.app.transport.timeout_s
         ahead = est.started(n)
         books = replica.prefill_books.by_replica
-        target = rank_prefill_terms(self.router_terms("prefill"), n, books)[0][0]
+        transfer_tokens = max(1, n - decode_cached)
+        self._transfer[req.rid] = (transfer_tokens, decode_cached)
+        hashes = req.block_hashes if self.app.router.prefix_aware else ()
+        terms = self.router_terms("prefill")
+        if hashes:
+            index, bs = self.prefix_index["prefill"], self.shapes["prefill"].block_size
+            held = {r.replica_id: index.matched_blocks(r.replica_id, hashes) * bs for r, _ in terms}
+            ranked, reason = rank_prefill_prefix(terms, n, held, transfer_tokens, books)
+            self.prefix_reasons["prefill", reason] += 1
+            target = ranked[0][0]
+            index.routed(target.replica_id, hashes)
+        else:
+            target = rank_prefill_terms(terms, n, books)[0][0]
         replica.prefill_books.routed(str(req.rid), target.replica_id, n)
         self.routes[req.rid] = (replica.replica_id, target.replica_id)
         req.placement = "remote"
@@ -462,15 +535,24 @@ class SimCluster:
         if seq_p.req.rid not in self._remote:
             return  # the decode side gave up before the call arrived
         assert target.arrivals is not None
-        target.arrivals.add(seq_p.req.prompt_tokens)
+        req = seq_p.req
+        if target.cache is not None:  # the prefill engine computes only what it lacks
+            held = target.cache.held_blocks(req.block_hashes) * self.shapes["prefill"].block_size
+            seq_p.computed = req.cached_tokens = min(held, req.prompt_tokens - 1)
+        target.arrivals.add(req.prompt_tokens - seq_p.computed)  # as the prefill server counts
         target.engine.add(seq_p)
 
     def _prefill_done(self, replica: SimReplica, seq_p: Seq, t: float) -> None:
         """Last layer computed; the KV lands after the transfer's tail."""
         cost = self.costs["prefill"]
-        n = seq_p.req.prompt_tokens
-        transfer = cost.transfer_s(n)
-        compute = n / max(replica.engine.prefill_meter.rate, 1e-9)
+        req = seq_p.req
+        if replica.cache is not None:
+            replica.cache.insert(req.block_hashes)
+        moved, _ = self._transfer.get(req.rid, (req.prompt_tokens, 0))
+        transfer = cost.transfer_s(moved)
+        compute = (req.prompt_tokens - req.cached_tokens) / max(
+            replica.engine.prefill_meter.rate, 1e-9
+        )
         tail = max(transfer / max(getattr(cost, "num_layers", 1), 1), transfer - compute)
         self.loop.after(tail, self._release_prefill, replica, seq_p)
         self.loop.after(tail + self.s.rpc_s, self._landed, seq_p.req.rid)
@@ -497,6 +579,8 @@ class SimCluster:
         )
         est.finished(n)
         remote.decode.prefill_books.completed(str(rid))
+        moved, _ = self._transfer.pop(rid, (n, 0))
+        self.kv_transfer_tokens += moved
         remote.decode.engine.complete_remote(remote.seq_d)
 
     def _fall_back(self, rid: int) -> None:
@@ -510,7 +594,10 @@ class SimCluster:
         remote.decode.prefill_books.completed(str(rid))
         remote.seq_d.req.placement = "fallback"
         self.counts["fallback"] += 1
-        remote.decode.engine.fail_remote(remote.seq_d)
+        # Only the tokens past the prefix the decode replica kept are recomputed.
+        _, kept = self._transfer.pop(rid, (0, 0))
+        remote.seq_d.req.cached_tokens = kept
+        remote.decode.engine.fail_remote(remote.seq_d, kept)
 
     def _streamed(self) -> float:
         """How long a token emitted now takes to reach the client: one hop, and on a small
@@ -519,8 +606,10 @@ class SimCluster:
             return self.s.rpc_s
         return self.s.rpc_s + self.shared_cpu.delay()
 
-    def _first_token(self, seq: Seq, t: float) -> None:
+    def _first_token(self, replica: SimReplica, seq: Seq, t: float) -> None:
         seq.req.first_token_at = t + self._streamed()
+        if replica.cache is not None:  # its prompt's KV is in this engine now
+            replica.cache.insert(seq.req.block_hashes)
         if self.admission is not None:
             self.admission.first_token(seq.req, t)
 
@@ -548,6 +637,7 @@ class SimCluster:
         if replica not in self.pools[replica.role]:
             return
         self.pools[replica.role].remove(replica)
+        self.prefix_index[replica.role].forget(replica.replica_id)
         self._pairs[replica.role] = None
         replica.stopped_at = self.loop.now
         self.retired.append(replica)

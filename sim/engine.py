@@ -138,10 +138,11 @@ class SimEngine:
             self._wait(seq, front=True)
         self._poke()
 
-    def fail_remote(self, seq: Seq) -> None:
-        """Recompute the prompt here, into the reserved blocks."""
+    def fail_remote(self, seq: Seq, kept: int = 0) -> None:
+        """Recompute the prompt past the ``kept`` cached tokens here, into the reserved
+        blocks."""
         del self.remote[seq.req.rid]
-        seq.computed = 0
+        seq.computed = kept
         self._wait(seq, front=True)
         self._poke()
 

@@ -20,6 +20,9 @@ class SimRequest:
         "first_token_at",
         "finished_at",
         "placement",
+        "block_hashes",
+        "turn",
+        "cached_tokens",
     )
 
     def __init__(self, rid: int, arrival: float, prompt_tokens: int, output_tokens: int) -> None:
@@ -35,6 +38,10 @@ class SimRequest:
         self.first_token_at: float | None = None
         self.finished_at: float | None = None
         self.placement: Placement | None = None
+        # The prompt's block-hash chain (``pdserve.sim.prefix``); empty: it shares no prefix.
+        self.block_hashes: tuple[int, ...] = ()
+        self.turn = 1  # its turn in a conversation
+        self.cached_tokens = 0  # prompt tokens its prefill did not compute
 
     @property
     def ttft(self) -> float | None:

@@ -20,7 +20,7 @@ compute) drive ``sim.shared_cpu`` (``--no-shared-cpu``: every engine at its prof
 speed, tokens streamed at once). Every decode step also pays the decode
 replica's engine-loop overhead (``cost.LoopOverheadCost``: the calibration's one-at-a-time
 mean TPOT less the decode profile's step; ``--no-loop-overhead``: none). Take the profiles
-next to the runs: this VM's speed drifts by tens of percent within hours.
+next to the runs: a shared machine's speed drifts (docs/simulator.md).
 
 Other jobs on the machine (threads allowed on every CPU) compete with both engines; they
 are recorded in ``cpu.json`` (``cpus=0,1;nice0`` and each CPU's busy time), not modelled.
@@ -38,8 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from pdserve.deployments.config import AppConfig, PoolRole
-from pdserve.sim.admission import LiveAdmission, live_admission_available
-from pdserve.sim.cluster import SimCluster
+from pdserve.sim.cluster import LiveAdmission, SimCluster
 from pdserve.sim.config import ROLES, SharedCpuSettings, SimSettings
 from pdserve.sim.cost import (
     CostModel,
@@ -116,8 +115,8 @@ def compare_one(
     records = {
         r["index"]: r for r in next(iter(json.loads(summary.read_text())["requests"].values()))
     }
-    # The decode servers run issue 18's admission control; so does the simulation.
-    admission = LiveAdmission(app) if live_admission_available() else None
+    # The decode servers run their admission control; so does the simulation.
+    admission = LiveAdmission(app)
     # The pools whose engines add helper threads on the shared CPUs (the colocated config's
     # decode engine), with the profile measured with the helpers, when given.
     helpers: dict[PoolRole, CostModel] = {

@@ -17,8 +17,9 @@ import json; s = json.load(open('$state'))
 print(' '.join(f'--metrics-url http://{s[\"node_ip\"]}:{n[\"metrics_export_port\"]}/metrics' for n in s['nodes']))")
 .venv/bin/python -P -m pdserve.bench.serve --endpoint unused=http://127.0.0.1:1 --tokenizer "$tok" \
   --workload multiturn --conversations "${CONVERSATIONS:-12}" --turns fixed:4 \
-  --system-len 512 --num-system-prompts 4 --user-len uniform:32:64 --output-len fixed:16 \
-  --think-time-s 2 --conversation-rate 0.5 --seed 0 --out-dir "$out/workload" --dry-run
+  --system-len 512 --num-system-prompts 4 --context-len "${CONTEXT_LEN:-384}" \
+  --user-len uniform:32:64 --output-len fixed:16 \
+  --think-time-s 2 --conversation-rate "${RATE:-0.2}" --seed 0 --out-dir "$out/workload" --dry-run
 for mode in ${MODES:-aware blind}; do
   .venv/bin/pdserve serve "docs/prefix-routing/$mode.yaml"
   url=$(.venv/bin/python -c "

@@ -1,11 +1,14 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2) in one file, over a paged KV cache.
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral) in one file,
+over a paged KV cache.
 
 The model works on a *flattened* batch: the new tokens of every scheduled request are
 concatenated into one ``[T]`` vector (prefill chunks and decode tokens mixed), and
 ``AttentionMetadata`` says where each request's tokens sit, which cache slots they write
 and which blocks hold their context. Attention, KV writes, RMSNorm and RoPE go through
 ``pdserve.kernels.ops`` (Triton on CUDA, torch on CPU). The variants differ only in config:
-GQA/MQA head counts, qkv bias (Qwen2), tied embeddings, RoPE scaling (llama3, linear).
+GQA/MQA head counts, qkv bias (Qwen2), q/k RMSNorm per head (Qwen3), tied embeddings, RoPE
+scaling (llama3, linear), and mixture-of-experts MLPs (``models/moe.py``: Mixtral,
+Qwen3-MoE).
 
 Parameter names follow the Hugging Face checkpoints except that q/k/v and gate/up are fused
 into one matmul each; ``load_weights`` maps the checkpoint names. This module never
@@ -22,6 +25,7 @@ import torch
 from torch import nn
 
 from pdserve.engine.loader import ModelConfig
+from pdserve.engine.models.moe import SparseMoeBlock
 from pdserve.engine.parallel import SINGLE, TPGroup
 from pdserve.engine.quantization import QUANT_KINDS, make_linear, read_quant_tensor
 from pdserve.kernels import ops
@@ -87,6 +91,8 @@ class Attention(nn.Module):
         self.o_proj = make_linear(
             self.q_size, cfg.hidden_size, cfg.o_bias, quant, (f"{prefix}.o_proj",)
         )
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(
         self,
@@ -101,6 +107,9 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = _norm_heads(self.q_norm, q)
+            k = _norm_heads(self.k_norm, k)
         q, k = ops.apply_rotary(positions, q, k, cos_sin)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         ks = vs = None
@@ -118,6 +127,12 @@ class Attention(nn.Module):
                 self.scale, k_scale=ks, v_scale=vs,
             )  # fmt: skip
         return self.tp.all_reduce(self.o_proj(out.reshape(t, self.q_size)))
+
+
+def _norm_heads(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> same
+    out = norm(x.reshape(-1, x.shape[-1]))
+    assert isinstance(out, torch.Tensor)
+    return out.view(x.shape)
 
 
 class MLP(nn.Module):
@@ -170,7 +185,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_idx, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, layer_idx, tp)
+        self.mlp: MLP | SparseMoeBlock
+        if cfg.moe is not None and layer_idx in cfg.moe.sparse_layers:
+            self.mlp = SparseMoeBlock(cfg, tp)
+        else:
+            self.mlp = MLP(cfg, layer_idx, tp)
 
     def forward(
         self,
@@ -202,7 +221,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama / Mistral / Qwen2 decoder over a paged KV cache."""
+    """Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral decoder over a paged KV cache."""
 
     def __init__(self, cfg: ModelConfig, max_position: int, tp: TPGroup = SINGLE) -> None:
         super().__init__()
@@ -298,7 +317,8 @@ class LlamaForCausalLM(nn.Module):
             params.pop("lm_head.weight", None)  # shares embed_tokens.weight
         expected: dict[str, int] = {}  # parameter -> rows still to fill (to detect gaps)
         for name, p in params.items():
-            expected[name] = p.shape[0]
+            # Stacked experts count loads, not rows: w13 takes a gate and an up per expert.
+            expected[name] = 2 * p.shape[0] if name.endswith(".w13") else p.shape[0]
             if name.endswith(("embed_tokens.weight", "lm_head.weight")):
                 pad = len(vocab) - n_vocab  # padding rows: zeros, never a token
                 p.data[p.shape[0] - pad :].zero_()
@@ -307,6 +327,10 @@ class LlamaForCausalLM(nn.Module):
             if "rotary_emb.inv_freq" in name:
                 continue  # derived from the config, some old checkpoints store it
             if cfg.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for it
+            if ".mlp.experts." in name:
+                expected[self._load_expert(name, source)] -= 1
                 continue
             prefix, module, kind = (["", *name.rsplit(".", 2)])[-3:]
             if module == "self_attn" and kind in ("k_scale", "v_scale"):
@@ -369,6 +393,22 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(n for n, left in expected.items() if left > 0)
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}")
+
+    def _load_expert(self, name: str, source: Any) -> str:
+        """``model.layers.<i>.mlp.experts.<j>.<projection>.weight`` into layer i's stacked
+        experts; returns the parameter filled."""
+        block, _, rest = name.partition(".experts.")
+        parts = rest.split(".")
+        try:
+            module = self.get_submodule(block)
+        except AttributeError:
+            module = None
+        if not isinstance(module, SparseMoeBlock) or len(parts) != 3 or parts[2] != "weight":
+            raise ValueError(
+                f"checkpoint tensor {name!r} has no place in {self.config.architecture}"
+            )
+        param = module.load_expert(int(parts[0]), parts[1], source, name)
+        return f"{block}.{param}"
 
 
 def _shape(source: Any) -> tuple[int, ...]:

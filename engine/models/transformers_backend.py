@@ -26,6 +26,7 @@ from torch import nn
 
 from pdserve.engine.loader import ModelConfig
 from pdserve.engine.models.llama import AttentionMetadata
+from pdserve.engine.parallel import SINGLE, TPGroup
 from pdserve.kernels import ops
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -120,10 +121,11 @@ def register_attention() -> None:
 class TransformersForCausalLM(nn.Module):
     """A transformers causal LM whose attention runs on pdserve's paged KV cache."""
 
-    def __init__(self, cfg: ModelConfig, hf_model: Any) -> None:  # a PreTrainedModel
+    def __init__(self, cfg: ModelConfig, hf_model: Any, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.config = cfg
-        self.hf: Any = hf_model
+        self.hf: Any = hf_model  # a PreTrainedModel (this rank's shard of it under TP)
+        self.tp = tp
         hf_config = hf_model.config
         # What the checkpoint's own forward applies to the lm_head output.
         self.final_softcap = getattr(hf_config, "final_logit_softcapping", None)
@@ -145,13 +147,22 @@ class TransformersForCausalLM(nn.Module):
 
     @classmethod
     def load(
-        cls, cfg: ModelConfig, model_dir: str | Path, device: torch.device
+        cls, cfg: ModelConfig, model_dir: str | Path, device: torch.device, tp: TPGroup = SINGLE
     ) -> TransformersForCausalLM:
         """Build the model from config.json and the safetensors (read lazily by transformers)
-        on ``device`` in ``cfg.dtype``, with pdserve's attention."""
+        on ``device`` in ``cfg.dtype``, with pdserve's attention; under tensor parallelism
+        this rank's shard of it, split by the model's ``base_model_tp_plan``
+        (``transformers_tp``)."""
         from transformers import AutoModelForCausalLM
 
         register_attention()
+        if tp.size > 1:
+            from pdserve.engine.models.transformers_tp import load_sharded
+            from pdserve.engine.transformers_config import load_hf_config
+
+            hf_config = load_hf_config(model_dir, cfg.architecture)
+            sharded = load_sharded(hf_config, model_dir, cfg.dtype, device, tp, ATTN_IMPLEMENTATION)
+            return cls(cfg, sharded, tp)
         hf_model: Any = AutoModelForCausalLM.from_pretrained(
             str(model_dir),
             local_files_only=True,
@@ -182,8 +193,9 @@ class TransformersForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, hidden] -> [S, V]
         """Float32 logits, with the scaling and softcapping the checkpoint's own forward
-        applies after its lm_head."""
-        logits = ops.linear_float32(hidden, self.lm_head)
+        applies after its lm_head. Under tensor parallelism every rank computes its
+        vocabulary rows and gets all of them (every rank must call this in the same step)."""
+        logits = self.tp.all_gather_last(ops.linear_float32(hidden, self.lm_head))
         if self.logit_scale is not None:
             logits = logits * float(self.logit_scale)
         if self.logits_divisor is not None:

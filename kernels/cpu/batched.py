@@ -3,7 +3,7 @@ loop over tokens).
 
 The engine runs these on CPU every step, so they must not be what limits it: decode reads
 the paged blocks in place in the native kernel of ``kernels/cpu/native.py`` where it is built
-(about 2x SDPA's fused kernel at decode shapes); without it, decode gathers the blocks of
+(docs/cpu.md); without it, decode gathers the blocks of
 the sequences into a padded ``[P, L, Hkv, D]`` buffer, one group of similar context
 lengths at a time, and runs one grouped-query call of SDPA's fused kernel per group with a
 length mask; whole prompts of equal length share one call of SDPA's fused causal

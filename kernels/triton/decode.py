@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.kv_quant import is_quantized_kv
+from pdserve.kernels.triton.paged import block_slots, load_tile
 
 __all__ = ["SPLIT_BUCKETS", "bucket_splits", "paged_decode_attention_triton", "warm_up"]
 
@@ -86,26 +87,13 @@ def _decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         valid = n < end
-        block = tl.load(table + n // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        offset = (n % BLOCK_SIZE).to(tl.int64)
+        block, offset = block_slots(table, n, valid, BLOCK_SIZE)
         kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(
-            k_cache_ptr
-            + block[:, None] * stride_kn
-            + offset[:, None] * stride_kb
-            + kv_head * stride_kh
-            + d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )  # [BLOCK_N, BLOCK_D]
-        v = tl.load(
-            v_cache_ptr
-            + block[:, None] * stride_vn
-            + offset[:, None] * stride_vb
-            + kv_head * stride_vh
-            + d[None, :],
-            mask=kv_mask,
-            other=0.0,
+        k = load_tile(
+            k_cache_ptr, block, offset, kv_head, d, kv_mask, stride_kn, stride_kb, stride_kh
+        )
+        v = load_tile(
+            v_cache_ptr, block, offset, kv_head, d, kv_mask, stride_vn, stride_vb, stride_vh
         )
         if k.dtype != q.dtype:  # compile-time: an int8 / e4m3 cache
             # Exact through float32 into q's dtype (the interpreter mis-casts int8 to bf16).

@@ -7,7 +7,8 @@ reported against ceilings measured in the same run, on the same GPU:
     per second as a fraction of a device-to-device copy's bandwidth;
   - prefill attention (8k new tokens): causal attention TFLOP/s as a fraction of a bf16
     matmul's (torch's own SDPA on the same problem is printed for context);
-  - block gather/scatter, KV write, RMSNorm, rotary: bandwidth vs the copy.
+  - block gather/scatter, KV write, RMSNorm, rotary: bandwidth vs the copy;
+  - the fused MoE (``gpu_check_moe``): decode as expert bytes per second, prefill TFLOP/s.
 The int8 / float8 KV cache (quantizing write, attention over it) is checked too
 (``gpu_check_kvquant``).
 Prints a table, writes JSON (``--out``), exits 1 if a check fails. Without CUDA it says so
@@ -28,7 +29,7 @@ import torch
 
 __all__ = ["main"]
 
-# Benchmark shape of the issue: Hq 32 / Hkv 8, head_dim 128, block size 16, bf16.
+# Benchmark shape (a Llama-3-8B layer): Hq 32 / Hkv 8, head_dim 128, block size 16, bf16.
 HQ, HKV, D, BS = 32, 8, 128, 16
 LLAMA3_SCALING = {
     "rope_type": "llama3",
@@ -413,6 +414,10 @@ def main(argv: list[str] | None = None) -> int:
     rows += _bench_blocks(dev, args.quick, ceil)
     torch.cuda.empty_cache()
     rows += _bench_elementwise(dev, ceil)
+    torch.cuda.empty_cache()
+    from pdserve.kernels.triton.gpu_check_moe import bench_moe
+
+    rows += bench_moe(dev, args.quick, ceil)
     _print_table(rows)
     report = {
         "device": torch.cuda.get_device_name(dev),

@@ -82,14 +82,12 @@ def test_disaggregated_config_sends_long_prompts_to_the_prefill_pool() -> None:
 
     def where(tokens: int) -> str:
         return policy.decide(
-            num_prompt_tokens=tokens, num_cached_tokens=0, load=load, remote=remote, sheddable=False
+            num_prompt_tokens=tokens, num_cached_tokens=0, load=load, remote=remote
         ).location
 
     # Every fresh prompt goes to the prefill node; a cached prefix is finished locally
     # (placement only: the decode server leaves shedding to admission control).
     assert where(128) == "remote"
     assert where(1536) == "remote"
-    local = policy.decide(
-        num_prompt_tokens=1536, num_cached_tokens=1530, load=load, remote=remote, sheddable=False
-    )
+    local = policy.decide(num_prompt_tokens=1536, num_cached_tokens=1530, load=load, remote=remote)
     assert local.location == "local"

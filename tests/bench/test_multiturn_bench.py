@@ -6,8 +6,10 @@ prefix hit rate from the responses' usage."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
+import numpy as np
 import pytest
 
 from pdserve.bench.serve import Endpoint, RunOptions, main
@@ -72,6 +74,12 @@ def test_every_turn_resends_the_conversation_so_far(fake_server, tokenizer) -> N
     assert summary["ttft_turn1"]["p50"] >= TTFT_S
     assert summary["ttft_later_turns"]["count"] == len(records) - len(convs)
     assert summary["hit_rate"] == pytest.approx(CACHED_TOKENS / 7)
+    assert summary["errors"] == {}
+    # The prompt tokens computed: each prompt less the fake's reported cached tokens.
+    prompts = sorted(r.record.prompt_tokens for r in records if r.turn == 1)
+    assert summary["computed_tokens_turn1"]["p50"] == pytest.approx(
+        float(np.median(prompts)) - CACHED_TOKENS
+    )
 
 
 def test_cli_replays_saved_conversations(fake_server, tokenizer, tmp_path, capsys) -> None:
@@ -89,3 +97,21 @@ def test_cli_replays_saved_conversations(fake_server, tokenizer, tmp_path, capsy
     assert summary["completed"] == sum(len(c.turns) for c in load_conversations(saved))
     assert load_conversations(out / "conversations.json") == load_conversations(saved)
     assert "TTFT turns>=2 p50" in capsys.readouterr().out
+
+
+def test_a_conversation_context_opens_only_the_first_turn_and_is_its_own(tokenizer) -> None:
+    spec = dataclasses.replace(_spec(), context_len=30)
+    convs = build_conversations(tokenizer, spec)
+    plain = build_conversations(tokenizer, _spec())
+    for conv in convs:
+        first, *rest = conv.turns
+        assert first.user_tokens == 30 + 12
+        assert len(tokenizer(conv.system + first.user, add_special_tokens=False)["input_ids"]) == (
+            len(tokenizer(conv.system, add_special_tokens=False)["input_ids"]) + 42
+        )
+        assert all(t.user_tokens == 12 for t in rest)
+    # Every conversation opens with a context of its own after the shared system prompt.
+    assert len({c.turns[0].user[:80] for c in convs}) == len(convs)
+    assert len({c.system for c in convs}) == 1 and plain[0].system == convs[0].system
+    with pytest.raises(ValueError, match="context_len"):
+        build_conversations(tokenizer, dataclasses.replace(_spec(), context_len=-1))

@@ -4,15 +4,14 @@ metrics endpoints and the spans the console exporter wrote into the replicas' lo
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
+
+from pdserve.cluster.metrics_scrape import node_metric_families
 
 SPAN_START = '{\n    "name": '
 
@@ -20,16 +19,7 @@ SPAN_START = '{\n    "name": '
 def node_samples(host: str, ports: list[int]) -> list[Sample]:
     """Every sample on every node's ``/metrics`` (an endpoint that does not answer yet is
     skipped: the caller polls)."""
-    samples: list[Sample] = []
-    for port in ports:
-        try:
-            with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5) as resp:
-                text = resp.read().decode()
-        except (urllib.error.URLError, OSError):
-            continue
-        for family in text_string_to_metric_families(text):
-            samples.extend(family.samples)
-    return samples
+    return [s for family in node_metric_families(host, ports, 5.0) for s in family.samples]
 
 
 @dataclass(frozen=True)

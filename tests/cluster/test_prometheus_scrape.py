@@ -15,9 +15,7 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
-import time
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
@@ -41,6 +39,7 @@ pytest.importorskip("helm_python", reason="helm-python-sdk renders the chart's r
 
 from pdserve.deployments.config import AppConfig  # noqa: E402
 from tests.helm.rendering import CHART, render  # noqa: E402
+from tests.support import free_port, wait_until  # noqa: E402
 from tests.support.cluster import PD, app_config  # noqa: E402
 from tests.support.cluster import local_cluster as serve_on_local_cluster  # noqa: E402
 
@@ -57,7 +56,9 @@ def _config() -> AppConfig:
     data = app_config().model_dump(mode="json")
     data["transport"]["timeout_s"] = 1.0  # a frozen prefill replica misses it quickly
     # Batch requests are shed (429) once they waited a microsecond: a shed series.
-    data["policy"].update({"batch_max_queue_wait_s": 1e-6, "batch_shed_ttft_factor": 1e-6})
+    data.setdefault("admission", {}).update(
+        {"batch_max_queue_wait_s": 1e-6, "batch_shed_ttft_factor": 1e-6}
+    )
     return AppConfig.from_dict(data)
 
 
@@ -102,12 +103,6 @@ def model(pd: PD) -> str:
     return _serve_the_mix(pd)
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def _node_targets() -> list[str]:
     return [
         f"{n['NodeManagerAddress']}:{n['MetricsExportPort']}" for n in ray.nodes() if n["Alive"]
@@ -132,7 +127,7 @@ def prometheus(pd: PD, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str
         ],
     }
     (work / "prometheus.yml").write_text(yaml.safe_dump(config))
-    address = f"127.0.0.1:{_free_port('127.0.0.1')}"
+    address = f"127.0.0.1:{free_port('127.0.0.1')}"
     with (work / "prometheus.log").open("wb") as log:
         proc = subprocess.Popen(
             [
@@ -146,11 +141,15 @@ def prometheus(pd: PD, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str
         )
     try:
         url = f"http://{address}"
-        deadline = time.monotonic() + 60
-        while not _ready(url):
+
+        def ready() -> bool:
             assert proc.poll() is None, (work / "prometheus.log").read_text()
-            assert time.monotonic() < deadline, (work / "prometheus.log").read_text()
-            time.sleep(0.2)
+            return _ready(url)
+
+        try:
+            wait_until(ready, 60, interval=0.2, what="Prometheus to answer /-/ready")
+        except TimeoutError as err:
+            raise AssertionError((work / "prometheus.log").read_text()) from err
         yield url
     finally:
         proc.terminate()
@@ -199,13 +198,15 @@ def test_every_dashboard_query_returns_a_series_from_the_real_scrape(
     model: str, prometheus: str
 ) -> None:
     queries = _dashboard_queries(model)
-    deadline = time.monotonic() + 60
-    while True:  # Ray's agents export every second, Prometheus scrapes every second
-        empty = [(t, q) for t, q in queries if not _api(prometheus, "query", query=q)["result"]]
-        if not empty:
-            break
-        assert time.monotonic() < deadline, f"no series for: {empty}"
-        time.sleep(1.0)
+
+    def empty() -> list[tuple[str, str]]:
+        return [(t, q) for t, q in queries if not _api(prometheus, "query", query=q)["result"]]
+
+    # Ray's agents export every second, Prometheus scrapes every second.
+    try:
+        wait_until(lambda: not empty(), 60, interval=1.0, what="a series for every query")
+    except TimeoutError as err:
+        raise AssertionError(f"no series for: {empty()}") from err
     # The dashboard's model variable (label_values(... , model_name)) offers the model.
     values = _api(
         prometheus,
@@ -219,31 +220,31 @@ def test_every_dashboard_query_returns_a_series_from_the_real_scrape(
 
 
 def test_the_charts_rules_evaluate_on_the_real_scrape(pd: PD, model: str, prometheus: str) -> None:
-    deadline = time.monotonic() + 60
-    while True:
-        groups = _api(prometheus, "rules")["groups"]
-        rules = [r for g in groups for r in g["rules"]]
-        evaluated = [r for r in rules if r.get("lastEvaluation", "").startswith("20")]
-        if rules and len(evaluated) == len(rules):
-            break
-        assert time.monotonic() < deadline, rules
-        time.sleep(1.0)
+    def evaluated_rules() -> list[dict[str, Any]]:
+        """Every rule of the chart once each has been evaluated, else []."""
+        rules = [r for g in _api(prometheus, "rules")["groups"] for r in g["rules"]]
+        done = all(r.get("lastEvaluation", "").startswith("20") for r in rules)
+        return rules if done else []
+
+    rules = wait_until(evaluated_rules, 60, interval=1.0, what="every rule evaluated")
     assert [(r["name"], r.get("lastError")) for r in rules if r["health"] != "ok"] == []
     # The TTFT bound's le matcher finds Ray's bucket: once the ingress's TTFT count has
     # been scraped and grows, the miss ratio is a number in [0, 1] (not an empty result).
     count = f'ray_pdserve_time_to_first_token_seconds_count{{role="ingress",model_name="{model}"}}'
-    while not _api(prometheus, "query", query=count)["result"]:
-        assert time.monotonic() < deadline + 60, f"{count} never scraped"
-        time.sleep(1.0)
+    wait_until(
+        lambda: _api(prometheus, "query", query=count)["result"],
+        60,
+        interval=1.0,
+        what=f"{count} to be scraped",
+    )
     with httpx.Client(base_url=pd.http, timeout=120) as client:
         for _ in range(3):
             assert _complete(client, model, SHORT_PROMPT).status_code == 200
     query = f'pdserve:ttft_slo_miss_ratio:rate5m{{model_name="{model}"}}'
-    deadline = time.monotonic() + 30
-    while True:
+
+    def ratio_number() -> list[dict[str, Any]]:
         ratio = _api(prometheus, "query", query=query)["result"]
-        if ratio and ratio[0]["value"][1] != "NaN":
-            break
-        assert time.monotonic() < deadline, f"the TTFT miss ratio is {ratio}"
-        time.sleep(1.0)
+        return ratio if ratio and ratio[0]["value"][1] != "NaN" else []
+
+    ratio = wait_until(ratio_number, 30, interval=1.0, what="a TTFT miss ratio that is a number")
     assert 0 <= float(ratio[0]["value"][1]) <= 1, ratio

@@ -4,6 +4,7 @@ client that collects what the decode server streams."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from pdserve.deployments.config import AppConfig
@@ -45,6 +46,19 @@ def request(rid: str, prompt: list[int], max_tokens: int = 12, **kw: Any) -> Gen
 
 async def collect(decode: DecodeServer, req: GenerateRequest) -> list[GenerateChunk]:
     return [chunk async for chunk in decode.generate(req)]
+
+
+async def behind(
+    decode: DecodeServer, ahead: GenerateRequest, req: GenerateRequest
+) -> list[GenerateChunk]:
+    """``req``'s chunks, sent while ``ahead`` is admitted and not yet prefilled: a queue
+    ahead of it (an idle replica serves a request whose own work misses the SLO)."""
+    first = asyncio.create_task(collect(decode, ahead))
+    await asyncio.sleep(0)  # ``ahead`` runs up to its first wait: admitted, prompt queued
+    try:
+        return await collect(decode, req)
+    finally:
+        await first
 
 
 def tokens(chunks: list[GenerateChunk]) -> list[int]:

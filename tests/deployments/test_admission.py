@@ -7,8 +7,9 @@ import dataclasses
 
 import pytest
 
-from pdserve.deployments import admission
-from pdserve.deployments.admission import AdmissionRules, QueueAhead
+from pdserve.deployments.admission import rules as admission_rules
+from pdserve.deployments.admission import signals, stream_limit
+from pdserve.deployments.admission.rules import AdmissionRules, QueueAhead
 
 RULES = AdmissionRules(
     ttft_slo_s=2.0,
@@ -35,17 +36,17 @@ def ahead(**overrides: float) -> QueueAhead:
 
 
 def test_an_idle_replica_predicts_the_prompt_alone() -> None:
-    p = admission.predict_ttft(ahead(), uncached_tokens=100)
+    p = admission_rules.predict_ttft(ahead(), uncached_tokens=100)
     assert p.slot_wait_s == 0.0
     assert p.total_s == pytest.approx(100 / 500 + 0.05)
-    assert admission.decide(p, "interactive", RULES).action == "admit"
+    assert admission_rules.decide(p, "interactive", RULES).action == "admit"
 
 
 def test_queued_prefill_tokens_ahead_count_at_the_measured_rate() -> None:
-    p = admission.predict_ttft(ahead(queued_prefill_tokens=1400, waited_s=0.5), 100)
+    p = admission_rules.predict_ttft(ahead(queued_prefill_tokens=1400, waited_s=0.5), 100)
     assert p.prefill_s == pytest.approx(1500 / 500)
     assert p.total_s == pytest.approx(0.5 + 3.0 + 0.05)  # 3.55 s > 1.5 x 2 s
-    d = admission.decide(p, "interactive", RULES)
+    d = admission_rules.decide(p, "interactive", RULES)
     assert (d.action, d.reason) == ("shed", "ttft_slo")
 
 
@@ -53,62 +54,63 @@ def test_a_full_batch_waits_for_running_requests_to_finish() -> None:
     # 8 running + 4 waiting, 8 slots: the new one is 5th in line; 8 requests of 16 tokens
     # at 0.05 s/step finish at 8 / 0.8 s = 10 per second -> 0.5 s.
     q = ahead(num_in_batch=12)
-    assert admission.slot_wait_s(q) == pytest.approx(5 * 16 * 0.05 / 8)
-    assert admission.slot_wait_s(ahead(num_in_batch=7)) == 0.0
+    assert admission_rules.slot_wait_s(q) == pytest.approx(5 * 16 * 0.05 / 8)
+    assert admission_rules.slot_wait_s(ahead(num_in_batch=7)) == 0.0
 
 
 def test_remote_prefill_overhead_is_part_of_the_prediction() -> None:
-    p = admission.predict_ttft(ahead(prefill_overhead_s=0.3), 100)
+    p = admission_rules.predict_ttft(ahead(prefill_overhead_s=0.3), 100)
     assert p.prefill_s == pytest.approx(0.3 + 0.2)
 
 
 def test_retry_after_is_the_predicted_drain_time_not_a_constant() -> None:
-    small = admission.predict_ttft(ahead(queued_prefill_tokens=2000), 100)  # 4.25 s
-    large = admission.predict_ttft(ahead(queued_prefill_tokens=10000), 100)  # 20.25 s
-    d_small = admission.decide(small, "interactive", RULES)
-    d_large = admission.decide(large, "interactive", RULES)
+    small = admission_rules.predict_ttft(ahead(queued_prefill_tokens=2000), 100)  # 4.25 s
+    large = admission_rules.predict_ttft(ahead(queued_prefill_tokens=10000), 100)  # 20.25 s
+    d_small = admission_rules.decide(small, "interactive", RULES)
+    d_large = admission_rules.decide(large, "interactive", RULES)
     # Exact (the ingress sheds the class at its door for that long); HTTP's header rounds up.
     assert d_small.retry_after_s == pytest.approx(1.25)  # 4.25 - 3.0
     assert d_large.retry_after_s == pytest.approx(17.25)  # 20.25 - 3.0
     # Never under MIN_DRAIN_S, even when just over the threshold.
-    edge = admission.predict_ttft(ahead(queued_prefill_tokens=1480), 1)  # 3.012 s
-    assert admission.decide(edge, "interactive", RULES).retry_after_s == admission.MIN_DRAIN_S
+    edge = admission_rules.predict_ttft(ahead(queued_prefill_tokens=1480), 1)  # 3.012 s
+    edge_retry = admission_rules.decide(edge, "interactive", RULES).retry_after_s
+    assert edge_retry == admission_rules.MIN_DRAIN_S
 
 
 def test_batch_sheds_first() -> None:
     # 2.5 s: over the batch threshold (1.0 x SLO), under the interactive one (1.5 x SLO).
-    p = admission.predict_ttft(ahead(queued_prefill_tokens=1125), 100)
-    assert admission.decide(p, "interactive", RULES).action == "admit"
-    assert admission.decide(p, "batch", RULES).action == "shed"
+    p = admission_rules.predict_ttft(ahead(queued_prefill_tokens=1125), 100)
+    assert admission_rules.decide(p, "interactive", RULES).action == "admit"
+    assert admission_rules.decide(p, "batch", RULES).action == "shed"
 
 
 def test_queueing_stays_available_per_class() -> None:
     rules = dataclasses.replace(RULES, interactive_on_miss="queue", batch_on_miss="queue")
-    p = admission.predict_ttft(ahead(queued_prefill_tokens=5000), 100)
-    d = admission.decide(p, "interactive", rules)
+    p = admission_rules.predict_ttft(ahead(queued_prefill_tokens=5000), 100)
+    d = admission_rules.decide(p, "interactive", rules)
     assert (d.action, d.reason, d.retry_after_s) == ("admit", "queued_past_slo", None)
 
 
 def test_a_request_that_waited_past_its_deadline_is_dropped_but_batch_may_wait_longer() -> None:
     rules = dataclasses.replace(RULES, interactive_on_miss="queue", batch_on_miss="queue")
-    p = admission.predict_ttft(ahead(waited_s=9.0), 10)
-    d = admission.decide(p, "interactive", rules)
+    p = admission_rules.predict_ttft(ahead(waited_s=9.0), 10)
+    d = admission_rules.decide(p, "interactive", rules)
     assert (d.action, d.reason) == ("shed", "deadline")
-    assert admission.decide(p, "batch", rules).action == "admit"
+    assert admission_rules.decide(p, "batch", rules).action == "admit"
 
 
 def test_calibration_scales_the_remaining_part_only() -> None:
-    cal = admission.Calibration(alpha=1.0)
+    cal = admission_rules.Calibration(alpha=1.0)
     cal.observe(predicted_remaining_s=1.0, actual_remaining_s=2.0)
     assert cal.value == 2.0
-    p = admission.predict_ttft(ahead(waited_s=1.0), 100, calibration=cal.value)
+    p = admission_rules.predict_ttft(ahead(waited_s=1.0), 100, calibration=cal.value)
     assert p.total_s == pytest.approx(1.0 + 2 * (0.2 + 0.05))
     cal.observe(1.0, 100.0)  # clipped
     assert cal.value == 4.0
 
 
 def test_pending_prefills_count_admitted_work_until_first_token() -> None:
-    book = admission.PendingPrefills()
+    book = admission_rules.PendingPrefills()
     book.admitted("a", "local", 100)
     book.admitted("b", "remote", 50)
     assert (book.tokens("local"), book.tokens("remote"), book.num_open) == (100, 50, 2)
@@ -121,25 +123,25 @@ def test_pending_prefills_count_admitted_work_until_first_token() -> None:
 
 def test_bad_inputs_name_the_value() -> None:
     with pytest.raises(ValueError, match="uncached_tokens"):
-        admission.predict_ttft(ahead(), 0)
+        admission_rules.predict_ttft(ahead(), 0)
     with pytest.raises(ValueError, match="prefill_tokens_per_s"):
-        admission.predict_ttft(ahead(prefill_tokens_per_s=0.0), 10)
+        admission_rules.predict_ttft(ahead(prefill_tokens_per_s=0.0), 10)
     with pytest.raises(ValueError, match="ttft_slo_s"):
         dataclasses.replace(RULES, ttft_slo_s=0.0)
 
 
 def test_a_full_replica_sheds_at_once_but_queueing_classes_still_queue() -> None:
     rules = dataclasses.replace(RULES, max_admitted=16, batch_on_miss="queue")
-    p = admission.predict_ttft(ahead(), 10)  # well within the SLO
-    d = admission.decide(p, "interactive", rules, num_admitted=16)
+    p = admission_rules.predict_ttft(ahead(), 10)  # well within the SLO
+    d = admission_rules.decide(p, "interactive", rules, num_admitted=16)
     assert (d.action, d.reason) == ("shed", "queue_full")
-    assert d.retry_after_s == admission.MIN_DRAIN_S
-    assert admission.decide(p, "interactive", rules, num_admitted=15).action == "admit"
-    assert admission.decide(p, "batch", rules, num_admitted=16).action == "admit"
+    assert d.retry_after_s == admission_rules.MIN_DRAIN_S
+    assert admission_rules.decide(p, "interactive", rules, num_admitted=15).action == "admit"
+    assert admission_rules.decide(p, "batch", rules, num_admitted=16).action == "admit"
 
 
 def test_the_ingress_sheds_within_the_drain_time_a_replica_reported() -> None:
-    hint = admission.ShedHint()
+    hint = signals.ShedHint()
     assert hint.remaining_s("interactive", 0.0) == 0.0
     hint.shed("batch", now=10.0, drain_s=3.0)
     assert hint.remaining_s("batch", 11.0) == 2.0
@@ -151,34 +153,34 @@ def test_the_ingress_sheds_within_the_drain_time_a_replica_reported() -> None:
 
 
 def test_the_ingress_asks_a_replica_again_after_at_most_max_window() -> None:
-    hint = admission.ShedHint(max_window_s=1.0)
+    hint = signals.ShedHint(max_window_s=1.0)
     hint.shed("interactive", now=20.0, drain_s=13.0)  # a pessimistic prediction
     assert hint.remaining_s("interactive", 20.5) == 0.5
     assert hint.remaining_s("batch", 21.0) == 0.0  # the next request reaches a replica
     hint.shed("batch", now=21.0, drain_s=0.25)  # shorter windows are kept as they are
     assert hint.remaining_s("batch", 21.0) == 0.25
     with pytest.raises(ValueError, match="max_window_s"):
-        admission.ShedHint(max_window_s=0.0)
+        signals.ShedHint(max_window_s=0.0)
 
 
 def test_a_lagging_ingress_loop_sheds_batch_first() -> None:
-    assert not admission.ingress_overloaded(0.05, "batch", 2.0)
-    assert admission.ingress_overloaded(0.15, "batch", 2.0)
-    assert not admission.ingress_overloaded(0.15, "interactive", 2.0)
-    assert admission.ingress_overloaded(0.3, "interactive", 2.0)
+    assert not signals.ingress_overloaded(0.05, "batch", 2.0)
+    assert signals.ingress_overloaded(0.15, "batch", 2.0)
+    assert not signals.ingress_overloaded(0.15, "interactive", 2.0)
+    assert signals.ingress_overloaded(0.3, "interactive", 2.0)
 
 
 def test_a_lagging_proxy_counts_until_its_measure_expires() -> None:
     """The proxy's lag (waits for request bodies) sheds like the ingress's own, but only
     while recent: shedding reads no body, so an old measure expires and requests pass to
     measure again, starting from 0 (one slow read alone sheds little)."""
-    lag = admission.ProxyLag(alpha=0.5, hold_s=1.0)
+    lag = signals.ProxyLag(alpha=0.5, hold_s=1.0)
     assert lag.seconds(0.0) == 0.0
     lag.observe(0.8, now=10.0)
     assert lag.seconds(10.5) == pytest.approx(0.4)
     lag.observe(0.8, now=10.6)
     assert lag.seconds(10.6) == pytest.approx(0.6)
-    overloaded = admission.ingress_overloaded
+    overloaded = signals.ingress_overloaded
     assert overloaded(0.01, "interactive", 2.0, proxy_lag_s=lag.seconds(10.6))
     assert lag.seconds(11.7) == 0.0  # expired: the door opens to measure again
     lag.observe(0.02, now=11.8)  # the proxy caught up
@@ -190,26 +192,26 @@ def test_a_lagging_proxy_counts_until_its_measure_expires() -> None:
     assert overloaded(0.05, "batch", 2.0, proxy_lag_s=0.4)
     assert overloaded(0.21, "interactive", 2.0, proxy_lag_s=0.0)
     with pytest.raises(ValueError, match="hold_s"):
-        admission.ProxyLag(hold_s=0.0)
+        signals.ProxyLag(hold_s=0.0)
 
 
 def test_a_prediction_from_the_configured_prior_rate_never_sheds() -> None:
     """A cold pool has no measured prefill rate yet: over the threshold it queues (reason
     'unmeasured'), since shedding on the prior would turn a whole cold burst away."""
     q = ahead(queued_prefill_tokens=1400, rate_measured=False)
-    p = admission.predict_ttft(q, 100)
+    p = admission_rules.predict_ttft(q, 100)
     assert p.total_s > RULES.threshold_s("interactive")
-    d = admission.decide(p, "interactive", RULES)
+    d = admission_rules.decide(p, "interactive", RULES)
     assert (d.action, d.reason, d.retry_after_s) == ("admit", "unmeasured", None)
     # The same queue with a measured rate sheds.
-    measured = admission.predict_ttft(dataclasses.replace(q, rate_measured=True), 100)
-    assert admission.decide(measured, "interactive", RULES).action == "shed"
+    measured = admission_rules.predict_ttft(dataclasses.replace(q, rate_measured=True), 100)
+    assert admission_rules.decide(measured, "interactive", RULES).action == "shed"
 
 
 def test_the_stream_limit_grows_only_while_in_use_and_first_tokens_are_fast() -> None:
     """Slow start: +1 per fast first token of a request admitted near the bound; a request
     admitted with the bound far from use (a quiet spell) teaches nothing."""
-    limit = admission.StreamLimit(target_s=2.0, high=64, initial=8)
+    limit = stream_limit.StreamLimit(target_s=2.0, high=64, initial=8)
     assert limit.admits("interactive", 7) and not limit.admits("interactive", 8)
     limit.observe(0.5, admitted_at=0.0, open_at_admission=2, now=0.5)  # quiet: no growth
     assert limit.limit == 8
@@ -225,7 +227,7 @@ def test_a_late_first_token_cuts_the_limit_once_per_round_trip() -> None:
     """Past the target: cut to 0.7 x the streams that were open, at most by half (the bound
     of 40 with 20 in use), and the requests admitted before that cut cannot cut again (they
     show the old queue)."""
-    limit = admission.StreamLimit(target_s=2.0, high=64, initial=40)
+    limit = stream_limit.StreamLimit(target_s=2.0, high=64, initial=40)
     limit.observe(3.0, admitted_at=10.0, open_at_admission=19, now=13.0)
     assert limit.limit == pytest.approx(20)  # half; 0.7 x 20 in use would be 14
     assert not limit.admits("interactive", 20)
@@ -239,25 +241,25 @@ def test_a_late_first_token_cuts_the_limit_once_per_round_trip() -> None:
 
 
 def test_the_stream_limit_sheds_batch_first_and_drains_by_stream_turnover() -> None:
-    limit = admission.StreamLimit(target_s=2.0, high=64, initial=8, batch_share=0.75)
+    limit = stream_limit.StreamLimit(target_s=2.0, high=64, initial=8, batch_share=0.75)
     assert limit.admits("batch", 5) and not limit.admits("batch", 6)
     assert limit.admits("interactive", 6)
     assert limit.drain_s(mean_stream_s=1.6, num_open=8) == pytest.approx(0.2)
-    assert limit.drain_s(mean_stream_s=0.0, num_open=8) == admission.MIN_DRAIN_S
-    assert limit.drain_s(mean_stream_s=0.4, num_open=8) == admission.MIN_DRAIN_S
+    assert limit.drain_s(mean_stream_s=0.0, num_open=8) == admission_rules.MIN_DRAIN_S
+    assert limit.drain_s(mean_stream_s=0.4, num_open=8) == admission_rules.MIN_DRAIN_S
     with pytest.raises(ValueError, match="decrease"):
-        admission.StreamLimit(target_s=2.0, high=8, decrease=1.0)
+        stream_limit.StreamLimit(target_s=2.0, high=8, decrease=1.0)
     with pytest.raises(ValueError, match="target_s"):
-        admission.StreamLimit(target_s=0.0, high=8)
+        stream_limit.StreamLimit(target_s=0.0, high=8)
     with pytest.raises(ValueError, match="low"):
-        admission.StreamLimit(target_s=1.0, high=0)
-    assert admission.StreamLimit(target_s=1.0, high=4, initial=8).limit == 4  # capped
+        stream_limit.StreamLimit(target_s=1.0, high=0)
+    assert stream_limit.StreamLimit(target_s=1.0, high=4, initial=8).limit == 4  # capped
 
 
 def test_the_ingress_loop_lag_holds_and_cuts_the_stream_limit_like_a_late_first_token() -> None:
     """Every 429 waits for the ingress's loop: past half its lag budget the bound stops
     growing, past the budget it is cut, however fast the first tokens still come."""
-    limit = admission.StreamLimit(target_s=2.0, high=64, lag_budget_s=0.05, initial=10)
+    limit = stream_limit.StreamLimit(target_s=2.0, high=64, lag_budget_s=0.05, initial=10)
     limit.observe(0.2, admitted_at=0.0, open_at_admission=9, now=0.2, loop_lag_s=0.01)
     assert limit.limit == 11  # fast token, quiet loop, bound in use: grow
     limit.observe(0.2, admitted_at=1.0, open_at_admission=10, now=1.2, loop_lag_s=0.03)
@@ -265,17 +267,17 @@ def test_the_ingress_loop_lag_holds_and_cuts_the_stream_limit_like_a_late_first_
     limit.observe(0.2, admitted_at=2.0, open_at_admission=10, now=2.2, loop_lag_s=0.08)
     assert limit.limit == pytest.approx(0.7 * 11)  # past the budget: cut
     with pytest.raises(ValueError, match="lag_budget_s"):
-        admission.StreamLimit(target_s=2.0, high=8, lag_budget_s=0.0)
-    assert admission.stream_lag_budget_s(0.1) == pytest.approx(0.1 / 6)  # 429s within 100 ms
+        stream_limit.StreamLimit(target_s=2.0, high=8, lag_budget_s=0.0)
+    assert signals.stream_lag_budget_s(0.1) == pytest.approx(0.1 / 6)  # 429s within 100 ms
     with pytest.raises(ValueError, match="reject_within_s"):
-        admission.stream_lag_budget_s(0.0)
+        signals.stream_lag_budget_s(0.0)
 
 
 def test_a_first_token_the_decode_replica_predicted_late_does_not_cut_the_stream_limit() -> None:
     """A long prompt predicted at 2.6 s and served in 3.3 s is mostly the engine's work,
     not the path's queue: the bound holds (within the prediction + a quarter of the target,
     it would grow). The path's own delay past half the target still cuts."""
-    limit = admission.StreamLimit(target_s=2.0, high=64, initial=10)
+    limit = stream_limit.StreamLimit(target_s=2.0, high=64, initial=10)
     limit.observe(3.3, admitted_at=0.0, open_at_admission=9, now=3.3, predicted_s=2.6)
     assert limit.limit == 10 and not limit.slow_start  # held, not cut
     limit.observe(0.9, admitted_at=1.0, open_at_admission=9, now=1.9, predicted_s=0.5)
@@ -285,7 +287,7 @@ def test_a_first_token_the_decode_replica_predicted_late_does_not_cut_the_stream
 
 
 def test_a_request_the_decode_replica_shed_cuts_the_stream_limit_once_per_round_trip() -> None:
-    limit = admission.StreamLimit(target_s=2.0, high=64, initial=20)
+    limit = stream_limit.StreamLimit(target_s=2.0, high=64, initial=20)
     limit.refused(admitted_at=5.0, open_at_admission=19, now=5.1)
     assert limit.limit == pytest.approx(14) and not limit.slow_start
     limit.refused(admitted_at=5.05, open_at_admission=13, now=5.2)  # sent before the cut
@@ -297,7 +299,7 @@ def test_a_request_the_decode_replica_shed_cuts_the_stream_limit_once_per_round_
 
 
 def test_a_lagging_loop_cuts_the_stream_limit_at_the_door_at_most_every_quarter_target() -> None:
-    limit = admission.StreamLimit(target_s=2.0, high=64, lag_budget_s=0.025, initial=20)
+    limit = stream_limit.StreamLimit(target_s=2.0, high=64, lag_budget_s=0.025, initial=20)
     limit.check_loop(0.02, num_open=20, now=10.0)  # within the budget
     assert limit.limit == 20 and limit.slow_start
     limit.check_loop(0.04, num_open=20, now=10.1)
@@ -312,7 +314,7 @@ def test_the_ingress_waits_for_the_admission_decision_most_of_reject_within() ->
     """A request is 429'd by the ingress when the decode replica's decision has not come
     within half of reject_within from its arrival; one the ingress was slow to reach still
     gets a quarter of that."""
-    from pdserve.deployments.admission import admission_ack_timeout_s
+    from pdserve.deployments.admission.signals import admission_ack_timeout_s
 
     assert admission_ack_timeout_s(0.1, 0.0) == pytest.approx(0.05)
     assert admission_ack_timeout_s(0.1, 0.02) == pytest.approx(0.03)
@@ -320,3 +322,20 @@ def test_the_ingress_waits_for_the_admission_decision_most_of_reject_within() ->
     assert admission_ack_timeout_s(0.1, 0.5) == pytest.approx(0.0125)
     with pytest.raises(ValueError, match="-0.1"):
         admission_ack_timeout_s(-0.1, 0.0)
+
+
+def test_a_request_whose_own_work_misses_the_slo_is_served_when_nothing_is_ahead() -> None:
+    """A long prompt on an idle replica: shedding it would shed every retry too (waiting
+    cannot shorten its own work), so it is admitted and counted as past its SLO; behind a
+    queue it is shed until that queue has drained, not for as long as its own work."""
+    own = admission_rules.predict_ttft(ahead(), 2000)  # 4 s of prefill alone, over 3 s
+    idle = admission_rules.decide(own, "interactive", RULES)
+    assert idle.action == "admit" and idle.reason == "idle_past_slo" and idle.past_slo
+    assert idle.predicted_ttft_s > RULES.threshold_s("interactive")
+    busy = admission_rules.predict_ttft(ahead(queued_prefill_tokens=250), 2000)  # 0.5 s ahead
+    shed = admission_rules.decide(busy, "interactive", RULES)
+    assert shed.action == "shed" and shed.reason == "ttft_slo"
+    assert shed.retry_after_s == pytest.approx(0.5)  # the queue ahead's drain, not 1.55 s
+    # A request that fits is still admitted plainly, and a short one behind a short queue too.
+    fits = admission_rules.decide(admission_rules.predict_ttft(ahead(), 100), "interactive", RULES)
+    assert fits.reason == "admitted" and not fits.past_slo

@@ -18,7 +18,8 @@ pytestmark = [pytest.mark.timeout(600), pytest.mark.cluster]
 
 OVERRIDES: dict[str, Any] = {
     "slo": {"ttft_ms": 500, "tpot_ms": 200},
-    "policy": {"mode": "always_local", "on_slo_miss": "shed", "shed_ttft_factor": 1.5},
+    "policy": {"mode": "always_local"},
+    "admission": {"on_slo_miss": "shed", "shed_ttft_factor": 1.5},
     # The whole flood reaches pdserve's own admission control (the ingress's door and the
     # decode replica), not Serve's bound in front of the ingress (the test below; Serve
     # counts requests of a burst still being routed as queued).

@@ -229,7 +229,7 @@ def test_the_ingress_is_bounded_by_the_decode_pool_and_the_proxy_refuses_with_42
     assert config.backpressure_config.retry_after_s == 2.0  # 1.5 s rounded up
 
     # Queueing interactive traffic: the ingress may hold the pool's whole ongoing caps.
-    queueing = {**cfg, "policy": {"mode": "always_local", "on_slo_miss": "queue"}}
+    queueing = {**cfg, "policy": {"mode": "always_local"}, "admission": {"on_slo_miss": "queue"}}
     assert ingress_config(queueing).max_ongoing_requests == 3 * 32 // 2
 
     given = {**cfg, "ingress_max_ongoing_requests": 50, "ingress_max_queued_requests": 5}

@@ -33,7 +33,8 @@ decode:
   num_gpus: 1
 slo: {ttft_ms: 500, tpot_ms: 50}
 transport: {kind: shm, timeout_s: 3}
-policy: {local_prefill_max_tokens: 32, on_slo_miss: shed}
+policy: {local_prefill_max_tokens: 32}
+admission: {on_slo_miss: shed}
 observability: {tracing_exporter: console}
 """,
     )
@@ -49,6 +50,26 @@ observability: {tracing_exporter: console}
     }
     again = AppConfig.from_yaml(write(tmp_path, cfg.to_yaml()))
     assert again == cfg
+
+
+def test_an_admission_key_under_policy_names_where_it_moved(tmp_path: Path) -> None:
+    path = write(tmp_path, "policy:\n  on_slo_miss: queue\n  reject_within_ms: 50\n")
+    with pytest.raises(ValueError) as err:
+        AppConfig.from_yaml(path)
+    message = str(err.value)
+    assert "policy.on_slo_miss moved to admission.on_slo_miss" in message
+    assert "policy.reject_within_ms moved to admission.reject_within_ms" in message
+    moved = AppConfig.from_dict({"admission": {"on_slo_miss": "queue", "reject_within_ms": 50}})
+    assert moved.admission.on_slo_miss == "queue" and moved.admission.reject_within_ms == 50
+
+
+def test_half_the_decode_ongoing_cap_is_admitted_while_interactive_traffic_sheds() -> None:
+    shed = AppConfig.from_dict({"decode": {"max_ongoing_requests": 10, "max_replicas": 2}})
+    assert shed.admission.max_admitted(shed.decode.ongoing_limit) == 5
+    assert shed.ingress_ongoing_limit == 10  # 2 replicas x 5 admitted
+    decode = {"max_ongoing_requests": 10, "max_replicas": 2}
+    queue = AppConfig.from_dict({"decode": decode, "admission": {"on_slo_miss": "queue"}})
+    assert queue.ingress_ongoing_limit == 20  # queueing: the whole caps
 
 
 def test_empty_yaml_gives_defaults(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
-from pdserve.deployments.ingress import TurnedAway
+from pdserve.deployments.admission.front_door import TurnedAway
 
 
 def test_capacity_sheds_are_reported_in_batches_at_most_once_a_period() -> None:
@@ -84,25 +84,25 @@ def _ingress(
     streams: Any = None,
     ack_within_s: float | None = None,
 ) -> Any:
-    """An ``OpenAIIngress`` with only the door's state (no Serve, no model)."""
-    from pdserve.deployments.admission import ProxyLag, ShedHint
+    """An ``OpenAIIngress`` with only its door and decode calls (no Serve, no model)."""
+    from pdserve.deployments.admission.front_door import FrontDoor, FrontDoorSettings
     from pdserve.deployments.ingress import OpenAIIngress
-    from pdserve.deployments.load import Ema, LoopLag
     from pdserve.deployments.migration import MigrationMetrics
 
-    ingress = object.__new__(OpenAIIngress.func_or_class)
+    ingress = object.__new__(OpenAIIngress)
     metrics = SimpleNamespace(
         record_shed=lambda r, c: shed_reasons.append(r), record_streams=lambda n, limit: None
     )
+    settings = FrontDoorSettings(
+        ttft_slo_s=2.0 if streams else None,
+        reject_within_s=ack_within_s or 0.1,
+        admission_timeout=ack_within_s is not None,
+    )
     ingress.__dict__.update(
-        _decode=decode, _shed_hint=ShedHint(), _turned_away=TurnedAway(), _reports=set(),
-        _loop_lag=LoopLag(), _proxy_lag=ProxyLag(), _ttft_slo_s=2.0 if streams else None,
-        _serving_metrics=metrics, _streams=streams, _limit_batch=True, _num_open=0, _stream_s=Ema(),
-        _late=set(),
-        _ack_within_s=ack_within_s,
-        _max_migrations=0,
+        _decode=decode, _reports=set(), _late=set(), _max_migrations=0,
         _migration_metrics=MigrationMetrics(model_name="m", replica="r", enabled=False),
     )  # fmt: skip
+    ingress.door = FrontDoor(settings, metrics, ingress._report_turned_away, streams=streams)
     return ingress
 
 
@@ -111,7 +111,7 @@ def test_a_decode_shed_sheds_the_next_requests_at_the_door_and_they_are_reported
     the next requests of that class 429 at its door (reason drain_hint) for that long, and
     those door sheds are reported to the decode pool as turned-away demand. The consumer
     stops at the error chunk, as the HTTP path does (DecodeStream.open raises it)."""
-    from pdserve.deployments.admission import StreamLimit
+    from pdserve.deployments.admission.stream_limit import StreamLimit
     from pdserve.deployments.messages import GenerateChunk, GenerateRequest
 
     req = GenerateRequest(request_id="r1", prompt_token_ids=[1, 2, 3])
@@ -126,23 +126,23 @@ def test_a_decode_shed_sheds_the_next_requests_at_the_door_and_they_are_reported
         assert first.error is not None and first.error.code == 429
         await gen.aclose()  # the consumer stops there
         # The replica's refusal cuts the door's stream bound (by half at most).
-        assert streams.limit == 1 and ingress._num_open == 0
+        assert streams.limit == 1 and ingress.door.num_open == 0
         for _ in range(3):  # within the 5 s drain time: shed at the door
-            shed = ingress._door("interactive")
-            assert shed is not None and "drain_hint" in shed[0], shed
+            shed = ingress.door.check("interactive")
+            assert shed is not None and "drain_hint" in shed.message, shed
             await asyncio.sleep(0)  # the background report runs
 
     asyncio.run(run())
     assert shed_reasons == ["drain_hint"] * 3
     # The first door shed is reported at once, the next two wait for the next period.
-    assert decode.reported == [1] and ingress._turned_away.pending == 2
+    assert decode.reported == [1] and ingress.door.turned_away.pending == 2
 
 
 def test_open_streams_at_the_adaptive_bound_are_shed_at_the_door_and_first_tokens_move_it() -> None:
     """The ingress holds its open streams under ``StreamLimit``: at the bound the next
     request is answered 429 at the door (reason concurrency, counted as turned-away demand);
     a stream's first token feeds the bound its TTFT, and a finished stream frees its slot."""
-    from pdserve.deployments.admission import StreamLimit
+    from pdserve.deployments.admission.stream_limit import StreamLimit
     from pdserve.deployments.messages import GenerateChunk, GenerateRequest
 
     req = GenerateRequest(request_id="r1", prompt_token_ids=[1, 2, 3])
@@ -154,17 +154,17 @@ def test_open_streams_at_the_adaptive_bound_are_shed_at_the_door_and_first_token
     ingress = _ingress(decode, shed_reasons, StreamLimit(target_s=1e-9, high=16, initial=2))
 
     async def run() -> None:
-        assert ingress._door("interactive") is None
+        assert ingress.door.check("interactive") is None
         gen = ingress._generate(req)
         assert (await anext(gen)).token_ids == [7]
-        assert ingress._num_open == 1
-        assert ingress._streams.limit == 1  # cut: by half, at most
-        shed = ingress._door("interactive")
-        assert shed is not None and "concurrency" in shed[0], shed
-        assert shed[1] > 0  # a drain time for Retry-After
+        assert ingress.door.num_open == 1
+        assert ingress.door.streams.limit == 1  # cut: by half, at most
+        shed = ingress.door.check("interactive")
+        assert shed is not None and "concurrency" in shed.message, shed
+        assert shed.retry_after_s > 0  # a drain time for Retry-After
         assert [c.token_ids async for c in gen] == [[8]]
-        assert ingress._num_open == 0 and ingress._stream_s.value > 0
-        assert ingress._door("interactive") is None  # the finished stream freed its slot
+        assert ingress.door.num_open == 0 and ingress.door.stream_s.value > 0
+        assert ingress.door.check("interactive") is None  # the finished stream freed its slot
         await asyncio.sleep(0)  # the background report runs
 
     asyncio.run(run())
@@ -178,7 +178,7 @@ def test_a_request_the_decode_pool_does_not_take_in_time_is_answered_429_by_the_
     admission_timeout), cuts its stream bound and counts the demand. The call is not
     cancelled while it may still be routed: the decode replica drops it past ``admit_by``,
     and one admitted just in time (its ack came late) is cancelled then."""
-    from pdserve.deployments.admission import StreamLimit
+    from pdserve.deployments.admission.stream_limit import StreamLimit
     from pdserve.deployments.messages import GenerateChunk, GenerateRequest
 
     req = GenerateRequest(request_id="r1", prompt_token_ids=[1, 2, 3])
@@ -202,13 +202,13 @@ def test_a_request_the_decode_pool_does_not_take_in_time_is_answered_429_by_the_
     assert len(chunks) == 1 and chunks[0].error is not None
     assert chunks[0].error.code == 429 and "admission_timeout" in chunks[0].error.message
     assert (chunks[0].error.retry_after_s or 0) > 0
-    assert shed_reasons == ["admission_timeout"] and ingress._turned_away.pending == 1
-    assert streams.limit == 2 and ingress._num_open == 0  # cut like a refusal
+    assert shed_reasons == ["admission_timeout"] and ingress.door.turned_away.pending == 1
+    assert streams.limit == 2 and ingress.door.num_open == 0  # cut like a refusal
 
 
 def test_an_admitted_request_streams_without_the_ack() -> None:
     """The ack that came in time is the ingress's alone: the client's stream has the tokens."""
-    from pdserve.deployments.admission import StreamLimit
+    from pdserve.deployments.admission.stream_limit import StreamLimit
     from pdserve.deployments.messages import GenerateChunk, GenerateRequest
 
     req = GenerateRequest(request_id="r1", prompt_token_ids=[1, 2, 3], arrival_time=time.time())
@@ -223,7 +223,7 @@ def test_an_admitted_request_streams_without_the_ack() -> None:
 
     assert [c.token_ids for c in asyncio.run(run())] == [[7], [8]]
     assert decode.requests[0].admit_by is not None and not decode.streams[0].cancelled
-    assert shed_reasons == [] and ingress._num_open == 0
+    assert shed_reasons == [] and ingress.door.num_open == 0
 
 
 def test_the_turned_away_report_is_not_a_call_of_the_request_that_triggered_it() -> None:
@@ -248,8 +248,8 @@ def test_the_turned_away_report_is_not_a_call_of_the_request_that_triggered_it()
         serve_context._serve_request_context.set(
             serve_context._RequestContext(request_id="r1", _internal_request_id="internal-r1")
         )
-        ingress._turned_away.add()
-        ingress._report_turned_away(time.monotonic())
+        ingress.door.turned_away.add()
+        ingress.door.check("interactive")  # sends the pending count
         await asyncio.gather(*ingress._reports)
         # The request's own context is untouched.
         assert serve_context._get_serve_request_context()._internal_request_id == "internal-r1"

@@ -240,13 +240,13 @@ def test_malformed_json_and_oversized_prompt_then_still_serving(http) -> None:
     assert "maximum context length" in err["message"]
     chat_bad = {"messages": [{"role": "user", "content": 5}]}
     assert_openai_error(http.post("/v1/chat/completions", json=chat_bad), 400)
-    vip = {"x-pdserve-slo-class": "vip"}
+    vip = {"x-pdserve-priority": "vip"}
     bad_class = http.post("/v1/completions", json={"prompt": "x"}, headers=vip)
-    assert_openai_error(bad_class, 400, "x-pdserve-slo-class")
+    assert_openai_error(bad_class, 400, "x-pdserve-priority")
     ok = http.post(
         "/v1/completions",
         json={"prompt": "still here?", "max_tokens": 2},
-        headers={"x-pdserve-slo-class": "batch"},
+        headers={"x-pdserve-priority": "batch"},
     )
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
 

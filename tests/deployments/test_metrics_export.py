@@ -42,6 +42,9 @@ def test_every_metric_name_survives_ray_export() -> None:
     # Admission control: the prediction a shed decision rests on, and its error.
     assert metrics.kinds["pdserve_predicted_time_to_first_token_seconds"] == "histogram"
     assert metrics.kinds["pdserve_ttft_prediction_error_seconds"] == "histogram"
+    # Requests admitted although predicted past their TTFT threshold (an idle replica's long
+    # prompt, a class that queues, a cold pool's prior).
+    assert metrics.kinds["pdserve_requests_admitted_past_slo"] == "counter"
     # The ingress's adaptive bound on its open streams, and what it holds open.
     assert metrics.kinds["pdserve_stream_limit"] == "gauge"
     assert metrics.kinds["pdserve_open_streams"] == "gauge"

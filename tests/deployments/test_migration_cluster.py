@@ -8,7 +8,6 @@ import asyncio
 import json
 import os
 import signal
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,6 +18,7 @@ ray = pytest.importorskip("ray")
 
 from pdserve.deployments.config import AppConfig  # noqa: E402
 from tests.cluster.telemetry_scrape import node_samples  # noqa: E402
+from tests.support import wait_until  # noqa: E402
 from tests.support.cluster import PD, app_config  # noqa: E402
 from tests.support.cluster import local_cluster as serve_on_local_cluster  # noqa: E402
 
@@ -36,7 +36,7 @@ def _config() -> AppConfig:
     # Every prompt, and every continuation, prefills on the decode replicas themselves.
     data["policy"]["local_prefill_max_tokens"] = 4096
     # Admission control must not shed any of the streams this test counts.
-    data["policy"].update({"on_slo_miss": "queue", "adaptive_concurrency": False})
+    data.setdefault("admission", {}).update({"on_slo_miss": "queue", "adaptive_concurrency": False})
     data["max_migrations"] = 2
     return AppConfig.from_dict(data)
 
@@ -120,15 +120,14 @@ def test_streams_survive_a_decode_replica_killed_mid_stream(pd: PD) -> None:
         assert got["usage"]["completion_tokens"] == MAX_TOKENS
     # The streams of the killed replica were migrated, and counted by cause.
     ports = [n["MetricsExportPort"] for n in ray.nodes() if n["Alive"]]
-    deadline = time.monotonic() + 60
-    while True:
-        migrated = {
+    migrated = wait_until(
+        lambda: {
             s.labels["cause"]: s.value
             for s in node_samples("127.0.0.2", ports)
             if s.name == MIGRATIONS and s.value > 0
-        }
-        if migrated:
-            break
-        assert time.monotonic() < deadline, "no migration was counted"
-        time.sleep(1.0)
+        },
+        60,
+        interval=1.0,
+        what="a migration counted",
+    )
     print(f"streams migrated by cause: {migrated}")

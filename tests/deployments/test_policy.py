@@ -1,4 +1,4 @@
-"""Disaggregation policy: which requests prefill locally, remotely, or are shed."""
+"""Disaggregation policy: which requests prefill locally or remotely."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ IDLE = LocalLoad(
 
 
 def policy(**overrides: object) -> DisaggregationPolicy:
-    cfg = PolicyConfig(**{"local_prefill_max_tokens": 64, "on_slo_miss": "queue", **overrides})
+    cfg = PolicyConfig(**{"local_prefill_max_tokens": 64, **overrides})
     return DisaggregationPolicy(cfg, SLOConfig(ttft_ms=1000, tpot_ms=100), 1000.0)
 
 
@@ -22,7 +22,7 @@ def fresh_remote() -> RemotePrefillEstimator:
 
 
 def decide(p: DisaggregationPolicy, prompt: int, cached: int = 0, **kw: object):
-    args = {"load": IDLE, "remote": fresh_remote(), "sheddable": True, **kw}
+    args = {"load": IDLE, "remote": fresh_remote(), **kw}
     return p.decide(num_prompt_tokens=prompt, num_cached_tokens=cached, **args)
 
 
@@ -68,21 +68,6 @@ def test_no_prefill_pool_means_local_and_modes_force_a_side() -> None:
     assert decide(policy(), 4000, remote=None).reason == "no_prefill_pool"
     assert decide(policy(mode="always_remote"), 4).location == "remote"
     assert decide(policy(mode="always_local"), 4000).location == "local"
-
-
-def test_shed_only_when_configured_unreachable_and_interactive() -> None:
-    overloaded = LocalLoad(
-        queued_prefill_tokens=50_000, prefill_tokens_per_s=1000.0, num_running=1, max_num_seqs=8
-    )
-    remote = fresh_remote()
-    remote.started(50_000)
-    assert decide(policy(), 400, load=overloaded, remote=remote).location != "shed"
-    shedding = policy(on_slo_miss="shed", shed_ttft_factor=4.0)
-    assert decide(shedding, 400, load=overloaded, remote=remote).location == "shed"
-    assert decide(shedding, 400, load=overloaded, remote=remote, sheddable=False).location != "shed"
-    assert decide(shedding, 400, load=IDLE, remote=remote).location == "local"
-    # Without a prefill pool only the local prediction counts.
-    assert decide(shedding, 400, load=overloaded, remote=None).location == "shed"
 
 
 def test_estimator_learns_rate_and_overhead_from_observations() -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from pdserve.deployments.admission import MIN_DRAIN_S
+from pdserve.deployments.admission.rules import MIN_DRAIN_S
 from pdserve.deployments.decode_server import DecodeServer
 from pdserve.deployments.messages import GenerateChunk
 from pdserve.deployments.prefill_server import PrefillServer
@@ -22,6 +22,7 @@ from tests.deployments.in_process import (
     LONG_A,
     LONG_B,
     SHORT,
+    behind,
     collect,
     config,
     long_prompt,
@@ -237,22 +238,39 @@ def test_invalid_request_gets_an_error_chunk(pd: Any) -> None:
     assert chunks[0].error.code == 400 and "max_model_len" in chunks[0].error.message
 
 
+def test_an_idle_replica_serves_prompts_whose_own_prefill_misses_the_slo(model_dir: str) -> None:
+    """One request at a time, each longer, on a replica whose TTFT objective no prompt can
+    meet: nothing is queued ahead of any of them, so a shed could only be shed again at
+    every retry. Each is served (and counted past its SLO), none is shed."""
+    cfg = config(slo={"ttft_ms": 0.01}, admission={"on_slo_miss": "shed"})
+    decode = DecodeServer(cfg, model_dir, prefill=None)
+    try:
+        for i, n in enumerate((7, 200, 900)):
+            req = request(f"alone-{i}", long_prompt(40 + i, n), max_tokens=2)
+            chunks = asyncio.run(collect(decode, req))
+            assert chunks[-1].error is None and chunks[-1].finish_reason == "length", chunks[-1]
+        assert decode.counters().shed == 0
+    finally:
+        decode.shutdown()
+
+
 def test_shedding_when_no_placement_meets_the_slo(model_dir: str) -> None:
     cfg = config(
-        slo={"ttft_ms": 0.01}, policy={"on_slo_miss": "shed", "batch_on_slo_miss": "queue"}
+        slo={"ttft_ms": 0.01}, admission={"on_slo_miss": "shed", "batch_on_slo_miss": "queue"}
     )
     decode = DecodeServer(cfg, model_dir, prefill=None)
     try:
         # The batch request (which queues) runs first: it gives the engine a measured
         # prefill rate, and a prediction from the configured prior alone never sheds.
-        batch = asyncio.run(collect(decode, request("batch", SHORT, slo_class="batch")))
+        batch = asyncio.run(collect(decode, request("batch", SHORT, priority="batch")))
         assert batch[-1].finish_reason == "length" and batch[0].prefill_location == "local"
         # One the ingress answered 429 already (no decision by its admit_by): no work.
         before = decode.counters()
         late = asyncio.run(collect(decode, request("late", SHORT, admit_by=time.time() - 1)))
         assert len(late) == 1 and late[0].error is not None and late[0].error.code == 429
         assert decode.counters() == before
-        shed = asyncio.run(collect(decode, request("shed-me", LONG_A, admit_by=time.time() + 600)))
+        shed_me = request("shed-me", LONG_A, admit_by=time.time() + 600)
+        shed = asyncio.run(behind(decode, request("ahead", SHORT, priority="batch"), shed_me))
         assert len(shed) == 1 and shed[0].error is not None and not shed[0].ack
         assert shed[0].error.code == 429  # with the predicted drain time, not a constant
         assert (shed[0].error.retry_after_s or 0) >= MIN_DRAIN_S

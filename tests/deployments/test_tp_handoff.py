@@ -5,7 +5,9 @@ The prefill engine (TP=a) runs in a child process with ``TPPrefillConnector``; t
 engine (TP=b) runs here with a ``TPDecodeConnector`` over its ranks' receivers. Tokens equal one
 engine doing the whole request; the bytes the prefill ranks put on the wire are the
 request's KV once (every head once per decode rank that holds it: no duplicate heads); no
-block is left held on either side.
+block is left held on either side. For models built by transformers (Qwen3 and Qwen3-MoE on
+their native classes, Gemma 3 on the transformers path) the tokens equal
+``transformers.generate``.
 """
 
 from __future__ import annotations
@@ -84,15 +86,50 @@ CASES = [(2, 1), (1, 2), (2, 4)]
 def test_kv_moves_between_tp_sizes(
     tiny_model_dir: Path, references, prefill_tp: int, decode_tp: int
 ) -> None:
+    _hand_off(tiny_model_dir, references, prefill_tp, decode_tp)
+
+
+# Models built by transformers: Qwen3 and Qwen3-MoE on their native classes, Gemma 3 on the
+# transformers path split by its base_model_tp_plan.
+TRANSFORMERS_CASES = [("qwen3", 1, 2), ("gemma3", 2, 1), ("qwen3-moe", 2, 2)]
+
+
+@pytest.mark.parametrize(
+    ("name", "prefill_tp", "decode_tp"),
+    TRANSFORMERS_CASES,
+    ids=[f"{n}-{a}to{b}" for n, a, b in TRANSFORMERS_CASES],
+)
+def test_transformers_path_kv_moves_between_tp_sizes(
+    name: str, prefill_tp: int, decode_tp: int, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The decode replica's tokens equal ``transformers.generate`` (float32)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.engine.tiny_hf_models import build_tiny_model
+    from tests.engine.transformers_reference import Reference
+
+    model_dir = build_tiny_model(name, tmp_path, tiny_model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ref = Reference(hf, hf.config.vocab_size)
+    expected = {tuple(p): ref.generate(p, NUM_NEW) for p in PROMPTS}
+    _hand_off(model_dir, expected, prefill_tp, decode_tp)
+
+
+def _hand_off(
+    model_dir: Path, references: dict[tuple[int, ...], list[int]], prefill_tp: int, decode_tp: int
+) -> None:
+    """Prefill at TP=``prefill_tp`` in a child process, decode here at TP=``decode_tp``: the
+    tokens equal ``references``, the wire carries each head once per decode rank holding
+    it, and no block stays held."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=prefill_main, args=(child, str(tiny_model_dir), prefill_tp))
+    proc = ctx.Process(target=prefill_main, args=(child, str(model_dir), prefill_tp))
     proc.start()
     transfer = KVTransferConfig(transport="torch_dist")
     local = DecodeKVConnector(transfer)
     receiver: Any = TPDecodeConnector(local) if decode_tp > 1 else local
     engine = LLMEngine(
-        _config(tiny_model_dir, decode_tp),
+        _config(model_dir, decode_tp),
         kv_connector=receiver,
         kv_agent_factory=DecodeAgentFactory(transfer) if decode_tp > 1 else None,
     )

@@ -17,6 +17,7 @@ from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.scheduler_output import SchedulerOutput
+from pdserve.kvtransfer.scheduler_half import NoExternalLoads
 
 VOCAB = 50
 
@@ -71,7 +72,7 @@ class FakeKVRunner:
         return sampled
 
 
-class RecordingConnector:
+class RecordingConnector(NoExternalLoads):
     """Engine-side KVConnector double: records sends; completes them when told to (a
     prefill-role connector: it loads nothing, so its scheduler half answers 0)."""
 
@@ -85,19 +86,6 @@ class RecordingConnector:
         self.num_steps = 0
         # Report each send finished from the end_step() of the step that began it.
         self.complete_in_step = complete_in_step
-
-    def get_num_new_matched_tokens(
-        self, request_id: str, num_prompt_tokens: int, num_computed_tokens: int
-    ) -> int:
-        return 0
-
-    def update_state_after_alloc(
-        self, request_id: str, block_ids: object, num_computed: int, num_external: int
-    ) -> None:
-        raise AssertionError("a prefill-role connector reserves nothing")
-
-    def request_finished(self, request_id: str) -> None:
-        pass
 
     def register_kv_caches(self, kv_cache: object, model_name: str) -> None:
         self.registered.append((kv_cache, model_name))

@@ -60,7 +60,9 @@ def _check(engine: LLMEngine, ref: Reference, arrivals: list[tuple[int, str, lis
 @pytest.mark.parametrize("budget", [2048, 32])
 def test_greedy_and_logprobs_match_transformers(hf_model, budget: int) -> None:
     model_dir, ref = hf_model
-    config = EngineConfig(model=str(model_dir), max_num_batched_tokens=budget)
+    config = EngineConfig(
+        model=str(model_dir), max_num_batched_tokens=budget, model_impl="transformers"
+    )
     engine = LLMEngine(config)
     assert engine.runner.model_config.impl == "transformers"
     arrivals = [
@@ -73,7 +75,9 @@ def test_greedy_and_logprobs_match_transformers(hf_model, budget: int) -> None:
 
 def test_prefix_cache_hits_match_transformers(hf_model) -> None:
     model_dir, ref = hf_model
-    engine = LLMEngine(EngineConfig(model=str(model_dir), max_num_batched_tokens=96))
+    engine = LLMEngine(
+        EngineConfig(model=str(model_dir), max_num_batched_tokens=96, model_impl="transformers")
+    )
     shared = make_prompt(200, seed=100, vocab=ref.vocab_size)
     run(engine, [(0, "first", shared + make_prompt(7, seed=101, vocab=ref.vocab_size))])
     arrivals = [
@@ -169,17 +173,11 @@ def test_refusals_name_the_architecture_and_reason(tmp_path: Path) -> None:
 def test_native_impl_refuses_an_architecture_without_a_native_class(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    model_dir = build_tiny_model("qwen3", tmp_path, tiny_model_dir)
-    with pytest.raises(ValueError, match="Qwen3ForCausalLM has no native implementation"):
+    model_dir = build_tiny_model("phi3", tmp_path, tiny_model_dir)
+    with pytest.raises(ValueError, match="Phi3ForCausalLM has no native implementation"):
         load_model_config(model_dir, "native")
     config = json.loads((model_dir / "config.json").read_text())
-    assert config["architectures"] == ["Qwen3ForCausalLM"]
-
-
-def test_transformers_path_refuses_tensor_parallelism(tiny_model_dir: Path, tmp_path: Path) -> None:
-    model_dir = build_tiny_model("qwen3", tmp_path, tiny_model_dir)
-    with pytest.raises(ValueError, match="no tensor parallelism yet"):
-        LLMEngine(EngineConfig(model=str(model_dir), tensor_parallel_size=2))
+    assert config["architectures"] == ["Phi3ForCausalLM"]
 
 
 def test_app_config_model_impl_reaches_both_pools() -> None:

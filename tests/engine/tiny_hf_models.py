@@ -81,13 +81,21 @@ SPECS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def build_tiny_model(name: str, out_dir: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
-    """Write the named tiny model (config.json, model.safetensors, tokenizer) to ``out_dir``."""
+def tiny_config(name: str, **overrides: Any) -> Any:
+    """The named tiny model's transformers config (``overrides`` on top)."""
     import transformers
+
+    class_name, spec = SPECS[name]
+    return getattr(transformers, class_name)(**{**_COMMON, **spec, **overrides})
+
+
+def build_tiny_model(
+    name: str, out_dir: Path, tokenizer_dir: Path, seed: int = 0, **overrides: Any
+) -> Path:
+    """Write the named tiny model (config.json, model.safetensors, tokenizer) to ``out_dir``."""
     from transformers import AutoModelForCausalLM
 
-    class_name, overrides = SPECS[name]
-    config = getattr(transformers, class_name)(**{**_COMMON, **overrides})
+    config = tiny_config(name, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(out_dir, safe_serialization=True)

@@ -147,7 +147,7 @@ def test_every_pool_scales_to_its_maximum_and_no_further(name: str) -> None:
 
 
 def test_a_group_missing_the_accelerator_label_never_scales() -> None:
-    """What issue 19 found: with only pdserve.io/pool on the group, the v2 scheduler rejects
+    """With only pdserve.io/pool on the group, the v2 scheduler rejects
     the group for replicas that also select ray.io/accelerator-type."""
     svc = rayservice()
     cfg = AppConfig.from_dict(app_args(svc))

@@ -16,7 +16,7 @@ from pdserve.kvtransfer.shm import list_segments
 from tests.kvtransfer.procs import LAYOUT, make_receiver, receiver_main, sender_main, source_pool
 from tests.support import wait_until
 
-# Bound from the issue: a receiver raises within 2 s past its deadline.
+# The receiver's promise: it raises within 2 s past its deadline.
 SLACK_S = 2.0
 
 

@@ -22,7 +22,6 @@ def test_plan_recommends_the_fewest_gpus_that_meet_the_target() -> None:
     assert result.colocated is not None and result.disaggregated is not None
     # Colocated prefill chunks stall decodes and queue prompts: it needs more GPUs here.
     assert result.colocated.gpus > result.disaggregated.gpus
-    assert result.seconds < 10
 
 
 def test_cli_plan_prints_both_recommendations(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,128 @@
+"""``StreamLimit``: the ingress's adaptive bound on the streams it holds open. Pure logic:
+callers pass times in."""
+
+from __future__ import annotations
+
+from pdserve.deployments.admission.rules import MIN_DRAIN_S, Priority
+
+
+class StreamLimit:
+    """An adaptive bound on the streams an ingress holds open (admitted, not finished).
+
+    The decode replica's prediction covers the engine's queue. The rest of the serving path
+    (the event loops of the ingress and decode replicas, Ray's object transfers, the HTTP
+    writes) keeps no queue anyone can count, yet every open stream costs it per token: on a
+    shared CPU a burst the engine could take piles up there, and its first tokens come
+    seconds late although every prediction said they would not (docs/decisions.md), while
+    the 429s the door owes everyone else wait behind the same loop. So the ingress bounds its open
+    streams by what it observes of the path, TCP's congestion window with the SLO as the
+    delay target (the scheme of Envoy's adaptive concurrency filter and Netflix's
+    concurrency-limits). Two signals: the time to first token of its streams, and the lag
+    of its own event loop, through which every 429 passes (``lag_budget_s``):
+
+    - a first token within half the target, the loop within half its budget, and the bound
+      nearly in use when the request was admitted: grow, by one (slow start, until the
+      first sign of a queue) or by one per window (``1 / limit`` a sample);
+    - a first token within the target and the loop within its budget: hold, and leave slow
+      start (a queue has started to build);
+    - past either: cut to ``decrease`` x the streams that were open, but at most by half (one
+      slow first token at low load must not leave a bound of one), and at most once per
+      round trip (only a request admitted after the last cut can show its effect).
+
+    A request the decode replica shed (its own queue predicted past the SLO) is the same
+    signal as a late first token (TCP's loss beside its delay): the door, not the replica,
+    should be turning that traffic away, at once.
+
+    A first token the decode replica predicted late (a long prompt, a queue its admission
+    control accepted) is late by the engine's work, not the path's: the target is then the
+    prediction plus half the target (a quarter for growth), so a long prompt does not shrink
+    the bound that the short ones need.
+
+    Growth only while the bound is in use keeps it near what the traffic needs, so a burst
+    after a quiet spell meets a bound the quiet traffic set, not one it never tested. Batch
+    may hold ``batch_share`` of it: it sheds first. Pure logic: callers pass times in."""
+
+    def __init__(
+        self,
+        target_s: float,
+        high: int,
+        lag_budget_s: float = float("inf"),
+        initial: int = 8,
+        low: int = 1,
+        decrease: float = 0.7,
+        batch_share: float = 0.75,
+    ) -> None:
+        if target_s <= 0:
+            raise ValueError(f"target_s must be > 0, got {target_s}")
+        if lag_budget_s <= 0:
+            raise ValueError(f"lag_budget_s must be > 0, got {lag_budget_s}")
+        if not 1 <= low <= high:
+            raise ValueError(f"need 1 <= low <= high, got low={low}, high={high}")
+        if not 0 < decrease < 1:
+            raise ValueError(f"decrease must be in (0, 1), got {decrease}")
+        if not 0 < batch_share <= 1:
+            raise ValueError(f"batch_share must be in (0, 1], got {batch_share}")
+        self.target_s, self.lag_budget_s, self.low, self.high = target_s, lag_budget_s, low, high
+        self.decrease, self.batch_share = decrease, batch_share
+        self.limit = float(min(high, max(low, initial)))
+        self.slow_start = True
+        self._cut_at = float("-inf")
+
+    def admits(self, priority: Priority, num_open: int) -> bool:
+        """Whether one more stream of this class fits beside the ``num_open`` ones."""
+        bound = self.limit if priority == "interactive" else self.batch_share * self.limit
+        return num_open < max(self.low, bound)
+
+    def observe(
+        self,
+        ttft_s: float,
+        admitted_at: float,
+        open_at_admission: int,
+        now: float,
+        loop_lag_s: float = 0.0,
+        predicted_s: float = 0.0,
+    ) -> None:
+        """A first token after ``ttft_s``, for a request admitted at ``admitted_at`` with
+        ``open_at_admission`` streams open then (itself not counted); ``loop_lag_s``: the
+        ingress's event loop lag now; ``predicted_s``: the decode replica's prediction of
+        this TTFT (0 = none)."""
+        late_s = max(self.target_s, predicted_s + self.target_s / 2)
+        fast_s = max(self.target_s / 2, predicted_s + self.target_s / 4)
+        if ttft_s > late_s or loop_lag_s > self.lag_budget_s:
+            self._cut(admitted_at, open_at_admission, now)
+        elif ttft_s > fast_s or loop_lag_s > self.lag_budget_s / 2:
+            self.slow_start = False
+        elif open_at_admission + 2 >= self.limit:
+            step = 1.0 if self.slow_start else 1.0 / self.limit
+            self.limit = min(float(self.high), self.limit + step)
+
+    def check_loop(self, loop_lag_s: float, num_open: int, now: float) -> None:
+        """The loop's lag, at every request the door sees: past the budget, cut without
+        waiting for a first token (a flood's onset lags the loop before any stream it
+        admitted has one), at most every quarter of the target, the time the streams
+        open then take to give way."""
+        if loop_lag_s > self.lag_budget_s and now - self._cut_at >= self.target_s / 4:
+            self._cut_to(num_open, now)
+
+    def refused(self, admitted_at: float, open_at_admission: int, now: float) -> None:
+        """The decode replica shed a request this door let through: cut, as for a late
+        first token."""
+        self._cut(admitted_at, open_at_admission, now)
+
+    def _cut(self, admitted_at: float, open_at_admission: int, now: float) -> None:
+        self.slow_start = False
+        if admitted_at > self._cut_at:  # once per round trip
+            self._cut_to(open_at_admission + 1, now)
+
+    def _cut_to(self, num_open: int, now: float) -> None:
+        """``decrease`` x the streams in use, at most a halving, never below ``low``."""
+        self.slow_start = False
+        in_use = min(self.limit, num_open)
+        self.limit = max(float(self.low), self.decrease * in_use, self.limit / 2)
+        self._cut_at = now
+
+    def drain_s(self, mean_stream_s: float, num_open: int) -> float:
+        """When a slot is expected to free: streams end every ``mean_stream_s / num_open``."""
+        if num_open <= 0 or mean_stream_s <= 0:
+            return MIN_DRAIN_S
+        return max(MIN_DRAIN_S, mean_stream_s / num_open)
