@@ -23,6 +23,7 @@ block is leaked on either side.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import statistics
 import time
@@ -330,7 +331,11 @@ class DecodeServer:
             outputs = self.remote.outputs(req, params)
         else:
             outputs = self.engine.generate(
-                req.request_id, req.prompt_token_ids, params, arrival_time=start
+                req.request_id,
+                req.prompt_token_ids,
+                params,
+                arrival_time=start,
+                on_added=functools.partial(self.admission.taken_in, req.request_id),
             )
         self._counts[location] += 1
         first_at: float | None = None

@@ -161,11 +161,13 @@ class AsyncLLMEngine:
         *,
         prefill_only: bool = False,
         arrival_time: float | None = None,
+        on_added: Callable[[], None] | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream a request's outputs until it finishes.
 
         Bad input raises ValueError before anything is yielded. Leaving the loop early or
-        cancelling the consuming task aborts the request.
+        cancelling the consuming task aborts the request. ``on_added`` runs (on the event
+        loop) once the engine holds the request, ``stats()`` already counting it.
         """
         stream = self._new_stream()
 
@@ -180,6 +182,8 @@ class AsyncLLMEngine:
         except asyncio.CancelledError:
             self._abort_soon(request_id, stream)
             raise
+        if on_added is not None:
+            on_added()
         async for output in self._consume(request_id, stream):
             yield output
 

@@ -34,18 +34,26 @@ class EngineStats:
 
 
 class ThroughputMeter:
-    """Exponential moving average of tokens per second over the steps that did such work."""
+    """Exponential moving average of tokens per second over the steps that did such work.
+
+    The first step of a fresh engine pays one-time costs (the weights paged in, the CPU
+    kernels' first calls): it was 1.5-15x slower than the next ones on the 2-core VM
+    (docs/tuning.md). It stands as the rate until the next step, which replaces it instead
+    of being averaged with it."""
 
     def __init__(self, alpha: float = 0.2) -> None:
         if not 0.0 < alpha <= 1.0:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
         self.alpha = alpha
         self.rate = 0.0
-        self._seen = False
+        self._samples = 0
 
     def update(self, num_tokens: int, seconds: float) -> None:
         if num_tokens <= 0 or seconds <= 0.0:
             return
         sample = num_tokens / seconds
-        self.rate = sample if not self._seen else self.alpha * sample + (1 - self.alpha) * self.rate
-        self._seen = True
+        if self._samples < 2:
+            self.rate = sample
+        else:
+            self.rate = self.alpha * sample + (1 - self.alpha) * self.rate
+        self._samples += 1

@@ -491,6 +491,8 @@ class SimCluster:
         self.routes[req.rid] = (replica.replica_id, None)
         seq.computed = req.cached_tokens = cached
         replica.engine.add(seq)
+        if self.admission is not None:
+            self.admission.taken_in(req)
 
     def _shed(self, replica: SimReplica, req: SimRequest) -> None:
         req.placement = "shed"

@@ -51,6 +51,9 @@ class Admission(Protocol):
 
     def admit(self, q: AdmissionQuery) -> bool: ...
 
+    def taken_in(self, request: SimRequest) -> None:
+        """A local engine took an admitted request in (its queued count includes it)."""
+
     def first_token(self, request: SimRequest, now: float) -> None: ...
 
     def finished(self, request: SimRequest) -> None: ...
@@ -98,6 +101,11 @@ class LiveAdmission:
             return False
         self._where[req.rid] = q.replica_id
         return True
+
+    def taken_in(self, request: SimRequest) -> None:
+        replica_id = self._where.get(request.rid)
+        if replica_id is not None:
+            self.replicas[replica_id].taken_in(str(request.rid))
 
     def first_token(self, request: SimRequest, now: float) -> None:
         replica_id = self._where.get(request.rid)

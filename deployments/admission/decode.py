@@ -134,7 +134,9 @@ class DecodeAdmission:
             )
             rate, overhead, measured = remote.tokens_per_s, remote.overhead_s, remote.rate_measured
         else:
-            queued = max(stats.queued_prefill_tokens, self.pending.tokens("local"))
+            # The engine's count, which falls as chunks are computed, plus what it has not
+            # taken in yet (a request admitted since its last snapshot).
+            queued = stats.queued_prefill_tokens + self.pending.untaken("local")
             rate = stats.prefill_tokens_per_s or self.default_prefill_tokens_per_s
             overhead, measured = 0.0, stats.prefill_tokens_per_s > 0
         in_engine = stats.num_running + stats.num_waiting + stats.num_waiting_remote_kv
@@ -165,6 +167,11 @@ class DecodeAdmission:
             self._admitted[req.request_id] = _Admitted(prediction, now, arrival)
         return verdict
 
+    def taken_in(self, request_id: str) -> None:
+        """The local engine took an admitted request in: from now its own count of queued
+        prompt tokens carries it."""
+        self.pending.taken_in(request_id)
+
     def first_token(self, request_id: str, now: float) -> FirstTokenScore | None:
         """An admitted request's first token: its prompt leaves the books, and the
         prediction is scored and calibrates the next ones (None: not admitted here)."""
@@ -174,9 +181,13 @@ class DecodeAdmission:
         entry.awaiting_first_token = False
         self.pending.first_token(request_id)
         prediction = entry.prediction
-        self.calibration.observe(
-            prediction.remaining_s / prediction.calibration, now - entry.admitted_at
-        )
+        if prediction.ahead_s > 0:
+            # Only a prediction with a queue ahead calibrates: a lone request's error is
+            # its fixed costs (the step it waited for, its trip through the event loop),
+            # which a factor would multiply by the depth of every later queue.
+            self.calibration.observe(
+                prediction.remaining_s / prediction.calibration, now - entry.admitted_at
+            )
         score = FirstTokenScore(prediction.total_s, now - entry.arrival)
         self.scores.append(score)
         return score

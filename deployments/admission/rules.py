@@ -237,19 +237,28 @@ class Calibration:
 class PendingPrefills:
     """Prompt tokens this replica admitted that have not produced a first token yet, and
     the requests it admitted that have not finished: instant and exact, where the engine's
-    own counts lag until its thread takes the request in."""
+    own counts lag until its thread takes the request in. Once the local engine has taken a
+    request in (``taken_in``), its own count covers it (it falls as the prompt's chunks are
+    computed, which these books cannot see), so ``untaken`` leaves it out."""
 
     def __init__(self) -> None:
         self._tokens: dict[str, tuple[str, int]] = {}
+        self._untaken: set[str] = set()
         self.tokens_by_location: dict[str, int] = {}
         self.num_open = 0
 
     def admitted(self, request_id: str, location: str, tokens: int) -> None:
         self._tokens[request_id] = (location, tokens)
+        self._untaken.add(request_id)
         self.tokens_by_location[location] = self.tokens_by_location.get(location, 0) + tokens
         self.num_open += 1
 
+    def taken_in(self, request_id: str) -> None:
+        """The engine holds the request now: its count of queued prompt tokens includes it."""
+        self._untaken.discard(request_id)
+
     def first_token(self, request_id: str) -> None:
+        self._untaken.discard(request_id)
         entry = self._tokens.pop(request_id, None)
         if entry is not None:
             location, tokens = entry
@@ -261,3 +270,11 @@ class PendingPrefills:
 
     def tokens(self, location: str) -> int:
         return self.tokens_by_location.get(location, 0)
+
+    def untaken(self, location: str) -> int:
+        """Prompt tokens admitted for ``location`` that its engine has not taken in yet."""
+        return sum(
+            tokens
+            for rid, (where, tokens) in self._tokens.items()
+            if where == location and rid in self._untaken
+        )

@@ -72,6 +72,9 @@ def test_the_simulator_and_the_decode_server_decide_alike(decode: DecodeServer) 
             seen.add((server.action, server.reason))
             if admits:
                 admitted.append(rid)
+                # The engine takes it in: its counts (the next ``stats``) carry it.
+                decode.admission.taken_in(rid)
+                sim.taken_in(sim_req)
     # Every kind of decision was compared, not only admissions.
     assert {"admitted", "ttft_slo", "unmeasured", "deadline", "queue_full"} <= {r for _, r in seen}
     for rid in admitted:

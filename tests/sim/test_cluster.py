@@ -78,6 +78,9 @@ class AdmitWhileFewer:
         self.seen.append(q)
         return q.ongoing <= self.limit
 
+    def taken_in(self, request: SimRequest) -> None:
+        pass
+
     def first_token(self, request: SimRequest, now: float) -> None:
         self.firsts.append(request.rid)
 
