@@ -34,7 +34,7 @@ def test_every_metric_name_survives_ray_export() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # Ray warns (and drops the metric) on bad names
         metrics = ServingMetrics(model_name="m", role="decode", replica="r", enabled=True)
-    assert len(metrics.kinds) == 25
+    assert len(metrics.kinds) == 26
     for name in metrics.kinds:
         assert OTEL_NAME.match(name) and PROMETHEUS_NAME.match(name), name
         assert name.startswith("pdserve_")
