@@ -26,6 +26,7 @@ from torch import nn
 
 from pdserve.engine.loader import ModelConfig
 from pdserve.engine.models.llama import AttentionMetadata
+from pdserve.engine.models.transformers_fused import fuse_modules
 from pdserve.engine.parallel import SINGLE, TPGroup
 from pdserve.kernels import ops
 
@@ -126,6 +127,7 @@ class TransformersForCausalLM(nn.Module):
         self.config = cfg
         self.hf: Any = hf_model  # a PreTrainedModel (this rank's shard of it under TP)
         self.tp = tp
+        fuse_modules(hf_model)
         hf_config = hf_model.config
         # What the checkpoint's own forward applies to the lm_head output.
         self.final_softcap = getattr(hf_config, "final_logit_softcapping", None)
