@@ -125,10 +125,11 @@ class DecodeServer:
         self.cfg = config if isinstance(config, AppConfig) else AppConfig.from_dict(config)
         tracing.setup_tracing(self.cfg.observability)
         self.model_name = self.cfg.model.served_name(model_dir)
+        self.replica = replica_name()
         self.metrics = ServingMetrics(
             model_name=self.model_name,
             role="decode",
-            replica=replica_name(),
+            replica=self.replica,
             enabled=self.cfg.observability.metrics_enabled,
         )
         allocator = _shared_allocator(self.cfg)
@@ -232,7 +233,7 @@ class DecodeServer:
                     yield self._shed(req, verdict)
                     return
                 if req.admit_by is not None:
-                    yield GenerateChunk.admitted(req)
+                    yield GenerateChunk.admitted(req, self.replica)
                 self.metrics.record_decision(decision.location)
                 span.set_attribute("pdserve.prefill.location", decision.location)
                 span.set_attribute("pdserve.prefill.reason", decision.reason)
@@ -319,7 +320,7 @@ class DecodeServer:
             f"may wait (TTFT objective {self.cfg.slo.ttft_ms / 1000:.1f}s); "
             f"retry after {retry:g}s"
         )
-        return GenerateChunk.overloaded(req, message, retry_after_s=retry)
+        return GenerateChunk.overloaded(req, message, retry_after_s=retry, replica=self.replica)
 
     async def _stream(
         self, req: GenerateRequest, decision: Decision, start: float, span: Any
@@ -358,6 +359,7 @@ class DecodeServer:
                         last_at = now
                     if not sent_any:
                         extra["prefill_location"] = self._location(req, location)
+                        extra["replica"] = self.replica
                     chunk = GenerateChunk.from_output(out, self.engine.tokenizer, **extra)
                     sent_any = True
                     if out.finished:

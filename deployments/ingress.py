@@ -412,6 +412,8 @@ class OpenAIIngress:
                     return
                 chunks = _prepend(decision.result(), chunks)
             async for chunk in chunks:
+                if chunk.replica is not None:
+                    door.heard_from(chunk.replica)
                 if chunk.ack:  # admitted: the decision came in time
                     continue
                 if chunk.token_ids and not first_token:
@@ -423,7 +425,7 @@ class OpenAIIngress:
                     finished = True
                 err = chunk.error
                 if err is not None and err.code == 429 and err.retry_after_s:
-                    door.refused(ticket, err.retry_after_s)
+                    door.refused(ticket, err.retry_after_s, chunk.replica)
                 yield chunk
         except BackPressureError as err:
             # Serve's queue for the decode pool is full (its max_queued_requests): overload,

@@ -209,22 +209,38 @@ class GenerateChunk(_Message):
         default=False,
         description="The admission ack (no tokens): sent first when the request asked for it.",
     )
+    replica: str | None = Field(
+        default=None,
+        description=(
+            "The decode replica that sent it (its shed, its ack and its first chunk): the "
+            "ingress closes its door only while every replica it knows sheds."
+        ),
+    )
 
     @classmethod
-    def admitted(cls, request: GenerateRequest) -> GenerateChunk:
+    def admitted(cls, request: GenerateRequest, replica: str | None = None) -> GenerateChunk:
         """The ack of an admitted request that asked for one (``admit_by``)."""
         return cls(
-            request_id=request.request_id, num_prompt_tokens=len(request.prompt_token_ids), ack=True
+            request_id=request.request_id,
+            num_prompt_tokens=len(request.prompt_token_ids),
+            ack=True,
+            replica=replica,
         )
 
     @classmethod
     def overloaded(
-        cls, request: GenerateRequest, message: str, retry_after_s: float
+        cls,
+        request: GenerateRequest,
+        message: str,
+        retry_after_s: float,
+        replica: str | None = None,
     ) -> GenerateChunk:
-        """The one chunk of a shed request: 429 with the drain time as Retry-After."""
+        """The one chunk of a shed request: 429 with the drain time as Retry-After, from
+        ``replica`` (None: not a decode replica's own shed)."""
         return cls(
             request_id=request.request_id,
             num_prompt_tokens=len(request.prompt_token_ids),
+            replica=replica,
             error=ErrorInfo(
                 code=429, type="rate_limit_error", message=message, retry_after_s=retry_after_s
             ),

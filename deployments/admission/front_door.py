@@ -1,7 +1,8 @@
 """``FrontDoor``: an ingress replica's overload control, the one owner of it on that side.
 
 The ingress asks ``check`` once per request, before reading its body, and answers 429 when
-the door says so: the decode pool shed this class within its drain time (``ShedHint``),
+the door says so: every decode replica it knows shed this class within its drain time
+(``ShedHint``),
 the front door itself is the queue (the ingress's event loop, or Serve's proxy in front of
 it), or the adaptive bound on open streams is reached (``StreamLimit``). Around each
 decode call the ingress reports what happened (``opened``, ``first_token``, ``refused``,
@@ -216,10 +217,15 @@ class FrontDoor:
                 predicted_s or 0.0,
             )
 
-    def refused(self, ticket: Ticket, retry_after_s: float) -> None:
-        """The decode replica shed it, its queue draining in ``retry_after_s``."""
+    def heard_from(self, replica: str) -> None:
+        """A decode replica answered (an ack or a first token): it is routable."""
+        self.shed_hint.seen(replica, time.monotonic())
+
+    def refused(self, ticket: Ticket, retry_after_s: float, replica: str | None = None) -> None:
+        """The decode replica ``replica`` (None: unknown) shed it, its queue draining in
+        ``retry_after_s``."""
         now = time.monotonic()
-        self.shed_hint.shed(ticket.priority, now, retry_after_s)
+        self.shed_hint.shed(ticket.priority, now, retry_after_s, replica)
         if self.streams is not None:
             self.streams.refused(ticket.admitted_at, ticket.open_before, now)
 

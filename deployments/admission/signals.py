@@ -16,38 +16,78 @@ __all__ = [
 ]
 
 
+# How long a decode replica counts as routable after the ingress last heard from it (a
+# shed, an ack or a first token): long enough that a replica streaming long requests is not
+# forgotten between its first tokens, short enough that a gone replica stops keeping the
+# door open (a request routed to the shedding one is shed by it again, never lost).
+SEEN_WINDOW_S = 30.0
+
+
 class ShedHint:
     """The ingress's memory of the decode pool's last sheds: after a replica shed a request
     of class ``c`` with a predicted drain time ``d``, a request of that class arriving within
-    ``d`` would be predicted over its threshold too (the drain time is exactly how long the
-    queue ahead needs), so the ingress answers it 429 at once with the time left, without a
-    hop to a replica whose event loop is busy streaming. Batch sheds at a lower threshold,
-    so an interactive shed implies a batch one. An approximation with several decode
-    replicas (the router sends each request to the least loaded one, so a shed means all
-    are loaded); the window is the Retry-After clients were told, never longer.
+    ``d`` would be predicted over its threshold there too (the drain time is exactly how long
+    the queue ahead needs). Batch sheds at a lower threshold, so an interactive shed implies
+    a batch one. The window is the Retry-After clients were told, never longer.
+
+    Hints are kept per decode replica, and the door closes for a class only while every
+    routable replica (one the ingress heard from within ``seen_window_s``, ``seen``) has an
+    active hint for it: then the ingress answers 429 at once with the time until the first
+    of them drains, without a hop to a replica whose event loop is busy streaming. While
+    another replica has room the request goes to the pool. A shed that names no replica
+    (``replica=None``) closes the door for the whole pool, as does the shed of the only
+    replica the ingress knows.
 
     ``max_window_s`` bounds a window: past it the next requests reach a replica, which
     sheds them again from its queue as it is then. A drain time is a prediction, and a
     pessimistic one would otherwise leave the engine idle for all of it (docs/tuning.md)."""
 
-    def __init__(self, max_window_s: float | None = None) -> None:
+    def __init__(
+        self, max_window_s: float | None = None, seen_window_s: float = SEEN_WINDOW_S
+    ) -> None:
         if max_window_s is not None and max_window_s <= 0:
             raise ValueError(f"max_window_s must be > 0, got {max_window_s}")
+        if seen_window_s <= 0:
+            raise ValueError(f"seen_window_s must be > 0, got {seen_window_s}")
         self.max_window_s = max_window_s
-        self._until: dict[str, float] = {}
+        self.seen_window_s = seen_window_s
+        self._until: dict[str | None, dict[str, float]] = {}  # replica (None: pool) -> class
+        self._seen: dict[str, float] = {}  # replica -> when last heard from
 
-    def shed(self, priority: Priority, now: float, drain_s: float) -> None:
+    def seen(self, replica: str, now: float) -> None:
+        """The ingress heard from ``replica`` (it is routable)."""
+        self._seen[replica] = now
+
+    def shed(
+        self, priority: Priority, now: float, drain_s: float, replica: str | None = None
+    ) -> None:
+        """``replica`` (None: unknown, taken as the pool) shed a request of this class."""
         classes: tuple[Priority, ...] = (
             ("interactive", "batch") if priority == "interactive" else ("batch",)
         )
         if self.max_window_s is not None:
             drain_s = min(drain_s, self.max_window_s)
+        if replica is not None:
+            self._seen[replica] = now
+        until = self._until.setdefault(replica, {})
         for c in classes:
-            self._until[c] = max(self._until.get(c, 0.0), now + drain_s)
+            until[c] = max(until.get(c, 0.0), now + drain_s)
 
     def remaining_s(self, priority: Priority, now: float) -> float:
-        """Seconds this class is still shed (0 = send it to the pool)."""
-        return max(0.0, self._until.get(priority, 0.0) - now)
+        """Seconds this class is still shed by the whole pool (0 = send it to the pool)."""
+        self._forget(now)
+        pool = self._left(None, priority, now)
+        replicas = [self._left(r, priority, now) for r in self._seen]
+        return max(pool, min(replicas, default=0.0))
+
+    def _left(self, replica: str | None, priority: Priority, now: float) -> float:
+        return max(0.0, self._until.get(replica, {}).get(priority, 0.0) - now)
+
+    def _forget(self, now: float) -> None:
+        """Drop replicas not heard from within ``seen_window_s`` (gone, or scaled down)."""
+        for r in [r for r, at in self._seen.items() if now - at > self.seen_window_s]:
+            del self._seen[r]
+            self._until.pop(r, None)
 
 
 class ProxyLag:

@@ -152,6 +152,26 @@ def test_the_ingress_sheds_within_the_drain_time_a_replica_reported() -> None:
     assert hint.remaining_s("interactive", 12.0) == 0.0
 
 
+def test_the_door_closes_only_while_every_known_decode_replica_sheds() -> None:
+    hint = signals.ShedHint(seen_window_s=30.0)
+    hint.seen("b", now=0.0)
+    hint.shed("interactive", now=1.0, drain_s=3.0, replica="a")
+    assert hint.remaining_s("interactive", 1.5) == 0.0  # b has room
+    hint.shed("batch", now=2.0, drain_s=1.0, replica="b")
+    assert hint.remaining_s("batch", 2.5) == 0.5  # both shed batch: the first to drain
+    assert hint.remaining_s("interactive", 2.5) == 0.0  # b still takes interactive
+    hint.shed("interactive", now=2.5, drain_s=5.0, replica="b")
+    assert hint.remaining_s("interactive", 3.0) == 1.0  # a drains first
+    # b not heard from for longer than the window: a alone is the pool.
+    hint.shed("interactive", now=40.0, drain_s=2.0, replica="a")
+    assert hint.remaining_s("interactive", 41.0) == 1.0
+    hint.shed("batch", now=50.0, drain_s=2.0)  # a shed naming no replica: the whole pool
+    hint.seen("c", now=50.0)
+    assert hint.remaining_s("batch", 51.0) == 1.0
+    with pytest.raises(ValueError, match="seen_window_s"):
+        signals.ShedHint(seen_window_s=0.0)
+
+
 def test_the_ingress_asks_a_replica_again_after_at_most_max_window() -> None:
     hint = signals.ShedHint(max_window_s=1.0)
     hint.shed("interactive", now=20.0, drain_s=13.0)  # a pessimistic prediction

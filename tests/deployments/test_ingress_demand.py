@@ -8,6 +8,8 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from pdserve.deployments.admission.front_door import TurnedAway
 
 
@@ -136,6 +138,77 @@ def test_a_decode_shed_sheds_the_next_requests_at_the_door_and_they_are_reported
     assert shed_reasons == ["drain_hint"] * 3
     # The first door shed is reported at once, the next two wait for the next period.
     assert decode.reported == [1] and ingress.door.turned_away.pending == 2
+
+
+class _TwoReplicas(_FakeDecode):
+    """A decode pool of replicas "a" and "b": each call goes to the replica named next in
+    ``route`` and streams what that replica answers (a shed, or tokens)."""
+
+    def __init__(self, route: list[str]) -> None:
+        super().__init__([])
+        self.route = route
+        self.sheds: dict[str, float] = {}  # replica -> the drain time it sheds with
+        self.served_by: list[str] = []
+
+    def remote(self, request: Any) -> _Stream:
+        from pdserve.deployments.messages import GenerateChunk
+
+        replica = self.route.pop(0)
+        self.requests.append(request)
+        if replica in self.sheds:
+            chunks = [
+                GenerateChunk.overloaded(
+                    request, "overloaded (ttft_slo)", self.sheds[replica], replica=replica
+                )
+            ]
+        else:
+            self.served_by.append(replica)
+            chunks = [
+                GenerateChunk(
+                    request_id=request.request_id,
+                    token_ids=[7],
+                    finish_reason="length",
+                    replica=replica,
+                )
+            ]
+        self.streams.append(_Stream(chunks))
+        return self.streams[-1]
+
+
+def test_one_decode_replica_shedding_leaves_the_door_open_for_the_other() -> None:
+    """Two decode replicas: while one sheds, requests are still let through at the door and
+    served by the other; once both shed, the door answers 429 with Retry-After itself."""
+    from pdserve.deployments.admission.stream_limit import StreamLimit
+    from pdserve.deployments.messages import GenerateRequest
+    from pdserve.deployments.openai_protocol import OpenAIError
+
+    decode = _TwoReplicas(route=["b", "a", "b", "b"])
+    shed_reasons: list[str] = []
+    ingress = _ingress(decode, shed_reasons, StreamLimit(target_s=2.0, high=16, initial=16))
+
+    async def call(n: int) -> list[Any]:
+        ingress._check_door("interactive")  # raises the door's 429
+        req = GenerateRequest(request_id=f"r{n}", prompt_token_ids=[1, 2, 3])
+        return [chunk async for chunk in ingress._generate(req)]
+
+    async def run() -> OpenAIError:
+        assert [c.token_ids for c in await call(1)] == [[7]]  # served by b
+        decode.sheds["a"] = 5.0
+        shed = await call(2)  # routed to a, which sheds
+        assert shed[0].error is not None and shed[0].error.code == 429
+        # a sheds, b has room: the door lets the next request through, and b serves it.
+        assert [c.token_ids for c in await call(3)] == [[7]]
+        decode.sheds["b"] = 0.8
+        await call(4)  # b sheds too: the whole pool is full
+        with pytest.raises(OpenAIError) as refused:
+            await call(5)
+        return refused.value
+
+    refused = asyncio.run(run())
+    assert decode.served_by == ["b", "b"] and len(decode.requests) == 4  # r5 never sent
+    assert refused.status_code == 429 and "drain_hint" in str(refused)
+    assert refused.headers() == {"Retry-After": "1"}  # b's drain time, the first to free
+    assert shed_reasons == ["drain_hint"]
 
 
 def test_open_streams_at_the_adaptive_bound_are_shed_at_the_door_and_first_tokens_move_it() -> None:

@@ -113,6 +113,9 @@ def test_local_and_remote_prefill_match_a_single_engine(
     assert tokens(long_a) == reference(LONG_A)
     assert tokens(long_b) == reference(LONG_B)
     assert [c[0].prefill_location for c in (short, long_a, long_b)] == ["local", "remote", "remote"]
+    # The ack and the first chunk name the replica (the ingress's door knows it routable).
+    assert {acked[0].replica, short[0].replica, long_a[0].replica} == {decode.replica}
+    assert decode.replica and all(c.replica is None for c in short[1:])
     assert long_a[-1].finish_reason == "length" and long_a[-1].num_prompt_tokens == 70
     # The chunk with the first token carries admission's prediction to the ingress, once.
     for chunks in (short, long_a, long_b):
@@ -273,6 +276,7 @@ def test_shedding_when_no_placement_meets_the_slo(model_dir: str) -> None:
         shed = asyncio.run(behind(decode, request("ahead", SHORT, priority="batch"), shed_me))
         assert len(shed) == 1 and shed[0].error is not None and not shed[0].ack
         assert shed[0].error.code == 429  # with the predicted drain time, not a constant
+        assert shed[0].replica == decode.replica  # the ingress's door tracks it per replica
         assert (shed[0].error.retry_after_s or 0) >= MIN_DRAIN_S
         assert decode.counters().shed == 1
     finally:
