@@ -93,7 +93,7 @@ async def _stream(client: httpx.AsyncClient, model: str, prompt: str, seen: asyn
     reason=(
         "known bug: a character whose UTF-8 bytes span the migration point is decoded as two "
         "replacement characters (the new replica's detokenizer starts without the streamed "
-        "tokens' byte context), and a kill can land while neither replica holds a stream"
+        "tokens' byte context), and the kill can hit the replica that holds no stream"
     ),
     strict=False,
 )
