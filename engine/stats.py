@@ -37,7 +37,7 @@ class ThroughputMeter:
     """Exponential moving average of tokens per second over the steps that did such work.
 
     The first step of a fresh engine pays one-time costs (the weights paged in, the CPU
-    kernels' first calls): it was 1.5-15x slower than the next ones on the 2-core VM
+    kernels' first calls), so it can be several times slower than the next ones
     (docs/tuning.md). It stands as the rate until the next step, which replaces it instead
     of being averaged with it."""
 
