@@ -1,7 +1,8 @@
 """Right after deploy, a closed-loop client at the concurrency the replica serves inside
 the SLO is never shed: the decode replica's own admission (``DecodeAdmission``, the
 engine's ``ThroughputMeter``) against a replica modelled on the colocated config's step
-times (docs/tuning.md): a fresh engine's first prefill step pays one-time costs, chunked prefill of 512 tokens per step, 460-token prompts."""
+times (docs/tuning.md): a fresh engine's first prefill step pays one-time costs, chunked
+prefill of 512 tokens per step, 460-token prompts."""
 
 from __future__ import annotations
 
