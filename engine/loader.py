@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from pdserve.engine.gemma_config import GEMMA_ARCHITECTURES, GemmaConfig
 from pdserve.engine.kv_layout import KVLayerSpec
 from pdserve.engine.quantization import QuantScheme, read_quantization_config
 from pdserve.kernels.ops import can_pack
@@ -29,6 +30,8 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
+    "Gemma2ForCausalLM",  # models/gemma.py
+    "Gemma3ForCausalLM",  # models/gemma.py
 )
 _QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 _MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
@@ -89,6 +92,8 @@ class ModelConfig:
     qk_norm: bool = False
     # Mixture-of-experts MLPs; None: every layer's MLP is dense.
     moe: MoEConfig | None = None
+    # Gemma 2 / 3 specifics (engine/gemma_config.py); None for every other architecture.
+    gemma: GemmaConfig | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -160,6 +165,10 @@ def load_model_config(model_dir: str | Path, impl: str = "auto") -> ModelConfig:
         if not archs:
             raise ValueError(f"architecture {arch} is not supported: config.json names none")
         return _transformers_model_config(model_dir, cfg, arch)
+    if arch in GEMMA_ARCHITECTURES:
+        from pdserve.engine.gemma_config import gemma_model_config
+
+        return gemma_model_config(model_dir, cfg, arch)
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"hidden_act {act!r} is not supported; supported: silu")

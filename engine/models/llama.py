@@ -17,7 +17,7 @@ allocates the KV cache and never samples.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -80,6 +80,9 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * cfg.head_dim
         self.kv_size = self.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
+        # Attends the last this many positions (a per-layer window, kv_layers); None: all.
+        self.sliding_window = cfg.kv_layers[layer_idx].sliding_window if cfg.kv_layers else None
+        self.softcap: float | None = None  # tanh cap of the attention logits; None: none
         prefix, quant = f"model.layers.{layer_idx}.self_attn", cfg.quantization
         self.qkv_proj = make_linear(
             cfg.hidden_size,
@@ -119,12 +122,12 @@ class Attention(nn.Module):
         if meta.decode_only:
             out = ops.paged_decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale,
-                k_scale=ks, v_scale=vs,
+                self.sliding_window, self.softcap, k_scale=ks, v_scale=vs,
             )  # fmt: skip
         else:
             out = ops.paged_attention(
                 q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
-                self.scale, k_scale=ks, v_scale=vs,
+                self.scale, self.sliding_window, self.softcap, k_scale=ks, v_scale=vs,
             )  # fmt: skip
         return self.tp.all_reduce(self.o_proj(out.reshape(t, self.q_size)))
 
@@ -200,24 +203,43 @@ class DecoderLayer(nn.Module):
         cos_sin: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # The residual stream is carried separately, in float32, so each norm fuses the
-        # residual add and the stream is never rounded to the model dtype.
-        if residual is None:
-            residual = x.to(RESIDUAL_DTYPE)
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
+        x, residual = norm_into_stream(self.input_layernorm, x, residual)
         x = self.self_attn(positions, x, kv_cache, cos_sin, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
 
+def norm_into_stream(
+    norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norm(x + residual), x + residual)``; the first layer's ``x`` starts the stream.
+
+    The residual stream is carried separately, in float32, so each norm fuses the residual
+    add and the stream is never rounded to the model dtype."""
+    if residual is None:
+        out = norm(x)
+        assert isinstance(out, torch.Tensor)
+        return out, x.to(RESIDUAL_DTYPE)
+    summed = norm(x, residual)
+    assert isinstance(summed, tuple)
+    return summed
+
+
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
+    """Embedding, decoder layers, final norm; a family with its own layer and norm classes
+    (Gemma) passes them."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        tp: TPGroup,
+        layer: Callable[[ModelConfig, int, TPGroup], nn.Module] = DecoderLayer,
+        norm: type[RMSNorm] = RMSNorm,
+    ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(layer(cfg, i, tp) for i in range(cfg.num_layers))
+        self.norm = norm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -227,7 +249,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.tp = tp
-        self.model = LlamaModel(cfg, tp)
+        self.model = self.build_decoder(cfg, tp)
         # Vocab-parallel: this rank's rows of the (padded) vocabulary.
         self.lm_head = nn.Linear(cfg.hidden_size, len(tp.shard.vocab(cfg.vocab_size)), bias=False)
         if cfg.tie_word_embeddings:
@@ -235,6 +257,10 @@ class LlamaForCausalLM(nn.Module):
         self.max_position = max_position
         # Built lazily on the model's device; float32 for accuracy in every model dtype.
         self._cos_sin: torch.Tensor | None = None
+
+    def build_decoder(self, cfg: ModelConfig, tp: TPGroup) -> LlamaModel:
+        """The embedding, decoder layers and final norm (a family's own layers override)."""
+        return LlamaModel(cfg, tp)
 
     def cos_sin_cache(self) -> torch.Tensor:
         device = self.model.embed_tokens.weight.device
@@ -250,6 +276,13 @@ class LlamaForCausalLM(nn.Module):
             )
         return self._cos_sin
 
+    def layer_rope_tables(self) -> list[torch.Tensor]:
+        """Each layer's cos/sin table (one shared table here)."""
+        return [self.cos_sin_cache()] * len(self.model.layers)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        return self.model.embed_tokens(input_ids)
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [T] int64
@@ -260,11 +293,11 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, hidden] float32: final-norm hidden states
         """Run the decoder; writes every token's K/V into ``kv_cache`` at its slot. The
         final norm's output stays float32: it only feeds the logits."""
-        cos_sin = self.cos_sin_cache()
-        x = self.model.embed_tokens(input_ids)
+        rope = self.layer_rope_tables()
+        x = self.embed(input_ids)
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.model.layers):
-            x, residual = layer(positions, x, residual, kv_cache[i], cos_sin, meta)
+            x, residual = layer(positions, x, residual, kv_cache[i], rope[i], meta)
             if kv_connector is not None:
                 # Layer i's K/V are in the cache now: the connector may start sending them.
                 kv_connector.layer_computed(i, kv_cache)

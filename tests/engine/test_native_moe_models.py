@@ -26,9 +26,11 @@ from tests.engine.transformers_reference import (
     PREEMPT_ARRIVALS,
     Reference,
     assert_clean,
-    assert_matches,
+    check_schedule,
+    load_reference,
     make_prompt,
     run,
+    small_pool_config,
 )
 
 NUM_NEW = 16
@@ -45,27 +47,15 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
 def hf_model(
     request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[Path, Reference]:
-    from transformers import AutoModelForCausalLM
-
     spec, extra = MODELS[request.param]
     model_dir = build_tiny_model(
         spec, tmp_path_factory.mktemp(request.param), tiny_model_dir, **extra
     )
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    return model_dir, Reference(hf, hf.config.vocab_size)
+    return model_dir, load_reference(model_dir)
 
 
 def _check(engine: LLMEngine, ref: Reference, schedule: list[tuple[int, int]]) -> None:
-    assert engine.runner.model_config.impl == "native"
-    arrivals = [
-        (at, f"r{i}", make_prompt(n, seed=i, vocab=ref.vocab_size))
-        for i, (at, n) in enumerate(schedule)
-    ]
-    final = run(engine, arrivals, num_new=NUM_NEW)
-    assert sorted(final) == sorted(rid for _, rid, _ in arrivals)
-    for _, rid, prompt in arrivals:
-        assert_matches(ref, prompt, final[rid], NUM_NEW)
-    assert_clean(engine)
+    check_schedule(engine, ref, schedule, NUM_NEW, "native")
 
 
 def test_default_schedule_matches_transformers(hf_model) -> None:
@@ -75,10 +65,7 @@ def test_default_schedule_matches_transformers(hf_model) -> None:
 
 def test_chunked_prefill_and_preemption_match_transformers(hf_model) -> None:
     model_dir, ref = hf_model
-    config = EngineConfig(
-        model=str(model_dir), num_kv_blocks=40, max_model_len=640, max_num_batched_tokens=32
-    )
-    engine = LLMEngine(config)
+    engine = LLMEngine(small_pool_config(model_dir))
     _check(engine, ref, PREEMPT_ARRIVALS)
     assert engine.stats().num_preemptions > 0, "the pool was meant to force preemption"
 
