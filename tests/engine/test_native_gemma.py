@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
@@ -28,8 +29,11 @@ from tests.engine.transformers_reference import (
     ARRIVALS,
     PREEMPT_ARRIVALS,
     Reference,
+    assert_clean,
     check_schedule,
     load_reference,
+    make_prompt,
+    run,
     small_pool_config,
 )
 
@@ -148,3 +152,17 @@ def test_what_the_native_class_cannot_run_is_refused(
 ) -> None:
     with pytest.raises(ValueError, match=match):
         load_model_config(_write_config(tmp_path / "gemma3", **fields))
+
+
+def test_bfloat16_engine_agrees_with_float32(hf_model) -> None:
+    """bf16 weights (the norms' ``1 + weight`` still summed in float32, the embedding
+    scale rounded to bf16 as transformers does): the first greedy token agrees with
+    transformers' float32 on all but at most one prompt."""
+    model_dir, ref = hf_model
+    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="bfloat16"))
+    assert engine.runner.model_config.dtype == torch.bfloat16
+    prompts = [make_prompt(n, seed=i, vocab=ref.vocab_size) for i, (_, n) in enumerate(ARRIVALS)]
+    final = run(engine, [(0, f"r{i}", p) for i, p in enumerate(prompts)], num_new=4)
+    agree = sum(final[f"r{i}"].token_ids[0] == ref.generate(p)[0] for i, p in enumerate(prompts))
+    assert agree >= len(prompts) - 1, f"only {agree} of {len(prompts)} first tokens agree"
+    assert_clean(engine)
