@@ -141,3 +141,14 @@ def small_pool_config(model_dir: Path) -> EngineConfig:
     return EngineConfig(
         model=str(model_dir), num_kv_blocks=40, max_model_len=640, max_num_batched_tokens=32
     )
+
+
+def assert_first_tokens_agree(engine: LLMEngine, ref: Reference) -> None:
+    """ARRIVALS' prompts all at once: the first greedy token equals ``ref``'s on all but at
+    most one (a reduced-precision engine against a float32 reference); the engine ends
+    clean."""
+    prompts = [make_prompt(n, seed=i, vocab=ref.vocab_size) for i, (_, n) in enumerate(ARRIVALS)]
+    final = run(engine, [(0, f"r{i}", p) for i, p in enumerate(prompts)], num_new=4)
+    agree = sum(final[f"r{i}"].token_ids[0] == ref.generate(p)[0] for i, p in enumerate(prompts))
+    assert agree >= len(prompts) - 1, f"only {agree} of {len(prompts)} first tokens agree"
+    assert_clean(engine)
