@@ -33,6 +33,8 @@ class GemmaConfig:
     query_scale: float  # query_pre_attn_scalar ** -0.5, not head_dim ** -0.5
     attn_logit_softcap: float | None  # tanh cap of the attention logits (Gemma 2)
     final_logit_softcap: float | None  # tanh cap of the output logits
+    # Which layers are "sliding_attention" (they take the sliding RoPE below).
+    sliding_layers: tuple[bool, ...]
     # RoPE of the sliding-window layers (Gemma 3: rope_local_base_freq, never scaled).
     sliding_rope_theta: float
     sliding_rope_scaling: dict[str, Any] | None
@@ -76,6 +78,7 @@ def gemma_model_config(model_dir: Path, cfg: dict[str, Any], arch: str) -> Model
         query_scale=float(hf.query_pre_attn_scalar) ** -0.5,
         attn_logit_softcap=_cap(getattr(hf, "attn_logit_softcapping", None)),
         final_logit_softcap=_cap(getattr(hf, "final_logit_softcapping", None)),
+        sliding_layers=tuple(kind == "sliding_attention" for kind in layer_types),
         sliding_rope_theta=sliding_theta,
         sliding_rope_scaling=sliding_scaling,
     )

@@ -84,7 +84,8 @@ class GemmaDecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps)
         self.mlp = GemmaMLP(cfg, layer_idx, tp)
         self.post_feedforward_layernorm = GemmaRMSNorm(size, eps)
-        self.sliding = self.self_attn.sliding_window is not None
+        assert cfg.gemma is not None
+        self.sliding = cfg.gemma.sliding_layers[layer_idx]  # takes the sliding layers' RoPE
 
     def forward(
         self,

@@ -133,6 +133,7 @@ def test_gemma3_config_in_its_released_spelling(tmp_path: Path) -> None:
     assert windows == [512] * 5 + [None] + [512] * 5 + [None]
     assert (cfg.rope_theta, cfg.rope_scaling) == (1e6, {"rope_type": "linear", "factor": 8.0})
     assert (cfg.gemma.sliding_rope_theta, cfg.gemma.sliding_rope_scaling) == (1e4, None)
+    assert cfg.gemma.sliding_layers == tuple(window is not None for window in windows)
     assert cfg.gemma.query_scale == 256**-0.5 and cfg.qk_norm and cfg.tie_word_embeddings
     assert cfg.max_context == 32768  # windows limit what a layer attends, not the context
     assert load_model_config(model_dir, "transformers").impl == "transformers"
