@@ -377,3 +377,20 @@ def test_a_request_whose_own_work_misses_the_slo_is_served_when_nothing_is_ahead
     # A request that fits is still admitted plainly, and a short one behind a short queue too.
     fits = admission_rules.decide(admission_rules.predict_ttft(ahead(), 100), "interactive", RULES)
     assert fits.reason == "admitted" and not fits.past_slo
+
+
+def test_only_a_late_first_token_cuts_below_the_concurrency_served_in_time() -> None:
+    """Ten streams open and a first token in time: a decode replica's shed and a lagging
+    loop at the door cut no lower than ten; a late first token behind nine others shows ten
+    missing the target, and then the bound and what counts as sustained fall together."""
+    limit = stream_limit.StreamLimit(target_s=2.0, high=64, lag_budget_s=0.02, initial=12)
+    limit.observe(1.2, admitted_at=0.0, open_at_admission=9, now=1.2)
+    assert limit.sustained == 10
+    limit.refused(admitted_at=2.0, open_at_admission=11, now=2.1)
+    assert limit.limit == 10  # 0.7 x 12 = 8.4 would refuse two streams served in time
+    limit.check_loop(0.1, num_open=10, now=3.0)
+    assert limit.limit == 10
+    limit.observe(2.6, admitted_at=3.5, open_at_admission=9, now=6.1)  # late, at ten
+    assert limit.limit == pytest.approx(7) and limit.sustained == 7
+    limit.refused(admitted_at=6.5, open_at_admission=6, now=6.6)
+    assert limit.limit == pytest.approx(7)  # held at the new sustained level
