@@ -106,7 +106,8 @@ class StreamLimit:
         late_s = max(self.target_s, predicted_s + self.target_s / 2)
         fast_s = max(self.target_s / 2, predicted_s + self.target_s / 4)
         if ttft_s > late_s:
-            if open_at_admission > 0:  # alone, no queue of streams made it late
+            # Admitted alone, it waited behind none of this door's streams: hold.
+            if open_at_admission > 0:
                 self._cut(admitted_at, open_at_admission, now)
                 self.sustained = min(self.sustained, int(self.limit))
             self.slow_start = False
