@@ -201,13 +201,19 @@ class DoorAndReplica:
             clock=lambda: replica.now,
         )
         self.tickets: dict[str, Ticket] = {}
+        # Requests that Serve routes to another decode replica, which sheds them.
+        self.shed_elsewhere: set[str] = set()
 
     def send(self, rid: str) -> bool:
         """One request through the door, then the replica: admitted, or a 429 (the door's
-        or the replica's)."""
+        or a replica's)."""
         if self.door.check("interactive") is not None:
             return False
         ticket = self.door.opened("interactive")
+        if rid in self.shed_elsewhere:
+            self.door.refused(ticket, retry_after_s=0.5, replica="decode-1")
+            self.door.closed(ticket, had_first_token=False)
+            return False
         if not self.replica.send(rid):
             self.door.refused(ticket, retry_after_s=0.5, replica="decode-0")
             self.door.closed(ticket, had_first_token=False)
