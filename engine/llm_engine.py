@@ -145,10 +145,10 @@ class LLMEngine:
         self.kv_scales: torch.Tensor | None = getattr(model_runner, "kv_scales", None)
         if kv_connector is not None and self.kv_scales is not None:
             cast(QuantizedKVConnector, kv_connector).register_kv_caches(
-                self.kv_cache, self.model_config.model_name, kv_scales=self.kv_scales
+                self.kv_cache, self.model_config.kv_identity, kv_scales=self.kv_scales
             )
         elif kv_connector is not None:
-            kv_connector.register_kv_caches(self.kv_cache, self.model_config.model_name)
+            kv_connector.register_kv_caches(self.kv_cache, self.model_config.kv_identity)
         self.kv_cache_manager = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching
         )

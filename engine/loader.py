@@ -11,13 +11,16 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pdserve.engine.kv_layout import KVLayerSpec
 from pdserve.engine.quantization import QuantScheme, read_quantization_config
 from pdserve.kernels.ops import can_pack
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from pdserve.engine.deepseek_config import MLAConfig
 
 # Architectures models/llama.py implements (they differ only in config details: q/k norm,
 # mixture-of-experts MLPs); any other decoder-only transformers model runs on the
@@ -29,6 +32,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
+    "DeepseekV3ForCausalLM",
 )
 _QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 _MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
@@ -89,6 +93,8 @@ class ModelConfig:
     qk_norm: bool = False
     # Mixture-of-experts MLPs; None: every layer's MLP is dense.
     moe: MoEConfig | None = None
+    # Multi-head latent attention (DeepSeek-V3, engine/deepseek_config.py); None: other.
+    mla: MLAConfig | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -97,6 +103,12 @@ class ModelConfig:
         if self.sliding_window is not None:
             return min(self.max_position_embeddings, self.sliding_window)
         return self.max_position_embeddings
+
+    @property
+    def kv_identity(self) -> str:
+        """What the KV pool holds, as both ends of a hand-off must agree on: the model, and
+        for MLA that its slots hold the latent rather than per-head K/V."""
+        return self.model_name if self.mla is None else f"{self.model_name} (MLA latent KV)"
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -160,6 +172,10 @@ def load_model_config(model_dir: str | Path, impl: str = "auto") -> ModelConfig:
         if not archs:
             raise ValueError(f"architecture {arch} is not supported: config.json names none")
         return _transformers_model_config(model_dir, cfg, arch)
+    if arch == "DeepseekV3ForCausalLM":
+        from pdserve.engine.deepseek_config import deepseek_model_config
+
+        return deepseek_model_config(model_dir, cfg, arch)
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"hidden_act {act!r} is not supported; supported: silu")

@@ -1,0 +1,99 @@
+"""The native DeepSeek-V3 class (multi-head latent attention over a latent KV cache)
+against transformers itself (float32).
+
+Tiny random DeepSeek-V3 models built by transformers (q LoRA with interleaved rope and a
+dense first layer; and plain q, neox rope, yarn with DeepSeek's mscale, grouped routing
+over two shared experts) load into pdserve's own class (``model_impl`` auto must pick it):
+greedy tokens must equal ``transformers.generate`` and logprobs be within 1e-4 of
+transformers' log-softmax, for prompts of 1 to 600 tokens joining at different steps,
+under the default budget and under a 32-token chunked-prefill budget with a pool small
+enough to force preemption. The pool holds one latent head per token, and tensor
+parallelism is refused with a clear error.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from tests.engine.tiny_hf_models import build_tiny_model
+from tests.engine.transformers_reference import (
+    ARRIVALS,
+    PREEMPT_ARRIVALS,
+    Reference,
+    assert_schedule_matches,
+)
+
+NUM_NEW = 16
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 256,
+    "mscale": 0.707,
+    "mscale_all_dim": 1.0,
+    "beta_fast": 32,
+    "beta_slow": 1,
+}
+# name -> config overrides of the tiny DeepSeek-V3
+MODELS: dict[str, dict[str, Any]] = {
+    "qlora-interleaved": {},
+    "yarn-neox-grouped": {
+        "q_lora_rank": None,
+        "rope_interleave": False,
+        "rope_parameters": YARN,
+        "n_group": 2,
+        "topk_group": 1,
+        "n_shared_experts": 2,
+        "first_k_dense_replace": 0,
+    },
+}
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def hf_model(
+    request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, Reference]:
+    from transformers import AutoModelForCausalLM
+
+    model_dir = build_tiny_model(
+        "deepseek-v3", tmp_path_factory.mktemp(request.param), tiny_model_dir,
+        **MODELS[request.param],
+    )  # fmt: skip
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return model_dir, Reference(hf, hf.config.vocab_size)
+
+
+def _check(engine: LLMEngine, ref: Reference, schedule: list[tuple[int, int]]) -> None:
+    cfg = engine.runner.model_config
+    assert cfg.impl == "native" and cfg.mla is not None
+    # One cached head per token: the 16-wide latent and the 8-wide rope key.
+    assert tuple(engine.kv_cache.shape[-2:]) == (1, 16 + 8)
+    assert_schedule_matches(engine, ref, schedule, NUM_NEW)
+
+
+def test_default_schedule_matches_transformers(hf_model) -> None:
+    model_dir, ref = hf_model
+    _check(LLMEngine(EngineConfig(model=str(model_dir))), ref, ARRIVALS)
+
+
+def test_chunked_prefill_and_preemption_match_transformers(hf_model) -> None:
+    model_dir, ref = hf_model
+    config = EngineConfig(
+        model=str(model_dir), num_kv_blocks=40, max_model_len=640, max_num_batched_tokens=32
+    )
+    engine = LLMEngine(config)
+    _check(engine, ref, PREEMPT_ARRIVALS)
+    assert engine.stats().num_preemptions > 0, "the pool was meant to force preemption"
+
+
+def test_tensor_parallel_is_refused(tiny_model_dir: Path, tmp_path: Path) -> None:
+    model_dir = build_tiny_model("deepseek-v3", tmp_path, tiny_model_dir)
+    config = EngineConfig(model=str(model_dir), device="cpu", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="latent attention .* tensor parallelism"):
+        LLMEngine(config)
