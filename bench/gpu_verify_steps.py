@@ -398,7 +398,7 @@ def disaggregated(model_root: Path) -> list[Row]:
     expected = [list(o.token_ids) for o in single.generate(prompts, params)]
     del single
     decode = LLMEngine.from_pretrained(model_dir, device=DEVICE, dtype="float32", num_kv_blocks=256)
-    layout = pool_layout(decode.kv_cache, decode.model_config.model_name)
+    layout = pool_layout(decode.kv_cache, decode.model_config.kv_identity)
     receiver = KVReceiver(decode.kv_cache, layout, KVTransferConfig())
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
