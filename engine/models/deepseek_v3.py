@@ -122,20 +122,47 @@ class MLAttention(nn.Module):
         if meta.kv_scales is not None:
             ks, vs = meta.kv_scales[self.layer_idx]
         ops.write_kv(slot, slot, k_cache, v_cache, meta.slot_mapping, ks, vs)
-        if meta.decode_only:
-            out = ops.paged_decode_attention(
-                query, k_cache, v_cache, meta.block_tables, meta.seq_lens, mla.softmax_scale,
-                k_scale=ks, v_scale=vs,
-            )  # fmt: skip
-        else:
-            out = ops.paged_attention(
-                query, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
-                mla.softmax_scale, k_scale=ks, v_scale=vs,
-            )  # fmt: skip
+        chunk = _head_chunk(query)
+        parts = [
+            _attend(query[:, h : h + chunk], k_cache, v_cache, meta, mla.softmax_scale, ks, vs)
+            for h in range(0, self.num_heads, chunk)
+        ]
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         # Each head's weighted latent through its W_UV: [H, T, L] @ [H, L, v] -> [T, H, v].
         o_latent = out[..., : mla.kv_lora_rank].transpose(0, 1)
         o = torch.bmm(o_latent, self.w_uv.transpose(1, 2)).transpose(0, 1)
         return self.o_proj(o.reshape(t, self.num_heads * mla.v_head_dim))
+
+
+# On CUDA, query heads per attention call: the Triton kernels hold a tile of every query
+# head sharing a KV head, and 128 heads of a 576-wide latent need more shared memory than an
+# sm_90 block has (see docs/models.md, "MLA"); 16 fit.
+CUDA_HEADS_PER_CALL = 16
+
+
+def _head_chunk(query: torch.Tensor) -> int:
+    return CUDA_HEADS_PER_CALL if query.device.type == "cuda" else query.shape[1]
+
+
+def _attend(
+    query: torch.Tensor,  # [T, h, L + rope]: some or all of the query heads
+    k_cache: torch.Tensor,  # [N, B, 1, L + rope]
+    v_cache: torch.Tensor,  # [N, B, 1, L + rope]
+    meta: AttentionMetadata,
+    scale: float,
+    ks: torch.Tensor | None,
+    vs: torch.Tensor | None,
+) -> torch.Tensor:  # [T, h, L + rope]
+    query = query.contiguous()
+    if meta.decode_only:
+        return ops.paged_decode_attention(
+            query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
+            k_scale=ks, v_scale=vs,
+        )  # fmt: skip
+    return ops.paged_attention(
+        query, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, scale,
+        k_scale=ks, v_scale=vs,
+    )  # fmt: skip
 
 
 def _deinterleave(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> same, contiguous

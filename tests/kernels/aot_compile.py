@@ -86,6 +86,24 @@ def _cases():  # type: ignore[no-untyped-def]
         "DOT_PRECISION": None,
         "QUANT": False,
     }
+    # DeepSeek-V3's MLA: 16 query heads per call (engine/models/deepseek_v3.py) on one
+    # 576-wide latent head, with the tiles the launchers pick for it.
+    mla = {"GROUP": 16, "GROUP_PAD": 16, "HEAD_DIM": 576, "BLOCK_D": 1024}
+    yield (
+        "decode MLA latent head",
+        decode._decode_split_kernel,
+        {**attn, **index, "out_ptr": "*fp32", "lse_ptr": "*fp32"},
+        {**decode_consts, **mla, "SPLITS": 4},
+        4,
+    )
+    no_variants = {"HAS_SOFTCAP": False, "HAS_WINDOW": False, "HAS_SINKS": False}
+    yield (
+        "prefill MLA latent head",
+        prefill._prefill_kernel,
+        prefill_types,
+        {**prefill_consts, **mla, **no_variants, "BLOCK_Q": 4, "BLOCK_M": 64, "BLOCK_N": 16},
+        4,
+    )
     variants = {"plain": False, "window+softcap+sinks": True}  # Gemma 2/3, gpt-oss
     for name, variant in variants.items():
         flags = {"HAS_SOFTCAP": variant, "HAS_WINDOW": variant, "HAS_SINKS": variant}
