@@ -27,6 +27,8 @@ from tests.engine.transformers_reference import (
     PREEMPT_ARRIVALS,
     Reference,
     assert_schedule_matches,
+    make_prompt,
+    run,
 )
 
 NUM_NEW = 16
@@ -97,3 +99,21 @@ def test_tensor_parallel_is_refused(tiny_model_dir: Path, tmp_path: Path) -> Non
     config = EngineConfig(model=str(model_dir), device="cpu", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="latent attention .* tensor parallelism"):
         LLMEngine(config)
+
+
+def test_bfloat16_engine_runs_and_agrees_with_transformers(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """bf16 on CPU (packed linears, bf16 latent cache, bf16 experts): the sharp tiny
+    logits give transformers' (float32) first greedy token."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = build_tiny_model("deepseek-v3", tmp_path, tiny_model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ref = Reference(hf, hf.config.vocab_size)
+    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="bfloat16"))
+    assert engine.kv_cache.dtype == torch.bfloat16
+    prompts = [make_prompt(n, seed=i, vocab=ref.vocab_size) for i, (_, n) in enumerate(ARRIVALS)]
+    final = run(engine, [(0, f"r{i}", p) for i, p in enumerate(prompts)], num_new=4)
+    agree = sum(final[f"r{i}"].token_ids[0] == ref.generate(p)[0] for i, p in enumerate(prompts))
+    assert agree >= len(prompts) - 1, f"only {agree} of {len(prompts)} first tokens agree"
