@@ -1,6 +1,7 @@
-"""The ``ModelConfig`` of a DeepSeek-V3 checkpoint on the native path: multi-head latent
-attention (MLA) dimensions, yarn RoPE with DeepSeek's mscale, and the sigmoid-scored,
-grouped, scaled router with shared experts.
+"""The ``ModelConfig`` of a DeepSeek-V3 (or V2) checkpoint on the native path: multi-head
+latent attention (MLA) dimensions, yarn RoPE with DeepSeek's mscale, and the router with
+shared experts (V3: sigmoid-scored, grouped, with a correction bias; V2: softmax-scored
+greedy top-k, not renormalised).
 
 The KV pool of the native class holds one head per token: the compressed latent
 (``kv_lora_rank``) followed by the rope key (``qk_rope_head_dim``), instead of
@@ -37,8 +38,11 @@ class MLAConfig:
     rope_interleave: bool  # the rotary pairs are (x0, x1), (x2, x3), ... (transformers' flag)
     softmax_scale: float  # qk_head_dim ** -0.5, times yarn's mscale_all_dim squared
     rope_attention_factor: float  # yarn's cos/sin multiplier; 1.0 without yarn
-    # Router: sigmoid scores, the best ``topk_groups`` of ``num_groups`` expert groups,
-    # weights renormalised and scaled by ``routed_scaling``; shared experts on every token.
+    # Router: ``scoring`` of the logits (V3: sigmoid plus a selection-only correction bias,
+    # V2: softmax), the best ``topk_groups`` of ``num_groups`` expert groups, weights scaled
+    # by ``routed_scaling``; shared experts on every token.
+    scoring: str
+    correction_bias: bool
     num_groups: int
     topk_groups: int
     routed_scaling: float
@@ -71,7 +75,7 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return theta, {"rope_type": "yarn", **params}
 
 
-def _mla(cfg: dict[str, Any], scaling: dict[str, Any] | None) -> MLAConfig:
+def _mla(cfg: dict[str, Any], scaling: dict[str, Any] | None, arch: str) -> MLAConfig:
     nope, rope = int(cfg["qk_nope_head_dim"]), int(cfg["qk_rope_head_dim"])
     if rope % 2:
         raise ValueError(f"qk_rope_head_dim must be even, got {rope}")
@@ -91,6 +95,12 @@ def _mla(cfg: dict[str, Any], scaling: dict[str, Any] | None) -> MLAConfig:
         else:
             attention_factor = yarn_mscale(factor)
     groups, topk_groups = int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)
+    v2 = arch == "DeepseekV2ForCausalLM"
+    if v2 and cfg.get("topk_method", "greedy") != "greedy":
+        raise ValueError(
+            f"{arch}: topk_method {cfg.get('topk_method')!r} is not supported natively (only "
+            "'greedy'); model_impl='transformers' runs it"
+        )
     q_lora = cfg.get("q_lora_rank")
     return MLAConfig(
         q_lora_rank=int(q_lora) if q_lora else None,
@@ -98,26 +108,30 @@ def _mla(cfg: dict[str, Any], scaling: dict[str, Any] | None) -> MLAConfig:
         qk_nope_head_dim=nope,
         qk_rope_head_dim=rope,
         v_head_dim=int(cfg["v_head_dim"]),
-        rope_interleave=bool(cfg.get("rope_interleave", True)),
+        # V2 always rotates interleaved pairs (as complex numbers).
+        rope_interleave=v2 or bool(cfg.get("rope_interleave", True)),
         softmax_scale=scale,
         rope_attention_factor=attention_factor,
-        num_groups=groups,
-        topk_groups=topk_groups,
+        scoring="softmax" if v2 else "sigmoid",
+        correction_bias=not v2,
+        num_groups=1 if v2 else groups,
+        topk_groups=1 if v2 else topk_groups,
         routed_scaling=float(cfg.get("routed_scaling_factor", 1.0)),
         num_shared_experts=int(cfg.get("n_shared_experts") or 0),
     )
 
 
 def deepseek_model_config(model_dir: Path, cfg: dict[str, Any], arch: str) -> ModelConfig:
-    """The native ``ModelConfig`` of a DeepSeek-V3 config.json (ValueError on what the
-    native class does not run: quantized checkpoints, rope types other than yarn)."""
+    """The native ``ModelConfig`` of a DeepSeek-V3 / V2 config.json (ValueError on what the
+    native class does not run: quantized checkpoints, rope types other than yarn, V2's
+    group-limited routing)."""
     if read_quantization_config(cfg) is not None:
         raise ValueError(f"quantized {arch} checkpoints are not supported natively yet")
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"hidden_act {act!r} is not supported; supported: silu")
     theta, scaling = _rope(cfg)
-    mla = _mla(cfg, scaling)
+    mla = _mla(cfg, scaling, arch)
     layers = int(cfg["num_hidden_layers"])
     experts = int(cfg.get("n_routed_experts") or 0)
     top_k = int(cfg.get("num_experts_per_tok") or 0)
@@ -128,7 +142,8 @@ def deepseek_model_config(model_dir: Path, cfg: dict[str, Any], arch: str) -> Mo
         num_experts=experts,
         top_k=top_k,
         intermediate_size=int(cfg["moe_intermediate_size"]),
-        renormalize=bool(cfg.get("norm_topk_prob", True)),
+        # V2 never renormalises (its config's norm_topk_prob is unused by the model).
+        renormalize=arch != "DeepseekV2ForCausalLM" and bool(cfg.get("norm_topk_prob", True)),
         sparse_layers=frozenset(range(first_dense, layers)),
     )
     heads = int(cfg["num_attention_heads"])

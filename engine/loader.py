@@ -32,6 +32,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
+    "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
 )
 _QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
@@ -93,7 +94,7 @@ class ModelConfig:
     qk_norm: bool = False
     # Mixture-of-experts MLPs; None: every layer's MLP is dense.
     moe: MoEConfig | None = None
-    # Multi-head latent attention (DeepSeek-V3, engine/deepseek_config.py); None: other.
+    # Multi-head latent attention (DeepSeek-V2/V3, engine/deepseek_config.py); None: other.
     mla: MLAConfig | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -172,7 +173,7 @@ def load_model_config(model_dir: str | Path, impl: str = "auto") -> ModelConfig:
         if not archs:
             raise ValueError(f"architecture {arch} is not supported: config.json names none")
         return _transformers_model_config(model_dir, cfg, arch)
-    if arch == "DeepseekV3ForCausalLM":
+    if arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
         from pdserve.engine.deepseek_config import deepseek_model_config
 
         return deepseek_model_config(model_dir, cfg, arch)

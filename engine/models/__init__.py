@@ -16,6 +16,7 @@ _REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": LlamaForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV3ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 assert set(_REGISTRY) == set(SUPPORTED_ARCHITECTURES)

@@ -186,22 +186,27 @@ class DeepseekMoE(nn.Module):
         self.router = ops.RouterConfig(
             moe.num_experts,
             moe.top_k,
-            scoring="sigmoid",
+            scoring="softmax" if mla.scoring == "softmax" else "sigmoid",
             renormalize=moe.renormalize,
             num_groups=mla.num_groups,
             topk_groups=mla.topk_groups,
             routed_scaling=mla.routed_scaling,
         )
         self.gate = Router(cfg.hidden_size, moe.num_experts)
-        # Kept float32 whatever the model dtype: it decides near-ties between experts.
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(moe.num_experts))
+        # V3's selection-only bias (kept float32 whatever the model dtype: it decides
+        # near-ties between experts); V2 has none.
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.zeros(moe.num_experts)) if mla.correction_bias else None
+        )
         experts, inter = moe.num_experts + self.num_shared, moe.intermediate_size
         self.w13 = nn.Parameter(torch.empty(experts, 2 * inter, cfg.hidden_size))
         self.w2 = nn.Parameter(torch.empty(experts, cfg.hidden_size, inter))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        bias = self.e_score_correction_bias.float()
-        weights, ids = ops.select_experts(self.gate(x), self.router, bias)
+        bias = self.e_score_correction_bias
+        weights, ids = ops.select_experts(
+            self.gate(x), self.router, None if bias is None else bias.float()
+        )
         if self.num_shared:
             weights, ids = ops.add_shared_experts(weights, ids, self.num_experts, self.num_shared)
         return ops.fused_moe(x, self.w13, self.w2, weights, ids)
@@ -214,7 +219,7 @@ class DeepseekMoE(nn.Module):
         if rest == "gate.weight":
             self.gate.weight.data.copy_(_tensor(source, self.gate.weight.shape, name))
             return "gate.weight"
-        if rest == "gate.e_score_correction_bias":
+        if rest == "gate.e_score_correction_bias" and self.e_score_correction_bias is not None:
             bias = self.e_score_correction_bias
             bias.data.copy_(_tensor(source, bias.shape, name))
             return "e_score_correction_bias"

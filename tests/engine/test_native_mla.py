@@ -3,7 +3,8 @@ against transformers itself (float32).
 
 Tiny random DeepSeek-V3 models built by transformers (q LoRA with interleaved rope and a
 dense first layer; and plain q, neox rope, yarn with DeepSeek's mscale, grouped routing
-over two shared experts) load into pdserve's own class (``model_impl`` auto must pick it):
+over two shared experts) and a DeepSeek-V2 (softmax greedy routing, scaled, not
+renormalised; complex-number rope) load into pdserve's own class (``model_impl`` auto must pick it):
 greedy tokens must equal ``transformers.generate`` and logprobs be within 1e-4 of
 transformers' log-softmax, for prompts of 1 to 600 tokens joining at different steps,
 under the default budget and under a 32-token chunked-prefill budget with a pool small
@@ -42,18 +43,22 @@ YARN = {
     "beta_fast": 32,
     "beta_slow": 1,
 }
-# name -> config overrides of the tiny DeepSeek-V3
-MODELS: dict[str, dict[str, Any]] = {
-    "qlora-interleaved": {},
-    "yarn-neox-grouped": {
-        "q_lora_rank": None,
-        "rope_interleave": False,
-        "rope_parameters": YARN,
-        "n_group": 2,
-        "topk_group": 1,
-        "n_shared_experts": 2,
-        "first_k_dense_replace": 0,
-    },
+# name -> (tiny spec, config overrides)
+MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "v3-qlora-interleaved": ("deepseek-v3", {}),
+    "v3-yarn-neox-grouped": (
+        "deepseek-v3",
+        {
+            "q_lora_rank": None,
+            "rope_interleave": False,
+            "rope_parameters": YARN,
+            "n_group": 2,
+            "topk_group": 1,
+            "n_shared_experts": 2,
+            "first_k_dense_replace": 0,
+        },
+    ),
+    "v2-softmax-greedy": ("deepseek-v2", {}),
 }
 
 
@@ -63,10 +68,10 @@ def hf_model(
 ) -> tuple[Path, Reference]:
     from transformers import AutoModelForCausalLM
 
+    spec, extra = MODELS[request.param]
     model_dir = build_tiny_model(
-        "deepseek-v3", tmp_path_factory.mktemp(request.param), tiny_model_dir,
-        **MODELS[request.param],
-    )  # fmt: skip
+        spec, tmp_path_factory.mktemp(request.param), tiny_model_dir, **extra
+    )
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     return model_dir, Reference(hf, hf.config.vocab_size)
 
@@ -117,3 +122,15 @@ def test_bfloat16_engine_runs_and_agrees_with_transformers(
     final = run(engine, [(0, f"r{i}", p) for i, p in enumerate(prompts)], num_new=4)
     agree = sum(final[f"r{i}"].token_ids[0] == ref.generate(p)[0] for i, p in enumerate(prompts))
     assert agree >= len(prompts) - 1, f"only {agree} of {len(prompts)} first tokens agree"
+
+
+def test_v2_group_limited_routing_is_refused_natively(tmp_path: Path) -> None:
+    from pdserve.engine.loader import load_model_config
+    from tests.engine.tiny_hf_models import tiny_config
+
+    config = tiny_config("deepseek-v2", topk_method="group_limited_greedy", n_group=2)
+    config.architectures = ["DeepseekV2ForCausalLM"]
+    config.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="group_limited_greedy.*model_impl='transformers'"):
+        load_model_config(tmp_path, "native")
+    assert load_model_config(tmp_path, "transformers").impl == "transformers"
