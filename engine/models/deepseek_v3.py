@@ -329,7 +329,7 @@ class DeepseekModel(nn.Module):
 
 
 class DeepseekV3ForCausalLM(LlamaForCausalLM):
-    """DeepSeek-V3 with a latent KV cache; the step (``forward``) and the logits are the
+    """DeepSeek-V3 (and V2) with a latent KV cache; the step (``forward``) and the logits are the
     Llama class's, the layers, rope table and weight loading are its own."""
 
     def __init__(self, cfg: ModelConfig, max_position: int, tp: TPGroup = SINGLE) -> None:
