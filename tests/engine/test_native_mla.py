@@ -106,18 +106,24 @@ def test_tensor_parallel_is_refused(tiny_model_dir: Path, tmp_path: Path) -> Non
         LLMEngine(config)
 
 
-def test_bfloat16_engine_runs_and_agrees_with_transformers(
-    tiny_model_dir: Path, tmp_path: Path
+@pytest.mark.parametrize(
+    ("dtype", "kv_cache_dtype"), [("bfloat16", "auto"), ("float32", "int8")], ids=str
+)
+def test_low_precision_engine_runs_and_agrees_with_transformers(
+    dtype: str, kv_cache_dtype: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    """bf16 on CPU (packed linears, bf16 latent cache, bf16 experts): the sharp tiny
-    logits give transformers' (float32) first greedy token."""
+    """bf16 on CPU (packed linears, bf16 latent cache, bf16 experts), and an int8 latent
+    cache with calibrated scales: the sharp tiny logits give transformers' (float32) first
+    greedy token."""
     from transformers import AutoModelForCausalLM
 
     model_dir = build_tiny_model("deepseek-v3", tmp_path, tiny_model_dir)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ref = Reference(hf, hf.config.vocab_size)
-    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="bfloat16"))
-    assert engine.kv_cache.dtype == torch.bfloat16
+    config = EngineConfig(model=str(model_dir), dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+    engine = LLMEngine(config)
+    want = torch.int8 if kv_cache_dtype == "int8" else torch.bfloat16
+    assert engine.kv_cache.dtype == want
     prompts = [make_prompt(n, seed=i, vocab=ref.vocab_size) for i, (_, n) in enumerate(ARRIVALS)]
     final = run(engine, [(0, f"r{i}", p) for i, p in enumerate(prompts)], num_new=4)
     agree = sum(final[f"r{i}"].token_ids[0] == ref.generate(p)[0] for i, p in enumerate(prompts))
