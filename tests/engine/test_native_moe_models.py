@@ -26,7 +26,7 @@ from tests.engine.transformers_reference import (
     PREEMPT_ARRIVALS,
     Reference,
     assert_clean,
-    assert_matches,
+    check_native_engine,
     make_prompt,
     run,
 )
@@ -56,16 +56,7 @@ def hf_model(
 
 
 def _check(engine: LLMEngine, ref: Reference, schedule: list[tuple[int, int]]) -> None:
-    assert engine.runner.model_config.impl == "native"
-    arrivals = [
-        (at, f"r{i}", make_prompt(n, seed=i, vocab=ref.vocab_size))
-        for i, (at, n) in enumerate(schedule)
-    ]
-    final = run(engine, arrivals, num_new=NUM_NEW)
-    assert sorted(final) == sorted(rid for _, rid, _ in arrivals)
-    for _, rid, prompt in arrivals:
-        assert_matches(ref, prompt, final[rid], NUM_NEW)
-    assert_clean(engine)
+    check_native_engine(engine, ref, schedule, NUM_NEW)
 
 
 def test_default_schedule_matches_transformers(hf_model) -> None:

@@ -106,3 +106,20 @@ def assert_matches(
         for tid, value in lp.top_logprobs:
             assert abs(value - hf[i, tid].item()) <= ATOL
         assert lp.top_logprobs[0][0] == out.token_ids[i]  # greedy = the top-1
+
+
+def check_native_engine(
+    engine: LLMEngine, ref: Reference, schedule: list[tuple[int, int]], num_new: int
+) -> None:
+    """The engine runs pdserve's own class; prompts of the schedule's lengths arriving at its
+    steps all finish with transformers' greedy tokens and logprobs, and nothing is held."""
+    assert engine.runner.model_config.impl == "native"
+    arrivals = [
+        (at, f"r{i}", make_prompt(n, seed=i, vocab=ref.vocab_size))
+        for i, (at, n) in enumerate(schedule)
+    ]
+    final = run(engine, arrivals, num_new=num_new)
+    assert sorted(final) == sorted(rid for _, rid, _ in arrivals)
+    for _, rid, prompt in arrivals:
+        assert_matches(ref, prompt, final[rid], num_new)
+    assert_clean(engine)
