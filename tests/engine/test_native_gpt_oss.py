@@ -8,7 +8,8 @@ equal ``transformers.generate`` and logprobs be within 1e-4 of transformers' log
 prompts of 1 to 600 tokens (far past the window) joining at different steps, under the
 default budget and under a 32-token chunked-prefill budget with a pool small enough to
 force preemption and recompute, and with heads and experts split over two tensor-parallel
-ranks. An MXFP4 checkpoint is refused, naming the method.
+ranks. A bfloat16 engine agrees on the first tokens. An MXFP4 checkpoint is refused, naming
+the method, and so are ``layer_types`` the class cannot attend.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from tests.engine.transformers_reference import (
     ARRIVALS,
     PREEMPT_ARRIVALS,
     Reference,
+    assert_bf16_first_tokens_agree,
     check_native_engine,
 )
 
@@ -92,3 +94,26 @@ def test_mxfp4_checkpoint_is_refused_naming_the_method(gpt_oss, tmp_path: Path) 
     for impl in ("auto", "native"):
         with pytest.raises(ValueError, match="quant_method 'mxfp4'"):
             load_model_config(tmp_path, impl)
+
+
+def test_bfloat16_engine_runs_and_agrees_with_float32(gpt_oss) -> None:
+    """bf16 weights, sinks and expert biases; the router stays float32. Sharp tiny logits:
+    the first greedy token agrees with float32 transformers."""
+    assert_bf16_first_tokens_agree(str(gpt_oss[0]), gpt_oss[1])
+
+
+@pytest.mark.parametrize(
+    ("layer_types", "message"),
+    [
+        (["sliding_attention"], "1 entries for 2 layers"),
+        (["sliding_attention", "chunked_attention"], "unsupported"),
+    ],
+)
+def test_layer_types_it_cannot_attend_are_refused(
+    gpt_oss, tmp_path: Path, layer_types: list[str], message: str
+) -> None:
+    config = json.loads((gpt_oss[0] / "config.json").read_text())
+    config["layer_types"] = layer_types
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        load_model_config(tmp_path)
