@@ -21,8 +21,8 @@ from pdserve.kernels.moe_ops import ClampedSwiGLU
 from pdserve.kernels.ops import can_pack
 
 # Architectures models/llama.py implements (they differ only in config details: q/k norm,
-# mixture-of-experts MLPs); any other decoder-only transformers model runs on the
-# transformers-backed path.
+# mixture-of-experts MLPs, attention sinks and per-layer windows); any other decoder-only
+# transformers model runs on the transformers-backed path.
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -91,7 +91,8 @@ class ModelConfig:
     # Which model class runs it: "native" (models/llama.py) or "transformers"
     # (models/transformers_backend.py).
     impl: str = "native"
-    # Each layer's KV (heads, key/value sizes, window); the transformers path fills it.
+    # Each layer's KV (heads, key/value sizes, window): the transformers path fills it, and
+    # native models whose layers differ in window (gpt-oss); empty: every layer alike.
     kv_layers: tuple[KVLayerSpec, ...] = ()
     # RMSNorm over each query and key head before RoPE (Qwen3).
     qk_norm: bool = False
