@@ -18,6 +18,7 @@ _REGISTRY: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": LlamaForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV3ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "GptOssForCausalLM": LlamaForCausalLM,
 }
 assert set(_REGISTRY) == set(SUPPORTED_ARCHITECTURES)
 

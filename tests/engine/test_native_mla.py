@@ -27,7 +27,7 @@ from tests.engine.transformers_reference import (
     ARRIVALS,
     PREEMPT_ARRIVALS,
     Reference,
-    assert_schedule_matches,
+    check_native_engine,
     make_prompt,
     run,
 )
@@ -81,7 +81,7 @@ def _check(engine: LLMEngine, ref: Reference, schedule: list[tuple[int, int]]) -
     assert cfg.impl == "native" and cfg.mla is not None
     # One cached head per token: the 16-wide latent and the 8-wide rope key.
     assert tuple(engine.kv_cache.shape[-2:]) == (1, 16 + 8)
-    assert_schedule_matches(engine, ref, schedule, NUM_NEW)
+    check_native_engine(engine, ref, schedule, NUM_NEW)
 
 
 def test_default_schedule_matches_transformers(hf_model) -> None:
