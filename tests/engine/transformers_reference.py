@@ -106,3 +106,35 @@ def assert_matches(
         for tid, value in lp.top_logprobs:
             assert abs(value - hf[i, tid].item()) <= ATOL
         assert lp.top_logprobs[0][0] == out.token_ids[i]  # greedy = the top-1
+
+
+def check_native_engine(
+    engine: LLMEngine, ref: Reference, schedule: list[tuple[int, int]], num_new: int
+) -> None:
+    """The engine runs pdserve's own class; prompts of the schedule's lengths arriving at its
+    steps all finish with transformers' greedy tokens and logprobs, and nothing is held."""
+    assert engine.runner.model_config.impl == "native"
+    arrivals = [
+        (at, f"r{i}", make_prompt(n, seed=i, vocab=ref.vocab_size))
+        for i, (at, n) in enumerate(schedule)
+    ]
+    final = run(engine, arrivals, num_new=num_new)
+    assert sorted(final) == sorted(rid for _, rid, _ in arrivals)
+    for _, rid, prompt in arrivals:
+        assert_matches(ref, prompt, final[rid], num_new)
+    assert_clean(engine)
+
+
+def assert_bf16_first_tokens_agree(model_dir: str, ref: Reference) -> None:
+    """A bfloat16 engine of ``model_dir`` runs ARRIVALS' prompts and its first greedy token
+    agrees with float32 transformers on all but at most one (the tiny models' logits are
+    sharp), holding nothing afterwards."""
+    from pdserve.engine.config import EngineConfig
+
+    engine = LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16"))
+    assert engine.runner.model_config.dtype == torch.bfloat16
+    prompts = [make_prompt(n, seed=i, vocab=ref.vocab_size) for i, (_, n) in enumerate(ARRIVALS)]
+    final = run(engine, [(0, f"r{i}", p) for i, p in enumerate(prompts)], num_new=4)
+    agree = sum(final[f"r{i}"].token_ids[0] == ref.generate(p)[0] for i, p in enumerate(prompts))
+    assert agree >= len(prompts) - 1, f"only {agree} of {len(prompts)} first tokens agree"
+    assert_clean(engine)

@@ -1,7 +1,7 @@
 """The P/D KV hand-off for models built by transformers: a prefill engine (its own process)
-streams the KV of tiny Qwen3-MoE (the native class, which ``model_impl`` auto picks),
-Gemma 3 (sliding-window layers) and gpt-oss (sinks, sliding-window layers, MoE), both on the
-transformers path, into a decode engine over shared memory, layer by layer, and the decode
+streams the KV of tiny Qwen3-MoE and gpt-oss (sinks, sliding-window layers, MoE: the native
+classes, which ``model_impl`` auto picks) and Gemma 3 (sliding-window layers, on the
+transformers path) into a decode engine over shared memory, layer by layer, and the decode
 engine's greedy tokens equal ``transformers.generate``; neither side leaks a block."""
 
 from __future__ import annotations
