@@ -1,5 +1,5 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral) in one file,
-over a paged KV cache.
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, gpt-oss) in one
+file, over a paged KV cache.
 
 The model works on a *flattened* batch: the new tokens of every scheduled request are
 concatenated into one ``[T]`` vector (prefill chunks and decode tokens mixed), and
@@ -7,8 +7,9 @@ concatenated into one ``[T]`` vector (prefill chunks and decode tokens mixed), a
 and which blocks hold their context. Attention, KV writes, RMSNorm and RoPE go through
 ``pdserve.kernels.ops`` (Triton on CUDA, torch on CPU). The variants differ only in config:
 GQA/MQA head counts, qkv bias (Qwen2), q/k RMSNorm per head (Qwen3), tied embeddings, RoPE
-scaling (llama3, linear), and mixture-of-experts MLPs (``models/moe.py``: Mixtral,
-Qwen3-MoE).
+scaling (llama3, linear, yarn), mixture-of-experts MLPs (``models/moe.py``: Mixtral,
+Qwen3-MoE, gpt-oss), and gpt-oss's attention: biases on q/k/v/o, a learned sink logit per
+head, and a sliding window on the layers ``ModelConfig.kv_layers`` gives one.
 
 Parameter names follow the Hugging Face checkpoints except that q/k/v and gate/up are fused
 into one matmul each; ``load_weights`` maps the checkpoint names. This module never
@@ -96,6 +97,8 @@ class Attention(nn.Module):
         )
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        # This rank's heads' sink logits (gpt-oss).
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if cfg.attention_sinks else None
 
     def forward(
         self,
@@ -122,12 +125,14 @@ class Attention(nn.Module):
         if meta.decode_only:
             out = ops.paged_decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale,
-                self.sliding_window, self.softcap, k_scale=ks, v_scale=vs,
+                sliding_window=self.sliding_window, softcap=self.softcap, sinks=self.sinks,
+                k_scale=ks, v_scale=vs,
             )  # fmt: skip
         else:
             out = ops.paged_attention(
                 q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
-                self.scale, self.sliding_window, self.softcap, k_scale=ks, v_scale=vs,
+                self.scale, sliding_window=self.sliding_window, softcap=self.softcap,
+                sinks=self.sinks, k_scale=ks, v_scale=vs,
             )  # fmt: skip
         return self.tp.all_reduce(self.o_proj(out.reshape(t, self.q_size)))
 
@@ -243,7 +248,8 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral decoder over a paged KV cache."""
+    """Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral / gpt-oss decoder over a paged KV
+    cache."""
 
     def __init__(self, cfg: ModelConfig, max_position: int, tp: TPGroup = SINGLE) -> None:
         super().__init__()
@@ -362,8 +368,10 @@ class LlamaForCausalLM(nn.Module):
             if cfg.tie_word_embeddings and name == "lm_head.weight":
                 continue
             name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for it
+            name = name.replace(".mlp.router.", ".mlp.gate.")  # gpt-oss's name for it
             if ".mlp.experts." in name:
-                expected[self._load_expert(name, source)] -= 1
+                param, filled = self._load_expert(name, source)
+                expected[param] -= filled
                 continue
             prefix, module, kind = (["", *name.rsplit(".", 2)])[-3:]
             if module == "self_attn" and kind in ("k_scale", "v_scale"):
@@ -403,6 +411,8 @@ class LlamaForCausalLM(nn.Module):
                 dest.copy_(tensor)
                 expected[target] -= dest.shape[0]
                 continue
+            if module == "self_attn" and kind == "sinks":
+                index = (slice(heads.start, heads.stop),)  # this rank's heads
             if module in plan:
                 if kind == "bias" and src_cols is not every:
                     # Row-parallel bias: added once (rank 0) to the all-reduced sum.
@@ -427,21 +437,25 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}")
 
-    def _load_expert(self, name: str, source: Any) -> str:
-        """``model.layers.<i>.mlp.experts.<j>.<projection>.weight`` into layer i's stacked
-        experts; returns the parameter filled."""
+    def _load_expert(self, name: str, source: Any) -> tuple[str, int]:
+        """``model.layers.<i>.mlp.experts.<j>.<projection>.weight`` (one expert) or
+        ``model.layers.<i>.mlp.experts.<tensor>`` (all experts stacked, gpt-oss) into layer
+        i's stacked experts; returns the parameter filled and how many loads that counts."""
         block, _, rest = name.partition(".experts.")
         parts = rest.split(".")
         try:
             module = self.get_submodule(block)
         except AttributeError:
             module = None
-        if not isinstance(module, SparseMoeBlock) or len(parts) != 3 or parts[2] != "weight":
+        per_expert = len(parts) == 3 and parts[2] == "weight"
+        if not isinstance(module, SparseMoeBlock) or not (per_expert or len(parts) == 1):
             raise ValueError(
                 f"checkpoint tensor {name!r} has no place in {self.config.architecture}"
             )
-        param = module.load_expert(int(parts[0]), parts[1], source, name)
-        return f"{block}.{param}"
+        if per_expert:
+            return f"{block}.{module.load_expert(int(parts[0]), parts[1], source, name)}", 1
+        param, filled = module.load_stacked(parts[0], source, name)
+        return f"{block}.{param}", filled
 
 
 def _shape(source: Any) -> tuple[int, ...]:

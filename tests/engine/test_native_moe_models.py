@@ -25,10 +25,8 @@ from tests.engine.transformers_reference import (
     ARRIVALS,
     PREEMPT_ARRIVALS,
     Reference,
-    assert_first_tokens_agree,
-    check_schedule,
-    load_reference,
-    small_pool_config,
+    assert_bf16_first_tokens_agree,
+    check_native_engine,
 )
 
 NUM_NEW = 16
@@ -53,7 +51,7 @@ def hf_model(
 
 
 def _check(engine: LLMEngine, ref: Reference, schedule: list[tuple[int, int]]) -> None:
-    check_schedule(engine, ref, schedule, NUM_NEW, "native")
+    check_native_engine(engine, ref, schedule, NUM_NEW)
 
 
 def test_default_schedule_matches_transformers(hf_model) -> None:
@@ -104,7 +102,4 @@ def test_bfloat16_engine_runs_and_agrees_with_float32(tiny_model_dir: Path, tmp_
 
     model_dir = build_tiny_model("qwen3-moe", tmp_path, tiny_model_dir)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ref = Reference(hf, hf.config.vocab_size)
-    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="bfloat16"))
-    assert engine.runner.model_config.dtype == torch.bfloat16
-    assert_first_tokens_agree(engine, ref)
+    assert_bf16_first_tokens_agree(str(model_dir), Reference(hf, hf.config.vocab_size))

@@ -152,3 +152,17 @@ def assert_first_tokens_agree(engine: LLMEngine, ref: Reference) -> None:
     agree = sum(final[f"r{i}"].token_ids[0] == ref.generate(p)[0] for i, p in enumerate(prompts))
     assert agree >= len(prompts) - 1, f"only {agree} of {len(prompts)} first tokens agree"
     assert_clean(engine)
+
+
+def check_native_engine(
+    engine: LLMEngine, ref: Reference, schedule: list[tuple[int, int]], num_new: int
+) -> None:
+    """``check_schedule`` on pdserve's own class."""
+    check_schedule(engine, ref, schedule, num_new, "native")
+
+
+def assert_bf16_first_tokens_agree(model_dir: str, ref: Reference) -> None:
+    """``assert_first_tokens_agree`` for a bfloat16 engine of ``model_dir``."""
+    engine = LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16"))
+    assert engine.runner.model_config.dtype == torch.bfloat16
+    assert_first_tokens_agree(engine, ref)
