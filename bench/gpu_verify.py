@@ -10,7 +10,7 @@ Steps (``gpu_verify_steps``), each a list of report rows:
    fp8 GEMMs vs their references and their speed against the bf16 matmul;
 2. engine: greedy tokens equal transformers (fp32) on the three test configs with mixed
    lengths, chunked prefill and preemption; bf16 logits within a stated tolerance; the
-   native Gemma 2 / 3 classes on tiny models built there (``gpu_verify_gemma``);
+   native Gemma 2 / 3 classes on tiny models built there (``gpu_verify_gemma``); the
    same tokens check for a small DeepSeek-V3 on the native MLA class (``gpu_verify_mla``);
 3. disagg: prefill and decode engines in two processes, KV over CUDA IPC on one GPU,
    tokens equal the single engine; byte checks of CUDA IPC, and NCCL with two GPUs;
@@ -115,11 +115,13 @@ def _run_step(name: str, model_root: Path, quick: bool) -> list:
         return s.kernels(quick)
     if name == "engine":
         from pdserve.bench.gpu_verify_gemma import gemma_vs_transformers
-
-        return s.engine_vs_transformers(model_root) + gemma_vs_transformers(model_root)
         from pdserve.bench.gpu_verify_mla import mla_vs_transformers
 
-        return s.engine_vs_transformers(model_root) + mla_vs_transformers(model_root)
+        return (
+            s.engine_vs_transformers(model_root)
+            + gemma_vs_transformers(model_root)
+            + mla_vs_transformers(model_root)
+        )
     if name == "disagg":
         return s.disaggregated(model_root)
     if name == "tp":

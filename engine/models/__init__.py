@@ -5,8 +5,8 @@ from __future__ import annotations
 from torch import nn
 
 from pdserve.engine.loader import SUPPORTED_ARCHITECTURES, ModelConfig
-from pdserve.engine.models.gemma import GemmaForCausalLM
 from pdserve.engine.models.deepseek_v3 import DeepseekV3ForCausalLM
+from pdserve.engine.models.gemma import GemmaForCausalLM
 from pdserve.engine.models.llama import LlamaForCausalLM
 from pdserve.engine.parallel import SINGLE, TPGroup
 

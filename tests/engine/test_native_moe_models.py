@@ -27,6 +27,8 @@ from tests.engine.transformers_reference import (
     Reference,
     assert_bf16_first_tokens_agree,
     check_native_engine,
+    load_reference,
+    small_pool_config,
 )
 
 NUM_NEW = 16
