@@ -22,6 +22,7 @@ block is leaked on either side.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import logging
@@ -48,6 +49,7 @@ from pdserve.deployments.engine_factory import (
     engine_config,
     pool_hooks,
 )
+from pdserve.deployments.handle_warmup import start_warm_up
 from pdserve.deployments.load import Ema, RateMeter, decode_autoscaling_stats, replica_stats
 from pdserve.deployments.messages import (
     ErrorInfo,
@@ -202,6 +204,9 @@ class DecodeServer:
         # for lack of capacity (this replica's sheds, and those the ingress reports).
         self._admitted = RateMeter()
         self._turned_away = RateMeter()
+        self._warmups: set[asyncio.Task[bool]] = set()
+        if isinstance(client, ServePrefillClient):
+            start_warm_up(client.warm_up, "prefill", self._warmups)
 
     # ------------------------------------------------------------------ request path
     async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:

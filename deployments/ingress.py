@@ -21,10 +21,11 @@ gRPC proxy.
 """
 
 import asyncio
+import contextlib
 import contextvars
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from importlib.metadata import version as package_version
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.deployments.admission.front_door import (
+    DoorPass,
     DoorShed,
     FrontDoor,
     FrontDoorSettings,
@@ -49,6 +51,7 @@ from pdserve.deployments.api_guard import APIGuard, read_body
 from pdserve.deployments.config import APIConfig, ObservabilityConfig
 from pdserve.deployments.decode_stream import DecodeStream, error_from_info
 from pdserve.deployments.grpc import pdserve_pb2 as pb2
+from pdserve.deployments.handle_warmup import start_warm_up
 from pdserve.deployments.ingress_telemetry import IngressTelemetry
 from pdserve.deployments.messages import (
     ErrorInfo,
@@ -278,6 +281,12 @@ def pools_ready(app_status: Any, deployments: list[str]) -> tuple[bool, str]:
     return True, "all pools have a running replica"
 
 
+def _door_pass_var() -> contextvars.ContextVar[DoorPass | None]:
+    """The door's pass of the request being handled (``OpenAIIngress._through_door``): its
+    first decode call takes its place under the stream bound."""
+    return contextvars.ContextVar("pdserve_door_pass", default=None)
+
+
 def _grpc_usage(stream: DecodeStream) -> pb2.Usage:
     usage = stream.usage()
     return pb2.Usage(
@@ -359,10 +368,18 @@ class OpenAIIngress:
             enabled=observability.metrics_enabled,
         )
         self.door = FrontDoor(door or FrontDoorSettings(), metrics, self._report_turned_away)
+        self._door_pass = _door_pass_var()
+        self._warmups: set[asyncio.Task[bool]] = set()
+        self._warm_decode()
         self._reports: set[asyncio.Task[None]] = set()
         self._late: set[asyncio.Task[None]] = set()  # calls answered 429, left to end
         self._ready_deployments = list(ready_deployments or [])
         self._ready_cache: tuple[float, bool, str] = (0.0, False, "")
+
+    def _warm_decode(self) -> None:
+        """Use the decode handle once while this replica starts, so that the first burst
+        does not wait for its router (``handle_warmup``)."""
+        start_warm_up(lambda: self._decode.num_open_streams.remote(), "decode", self._warmups)
 
     def _report_turned_away(self, n: int) -> None:
         """Send a count of the door's capacity sheds to a decode replica (in the background;
@@ -382,12 +399,21 @@ class OpenAIIngress:
         except Exception as err:  # noqa: BLE001 - best effort; the next report still goes
             logger.debug("turned-away report (%d requests) not delivered: %r", n, err)
 
-    def _check_door(self, priority: Priority) -> None:
+    @contextlib.contextmanager
+    def _through_door(self, priority: Priority) -> Iterator[None]:
         """The door check, once per request and before its body is read, parsed and
-        tokenized, so that a flood gets its 429s for the cost of reading headers."""
-        shed = self.door.check(priority)
-        if shed is not None:
-            raise error_from_info(_overloaded_info(shed))
+        tokenized, so that a flood gets its 429s for the cost of reading headers. A request
+        let through holds its place under the stream bound while its body is read and its
+        stream opened in the block; a place its stream did not take is freed at the end."""
+        admitted = self.door.admit(priority)
+        if isinstance(admitted, DoorShed):
+            raise error_from_info(_overloaded_info(admitted))
+        token = self._door_pass.set(admitted)
+        try:
+            yield
+        finally:
+            self._door_pass.reset(token)
+            self.door.release(admitted)
 
     async def _generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateChunk, None]:
         door = self.door
@@ -396,7 +422,7 @@ class OpenAIIngress:
             request = request.model_copy(update={"admit_by": time.time() + ack_s})
         response = self._open_decode_stream(request)
         finished = False
-        ticket = door.opened(request.priority)
+        ticket = door.opened(request.priority, self._door_pass.get())
         first_token = False
         try:
             chunks = aiter(response)
@@ -577,11 +603,11 @@ class OpenAIIngress:
 
     async def _completions(self, request: Request) -> Response:
         priority = _priority(request.headers)
-        self._check_door(priority)
-        req = validate_request(CompletionRequest, await self._json_body(request))
-        stream = await self.serving.start_choices(
-            req, priority=priority, trace_headers=request.headers
-        )
+        with self._through_door(priority):
+            req = validate_request(CompletionRequest, await self._json_body(request))
+            stream = await self.serving.start_choices(
+                req, priority=priority, trace_headers=request.headers
+            )
         created = int(time.time())
         headers = ignored_fields_header(req.ignored_fields())
         if req.stream:
@@ -595,11 +621,11 @@ class OpenAIIngress:
 
     async def _chat(self, request: Request) -> Response:
         priority = _priority(request.headers)
-        self._check_door(priority)
-        req = validate_request(ChatCompletionRequest, await self._json_body(request))
-        stream = await self.serving.start_choices(
-            req, priority=priority, trace_headers=request.headers
-        )
+        with self._through_door(priority):
+            req = validate_request(ChatCompletionRequest, await self._json_body(request))
+            stream = await self.serving.start_choices(
+                req, priority=priority, trace_headers=request.headers
+            )
         created = int(time.time())
         headers = ignored_fields_header(req.ignored_fields())
         if req.stream:
@@ -692,13 +718,13 @@ class OpenAIIngress:
         try:
             metadata = _metadata(grpc_context)
             priority = _priority(metadata)
-            self._check_door(priority)
-            return await self.serving.start(
-                req,
-                request_id=proto.request_id or None,
-                priority=priority,
-                trace_headers=metadata,
-            )
+            with self._through_door(priority):
+                return await self.serving.start(
+                    req,
+                    request_id=proto.request_id or None,
+                    priority=priority,
+                    trace_headers=metadata,
+                )
         except OpenAIError as err:
             _abort_grpc(grpc_context, err)
             raise  # unreachable: _abort_grpc raises

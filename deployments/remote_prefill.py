@@ -53,6 +53,10 @@ class ServePrefillClient:
     def __init__(self, handle: Any) -> None:
         self._handle = handle
 
+    async def warm_up(self) -> None:
+        """One cheap call through the handle (``handle_warmup``)."""
+        await self._handle.actor_name.remote()
+
     async def prefill(self, request: PrefillRequest) -> PrefillResponse:
         response = self._handle.prefill.remote(request)
         try:

@@ -1,10 +1,12 @@
 """``FrontDoor``: an ingress replica's overload control, the one owner of it on that side.
 
-The ingress asks ``check`` once per request, before reading its body, and answers 429 when
+The ingress asks ``admit`` once per request, before reading its body, and answers 429 when
 the door says so: every decode replica it knows shed this class within its drain time
 (``ShedHint``),
 the front door itself is the queue (the ingress's event loop, or Serve's proxy in front of
-it), or the adaptive bound on open streams is reached (``StreamLimit``). Around each
+it), or the adaptive bound on open streams is reached (``StreamLimit``). A request let
+through holds a ``DoorPass``, counted against the bound at once: requests arriving together
+can not all pass before any of them opens its stream. Around each
 decode call the ingress reports what happened (``opened``, ``first_token``, ``refused``,
 ``closed``), and the door keeps the turned-away demand it reports to the decode pool for
 its autoscaling policy. It never calls Serve itself: ``report_turned_away`` is the
@@ -74,6 +76,14 @@ class DoorShed:
     reason: str
     message: str
     retry_after_s: float
+
+
+@dataclass
+class DoorPass:
+    """A request the door let through, counted against the stream bound until its stream
+    opens (``FrontDoor.opened``) or it never will (``FrontDoor.release``)."""
+
+    held: bool = True
 
 
 @dataclass(frozen=True)
@@ -160,9 +170,26 @@ class FrontDoor:
             )
         self.streams = streams
         self.num_open = 0
+        self.num_passed = 0  # let through, stream not yet opened (``DoorPass``es held)
         self.stream_s = Ema()  # how long a stream stays open
 
     # ------------------------------------------------------------------ before any work
+    def admit(self, priority: Priority) -> DoorShed | DoorPass:
+        """``check``, and for a request let through its pass: it counts against the
+        stream bound from now until its stream opens, or ``release`` when it never does."""
+        shed = self.check(priority)
+        if shed is not None:
+            return shed
+        self.num_passed += 1
+        return DoorPass()
+
+    def release(self, door_pass: DoorPass) -> None:
+        """The request ends without its stream (or its stream already opened): drop its
+        place. Idempotent."""
+        if door_pass.held:
+            door_pass.held = False
+            self.num_passed -= 1
+
     def check(self, priority: Priority) -> DoorShed | None:
         """The 429 for a request of this class arriving now, or None to let it through.
         Recorded as a shed; capacity sheds count as turned-away demand."""
@@ -210,9 +237,13 @@ class FrontDoor:
         return admission_ack_timeout_s(s.reject_within_s, waited)
 
     # ------------------------------------------------------------------ around a decode call
-    def opened(self, priority: Priority) -> Ticket:
-        """A request goes to the decode pool."""
-        ticket = Ticket(priority, self._clock(), self.num_open)
+    def opened(self, priority: Priority, door_pass: DoorPass | None = None) -> Ticket:
+        """A request goes to the decode pool; ``door_pass``: the place ``admit`` held for
+        it, now taken by the stream (None, or one already taken: a stream of its own, the
+        next choice of an ``n`` > 1 request)."""
+        if door_pass is not None:
+            self.release(door_pass)
+        ticket = Ticket(priority, self._clock(), self.num_open + self.num_passed)
         self.num_open += 1
         self._metrics.record_streams(self.num_open, self.stream_limit)
         return ticket
@@ -286,10 +317,11 @@ class FrontDoor:
         limit = self.streams
         if limit is None or (priority == "batch" and not self.settings.limit_batch):
             return None
-        if limit.admits(priority, self.num_open):
+        in_use = self.num_open + self.num_passed
+        if limit.admits(priority, in_use):
             return None
         # A 429 is being answered, and it waits in this loop: only now may its lag cut.
-        limit.check_loop(self.loop_lag.seconds, self.num_open, self._clock())
+        limit.check_loop(self.loop_lag.seconds, in_use, self._clock())
         return limit.drain_s(self.stream_s.value, self.num_open)
 
     def _send_report(self, now: float) -> None:

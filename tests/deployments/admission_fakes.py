@@ -13,7 +13,12 @@ from pdserve.deployments.admission.decode import (
     DecodeAdmission,
     ReplicaSignals,
 )
-from pdserve.deployments.admission.front_door import FrontDoor, FrontDoorSettings, Ticket
+from pdserve.deployments.admission.front_door import (
+    DoorShed,
+    FrontDoor,
+    FrontDoorSettings,
+    Ticket,
+)
 from pdserve.deployments.config import AppConfig
 from pdserve.deployments.load import Ema
 from pdserve.engine.stats import EngineStats, ThroughputMeter
@@ -207,9 +212,10 @@ class DoorAndReplica:
     def send(self, rid: str) -> bool:
         """One request through the door, then the replica: admitted, or a 429 (the door's
         or a replica's)."""
-        if self.door.check("interactive") is not None:
+        door_pass = self.door.admit("interactive")
+        if isinstance(door_pass, DoorShed):
             return False
-        ticket = self.door.opened("interactive")
+        ticket = self.door.opened("interactive", door_pass)
         if rid in self.shed_elsewhere:
             self.door.refused(ticket, retry_after_s=0.5, replica="decode-1")
             self.door.closed(ticket, had_first_token=False)

@@ -394,3 +394,44 @@ def test_only_a_late_first_token_cuts_below_the_concurrency_served_in_time() -> 
     assert limit.limit == pytest.approx(7) and limit.sustained == 7
     limit.refused(admitted_at=6.5, open_at_admission=6, now=6.6)
     assert limit.limit == pytest.approx(7)  # held at the new sustained level
+
+
+def test_requests_arriving_together_are_admitted_only_up_to_the_stream_bound() -> None:
+    """A burst reaches the door before any of its requests opens a stream (the ingress reads,
+    parses and tokenizes each body in between): the door lets through only what the bound
+    holds, each pass counting from the door check. A pass whose request never opens a
+    stream (a bad body) frees its place; one that opened is counted once, as its stream."""
+    from pdserve.deployments.admission.front_door import (
+        DoorPass,
+        DoorShed,
+        FrontDoor,
+        FrontDoorSettings,
+    )
+    from tests.deployments.admission_fakes import DoorRecord, FakeLoopLag
+
+    record = DoorRecord()
+    door = FrontDoor(
+        FrontDoorSettings(ttft_slo_s=2.0, max_streams=16),
+        record,
+        record.reported.append,
+        stream_limit.StreamLimit(2.0, high=16, initial=4),
+        loop_lag=FakeLoopLag(),
+        clock=lambda: 0.0,
+    )
+    burst = [door.admit("interactive") for _ in range(400)]
+    passes = [p for p in burst if isinstance(p, DoorPass)]
+    assert len(passes) == 4 and door.num_open == 0
+    assert record.sheds == ["concurrency"] * 396
+    assert all(isinstance(p, DoorShed) for p in burst[4:])
+
+    door.release(passes[0])  # its body was bad: no stream
+    door.release(passes[0])  # released once only
+    tickets = [door.opened("interactive", p) for p in passes[1:]]
+    assert [t.open_before for t in tickets] == [2, 2, 2]  # the two others, once each
+    assert door.num_open == 3 and door.num_passed == 0
+    fourth = door.admit("interactive")  # the bad body's place is free again
+    assert isinstance(fourth, DoorPass)
+    assert isinstance(door.admit("interactive"), DoorShed)
+    door.opened("interactive", fourth)
+    door.opened("interactive", fourth)  # a second choice (n = 2) is a stream of its own
+    assert door.num_open == 5 and door.num_passed == 0

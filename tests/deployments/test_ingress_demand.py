@@ -88,7 +88,7 @@ def _ingress(
 ) -> Any:
     """An ``OpenAIIngress`` with only its door and decode calls (no Serve, no model)."""
     from pdserve.deployments.admission.front_door import FrontDoor, FrontDoorSettings
-    from pdserve.deployments.ingress import OpenAIIngress
+    from pdserve.deployments.ingress import OpenAIIngress, _door_pass_var
     from pdserve.deployments.migration import MigrationMetrics
 
     ingress = object.__new__(OpenAIIngress)
@@ -102,6 +102,7 @@ def _ingress(
     )
     ingress.__dict__.update(
         _decode=decode, _reports=set(), _late=set(), _max_migrations=0,
+        _door_pass=_door_pass_var(),
         _migration_metrics=MigrationMetrics(model_name="m", replica="r", enabled=False),
     )  # fmt: skip
     ingress.door = FrontDoor(settings, metrics, ingress._report_turned_away, streams=streams)
@@ -187,9 +188,9 @@ def test_one_decode_replica_shedding_leaves_the_door_open_for_the_other() -> Non
     ingress = _ingress(decode, shed_reasons, StreamLimit(target_s=2.0, high=16, initial=16))
 
     async def call(n: int) -> list[Any]:
-        ingress._check_door("interactive")  # raises the door's 429
-        req = GenerateRequest(request_id=f"r{n}", prompt_token_ids=[1, 2, 3])
-        return [chunk async for chunk in ingress._generate(req)]
+        with ingress._through_door("interactive"):  # raises the door's 429
+            req = GenerateRequest(request_id=f"r{n}", prompt_token_ids=[1, 2, 3])
+            return [chunk async for chunk in ingress._generate(req)]
 
     async def run() -> OpenAIError:
         assert [c.token_ids for c in await call(1)] == [[7]]  # served by b
@@ -331,3 +332,71 @@ def test_the_turned_away_report_is_not_a_call_of_the_request_that_triggered_it()
 
     asyncio.run(run())
     assert len(ids) == 1 and ids[0] != "internal-r1"
+
+
+def test_a_burst_arriving_together_opens_at_most_the_stream_bound() -> None:
+    """Requests arriving together each pass the door, then wait on the loop (the body read,
+    parsed and tokenized) before their decode call opens a stream: the door counts each
+    from its check, so a burst of 12 opens 3 streams (the bound) and 9 get 429, and a
+    request whose body turns out bad frees its place for the next one."""
+    from pdserve.deployments.admission.stream_limit import StreamLimit
+    from pdserve.deployments.messages import GenerateChunk, GenerateRequest
+    from pdserve.deployments.openai_protocol import OpenAIError
+
+    decode = _FakeDecode([GenerateChunk(request_id="r", token_ids=[7], finish_reason="length")])
+    shed_reasons: list[str] = []
+    ingress = _ingress(decode, shed_reasons, StreamLimit(target_s=2.0, high=16, initial=3))
+
+    async def call(n: int, bad_body: bool = False) -> Any:
+        try:
+            with ingress._through_door("interactive"):
+                await asyncio.sleep(0)  # the body is read: every arrival reaches the door
+                if bad_body:
+                    raise OpenAIError("bad body")
+                req = GenerateRequest(request_id=f"r{n}", prompt_token_ids=[1, 2, 3])
+                return [c.token_ids async for c in ingress._generate(req)]
+        except OpenAIError as err:
+            return err.status_code
+
+    async def run() -> tuple[list[Any], Any]:
+        burst = await asyncio.gather(*(call(n) for n in range(12)))
+        assert ingress.door.num_open == ingress.door.num_passed == 0
+        assert await call(12, bad_body=True) == 400
+        return burst, await call(13)
+
+    burst, after_bad_body = asyncio.run(run())
+    assert burst.count([[7]]) == 3 and burst.count(429) == 9
+    assert len(decode.requests) == 4 and after_bad_body == [[7]]
+    assert shed_reasons == ["concurrency"] * 9
+
+
+def test_the_decode_handle_is_used_once_while_the_ingress_starts() -> None:
+    """Before any request, the starting ingress calls the decode pool once (a cheap read),
+    so the first burst does not wait for the handle's router; a failing call is logged,
+    not raised: the first request pays for it then."""
+    from pdserve.deployments.handle_warmup import warm_up
+
+    decode = _FakeDecode([])
+    calls: list[str] = []
+
+    class _Read:
+        async def remote(self) -> int:
+            calls.append("num_open_streams")
+            return 0
+
+    decode.num_open_streams = _Read()  # type: ignore[attr-defined]
+    ingress = _ingress(decode, [])
+    ingress._warmups = set()
+
+    async def run() -> None:
+        ingress._warm_decode()
+        assert ingress._warmups  # running in the background
+        await asyncio.gather(*ingress._warmups)
+
+    asyncio.run(run())
+    assert calls == ["num_open_streams"] and decode.requests == []
+
+    async def broken() -> None:
+        raise RuntimeError("no replica")
+
+    assert asyncio.run(warm_up(broken, "decode", timeout_s=1.0)) is False
