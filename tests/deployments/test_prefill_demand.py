@@ -5,6 +5,7 @@ real tiny engine on both sides, remote prefill forced)."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
@@ -33,3 +34,40 @@ def test_prefill_replica_counts_only_the_prompt_tokens_it_computes() -> None:
     finally:
         decode.shutdown()
         prefill.shutdown()
+
+
+class _PrefillHandle:
+    """The prefill pool's ``DeploymentHandle``, recording the methods called on it."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def __getattr__(self, method: str) -> Any:
+        calls = self.calls
+
+        class _Method:
+            async def remote(self, *args: Any) -> str:
+                calls.append(method)
+                return "prefill-0"
+
+        return _Method()
+
+
+def test_a_decode_replica_calls_its_prefill_pool_once_while_it_starts() -> None:
+    """A starting decode replica uses its prefill handle once (a cheap read) before any
+    request, so the first remote prefill does not wait for the handle's router."""
+    from pdserve.deployments.remote_prefill import ServePrefillClient
+
+    cfg = config()
+    handle = _PrefillHandle()
+
+    async def start() -> DecodeServer:
+        decode = DecodeServer(cfg, cfg.model.resolve_path(), prefill=ServePrefillClient(handle))
+        await asyncio.gather(*decode._warmups)
+        return decode
+
+    decode = asyncio.run(start())
+    try:
+        assert handle.calls == ["actor_name"]
+    finally:
+        decode.shutdown()
