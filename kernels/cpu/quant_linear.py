@@ -21,6 +21,8 @@ inference-only and hold no trainable parameters.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -98,20 +100,50 @@ def _check_per_channel_int8(name: str, q: torch.Tensor, scale: torch.Tensor) -> 
         )
 
 
+def onednn_int8_supported() -> bool:
+    """Whether torch has oneDNN's prepacked int8 linear (``torch.ops.onednn.qlinear_*``)."""
+    try:
+        q = torch.ones(8, 64, dtype=torch.int8)
+        packed = torch.ops.onednn.qlinear_prepack(q, None)
+        _onednn_int8_sums(torch.ones(1, 64, dtype=torch.int8), packed, 8)
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def _onednn_int8_sums(xq: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The int32 sums ``xq @ q^T`` (as float32) of oneDNN's prepacked int8 matmul."""
+    ones, zeros = torch.ones(n), torch.zeros(n, dtype=torch.int64)
+    return torch.ops.onednn.qlinear_pointwise(
+        xq, 1.0, 0, packed, ones, zeros, None, 1.0, 0, torch.float32, "none", [None], ""
+    )
+
+
+_onednn_int8 = functools.cache(onednn_int8_supported)
+
+
 class _Int8PlanesLinear(_QuantLinearBase):
     """int8 activation planes x int8 weights, exact int32 sums: the native kernel for up to
-    ``NATIVE_ROWS`` plane rows, ``torch._int_mm`` above (it keeps the row-major weight for
-    that, as well as the native kernel's packed copy)."""
+    ``NATIVE_ROWS`` plane rows, oneDNN's prepacked int8 matmul above (AMX where the CPU has
+    it; ``torch._int_mm`` on the row-major weight where torch lacks the op), so the module
+    holds the weight twice, in both kernels' layouts."""
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(
+        self,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        keep_row_major: bool = False,
+    ) -> None:
         super().__init__(q, scale, bias)
         _check_per_channel_int8(type(self).__name__, q, scale)
-        # oneDNN takes the [K, N] operand as the transposed view of the row-major weight
-        # without a copy per call.
-        self.weight = q.contiguous()
         self.scale_row = scale.float().reshape(1, -1).contiguous()  # [1, N]
         self.native = int8_native.PackedInt8.pack(q, scale) if int8_native.available() else None
         self.native_rows = NATIVE_ROWS
+        self.onednn = torch.ops.onednn.qlinear_prepack(q, None) if _onednn_int8() else None
+        # _int_mm takes the [K, N] operand as the transposed view of the row-major weight.
+        keep = keep_row_major or self.onednn is None
+        self.weight = q.contiguous() if keep else None
 
     def _planes_linear(self, x: torch.Tensor, planes: int) -> torch.Tensor:  # x's shape, dtype
         rows = self._rows(x)
@@ -124,10 +156,16 @@ class _Int8PlanesLinear(_QuantLinearBase):
             return out.view(*x.shape[:-1], self.out_features)
         if native:
             xq, xs = int8_native.quantize(rows.contiguous(), planes)
-        else:  # one plane: the reference's per-token quantization
+        elif planes == 1:  # the reference's per-token quantization
             xq, xs = ref.quantize_per_token_int8(rows)
-        acc = torch._int_mm(xq, self.weight.t())  # [M * planes, N] int32
-        out = acc.float() * xs * self.scale_row
+        else:
+            raise ValueError(f"{type(self).__name__}: {planes} planes need the native kernel")
+        if self.onednn is not None:
+            acc = _onednn_int8_sums(xq, self.onednn, self.out_features)  # [M * planes, N]
+        else:
+            assert self.weight is not None
+            acc = torch._int_mm(xq, self.weight.t()).float()
+        out = acc * xs * self.scale_row
         if planes > 1:
             out = out.view(rows.shape[0], planes, -1).sum(1)
         return self._finish(out, x)
@@ -155,7 +193,9 @@ class Int8WeightOnlyLinear(_Int8PlanesLinear):
         bias: torch.Tensor | None,
         act_dtype: torch.dtype,
     ) -> None:
-        super().__init__(q, scale, bias)
+        # The widened-weight fallback (no native kernel) reads the row-major weight.
+        native = int8_native.available() and act_dtype in (torch.float32, torch.bfloat16)
+        super().__init__(q, scale, bias, keep_row_major=not native)
         self.act_dtype = act_dtype
         # Planes per activation row: bf16 has 8 significant bits, float32 24.
         self.planes = 2 if act_dtype == torch.bfloat16 else 3
@@ -172,6 +212,7 @@ class Int8WeightOnlyLinear(_Int8PlanesLinear):
             )
         if self.native is not None and rows.dtype in (torch.float32, torch.bfloat16):
             return self._planes_linear(x, self.planes)
+        assert self.weight is not None  # kept for this path
         if rows.shape[0] > self.gemv_rows:
             return self._finish(_tiled_dequant_linear(rows, self.weight, self.scale), x)
         out = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), self.weight, self.scales)

@@ -22,7 +22,7 @@ needs_native = pytest.mark.skipif(
     not int8_native.available(), reason="the native int8 kernel needs AVX512-VNNI"
 )
 # Which GEMM an int8-planes module runs: its native kernel up to this many plane rows.
-PATHS = {"native": 1 << 30, "int_mm": 0}
+PATHS = {"native": 1 << 30, "onednn": 0}
 
 
 def _case(m: int, k: int, n: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -49,13 +49,17 @@ def test_quantize_weight_round_trips_within_one_step(qdtype: torch.dtype, group:
 
 @pytest.mark.parametrize(("m", "k", "n"), [*SHAPES, (5, 97, 45)])  # last: K, N off the tiles
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("path", sorted(PATHS))
-def test_int8_w8a8_matches_reference(m: int, k: int, n: int, dtype: torch.dtype, path: str):
+@pytest.mark.parametrize("path", [*sorted(PATHS), "torch"])
+def test_int8_w8a8_matches_reference(
+    m: int, k: int, n: int, dtype: torch.dtype, path: str, monkeypatch: pytest.MonkeyPatch
+):
     x, w, bias = _case(m, k, n)
     q, scale = R.quantize_weight(w, torch.int8)
     x = x.to(dtype)
+    if path == "torch":  # what a CPU without the native kernel runs
+        monkeypatch.setattr(int8_native, "available", lambda: False)
     layer = Int8Linear(q, scale, bias)
-    layer.native_rows = PATHS[path]
+    layer.native_rows = PATHS.get(path, 0)
     out = layer(x)
     assert out.dtype == dtype and out.shape == (m, n)
     want = R.w8a8_linear(x, q, scale, bias)
@@ -67,17 +71,18 @@ def test_int8_w8a8_matches_reference(m: int, k: int, n: int, dtype: torch.dtype,
 @pytest.mark.parametrize(("m", "k", "n"), [*SHAPES, (9, 4096, 300), (5, 97, 45)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("path", [*sorted(PATHS), "torch"])
-def test_int8_weight_only_matches_reference(m: int, k: int, n: int, dtype: torch.dtype, path: str):
+def test_int8_weight_only_matches_reference(
+    m: int, k: int, n: int, dtype: torch.dtype, path: str, monkeypatch: pytest.MonkeyPatch
+):
     if not cpu_weight_only_supported(dtype):
         pytest.skip(f"_weight_int8pack_mm does not run {dtype} on this torch build")
     x, w, bias = _case(m, k, n)
     q, scale = R.quantize_weight(w, torch.int8)
     x = x.to(dtype)
-    layer = Int8WeightOnlyLinear(q, scale, bias, dtype)
     if path == "torch":  # the widened-weight ops a CPU without the native kernel runs
-        layer.native = None
-    else:
-        layer.native_rows = PATHS[path]
+        monkeypatch.setattr(int8_native, "available", lambda: False)
+    layer = Int8WeightOnlyLinear(q, scale, bias, dtype)
+    layer.native_rows = PATHS.get(path, 0)
     out = layer(x)
     want = R.weight_only_linear(x, q, scale, bias)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
