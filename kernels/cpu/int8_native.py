@@ -4,7 +4,8 @@
 quads for VPDPBUSD, each output's weight sum beside). ``linear`` splits each activation row
 into ``planes`` int8 planes (1: per-token W8A8; 2-3: what the weight-only linears use, an
 error far below a bf16 activation's rounding) and multiplies them with exact int32 sums;
-``quantize`` gives the planes alone for ``torch._int_mm``. The modules in
+``quantize`` gives the planes alone for a GEMM elsewhere (oneDNN) and ``finish`` turns its
+sums into the output in one pass. The modules in
 ``kernels/cpu/quant_linear.py`` own the weights and check arguments.
 """
 
@@ -17,7 +18,7 @@ import torch
 
 from pdserve.kernels.cpu import native
 
-__all__ = ["MAX_PLANES", "PackedInt8", "available", "linear", "quantize"]
+__all__ = ["MAX_PLANES", "PackedInt8", "available", "finish", "linear", "quantize"]
 
 MAX_PLANES = 3
 _I64, _P = ctypes.c_int64, ctypes.c_void_p
@@ -46,6 +47,9 @@ def _lib() -> ctypes.CDLL:
             fn.restype = None
             fn = getattr(lib, f"pdserve_int8_quantize_{suffix}")
             fn.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _I64, _P]
+            fn.restype = None
+            fn = getattr(lib, f"pdserve_int8_finish_{suffix}")
+            fn.argtypes = [_P, _I64, _I64, _I64, _P, _P, _P, _P, _I64]
             fn.restype = None
         _configured = True
     return lib
@@ -116,3 +120,23 @@ def quantize(
             rows.data_ptr(), rows.stride(0), m, k, planes, xq.data_ptr(), k, xs.data_ptr()
         )
     return xq, xs
+
+
+def finish(
+    acc: torch.Tensor,  # [M * planes, N] float32: int32 sums of the planes, contiguous
+    xs: torch.Tensor,  # [M * planes, 1] float32: the planes' scales (from ``quantize``)
+    scale: torch.Tensor,  # [N] float32: the weight's per-channel scales, contiguous
+    bias: torch.Tensor | None,  # [N] float32, contiguous
+    planes: int,
+    dtype: torch.dtype,  # float32 | bfloat16
+) -> torch.Tensor:  # [M, N] dtype
+    """``sum_p (acc_p * xs_p) * scale + bias`` per row, rounded once to ``dtype``."""
+    lib = _lib()
+    rows, n = acc.shape[0] // planes, acc.shape[1]
+    out = torch.empty((rows, n), dtype=dtype)
+    if rows:
+        getattr(lib, f"pdserve_int8_finish_{_SUFFIX[dtype]}")(
+            acc.data_ptr(), rows, n, planes, xs.data_ptr(), scale.data_ptr(),
+            None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
+        )  # fmt: skip
+    return out

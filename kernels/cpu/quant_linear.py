@@ -165,6 +165,10 @@ class _Int8PlanesLinear(_QuantLinearBase):
         else:
             assert self.weight is not None
             acc = torch._int_mm(xq, self.weight.t()).float()
+        if native:  # the scales, plane sum, bias and rounding in one pass
+            assert self.native is not None
+            out = int8_native.finish(acc, xs, self.native.scale, self.bias, planes, rows.dtype)
+            return out.view(*x.shape[:-1], self.out_features)
         out = acc * xs * self.scale_row
         if planes > 1:
             out = out.view(rows.shape[0], planes, -1).sum(1)

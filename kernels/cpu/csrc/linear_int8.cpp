@@ -229,6 +229,28 @@ void linear(const T* x, int64_t ldx, int64_t M, int64_t K, int64_t P, const int3
   }
 }
 
+// y [M, N] = sum_p (acc[r P + p] * xs[r P + p]) * wscale + bias, rounded once: the
+// epilogue of sums computed elsewhere (oneDNN), in one pass over them.
+template <typename T>
+void finish_rows(const float* acc, int64_t M, int64_t N, int64_t P, const float* xs,
+                 const float* wscale, const float* bias, T* y, int64_t ldy) {
+#pragma omp parallel for schedule(static) if (M * N > 65536)
+  for (int64_t r = 0; r < M; ++r) {
+    for (int64_t c = 0; c < N; c += 16) {
+      const __mmask16 m = lanes(N - c);
+      const __m512 ws = _mm512_maskz_loadu_ps(m, wscale + c);
+      __m512 v = _mm512_setzero_ps();
+      for (int64_t p = 0; p < P; ++p) {
+        const __m512 a = _mm512_maskz_loadu_ps(m, acc + (r * P + p) * N + c);
+        const __m512 scaled = _mm512_mul_ps(_mm512_mul_ps(a, _mm512_set1_ps(xs[r * P + p])), ws);
+        v = p == 0 ? scaled : _mm512_add_ps(v, scaled);
+      }
+      if (bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, bias + c));
+      store16(y + r * ldy + c, v, N - c);
+    }
+  }
+}
+
 #endif  // PDSERVE_HAVE_INT8
 
 }  // namespace
@@ -320,4 +342,26 @@ extern "C" void pdserve_int8_quantize_bf16(const uint16_t* x, int64_t ldx, int64
                                            int64_t K, int64_t P, int8_t* xq, int64_t ldq,
                                            float* xs) {
   quantize_entry(x, ldx, M, K, P, xq, ldq, xs);
+}
+
+template <typename T>
+static void finish_entry(const float* acc, int64_t M, int64_t N, int64_t P, const float* xs,
+                         const float* wscale, const float* bias, T* y, int64_t ldy) {
+#if PDSERVE_HAVE_INT8
+  finish_rows(acc, M, N, P, xs, wscale, bias, y, ldy);
+#else
+  (void)acc, (void)M, (void)N, (void)P, (void)xs, (void)wscale, (void)bias, (void)y, (void)ldy;
+#endif
+}
+
+// acc [M * P, N] float32 (contiguous), xs [M * P]: y [M, N] (row stride ldy), see finish_rows.
+extern "C" void pdserve_int8_finish_f32(const float* acc, int64_t M, int64_t N, int64_t P,
+                                        const float* xs, const float* wscale, const float* bias,
+                                        float* y, int64_t ldy) {
+  finish_entry(acc, M, N, P, xs, wscale, bias, y, ldy);
+}
+extern "C" void pdserve_int8_finish_bf16(const float* acc, int64_t M, int64_t N, int64_t P,
+                                         const float* xs, const float* wscale, const float* bias,
+                                         uint16_t* y, int64_t ldy) {
+  finish_entry(acc, M, N, P, xs, wscale, bias, y, ldy);
 }
