@@ -4,7 +4,8 @@
   int8 GEMM with exact int32 sums, then both scales applied in float32. Up to
   ``NATIVE_ROWS`` rows (decode steps) the native AVX512-VNNI kernel
   (``kernels/cpu/int8_native.py``) reads the packed weight in one pass; more rows go to
-  ``torch._int_mm`` (oneDNN, AMX-INT8 where the CPU has it), which computes faster there.
+  oneDNN's prepacked int8 matmul (AMX-INT8 where the CPU has it; ``torch._int_mm`` where
+  torch lacks that op), which computes faster there.
 - ``Int8WeightOnlyLinear`` (W8A16): the same two GEMMs with each activation row split into
   int8 planes (two for bf16 activations, three for float32; the error, at most
   absmax / 64516 per element with two, is far below the activations' own rounding), so an
@@ -34,8 +35,8 @@ __all__ = ["DequantLinear", "Int8Linear", "Int8WeightOnlyLinear"]
 
 _TILE_BYTES = 1 << 20  # dequantized weight bytes per tile: stays in L2 between the two passes
 _GEMV_ROWS = 2  # most rows the weight-only int8 op serves before the tiled path is faster
-# Most activation rows (tokens x planes) the native VNNI kernel takes before torch._int_mm
-# (AMX) is faster (docs/quantization.md).
+# Most activation rows (tokens x planes) the native VNNI kernel takes before oneDNN's int8
+# matmul (AMX) is faster (docs/quantization.md).
 NATIVE_ROWS = 16
 
 
