@@ -12,7 +12,9 @@ The router covers the scoring rules of the open MoE families, picked by ``Router
 Shared experts (DeepSeek-V3) ride in the same fused call: ``add_shared_experts`` routes every
 token also to experts stacked after the routed ones, with weight 1 (a shared MLP of
 ``n * I`` columns is ``n`` experts of ``I`` columns, its down projection summing them).
-Routing is a few small torch ops over ``[T, E]`` on every device. Nothing here keeps state.
+The experts may carry biases and gpt-oss's clamped SwiGLU (``ClampedSwiGLU``) in place of
+SiLU-and-mul. Routing is a few small torch ops over ``[T, E]`` on every device. Nothing here
+keeps state.
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ from typing import Literal
 import torch
 
 from pdserve.kernels.cpu.moe import fused_moe_cpu
-from pdserve.kernels.moe_reference import fused_moe_ref
+from pdserve.kernels.moe_reference import ClampedSwiGLU, fused_moe_ref
 
-__all__ = ["RouterConfig", "add_shared_experts", "fused_moe", "select_experts"]
+__all__ = ["ClampedSwiGLU", "RouterConfig", "add_shared_experts", "fused_moe", "select_experts"]
 
 
 @dataclass(frozen=True)
@@ -113,9 +115,12 @@ def fused_moe(
     w2: torch.Tensor,  # [E, H, I]
     topk_weights: torch.Tensor,  # [T, K] float32
     topk_ids: torch.Tensor,  # [T, K] int64
+    b13: torch.Tensor | None = None,  # [E, 2I]: each expert's gate bias, then its up bias
+    b2: torch.Tensor | None = None,  # [E, H]
+    activation: ClampedSwiGLU | None = None,  # None: SiLU-and-mul
 ) -> torch.Tensor:  # [T, H] in x's dtype
-    """``sum_k w[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t))``, ``e = ids[t, k]``: each
-    expert's GEMMs once per call over all the tokens routed to it."""
+    """``sum_k w[t, k] * (down_e(act(gate_up_e(x_t) + b13_e)) + b2_e)``, ``e = ids[t, k]``:
+    each expert's GEMMs once per call over all the tokens routed to it."""
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError("x must be [T, H], w13 [E, 2I, H] and w2 [E, H, I]")
     e, two_i, h = w13.shape
@@ -130,14 +135,20 @@ def fused_moe(
         )
     if w13.dtype != x.dtype or w2.dtype != x.dtype:
         raise ValueError(f"expert weights ({w13.dtype}, {w2.dtype}) must be x's dtype {x.dtype}")
+    for name, bias, shape in (("b13", b13, (e, two_i)), ("b2", b2, (e, h))):
+        if bias is not None and (tuple(bias.shape) != shape or bias.dtype != x.dtype):
+            raise ValueError(
+                f"{name}: expected {list(shape)} in {x.dtype}, got {list(bias.shape)} {bias.dtype}"
+            )
     if x.shape[0] == 0:
         return torch.zeros_like(x)
+    args = (x, w13, w2, topk_weights, topk_ids, b13, b2, activation)
     if x.device.type == "cpu":
-        return fused_moe_cpu(x, w13, w2, topk_weights, topk_ids)
+        return fused_moe_cpu(*args)
     if x.device.type == "cuda":
         try:
             from pdserve.kernels.triton.moe import fused_moe_triton
         except ImportError:  # triton missing: torch still works on CUDA
-            return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
-        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
-    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
+            return fused_moe_ref(*args)
+        return fused_moe_triton(*args)
+    return fused_moe_ref(*args)

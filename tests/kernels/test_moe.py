@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels.moe_ops import RouterConfig, add_shared_experts, fused_moe, select_experts
+from pdserve.kernels.moe_ops import (
+    ClampedSwiGLU,
+    RouterConfig,
+    add_shared_experts,
+    fused_moe,
+    select_experts,
+)
 from pdserve.kernels.moe_reference import fused_moe_ref
 from tests.kernels.moe_cases import assert_moe_close, make_moe_problem
 
@@ -22,6 +28,16 @@ def test_cpu_fused_moe_matches_per_expert_reference(shape, dtype, skew) -> None:
     t, h, i, e, k = shape
     p = make_moe_problem(t, h, i, e, k, dtype, seed=sum(shape), skew=skew)
     assert_moe_close(fused_moe(*p.args()), fused_moe_ref(*p.args()), dtype)
+
+
+@pytest.mark.parametrize("shape", SHAPES[:3], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cpu_fused_moe_with_biases_and_clamped_swiglu_matches_reference(shape, dtype) -> None:
+    t, h, i, e, k = shape
+    p = make_moe_problem(t, h, i, e, k, dtype, seed=sum(shape), gpt_oss=True)
+    assert_moe_close(
+        fused_moe(*p.args(), **p.extras()), fused_moe_ref(*p.args(), **p.extras()), dtype
+    )
 
 
 def test_fused_moe_ignores_experts_without_tokens_and_handles_empty_batches() -> None:
@@ -45,6 +61,8 @@ def test_fused_moe_refuses_mismatched_shapes() -> None:
         fused_moe(p.x, p.w13, p.w2, p.topk_weights[:, :1], p.topk_ids)
     with pytest.raises(ValueError, match="dtype"):
         fused_moe(p.x, p.w13.bfloat16(), p.w2, p.topk_weights, p.topk_ids)
+    with pytest.raises(ValueError, match="b13"):
+        fused_moe(*p.args(), b13=torch.zeros(p.w13.shape[0], 3))
 
 
 def _hf_router(name: str, experts: int, top_k: int, **extra):  # type: ignore[no-untyped-def]
@@ -179,3 +197,36 @@ def test_deepseek_v3_moe_block_with_shared_experts_matches_transformers() -> Non
     )
     weights, ids = add_shared_experts(weights, ids, first_shared=16, num_shared=2)
     torch.testing.assert_close(fused_moe(rows, w13, w2, weights, ids), want, rtol=1e-5, atol=1e-5)
+
+
+def test_gpt_oss_experts_match_transformers() -> None:
+    """gpt-oss's experts (interleaved gate/up columns, biases, clamped SwiGLU) de-interleaved
+    into the fused layout give transformers' GptOssMLP output, clamps biting."""
+    import transformers as tf
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    config = tf.GptOssConfig(
+        hidden_size=32, intermediate_size=16, num_local_experts=8, num_experts_per_tok=3
+    )
+    block = GptOssMLP(config).eval()
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for param in block.parameters():
+            param.copy_(torch.randn(param.shape, generator=g))
+    x = torch.randn(1, 20, 32, generator=g)
+    with torch.no_grad():
+        want = block(x)[0][0]
+    experts = block.experts
+    gate_up = experts.gate_up_proj.detach()  # [E, H, 2I], gate and up columns alternating
+    w13 = torch.cat([gate_up[..., 0::2], gate_up[..., 1::2]], dim=-1).transpose(1, 2)
+    bias = experts.gate_up_proj_bias.detach()
+    b13 = torch.cat([bias[:, 0::2], bias[:, 1::2]], dim=-1)
+    w2 = experts.down_proj.detach().transpose(1, 2)
+    rows = x[0]
+    logits = rows @ block.router.weight.t() + block.router.bias
+    weights, ids = select_experts(logits.detach(), RouterConfig(8, 3, softmax_after_topk=True))
+    act = ClampedSwiGLU(config.swiglu_alpha, config.swiglu_limit)
+    got = fused_moe(rows, w13.contiguous(), w2.contiguous(), weights, ids, b13,
+                    experts.down_proj_bias.detach(), act)  # fmt: skip
+    assert (rows @ w13[0].t()).abs().max() > config.swiglu_limit  # the clamp is exercised
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
