@@ -9,7 +9,9 @@ Steps (``gpu_verify_steps``), each a list of report rows:
    dims 64/128, block sizes 16/32) and its speed as a fraction of the H200's; the int8 /
    fp8 GEMMs vs their references and their speed against the bf16 matmul;
 2. engine: greedy tokens equal transformers (fp32) on the three test configs with mixed
-   lengths, chunked prefill and preemption; bf16 logits within a stated tolerance;
+   lengths, chunked prefill and preemption; bf16 logits within a stated tolerance; the
+   native Gemma 2 / 3 classes on tiny models built there (``gpu_verify_gemma``); the
+   same tokens check for a small DeepSeek-V3 on the native MLA class (``gpu_verify_mla``);
 3. disagg: prefill and decode engines in two processes, KV over CUDA IPC on one GPU,
    tokens equal the single engine; byte checks of CUDA IPC, and NCCL with two GPUs;
 4. throughput: decode tokens/s at batch 1/8/32/128, CUDA graphs on and off, vs
@@ -49,6 +51,8 @@ DEVICE_MODULES = (
     "triton",
     "transformers",
     "pdserve.bench.gpu_verify_steps",
+    "pdserve.bench.gpu_verify_gemma",
+    "pdserve.bench.gpu_verify_mla",
     "pdserve.bench.numerics",
     "pdserve.bench.moe",
     "pdserve.kernels.ops",
@@ -114,7 +118,14 @@ def _run_step(name: str, model_root: Path, quick: bool) -> list:
     if name == "kernels":
         return s.kernels(quick)
     if name == "engine":
-        return s.engine_vs_transformers(model_root)
+        from pdserve.bench.gpu_verify_gemma import gemma_vs_transformers
+        from pdserve.bench.gpu_verify_mla import mla_vs_transformers
+
+        return (
+            s.engine_vs_transformers(model_root)
+            + gemma_vs_transformers(model_root)
+            + mla_vs_transformers(model_root)
+        )
     if name == "disagg":
         return s.disaggregated(model_root)
     if name == "tp":

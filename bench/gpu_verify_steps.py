@@ -192,6 +192,34 @@ def _hf_greedy(hf: Any, prompt: list[int], dev: torch.device) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
+def greedy_row(
+    hf: Any,
+    model_dir: Path,
+    name: str,
+    label: str,
+    schedule: list[tuple[int, int]],
+    overrides: dict[str, Any],
+    seed: int = 100,
+) -> Row:
+    """One engine (fp32, ``DEVICE``) run of ``schedule``: every request's greedy tokens equal
+    ``hf``'s, and a "preemption" case preempted."""
+    from pdserve.engine.llm_engine import LLMEngine
+
+    dev = torch.device(DEVICE)
+    vocab = hf.config.vocab_size
+    arrivals = [(t, f"r{i}", _prompt(n, seed + i, vocab)) for i, (t, n) in enumerate(schedule)]
+    expected = {rid: _hf_greedy(hf, p, dev) for _, rid, p in arrivals}
+    engine = LLMEngine.from_pretrained(
+        model_dir, dtype="float32", device=DEVICE, block_size=16, **overrides
+    )
+    got = _run_arrivals(engine, arrivals)
+    same = sum(got[rid] == expected[rid] for rid in expected)
+    preempted = engine.stats().num_preemptions
+    ok = same == len(expected) and ("preemption" not in label or preempted > 0)
+    return Row("engine", f"{name} greedy == transformers, {label}", ok, same,
+               f"of {len(expected)} requests", None, f"{preempted} preemptions")  # fmt: skip
+
+
 def engine_vs_transformers(model_root: Path) -> list[Row]:
     """Greedy tokens of the engine (fp32, CUDA) equal transformers' on the three test
     configs: mixed lengths with chunked prefill, then a pool small enough to preempt. bf16
@@ -225,29 +253,7 @@ def engine_vs_transformers(model_root: Path) -> list[Row]:
             ),
         ]
         for label, schedule, overrides in cases:
-            arrivals = [
-                (t, f"r{i}", _prompt(n, 100 + i, vocab)) for i, (t, n) in enumerate(schedule)
-            ]
-            expected = {rid: _hf_greedy(hf, p, dev) for _, rid, p in arrivals}
-            engine = LLMEngine.from_pretrained(
-                model_dir, dtype="float32", device=DEVICE, block_size=16, **overrides
-            )
-            got = _run_arrivals(engine, arrivals)
-            same = sum(got[rid] == expected[rid] for rid in expected)
-            preempted = engine.stats().num_preemptions
-            ok = same == len(expected) and ("preemption" not in label or preempted > 0)
-            rows.append(
-                Row(
-                    "engine",
-                    f"{variant} fp32 greedy == transformers, {label}",
-                    ok,
-                    same,
-                    f"of {len(expected)} requests",
-                    None,
-                    f"{preempted} preemptions",
-                )  # fmt: skip
-            )
-            del engine
+            rows.append(greedy_row(hf, model_dir, f"{variant} fp32", label, schedule, overrides))
         # bf16: the runner's logits for whole prompts vs transformers fp32.
         engine = LLMEngine.from_pretrained(model_dir, dtype="bfloat16", device=DEVICE)
         # object first: the engine types its runner by a protocol that ModelRunner's frozen
@@ -398,7 +404,7 @@ def disaggregated(model_root: Path) -> list[Row]:
     expected = [list(o.token_ids) for o in single.generate(prompts, params)]
     del single
     decode = LLMEngine.from_pretrained(model_dir, device=DEVICE, dtype="float32", num_kv_blocks=256)
-    layout = pool_layout(decode.kv_cache, decode.model_config.model_name)
+    layout = pool_layout(decode.kv_cache, decode.model_config.kv_identity)
     receiver = KVReceiver(decode.kv_cache, layout, KVTransferConfig())
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()

@@ -3,7 +3,8 @@
     python -P -m pdserve.bench.moe [--experts 64] [--top-k 8] [--hidden 512] [--inter 256]
                                    [--batch 1 8 32] [--dtype float32 bfloat16] [--rounds 5]
                                    [--threads 1] [--out FILE.json]
-    python -P -m pdserve.bench.moe --write-model DIR   # a Qwen3-MoE checkpoint of that shape
+    python -P -m pdserve.bench.moe --write-model DIR [--arch qwen3-moe|gpt-oss]
+                                   # a checkpoint with that expert shape
 
 For each dtype and batch (tokens in the step), times on identical inputs:
   - ``pdserve fused``: ``kernels.ops.fused_moe`` (tokens sorted by expert, each expert's
@@ -21,9 +22,11 @@ printed (triton 3.5.1's interpreter multiplies bf16 bit patterns in ``tl.dot``; 
 tests patch that, see tests/kernels/conftest.py, and check bf16 there).
 Prints a table and writes JSON.
 
-``--write-model`` writes a random Qwen3-MoE checkpoint of the same expert shape (built by
-transformers, the tiny test tokenizer) for ``bench.model_impl --model DIR`` (native class
-vs transformers path on the same checkpoint).
+``--write-model`` writes a random Qwen3-MoE (or, with ``--arch gpt-oss``, gpt-oss: biased
+attention with sinks, window-128 and full layers alternating, YaRN, biased experts with the
+clamped SwiGLU) checkpoint of the same expert shape (built by transformers, the tiny test
+tokenizer) for ``bench.model_impl --model DIR`` (native class vs transformers path on the
+same checkpoint).
 """
 
 from __future__ import annotations
@@ -174,28 +177,36 @@ def interpreted_error(tokens: int, experts: int, top_k: int, hidden: int, inter:
 
 
 def write_model(out_dir: Path, args: argparse.Namespace) -> Path:
-    """A random Qwen3-MoE checkpoint with this benchmark's expert shape (4 layers)."""
+    """A random checkpoint (4 layers) with this benchmark's expert shape."""
     import transformers
 
     from pdserve.engine.testmodel import ensure_test_model
 
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=2048,
-        hidden_size=args.hidden,
-        intermediate_size=4 * args.hidden,
-        moe_intermediate_size=args.inter,
-        num_experts=args.experts,
-        num_experts_per_tok=args.top_k,
-        norm_topk_prob=True,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=2048,
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
+    common: dict[str, Any] = {
+        "vocab_size": 2048,
+        "hidden_size": args.hidden,
+        "num_experts_per_tok": args.top_k,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": False,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
+    }
+    if args.arch == "gpt-oss":  # its own defaults otherwise: window 128, YaRN, clamped SwiGLU
+        config: Any = transformers.GptOssConfig(
+            **common, intermediate_size=args.inter, num_local_experts=args.experts, head_dim=64
+        )
+    else:
+        config = transformers.Qwen3MoeConfig(
+            **common,
+            intermediate_size=4 * args.hidden,
+            moe_intermediate_size=args.inter,
+            num_experts=args.experts,
+            norm_topk_prob=True,
+        )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(out_dir, safe_serialization=True)
@@ -218,7 +229,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--skip-interpreter", action="store_true")
-    parser.add_argument("--write-model", type=Path, help="write a Qwen3-MoE checkpoint and exit")
+    parser.add_argument("--write-model", type=Path, help="write a checkpoint and exit")
+    parser.add_argument(
+        "--arch", default="qwen3-moe", choices=["qwen3-moe", "gpt-oss"], help="of --write-model"
+    )
     parser.add_argument("--out", type=Path, help="JSON output (default bench/results/...)")
     args = parser.parse_args(argv)
     if args.write_model:

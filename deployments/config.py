@@ -546,10 +546,11 @@ class AdmissionConfig(_Strict):
         description=(
             "With shedding on: each ingress bounds the streams it holds open by the time to "
             "first token it observes and its own event loop's lag (grow while first tokens "
-            "come within half the TTFT SLO and the loop is quiet, cut when one comes past "
-            "the SLO or the loop lags; admission/stream_limit.py), and answers 429 past the "
-            "bound. It covers the serving path the decode replica's prediction does not "
-            "model (event loops, Ray transfers, HTTP writes)."
+            "come within half the TTFT SLO and the loop is quiet; cut when one comes past "
+            "the SLO behind other streams, or when the loop lags while the door answers "
+            "429s, never below the streams served in time; admission/stream_limit.py), and "
+            "answers 429 past the bound. It covers the serving path the decode replica's "
+            "prediction does not model (event loops, Ray transfers, HTTP writes)."
         ),
     )
     admission_timeout: bool = Field(
@@ -567,8 +568,9 @@ class AdmissionConfig(_Strict):
         gt=0,
         description=(
             "How fast a shed request should get its 429 (p99). With adaptive_concurrency, an "
-            "ingress whose event loop lags a sixth of this on average cuts its stream "
-            "bound: every 429 waits in that loop behind the streams it carries. With "
+            "ingress answering 429s while its event loop lags a sixth of this on average "
+            "cuts its stream bound: every 429 waits in that loop behind the streams it "
+            "carries. With "
             "admission_timeout, a request the decode pool has not admitted or shed within "
             "half of this from its arrival gets its 429 from the ingress."
         ),

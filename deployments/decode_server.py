@@ -447,6 +447,10 @@ class DecodeServer:
             kv_transfer_failures=obs.failures,
         )
 
+    def num_open_streams(self) -> int:
+        """Streams this replica is serving now (from the call until its last chunk)."""
+        return self._open_streams
+
     def admission_report(self, last: int = 1000) -> AdmissionReport:
         """Predicted vs observed TTFT of the most recent admitted requests."""
         pairs = [(s.predicted_s, s.actual_s) for s in self.admission.scores][-last:]

@@ -5,6 +5,11 @@ tokenizers drop or add leading spaces depending on context. Decoding each token 
 therefore wrong. As in vLLM, we decode a short window of recent tokens twice (without and
 with the new ones) and emit the difference; a window whose text ends in U+FFFD (an
 incomplete character) is held back until a later token completes it.
+
+A migrated request arrives with the tokens streamed before the migration at the end of its
+prompt. Its detokenizer replays them first, so that it holds the same window, the same
+held-back bytes and the same text as the uninterrupted run at that point: a character whose
+bytes straddle the migration point then comes out whole, once.
 """
 
 from __future__ import annotations
@@ -21,19 +26,33 @@ class IncrementalDetokenizer:
     """Turns one request's output tokens into text, one delta per appended token."""
 
     def __init__(
-        self, tokenizer: Any, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True
+        self,
+        tokenizer: Any,
+        prompt_token_ids: Sequence[int],
+        skip_special_tokens: bool = True,
+        num_prior_output_tokens: int = 0,
     ) -> None:
+        """``num_prior_output_tokens``: how many of the prompt's last tokens are outputs
+        produced before a migration; they are replayed, and their text is part of ``text``."""
+        if not 0 <= num_prior_output_tokens <= len(prompt_token_ids):
+            raise ValueError(
+                f"num_prior_output_tokens must be in [0, {len(prompt_token_ids)}] (the prompt's "
+                f"length), got {num_prior_output_tokens}"
+            )
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        split = len(prompt_token_ids) - num_prior_output_tokens
         # The window starts inside the prompt so the first output token has context.
-        self._ids: list[int] = list(prompt_token_ids[-_PREFIX_WINDOW:])
+        self._ids: list[int] = list(prompt_token_ids[max(0, split - _PREFIX_WINDOW) : split])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self._text = ""
+        for token_id in prompt_token_ids[split:]:
+            self.append(token_id)
 
     @property
     def text(self) -> str:
-        """All output text emitted so far (complete characters only)."""
+        """All output text so far, prior outputs' included (complete characters only)."""
         return self._text
 
     @property

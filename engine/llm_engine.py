@@ -20,6 +20,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.kv_connector import KVConnector, QuantizedKVConnector
 from pdserve.engine.kv_events import KVEventLog
+from pdserve.engine.output_processor import prior_streamed_text
 from pdserve.engine.outputs import RequestOutput, TokenLogprob
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
@@ -145,10 +146,10 @@ class LLMEngine:
         self.kv_scales: torch.Tensor | None = getattr(model_runner, "kv_scales", None)
         if kv_connector is not None and self.kv_scales is not None:
             cast(QuantizedKVConnector, kv_connector).register_kv_caches(
-                self.kv_cache, self.model_config.model_name, kv_scales=self.kv_scales
+                self.kv_cache, self.model_config.kv_identity, kv_scales=self.kv_scales
             )
         elif kv_connector is not None:
-            kv_connector.register_kv_caches(self.kv_cache, self.model_config.model_name)
+            kv_connector.register_kv_caches(self.kv_cache, self.model_config.kv_identity)
         self.kv_cache_manager = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -298,9 +299,14 @@ class LLMEngine:
                 f"prompt has {len(prompt_ids)} tokens, more than max_model_len "
                 f"({self.max_model_len})"
             )
+        if params.num_prior_output_tokens >= len(prompt_ids):
+            raise ValueError(
+                f"num_prior_output_tokens ({params.num_prior_output_tokens}) must be less than "
+                f"the prompt's length ({len(prompt_ids)}): the prior outputs follow a prompt"
+            )
         from pdserve.engine.detokenizer import IncrementalDetokenizer
 
-        return Request(
+        request = Request(
             request_id=request_id,
             prompt_token_ids=prompt_ids,
             params=params,
@@ -308,9 +314,15 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             prefill_only=prefill_only,
             detokenizer=IncrementalDetokenizer(
-                self.tokenizer, prompt_ids, params.skip_special_tokens
+                self.tokenizer,
+                prompt_ids,
+                params.skip_special_tokens,
+                num_prior_output_tokens=params.num_prior_output_tokens,
             ),
         )
+        # A migrated request's text continues after what the client already has.
+        request.emitted_text = prior_streamed_text(request)
+        return request
 
     def _prompt_token_ids(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -11,17 +11,22 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pdserve.engine.gemma_config import GEMMA_ARCHITECTURES, GemmaConfig
 from pdserve.engine.kv_layout import KVLayerSpec
 from pdserve.engine.quantization import QuantScheme, read_quantization_config
+from pdserve.kernels.moe_ops import ClampedSwiGLU
 from pdserve.kernels.ops import can_pack
 
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from pdserve.engine.deepseek_config import MLAConfig
+
 # Architectures models/llama.py implements (they differ only in config details: q/k norm,
-# mixture-of-experts MLPs); any other decoder-only transformers model runs on the
-# transformers-backed path.
+# mixture-of-experts MLPs, attention sinks and per-layer windows); any other decoder-only
+# transformers model runs on the transformers-backed path.
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -29,23 +34,34 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
+    "Gemma2ForCausalLM",  # models/gemma.py
+    "Gemma3ForCausalLM",  # models/gemma.py
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
+    "GptOssForCausalLM",
 )
 _QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-_MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+_MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM")
 MODEL_IMPLS = ("auto", "native", "transformers")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """The mixture-of-experts MLPs of a checkpoint (Mixtral, Qwen3-MoE)."""
+    """The mixture-of-experts MLPs of a checkpoint (Mixtral, Qwen3-MoE, gpt-oss)."""
 
     num_experts: int
     top_k: int
     intermediate_size: int  # of one expert
     renormalize: bool  # the top-k weights are divided by their sum
     sparse_layers: frozenset[int]  # layers whose MLP is the MoE (the others are dense)
+    # gpt-oss: top-k of the router logits, softmax over those k.
+    softmax_after_topk: bool = False
+    # gpt-oss: the router and every expert projection carry a bias.
+    biases: bool = False
+    # The experts' activation; None: SiLU-and-mul.
+    activation: ClampedSwiGLU | None = None
 
 
 @dataclass(frozen=True)
@@ -83,12 +99,19 @@ class ModelConfig:
     # Which model class runs it: "native" (models/llama.py) or "transformers"
     # (models/transformers_backend.py).
     impl: str = "native"
-    # Each layer's KV (heads, key/value sizes, window); the transformers path fills it.
+    # Each layer's KV (heads, key/value sizes, window): the transformers path fills it, and
+    # native models whose layers differ in window (gpt-oss); empty: every layer alike.
     kv_layers: tuple[KVLayerSpec, ...] = ()
     # RMSNorm over each query and key head before RoPE (Qwen3).
     qk_norm: bool = False
     # Mixture-of-experts MLPs; None: every layer's MLP is dense.
     moe: MoEConfig | None = None
+    # Gemma 2 / 3 specifics (engine/gemma_config.py); None for every other architecture.
+    gemma: GemmaConfig | None = None
+    # Multi-head latent attention (DeepSeek-V2/V3, engine/deepseek_config.py); None: other.
+    mla: MLAConfig | None = None
+    # A learned logit per query head in every softmax's denominator (gpt-oss).
+    attention_sinks: bool = False
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -97,6 +120,12 @@ class ModelConfig:
         if self.sliding_window is not None:
             return min(self.max_position_embeddings, self.sliding_window)
         return self.max_position_embeddings
+
+    @property
+    def kv_identity(self) -> str:
+        """What the KV pool holds, as both ends of a hand-off must agree on: the model, and
+        for MLA that its slots hold the latent rather than per-head K/V."""
+        return self.model_name if self.mla is None else f"{self.model_name} (MLA latent KV)"
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -122,7 +151,7 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         params = dict(cfg.get("rope_scaling") or {})
         params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
     params = dict(params)
-    # 4.x checkpoints spell the type "type"; "dynamic"/"yarn" etc. are rejected below.
+    # 4.x checkpoints spell the type "type"; "dynamic", "longrope" etc. are rejected below.
     rope_type = params.get("rope_type", params.get("type", "default"))
     theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
     if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -132,6 +161,9 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         )
     if rope_type == "default":
         return theta, None
+    if rope_type == "yarn" and params.get("factor") is None:
+        original = float(params["original_max_position_embeddings"])
+        params["factor"] = float(cfg.get("max_position_embeddings", 2048)) / original
     params["rope_type"] = rope_type
     params.pop("type", None)
     return theta, params
@@ -160,6 +192,14 @@ def load_model_config(model_dir: str | Path, impl: str = "auto") -> ModelConfig:
         if not archs:
             raise ValueError(f"architecture {arch} is not supported: config.json names none")
         return _transformers_model_config(model_dir, cfg, arch)
+    if arch in GEMMA_ARCHITECTURES:
+        from pdserve.engine.gemma_config import gemma_model_config
+
+        return gemma_model_config(model_dir, cfg, arch)
+    if arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
+        from pdserve.engine.deepseek_config import deepseek_model_config
+
+        return deepseek_model_config(model_dir, cfg, arch)
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"hidden_act {act!r} is not supported; supported: silu")
@@ -174,6 +214,12 @@ def load_model_config(model_dir: str | Path, impl: str = "auto") -> ModelConfig:
     sliding = cfg.get("sliding_window")
     if arch.startswith("Qwen") and not cfg.get("use_sliding_window", False):
         sliding = None  # the Qwen configs store a window they do not use
+    is_gpt_oss = arch == "GptOssForCausalLM"
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    kv_layers: tuple[KVLayerSpec, ...] = ()
+    if is_gpt_oss:  # windows on some layers only: attended per layer, the context not capped
+        kv_layers = _per_layer_windows(cfg, kv_heads, head_dim, sliding)
+        sliding = None
     moe = _moe_config(cfg, arch)
     if moe is not None and read_quantization_config(cfg) is not None:
         raise ValueError(f"quantized {arch} checkpoints are not supported natively yet")
@@ -187,7 +233,7 @@ def load_model_config(model_dir: str | Path, impl: str = "auto") -> ModelConfig:
         intermediate_size=int(cfg["intermediate_size"]),
         num_heads=heads,
         num_kv_heads=kv_heads,
-        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        head_dim=head_dim,
         vocab_size=int(cfg["vocab_size"]),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
@@ -204,7 +250,31 @@ def load_model_config(model_dir: str | Path, impl: str = "auto") -> ModelConfig:
         quantization=read_quantization_config(cfg),
         qk_norm=arch in _QK_NORM_ARCHITECTURES,
         moe=moe,
+        kv_layers=kv_layers,
+        attention_sinks=is_gpt_oss,
         extra=cfg,
+    )
+
+
+def _per_layer_windows(
+    cfg: dict[str, Any], kv_heads: int, head_dim: int, window: int | None
+) -> tuple[KVLayerSpec, ...]:
+    """Each layer's KV with its window: ``layer_types`` names the sliding layers (gpt-oss
+    alternates them, starting with a sliding one, when the config does not say)."""
+    n = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types") or [
+        "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)
+    ]
+    if len(types) != n:
+        raise ValueError(f"layer_types: {len(types)} entries for {n} layers")
+    unknown = set(types) - {"sliding_attention", "full_attention"}
+    if unknown:
+        raise ValueError(f"layer_types: unsupported {sorted(unknown)}")
+    if "sliding_attention" in types and not window:
+        raise ValueError("layer_types names sliding layers but sliding_window is not set")
+    return tuple(
+        KVLayerSpec(kv_heads, head_dim, head_dim, window if t == "sliding_attention" else None)
+        for t in types
     )
 
 
@@ -221,6 +291,14 @@ def _moe_config(cfg: dict[str, Any], arch: str) -> MoEConfig | None:
         raise ValueError(f"{arch}: num_experts_per_tok ({top_k}) must be in [1, {experts}]")
     if arch == "MixtralForCausalLM":
         return MoEConfig(experts, top_k, int(cfg["intermediate_size"]), True, frozenset(layers))
+    if arch == "GptOssForCausalLM":
+        act = ClampedSwiGLU(
+            float(cfg.get("swiglu_alpha", 1.702)), float(cfg.get("swiglu_limit", 7.0))
+        )
+        return MoEConfig(
+            experts, top_k, int(cfg["intermediate_size"]), False, frozenset(layers),
+            softmax_after_topk=True, biases=True, activation=act,
+        )  # fmt: skip
     step = int(cfg.get("decoder_sparse_step", 1))
     if step < 1:
         raise ValueError(f"{arch}: decoder_sparse_step must be >= 1, got {step}")

@@ -49,10 +49,8 @@ def make_output(request: Request) -> RequestOutput:
     text = request.detokenizer.text if request.detokenizer is not None else ""
     if request.stop_text_index is not None:
         text = text[: request.stop_text_index]
-    elif params.stop and not finished:
-        # Hold back what could still become the start of a stop string.
-        hold = max(len(s) for s in params.stop) - 1
-        text = text[: max(len(request.emitted_text), len(text) - hold)]
+    elif not finished:
+        text = text[: max(len(request.emitted_text), len(_streamable(text, params.stop)))]
     delta = text[len(request.emitted_text) :]
     request.emitted_text = text
     new_ids = request.output_token_ids[request.num_emitted_tokens :]
@@ -76,6 +74,21 @@ def make_output(request: Request) -> RequestOutput:
         first_token_time=request.first_token_time,
         num_preemptions=request.num_preemptions,
     )
+
+
+def prior_streamed_text(request: Request) -> str:
+    """The text an uninterrupted run had streamed when it had produced the prior outputs (a
+    migrated request's, replayed by its detokenizer): all of it but a stop-string hold."""
+    text = request.detokenizer.text if request.detokenizer is not None else ""
+    return _streamable(text, request.params.stop)
+
+
+def _streamable(text: str, stops: list[str]) -> str:
+    """``text`` less what could still become the start of a stop string."""
+    if not stops:
+        return text
+    hold = max(len(s) for s in stops) - 1
+    return text[: max(0, len(text) - hold)]
 
 
 def find_stop(text: str, stops: list[str], old_len: int) -> int | None:

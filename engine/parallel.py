@@ -69,6 +69,12 @@ class TPShard:
 
 def check_model(cfg: ModelConfig, size: int) -> None:
     """ValueError naming the dimension that does not split over ``size`` ranks."""
+    if size > 1 and cfg.mla is not None:
+        raise ValueError(
+            f"{cfg.architecture}: the native multi-head latent attention class does not run "
+            f"under tensor parallelism (tensor_parallel_size={size}); use "
+            "tensor_parallel_size=1, or model_impl='transformers'"
+        )
     for rank in (0, size - 1):
         shard = TPShard(rank, size)
         shard.split(cfg.num_heads, "num_attention_heads")

@@ -88,6 +88,12 @@ def read_quantization_config(hf_config: dict[str, Any]) -> QuantScheme | None:
         return _fp8_scheme(qc)
     if method == "compressed-tensors":
         return _compressed_tensors_scheme(qc)
+    if method == "mxfp4":
+        raise ValueError(
+            "quantization_config.quant_method 'mxfp4' (gpt-oss's MXFP4 expert weights) is not "
+            f"supported; supported: {', '.join(SUPPORTED_METHODS)}. Use a bfloat16 checkpoint "
+            "of the model (its experts dequantized)"
+        )
     raise ValueError(
         f"quantization_config.quant_method {method!r} is not supported; supported: "
         f"{', '.join(SUPPORTED_METHODS)}"

@@ -91,7 +91,8 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     first_token_time: float | None = None
-    # Output text already handed to the caller (a prefix of the detokenizer's text).
+    # Output text already handed to the caller, before a migration included (a prefix of
+    # the detokenizer's text).
     emitted_text: str = ""
     # Number of output tokens already handed to the caller.
     num_emitted_tokens: int = 0

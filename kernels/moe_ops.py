@@ -8,11 +8,16 @@ The router covers the scoring rules of the open MoE families, picked by ``Router
   - top-k of the logits, softmax over those k (gpt-oss);
   - sigmoid scores, a selection-only bias, grouped top-k (the best ``topk_groups`` of
     ``num_groups`` expert groups, a group scored by its two best experts), renormalised and
-    scaled by ``routed_scaling`` (DeepSeek-V3).
+    scaled by ``routed_scaling`` (DeepSeek-V3);
+  - softmax scores, grouped top-k with a group scored by its best expert
+    (``group_score="max"``), scaled by ``routed_scaling``, not renormalised (DeepSeek-V2's
+    ``group_limited_greedy``).
 Shared experts (DeepSeek-V3) ride in the same fused call: ``add_shared_experts`` routes every
 token also to experts stacked after the routed ones, with weight 1 (a shared MLP of
 ``n * I`` columns is ``n`` experts of ``I`` columns, its down projection summing them).
-Routing is a few small torch ops over ``[T, E]`` on every device. Nothing here keeps state.
+The experts may carry biases and gpt-oss's clamped SwiGLU (``ClampedSwiGLU``) in place of
+SiLU-and-mul. Routing is a few small torch ops over ``[T, E]`` on every device. Nothing here
+keeps state.
 """
 
 from __future__ import annotations
@@ -23,9 +28,9 @@ from typing import Literal
 import torch
 
 from pdserve.kernels.cpu.moe import fused_moe_cpu
-from pdserve.kernels.moe_reference import fused_moe_ref
+from pdserve.kernels.moe_reference import ClampedSwiGLU, fused_moe_ref
 
-__all__ = ["RouterConfig", "add_shared_experts", "fused_moe", "select_experts"]
+__all__ = ["ClampedSwiGLU", "RouterConfig", "add_shared_experts", "fused_moe", "select_experts"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,8 @@ class RouterConfig:
     num_groups: int = 1
     topk_groups: int = 1
     routed_scaling: float = 1.0
+    # How a group is scored: the sum of its two best experts (V3) or its best one (V2).
+    group_score: Literal["top2_sum", "max"] = "top2_sum"
 
     def __post_init__(self) -> None:
         if not 0 < self.top_k <= self.num_experts:
@@ -54,11 +61,14 @@ class RouterConfig:
             )
         if not 0 < self.topk_groups <= self.num_groups:
             raise ValueError(f"topk_groups ({self.topk_groups}) must be in [1, num_groups]")
+        if self.group_score not in ("top2_sum", "max"):
+            raise ValueError(f"group_score must be 'top2_sum' or 'max', got {self.group_score!r}")
         per_group = self.num_experts // self.num_groups
-        if self.num_groups > 1 and (per_group < 2 or self.top_k > self.topk_groups * per_group):
+        least = 2 if self.group_score == "top2_sum" else 1
+        if self.num_groups > 1 and (per_group < least or self.top_k > self.topk_groups * per_group):
             raise ValueError(
                 f"top_k ({self.top_k}) needs more experts than topk_groups ({self.topk_groups}) "
-                f"groups of {per_group} hold (and a group scores by its best two)"
+                f"groups of {per_group} hold (and a group scores by its best {least})"
             )
 
 
@@ -79,7 +89,10 @@ def select_experts(
     if cfg.num_groups > 1:
         t = choice.shape[0]
         grouped = choice.view(t, cfg.num_groups, -1)
-        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
+        if cfg.group_score == "max":
+            group_scores = grouped.amax(dim=-1)  # [T, G]
+        else:
+            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
         best = torch.topk(group_scores, cfg.topk_groups, dim=-1)[1]
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
         choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(t, -1)
@@ -113,9 +126,12 @@ def fused_moe(
     w2: torch.Tensor,  # [E, H, I]
     topk_weights: torch.Tensor,  # [T, K] float32
     topk_ids: torch.Tensor,  # [T, K] int64
+    b13: torch.Tensor | None = None,  # [E, 2I]: each expert's gate bias, then its up bias
+    b2: torch.Tensor | None = None,  # [E, H]
+    activation: ClampedSwiGLU | None = None,  # None: SiLU-and-mul
 ) -> torch.Tensor:  # [T, H] in x's dtype
-    """``sum_k w[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t))``, ``e = ids[t, k]``: each
-    expert's GEMMs once per call over all the tokens routed to it."""
+    """``sum_k w[t, k] * (down_e(act(gate_up_e(x_t) + b13_e)) + b2_e)``, ``e = ids[t, k]``:
+    each expert's GEMMs once per call over all the tokens routed to it."""
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError("x must be [T, H], w13 [E, 2I, H] and w2 [E, H, I]")
     e, two_i, h = w13.shape
@@ -130,14 +146,20 @@ def fused_moe(
         )
     if w13.dtype != x.dtype or w2.dtype != x.dtype:
         raise ValueError(f"expert weights ({w13.dtype}, {w2.dtype}) must be x's dtype {x.dtype}")
+    for name, bias, shape in (("b13", b13, (e, two_i)), ("b2", b2, (e, h))):
+        if bias is not None and (tuple(bias.shape) != shape or bias.dtype != x.dtype):
+            raise ValueError(
+                f"{name}: expected {list(shape)} in {x.dtype}, got {list(bias.shape)} {bias.dtype}"
+            )
     if x.shape[0] == 0:
         return torch.zeros_like(x)
+    args = (x, w13, w2, topk_weights, topk_ids, b13, b2, activation)
     if x.device.type == "cpu":
-        return fused_moe_cpu(x, w13, w2, topk_weights, topk_ids)
+        return fused_moe_cpu(*args)
     if x.device.type == "cuda":
         try:
             from pdserve.kernels.triton.moe import fused_moe_triton
         except ImportError:  # triton missing: torch still works on CUDA
-            return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
-        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
-    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
+            return fused_moe_ref(*args)
+        return fused_moe_triton(*args)
+    return fused_moe_ref(*args)

@@ -164,7 +164,10 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:  # [..., 2I] -> [..., I]
     return (F.silu(gate) * up).to(x.dtype)
 
 
-def _rope_inv_freq(head_dim: int, base: float, rope_scaling: dict[str, Any] | None) -> torch.Tensor:
+def _rope_inv_freq(
+    head_dim: int, base: float, rope_scaling: dict[str, Any] | None
+) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [D/2], factor on cos and sin) of a RoPE variant, HF semantics."""
     # Same expression as HF's _compute_default_rope_parameters so float32 results match bitwise.
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float) / head_dim
     inv_freq = 1.0 / (base**exponents)
@@ -172,10 +175,10 @@ def _rope_inv_freq(head_dim: int, base: float, rope_scaling: dict[str, Any] | No
     if rope_scaling is not None:
         rope_type = rope_scaling.get("rope_type", rope_scaling.get("type"))
     if rope_type in (None, "default"):
-        return inv_freq
+        return inv_freq, 1.0
     assert rope_scaling is not None  # rope_type came from it
     if rope_type == "linear":
-        return inv_freq / float(rope_scaling["factor"])
+        return inv_freq / float(rope_scaling["factor"]), 1.0
     if rope_type == "llama3":
         factor = float(rope_scaling["factor"])
         low_freq_factor = float(rope_scaling["low_freq_factor"])
@@ -190,8 +193,51 @@ def _rope_inv_freq(head_dim: int, base: float, rope_scaling: dict[str, Any] | No
         )
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-        return torch.where(is_medium, smoothed, scaled)
-    raise ValueError(f"rope_scaling.rope_type: unsupported {rope_type!r} (default, linear, llama3)")
+        return torch.where(is_medium, smoothed, scaled), 1.0
+    if rope_type == "yarn":
+        return _yarn(inv_freq, head_dim, base, rope_scaling)
+    raise ValueError(
+        f"rope_scaling.rope_type: unsupported {rope_type!r} (default, linear, llama3, yarn)"
+    )
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn(
+    inv_freq: torch.Tensor, head_dim: int, base: float, p: dict[str, Any]
+) -> tuple[torch.Tensor, float]:
+    """YaRN: dimensions that rotate fewer than ``beta_slow`` times over the original context
+    are interpolated (divided by ``factor``), those rotating more than ``beta_fast`` times
+    kept, a linear ramp between; cos and sin are scaled by the attention factor."""
+    factor = float(p["factor"])
+    original = float(p["original_max_position_embeddings"])
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = p.get("mscale"), p.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = correction_dim(float(p.get("beta_fast") or 32))
+    high = correction_dim(float(p.get("beta_slow") or 1))
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # a one-dimension ramp
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    # HF's expression (1 / (factor * base^e), not inv_freq / factor): float32 results match.
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float) / head_dim
+    interpolation = 1.0 / (factor * base**exponents)
+    inv = interpolation * (1 - extrapolation) + inv_freq * extrapolation
+    return inv, float(attention_factor)
 
 
 def build_rope_cache_ref(
@@ -207,10 +253,12 @@ def build_rope_cache_ref(
         raise ValueError(f"head_dim: must be a positive even number, got {head_dim}")
     if max_position <= 0:
         raise ValueError(f"max_position: must be positive, got {max_position}")
-    inv_freq = _rope_inv_freq(head_dim, base, rope_scaling)
+    inv_freq, attention_factor = _rope_inv_freq(head_dim, base, rope_scaling)
     positions = torch.arange(max_position, dtype=torch.int64).float()
     freqs = torch.outer(positions, inv_freq)  # [P, D/2]
     cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    if attention_factor != 1.0:
+        cache = cache * attention_factor
     return cache.to(dtype=dtype, device=device)
 
 

@@ -85,6 +85,15 @@ class Ticket:
     open_before: int  # streams open when it was let through (itself not counted)
 
 
+class LoopLagSignal(Protocol):
+    """The ingress's event-loop lag (``LoopLag``; tests pass a fake)."""
+
+    @property
+    def seconds(self) -> float: ...
+
+    def ensure_running(self) -> None: ...
+
+
 class DoorMetrics(Protocol):
     def record_shed(self, reason: str, slo_class: str) -> None: ...
 
@@ -123,11 +132,16 @@ class FrontDoor:
         metrics: DoorMetrics,
         report_turned_away: Callable[[int], None],
         streams: StreamLimit | None = None,
+        *,
+        loop_lag: LoopLagSignal | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``report_turned_away(n)`` sends a count of capacity sheds to the decode pool
         (the ingress runs it in the background); ``streams`` replaces the stream bound the
-        settings would build."""
+        settings would build; ``loop_lag`` and ``clock`` (monotonic seconds) replace the
+        ingress's own loop lag and clock (tests)."""
         self.settings = settings
+        self._clock = clock
         self._metrics = metrics
         self._report = report_turned_away
         slo_s = settings.ttft_slo_s
@@ -135,7 +149,7 @@ class FrontDoor:
         # asked again (its drain time is a prediction, and a pessimistic one would idle the
         # engine).
         self.shed_hint = ShedHint(max_window_s=slo_s / 2 if slo_s else None)
-        self.loop_lag = LoopLag()
+        self.loop_lag: LoopLagSignal = loop_lag if loop_lag is not None else LoopLag()
         self.proxy_lag = ProxyLag()
         self.turned_away = TurnedAway()
         if streams is None and settings.max_streams and slo_s is not None:
@@ -153,7 +167,7 @@ class FrontDoor:
         """The 429 for a request of this class arriving now, or None to let it through.
         Recorded as a shed; capacity sheds count as turned-away demand."""
         self.loop_lag.ensure_running()
-        now = time.monotonic()
+        now = self._clock()
         self._send_report(now)
         loop_lag, proxy_lag = self.loop_lag.seconds, self.proxy_lag.seconds(now)
         wait_s = self.shed_hint.remaining_s(priority, now)
@@ -181,7 +195,7 @@ class FrontDoor:
 
     def body_wait(self, seconds: float) -> None:
         """Serve's proxy took ``seconds`` to hand over a request body's first chunk."""
-        self.proxy_lag.observe(seconds, time.monotonic())
+        self.proxy_lag.observe(seconds, self._clock())
 
     def ack_timeout_s(self, priority: Priority, arrival_time: float | None) -> float | None:
         """How long to wait for the decode replica's admission decision before answering
@@ -198,7 +212,7 @@ class FrontDoor:
     # ------------------------------------------------------------------ around a decode call
     def opened(self, priority: Priority) -> Ticket:
         """A request goes to the decode pool."""
-        ticket = Ticket(priority, time.monotonic(), self.num_open)
+        ticket = Ticket(priority, self._clock(), self.num_open)
         self.num_open += 1
         self._metrics.record_streams(self.num_open, self.stream_limit)
         return ticket
@@ -207,7 +221,7 @@ class FrontDoor:
         """Its first token reached the ingress: the TTFT the serving path gave it, against
         the one the decode replica predicted (None: none)."""
         if self.streams is not None:
-            now = time.monotonic()
+            now = self._clock()
             self.streams.observe(
                 now - ticket.admitted_at,
                 ticket.admitted_at,
@@ -219,12 +233,12 @@ class FrontDoor:
 
     def heard_from(self, replica: str) -> None:
         """A decode replica answered (an ack or a first token): it is routable."""
-        self.shed_hint.seen(replica, time.monotonic())
+        self.shed_hint.seen(replica, self._clock())
 
     def refused(self, ticket: Ticket, retry_after_s: float, replica: str | None = None) -> None:
         """The decode replica ``replica`` (None: unknown) shed it, its queue draining in
         ``retry_after_s``."""
-        now = time.monotonic()
+        now = self._clock()
         self.shed_hint.shed(ticket.priority, now, retry_after_s, replica)
         if self.streams is not None:
             self.streams.refused(ticket.admitted_at, ticket.open_before, now)
@@ -233,7 +247,7 @@ class FrontDoor:
         """The 429 of a request whose admission decision did not come in time: the path to
         the decode pool (Serve's routing, the replica's loop) is the queue. Cuts the stream
         bound like a refusal; counted as turned-away demand."""
-        now = time.monotonic()
+        now = self._clock()
         reason = "admission_timeout"
         self._metrics.record_shed(reason, ticket.priority)
         self.turned_away.add()
@@ -258,7 +272,7 @@ class FrontDoor:
         """The stream ended (finished, refused, failed or its client gone)."""
         self.num_open -= 1
         if had_first_token:
-            self.stream_s.add(time.monotonic() - ticket.admitted_at)
+            self.stream_s.add(self._clock() - ticket.admitted_at)
         self._metrics.record_streams(self.num_open, self.stream_limit)
 
     @property
@@ -272,9 +286,10 @@ class FrontDoor:
         limit = self.streams
         if limit is None or (priority == "batch" and not self.settings.limit_batch):
             return None
-        limit.check_loop(self.loop_lag.seconds, self.num_open, time.monotonic())
         if limit.admits(priority, self.num_open):
             return None
+        # A 429 is being answered, and it waits in this loop: only now may its lag cut.
+        limit.check_loop(self.loop_lag.seconds, self.num_open, self._clock())
         return limit.drain_s(self.stream_s.value, self.num_open)
 
     def _send_report(self, now: float) -> None:

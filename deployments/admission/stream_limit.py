@@ -23,15 +23,31 @@ class StreamLimit:
     - a first token within half the target, the loop within half its budget, and the bound
       nearly in use when the request was admitted: grow, by one (slow start, until the
       first sign of a queue) or by one per window (``1 / limit`` a sample);
-    - a first token within the target and the loop within its budget: hold, and leave slow
-      start (a queue has started to build);
-    - past either: cut to ``decrease`` x the streams that were open, but at most by half (one
-      slow first token at low load must not leave a bound of one), and at most once per
-      round trip (only a request admitted after the last cut can show its effect).
+    - a first token within the target: hold, and leave slow start if it came past half the
+      target or the loop lags past half its budget (a queue has started to build);
+    - past the target: cut to ``decrease`` x the streams that were open, but at most by half
+      (one slow first token at low load must not leave a bound of one), and at most once
+      per round trip (only a request admitted after the last cut can show its effect).
+
+    What may cut the bound, and what may not, follows one rule: the door refuses only what
+    queueing would have served past the SLO. So:
+
+    - a late first token of a request admitted with no other stream open holds, never cuts:
+      no queue of this door's streams was ahead of it (a fresh engine's first steps, a long
+      prompt), and a lower bound would not have made it faster;
+    - the loop's lag cuts only while the door is turning requests away (``check_loop``):
+      it guards the latency of those 429s, and while the traffic fits under the bound there
+      is no 429 to guard (on a shared CPU the loop lags with other processes' work, which
+      fewer streams would not remove);
+    - the concurrency whose first tokens came in time (``sustained``: the most streams open
+      at the admission of a request whose first token was not late) is a floor for every
+      cut but a late first token's, which alone shows that concurrency missing the SLO.
 
     A request the decode replica shed (its own queue predicted past the SLO) is the same
     signal as a late first token (TCP's loss beside its delay): the door, not the replica,
-    should be turning that traffic away, at once.
+    should be turning that traffic away, at once; but only down to ``sustained``, since one
+    replica's queue (while another may have room, or on a prediction just over its
+    threshold) does not show the path missing the SLO at what it served in time.
 
     A first token the decode replica predicted late (a long prompt, a queue its admission
     control accepted) is late by the engine's work, not the path's: the target is then the
@@ -66,6 +82,7 @@ class StreamLimit:
         self.decrease, self.batch_share = decrease, batch_share
         self.limit = float(min(high, max(low, initial)))
         self.slow_start = True
+        self.sustained = 0  # the most streams open at an admission answered in time
         self._cut_at = float("-inf")
 
     def admits(self, priority: Priority, num_open: int) -> bool:
@@ -88,37 +105,46 @@ class StreamLimit:
         this TTFT (0 = none)."""
         late_s = max(self.target_s, predicted_s + self.target_s / 2)
         fast_s = max(self.target_s / 2, predicted_s + self.target_s / 4)
-        if ttft_s > late_s or loop_lag_s > self.lag_budget_s:
-            self._cut(admitted_at, open_at_admission, now)
-        elif ttft_s > fast_s or loop_lag_s > self.lag_budget_s / 2:
+        if ttft_s > late_s:
+            # Admitted alone, it waited behind none of this door's streams: hold.
+            if open_at_admission > 0:
+                self._cut(admitted_at, open_at_admission, now)
+                self.sustained = min(self.sustained, int(self.limit))
+            self.slow_start = False
+            return
+        self.sustained = max(self.sustained, open_at_admission + 1)
+        if ttft_s > fast_s or loop_lag_s > self.lag_budget_s / 2:
             self.slow_start = False
         elif open_at_admission + 2 >= self.limit:
             step = 1.0 if self.slow_start else 1.0 / self.limit
             self.limit = min(float(self.high), self.limit + step)
 
     def check_loop(self, loop_lag_s: float, num_open: int, now: float) -> None:
-        """The loop's lag, at every request the door sees: past the budget, cut without
-        waiting for a first token (a flood's onset lags the loop before any stream it
-        admitted has one), at most every quarter of the target, the time the streams
-        open then take to give way."""
+        """The loop's lag, while the door turns a request away (its 429 waits in that
+        loop): past the budget, cut without waiting for a first token (a flood's onset
+        lags the loop before any stream it admitted has one), at most every quarter of the
+        target, the time the streams open then take to give way; never below
+        ``sustained``."""
         if loop_lag_s > self.lag_budget_s and now - self._cut_at >= self.target_s / 4:
-            self._cut_to(num_open, now)
+            self._cut_to(num_open, now, floor=self.sustained)
 
     def refused(self, admitted_at: float, open_at_admission: int, now: float) -> None:
         """The decode replica shed a request this door let through: cut, as for a late
-        first token."""
-        self._cut(admitted_at, open_at_admission, now)
+        first token, but never below ``sustained``."""
+        self._cut(admitted_at, open_at_admission, now, floor=self.sustained)
 
-    def _cut(self, admitted_at: float, open_at_admission: int, now: float) -> None:
+    def _cut(self, admitted_at: float, open_at_admission: int, now: float, floor: int = 0) -> None:
         self.slow_start = False
         if admitted_at > self._cut_at:  # once per round trip
-            self._cut_to(open_at_admission + 1, now)
+            self._cut_to(open_at_admission + 1, now, floor)
 
-    def _cut_to(self, num_open: int, now: float) -> None:
-        """``decrease`` x the streams in use, at most a halving, never below ``low``."""
+    def _cut_to(self, num_open: int, now: float, floor: int = 0) -> None:
+        """``decrease`` x the streams in use, at most a halving, never below ``low`` nor
+        ``floor`` (nor above the bound it cuts)."""
         self.slow_start = False
         in_use = min(self.limit, num_open)
-        self.limit = max(float(self.low), self.decrease * in_use, self.limit / 2)
+        cut = max(float(self.low), self.decrease * in_use, self.limit / 2)
+        self.limit = max(cut, min(float(floor), self.limit))
         self._cut_at = now
 
     def drain_s(self, mean_stream_s: float, num_open: int) -> float:

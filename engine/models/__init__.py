@@ -5,6 +5,8 @@ from __future__ import annotations
 from torch import nn
 
 from pdserve.engine.loader import SUPPORTED_ARCHITECTURES, ModelConfig
+from pdserve.engine.models.deepseek_v3 import DeepseekV3ForCausalLM
+from pdserve.engine.models.gemma import GemmaForCausalLM
 from pdserve.engine.models.llama import LlamaForCausalLM
 from pdserve.engine.parallel import SINGLE, TPGroup
 
@@ -15,6 +17,11 @@ _REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": LlamaForCausalLM,
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV3ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "GptOssForCausalLM": LlamaForCausalLM,
 }
 assert set(_REGISTRY) == set(SUPPORTED_ARCHITECTURES)
 

@@ -1,5 +1,5 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral) in one file,
-over a paged KV cache.
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral, gpt-oss) in one
+file, over a paged KV cache.
 
 The model works on a *flattened* batch: the new tokens of every scheduled request are
 concatenated into one ``[T]`` vector (prefill chunks and decode tokens mixed), and
@@ -7,8 +7,9 @@ concatenated into one ``[T]`` vector (prefill chunks and decode tokens mixed), a
 and which blocks hold their context. Attention, KV writes, RMSNorm and RoPE go through
 ``pdserve.kernels.ops`` (Triton on CUDA, torch on CPU). The variants differ only in config:
 GQA/MQA head counts, qkv bias (Qwen2), q/k RMSNorm per head (Qwen3), tied embeddings, RoPE
-scaling (llama3, linear), and mixture-of-experts MLPs (``models/moe.py``: Mixtral,
-Qwen3-MoE).
+scaling (llama3, linear, yarn), mixture-of-experts MLPs (``models/moe.py``: Mixtral,
+Qwen3-MoE, gpt-oss), and gpt-oss's attention: biases on q/k/v/o, a learned sink logit per
+head, and a sliding window on the layers ``ModelConfig.kv_layers`` gives one.
 
 Parameter names follow the Hugging Face checkpoints except that q/k/v and gate/up are fused
 into one matmul each; ``load_weights`` maps the checkpoint names. This module never
@@ -17,7 +18,7 @@ allocates the KV cache and never samples.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -80,6 +81,9 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * cfg.head_dim
         self.kv_size = self.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
+        # Attends the last this many positions (a per-layer window, kv_layers); None: all.
+        self.sliding_window = cfg.kv_layers[layer_idx].sliding_window if cfg.kv_layers else None
+        self.softcap: float | None = None  # tanh cap of the attention logits; None: none
         prefix, quant = f"model.layers.{layer_idx}.self_attn", cfg.quantization
         self.qkv_proj = make_linear(
             cfg.hidden_size,
@@ -93,6 +97,8 @@ class Attention(nn.Module):
         )
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        # This rank's heads' sink logits (gpt-oss).
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if cfg.attention_sinks else None
 
     def forward(
         self,
@@ -119,12 +125,14 @@ class Attention(nn.Module):
         if meta.decode_only:
             out = ops.paged_decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale,
+                sliding_window=self.sliding_window, softcap=self.softcap, sinks=self.sinks,
                 k_scale=ks, v_scale=vs,
             )  # fmt: skip
         else:
             out = ops.paged_attention(
                 q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
-                self.scale, k_scale=ks, v_scale=vs,
+                self.scale, sliding_window=self.sliding_window, softcap=self.softcap,
+                sinks=self.sinks, k_scale=ks, v_scale=vs,
             )  # fmt: skip
         return self.tp.all_reduce(self.o_proj(out.reshape(t, self.q_size)))
 
@@ -200,34 +208,54 @@ class DecoderLayer(nn.Module):
         cos_sin: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # The residual stream is carried separately, in float32, so each norm fuses the
-        # residual add and the stream is never rounded to the model dtype.
-        if residual is None:
-            residual = x.to(RESIDUAL_DTYPE)
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
+        x, residual = norm_into_stream(self.input_layernorm, x, residual)
         x = self.self_attn(positions, x, kv_cache, cos_sin, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
 
+def norm_into_stream(
+    norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norm(x + residual), x + residual)``; the first layer's ``x`` starts the stream.
+
+    The residual stream is carried separately, in float32, so each norm fuses the residual
+    add and the stream is never rounded to the model dtype."""
+    if residual is None:
+        out = norm(x)
+        assert isinstance(out, torch.Tensor)
+        return out, x.to(RESIDUAL_DTYPE)
+    summed = norm(x, residual)
+    assert isinstance(summed, tuple)
+    return summed
+
+
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
+    """Embedding, decoder layers, final norm; a family with its own layer and norm classes
+    (Gemma) passes them."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        tp: TPGroup,
+        layer: Callable[[ModelConfig, int, TPGroup], nn.Module] = DecoderLayer,
+        norm: type[RMSNorm] = RMSNorm,
+    ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(layer(cfg, i, tp) for i in range(cfg.num_layers))
+        self.norm = norm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral decoder over a paged KV cache."""
+    """Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral / gpt-oss decoder over a paged KV
+    cache."""
 
     def __init__(self, cfg: ModelConfig, max_position: int, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.config = cfg
         self.tp = tp
-        self.model = LlamaModel(cfg, tp)
+        self.model = self.build_decoder(cfg, tp)
         # Vocab-parallel: this rank's rows of the (padded) vocabulary.
         self.lm_head = nn.Linear(cfg.hidden_size, len(tp.shard.vocab(cfg.vocab_size)), bias=False)
         if cfg.tie_word_embeddings:
@@ -235,6 +263,10 @@ class LlamaForCausalLM(nn.Module):
         self.max_position = max_position
         # Built lazily on the model's device; float32 for accuracy in every model dtype.
         self._cos_sin: torch.Tensor | None = None
+
+    def build_decoder(self, cfg: ModelConfig, tp: TPGroup) -> LlamaModel:
+        """The embedding, decoder layers and final norm (a family's own layers override)."""
+        return LlamaModel(cfg, tp)
 
     def cos_sin_cache(self) -> torch.Tensor:
         device = self.model.embed_tokens.weight.device
@@ -250,6 +282,13 @@ class LlamaForCausalLM(nn.Module):
             )
         return self._cos_sin
 
+    def layer_rope_tables(self) -> list[torch.Tensor]:
+        """Each layer's cos/sin table (one shared table here)."""
+        return [self.cos_sin_cache()] * len(self.model.layers)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        return self.model.embed_tokens(input_ids)
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [T] int64
@@ -260,11 +299,11 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, hidden] float32: final-norm hidden states
         """Run the decoder; writes every token's K/V into ``kv_cache`` at its slot. The
         final norm's output stays float32: it only feeds the logits."""
-        cos_sin = self.cos_sin_cache()
-        x = self.model.embed_tokens(input_ids)
+        rope = self.layer_rope_tables()
+        x = self.embed(input_ids)
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.model.layers):
-            x, residual = layer(positions, x, residual, kv_cache[i], cos_sin, meta)
+            x, residual = layer(positions, x, residual, kv_cache[i], rope[i], meta)
             if kv_connector is not None:
                 # Layer i's K/V are in the cache now: the connector may start sending them.
                 kv_connector.layer_computed(i, kv_cache)
@@ -329,8 +368,10 @@ class LlamaForCausalLM(nn.Module):
             if cfg.tie_word_embeddings and name == "lm_head.weight":
                 continue
             name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for it
+            name = name.replace(".mlp.router.", ".mlp.gate.")  # gpt-oss's name for it
             if ".mlp.experts." in name:
-                expected[self._load_expert(name, source)] -= 1
+                param, filled = self._load_expert(name, source)
+                expected[param] -= filled
                 continue
             prefix, module, kind = (["", *name.rsplit(".", 2)])[-3:]
             if module == "self_attn" and kind in ("k_scale", "v_scale"):
@@ -370,6 +411,8 @@ class LlamaForCausalLM(nn.Module):
                 dest.copy_(tensor)
                 expected[target] -= dest.shape[0]
                 continue
+            if module == "self_attn" and kind == "sinks":
+                index = (slice(heads.start, heads.stop),)  # this rank's heads
             if module in plan:
                 if kind == "bias" and src_cols is not every:
                     # Row-parallel bias: added once (rank 0) to the all-reduced sum.
@@ -394,21 +437,25 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}")
 
-    def _load_expert(self, name: str, source: Any) -> str:
-        """``model.layers.<i>.mlp.experts.<j>.<projection>.weight`` into layer i's stacked
-        experts; returns the parameter filled."""
+    def _load_expert(self, name: str, source: Any) -> tuple[str, int]:
+        """``model.layers.<i>.mlp.experts.<j>.<projection>.weight`` (one expert) or
+        ``model.layers.<i>.mlp.experts.<tensor>`` (all experts stacked, gpt-oss) into layer
+        i's stacked experts; returns the parameter filled and how many loads that counts."""
         block, _, rest = name.partition(".experts.")
         parts = rest.split(".")
         try:
             module = self.get_submodule(block)
         except AttributeError:
             module = None
-        if not isinstance(module, SparseMoeBlock) or len(parts) != 3 or parts[2] != "weight":
+        per_expert = len(parts) == 3 and parts[2] == "weight"
+        if not isinstance(module, SparseMoeBlock) or not (per_expert or len(parts) == 1):
             raise ValueError(
                 f"checkpoint tensor {name!r} has no place in {self.config.architecture}"
             )
-        param = module.load_expert(int(parts[0]), parts[1], source, name)
-        return f"{block}.{param}"
+        if per_expert:
+            return f"{block}.{module.load_expert(int(parts[0]), parts[1], source, name)}", 1
+        param, filled = module.load_stacked(parts[0], source, name)
+        return f"{block}.{param}", filled
 
 
 def _shape(source: Any) -> tuple[int, ...]:

@@ -132,6 +132,7 @@ def _check_attention(dev: torch.device) -> list[Row]:
         (8, 128, 16, torch.bfloat16),
         (4, 64, 16, torch.float16),
         (8, 64, 32, torch.float32),
+        (16, 576, 16, torch.bfloat16),  # DeepSeek-V3's MLA: one CUDA call's 16 heads, latent
     ]
     for seed, (ratio, d, bs, dtype) in enumerate(cases):
         hkv = 2 if ratio < 8 else 1

@@ -7,7 +7,9 @@ can capture it): the padded length is bounded by ``pairs + min(E, pairs) * (BLOC
 and blocks past the used ones are marked -1 and exit at once. ``_moe_gemm_kernel`` is a
 grouped GEMM: each program loads one expert's weight tile and the (gathered) rows of its
 block. It runs twice: gate/up over the token rows (``A_DIV`` = top-k: a pair's row is its
-token's), SiLU-and-mul between, then down over the pair rows, scaled by the routing weight
+token's), the activation between (SiLU-and-mul, or gpt-oss's clamped SwiGLU), then down
+over the pair rows, each GEMM plus its expert's bias when the model has one (``HAS_BIAS``),
+the down projection's output scaled by the routing weight
 and written in float32 at the pair's own index, so the sum over a token's experts is a
 plain reduction (no atomics, deterministic). Matches ``kernels/moe_reference.fused_moe_ref``.
 """
@@ -18,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels.triton.activation import silu_and_mul_triton
+from pdserve.kernels.moe_reference import ClampedSwiGLU
+from pdserve.kernels.triton.activation import clamped_swiglu_triton, silu_and_mul_triton
 
 __all__ = ["align_by_expert", "fused_moe_triton"]
 
@@ -30,6 +33,7 @@ BLOCK_K = 32
 def _moe_gemm_kernel(
     a_ptr,  # [Ra, K]: the row of pair p is p // A_DIV
     w_ptr,  # [E, N, K]
+    bias_ptr,  # [E, N]: each expert's bias (read if HAS_BIAS)
     out_ptr,  # [P, N]: row p is pair p's
     route_w_ptr,  # [P] float32: routing weight of each pair (read if MUL_WEIGHT)
     sorted_ids_ptr,  # [R] int32: pair at each padded sorted row; >= num_pairs is padding
@@ -39,9 +43,11 @@ def _moe_gemm_kernel(
     stride_am,
     stride_we,
     stride_wn,
+    stride_be,
     stride_om,
     K: tl.constexpr,  # hidden or expert intermediate size: one compile per layer shape
     A_DIV: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -70,6 +76,9 @@ def _moe_gemm_kernel(
         )
         w = tl.load(w_base + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + expert.to(tl.int64) * stride_be + cols, mask=col_ok, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
     if MUL_WEIGHT:
         acc = acc * tl.load(route_w_ptr + pair, mask=row_ok, other=0.0)[:, None]
     out = out_ptr + pair.to(tl.int64)[:, None] * stride_om + cols[None, :]
@@ -111,6 +120,7 @@ def align_by_expert(
 def _grouped_gemm(
     a: torch.Tensor,  # [Ra, K]
     w: torch.Tensor,  # [E, N, K]
+    bias: torch.Tensor | None,  # [E, N]
     out: torch.Tensor,  # [P, N]
     route_w: torch.Tensor,  # [P] float32
     sorted_ids: torch.Tensor,
@@ -121,11 +131,12 @@ def _grouped_gemm(
 ) -> None:
     n, k = w.shape[1], w.shape[2]
     grid = (block_expert.numel(), triton.cdiv(n, BLOCK_N))
+    bias_arg = w if bias is None else bias  # never read without HAS_BIAS
     _moe_gemm_kernel[grid](
-        a, w, out, route_w, sorted_ids, block_expert,
+        a, w, bias_arg, out, route_w, sorted_ids, block_expert,
         out.shape[0], n,
-        a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        K=k, A_DIV=a_div, MUL_WEIGHT=mul_weight,
+        a.stride(0), w.stride(0), w.stride(1), bias_arg.stride(0), out.stride(0),
+        K=k, A_DIV=a_div, HAS_BIAS=bias is not None, MUL_WEIGHT=mul_weight,
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else None,
     )  # fmt: skip
@@ -137,17 +148,25 @@ def fused_moe_triton(
     w2: torch.Tensor,  # [E, H, I]
     topk_weights: torch.Tensor,  # [T, K] float32
     topk_ids: torch.Tensor,  # [T, K] int64
+    b13: torch.Tensor | None = None,  # [E, 2I]
+    b2: torch.Tensor | None = None,  # [E, H]
+    activation: ClampedSwiGLU | None = None,  # None: SiLU-and-mul
 ) -> torch.Tensor:  # [T, H] in x's dtype
     """``sum_k w[t, k] * expert_{ids[t, k]}(x_t)`` (shapes checked by ``kernels.moe_ops``)."""
     t, top_k = topk_ids.shape
     pairs = t * top_k
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
+    b13 = None if b13 is None else b13.contiguous()
+    b2 = None if b2 is None else b2.contiguous()
     block_m = block_m_for(pairs)
     sorted_ids, block_expert = align_by_expert(topk_ids, w13.shape[0], block_m)
     route_w = topk_weights.reshape(-1).float().contiguous()
     h = torch.empty((pairs, w13.shape[1]), dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, h, route_w, sorted_ids, block_expert, top_k, False, block_m)
-    act = silu_and_mul_triton(h)
+    _grouped_gemm(x, w13, b13, h, route_w, sorted_ids, block_expert, top_k, False, block_m)
+    if activation is None:
+        act = silu_and_mul_triton(h)
+    else:
+        act = clamped_swiglu_triton(h, activation.alpha, activation.limit)
     y = torch.empty((pairs, w2.shape[1]), dtype=torch.float32, device=x.device)
-    _grouped_gemm(act, w2, y, route_w, sorted_ids, block_expert, 1, True, block_m)
+    _grouped_gemm(act, w2, b2, y, route_w, sorted_ids, block_expert, 1, True, block_m)
     return y.view(t, top_k, -1).sum(dim=1).to(x.dtype)

@@ -228,6 +228,10 @@ def _tile_config(
     """(BLOCK_M, BLOCK_N, num_warps) for this head group size, head_dim and dtype."""
     if device.type != "cuda":  # interpreter: big tiles mean fewer (slow) program instances
         return max(64, group_pad), 64, 4
+    if head_dim > 256:
+        # MLA's 576-wide latent head (DeepSeek-V3): 32-key tiles of it overflow an sm_90
+        # block's shared memory (tests/kernels/aot_compile.py sizes it).
+        return max(64, group_pad), 16, 4
     if dtype == torch.float32 or head_dim > 128:
         # 4-byte (or long) rows: smaller tiles keep the pipelined K/V buffers in shared memory
         # on GPUs with ~100 KB of it per block.

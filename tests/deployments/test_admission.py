@@ -255,9 +255,18 @@ def test_a_late_first_token_cuts_the_limit_once_per_round_trip() -> None:
     assert limit.limit == pytest.approx(20)
     limit.observe(2.5, admitted_at=13.2, open_at_admission=19, now=15.7)  # admitted after
     assert limit.limit == pytest.approx(0.7 * 20)
-    for _ in range(20):
-        limit.observe(9.0, admitted_at=100.0 + _, open_at_admission=0, now=101.0 + _)
+    for i in range(20):
+        limit.observe(9.0, admitted_at=100.0 + i, open_at_admission=1, now=101.0 + i)
     assert limit.limit == 1 and limit.admits("interactive", 0)  # never below low
+
+
+def test_a_late_first_token_with_no_other_stream_open_does_not_cut_the_limit() -> None:
+    """A fresh engine's first step (5 s) answering a lone warm-up request: no queue of the
+    door's streams was ahead of it, so the bound holds for the closed loop that follows."""
+    limit = stream_limit.StreamLimit(target_s=2.0, high=64, initial=8)
+    limit.observe(5.3, admitted_at=0.0, open_at_admission=0, now=5.3)
+    assert limit.limit == 8 and not limit.slow_start
+    assert limit.admits("interactive", 7)
 
 
 def test_the_stream_limit_sheds_batch_first_and_drains_by_stream_turnover() -> None:
@@ -276,16 +285,17 @@ def test_the_stream_limit_sheds_batch_first_and_drains_by_stream_turnover() -> N
     assert stream_limit.StreamLimit(target_s=1.0, high=4, initial=8).limit == 4  # capped
 
 
-def test_the_ingress_loop_lag_holds_and_cuts_the_stream_limit_like_a_late_first_token() -> None:
-    """Every 429 waits for the ingress's loop: past half its lag budget the bound stops
-    growing, past the budget it is cut, however fast the first tokens still come."""
+def test_the_ingress_loop_lag_holds_the_stream_limit_but_a_first_token_never_cuts_on_it() -> None:
+    """Past half its lag budget the bound stops growing; past the budget a first token in
+    time still only holds it: those streams were served inside the SLO, and the loop's lag
+    cuts only while the door answers 429s (``check_loop``)."""
     limit = stream_limit.StreamLimit(target_s=2.0, high=64, lag_budget_s=0.05, initial=10)
     limit.observe(0.2, admitted_at=0.0, open_at_admission=9, now=0.2, loop_lag_s=0.01)
     assert limit.limit == 11  # fast token, quiet loop, bound in use: grow
     limit.observe(0.2, admitted_at=1.0, open_at_admission=10, now=1.2, loop_lag_s=0.03)
     assert limit.limit == 11 and not limit.slow_start  # the loop starts to lag: hold
     limit.observe(0.2, admitted_at=2.0, open_at_admission=10, now=2.2, loop_lag_s=0.08)
-    assert limit.limit == pytest.approx(0.7 * 11)  # past the budget: cut
+    assert limit.limit == 11 and limit.sustained == 11  # past the budget: still held
     with pytest.raises(ValueError, match="lag_budget_s"):
         stream_limit.StreamLimit(target_s=2.0, high=8, lag_budget_s=0.0)
     assert signals.stream_lag_budget_s(0.1) == pytest.approx(0.1 / 6)  # 429s within 100 ms
@@ -307,6 +317,8 @@ def test_a_first_token_the_decode_replica_predicted_late_does_not_cut_the_stream
 
 
 def test_a_request_the_decode_replica_shed_cuts_the_stream_limit_once_per_round_trip() -> None:
+    """Before any first token came in time: cut as for a late one (see the test below for
+    the floor a sustained concurrency sets)."""
     limit = stream_limit.StreamLimit(target_s=2.0, high=64, initial=20)
     limit.refused(admitted_at=5.0, open_at_admission=19, now=5.1)
     assert limit.limit == pytest.approx(14) and not limit.slow_start
@@ -319,6 +331,8 @@ def test_a_request_the_decode_replica_shed_cuts_the_stream_limit_once_per_round_
 
 
 def test_a_lagging_loop_cuts_the_stream_limit_at_the_door_at_most_every_quarter_target() -> None:
+    """While the door refuses, the loop's lag cuts (at most every quarter of the target),
+    halving at most, and never below the streams whose first tokens came in time."""
     limit = stream_limit.StreamLimit(target_s=2.0, high=64, lag_budget_s=0.025, initial=20)
     limit.check_loop(0.02, num_open=20, now=10.0)  # within the budget
     assert limit.limit == 20 and limit.slow_start
@@ -328,6 +342,10 @@ def test_a_lagging_loop_cuts_the_stream_limit_at_the_door_at_most_every_quarter_
     assert limit.limit == pytest.approx(14)
     limit.check_loop(0.05, num_open=3, now=10.6)  # few streams open: halved, no further
     assert limit.limit == pytest.approx(7)
+    sustained = stream_limit.StreamLimit(target_s=2.0, high=64, lag_budget_s=0.025, initial=12)
+    sustained.observe(1.5, admitted_at=0.0, open_at_admission=9, now=1.5)  # 10 in time
+    sustained.check_loop(0.2, num_open=12, now=2.0)
+    assert sustained.limit == 10  # 0.7 x 12 would refuse what was served in time
 
 
 def test_the_ingress_waits_for_the_admission_decision_most_of_reject_within() -> None:
@@ -359,3 +377,20 @@ def test_a_request_whose_own_work_misses_the_slo_is_served_when_nothing_is_ahead
     # A request that fits is still admitted plainly, and a short one behind a short queue too.
     fits = admission_rules.decide(admission_rules.predict_ttft(ahead(), 100), "interactive", RULES)
     assert fits.reason == "admitted" and not fits.past_slo
+
+
+def test_only_a_late_first_token_cuts_below_the_concurrency_served_in_time() -> None:
+    """Ten streams open and a first token in time: a decode replica's shed and a lagging
+    loop at the door cut no lower than ten; a late first token behind nine others shows ten
+    missing the target, and then the bound and what counts as sustained fall together."""
+    limit = stream_limit.StreamLimit(target_s=2.0, high=64, lag_budget_s=0.02, initial=12)
+    limit.observe(1.2, admitted_at=0.0, open_at_admission=9, now=1.2)
+    assert limit.sustained == 10
+    limit.refused(admitted_at=2.0, open_at_admission=11, now=2.1)
+    assert limit.limit == 10  # 0.7 x 12 = 8.4 would refuse two streams served in time
+    limit.check_loop(0.1, num_open=10, now=3.0)
+    assert limit.limit == 10
+    limit.observe(2.6, admitted_at=3.5, open_at_admission=9, now=6.1)  # late, at ten
+    assert limit.limit == pytest.approx(7) and limit.sustained == 7
+    limit.refused(admitted_at=6.5, open_at_admission=6, now=6.6)
+    assert limit.limit == pytest.approx(7)  # held at the new sustained level

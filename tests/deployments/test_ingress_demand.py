@@ -223,21 +223,23 @@ def test_open_streams_at_the_adaptive_bound_are_shed_at_the_door_and_first_token
     last = GenerateChunk(request_id="r1", token_ids=[8], finish_reason="length")
     decode = _FakeDecode([token, last])
     shed_reasons: list[str] = []
-    # A target no first token meets: every one comes late and cuts the bound (down to 1).
+    # A target no first token meets: every one comes late and cuts the bound.
     ingress = _ingress(decode, shed_reasons, StreamLimit(target_s=1e-9, high=16, initial=2))
 
     async def run() -> None:
+        other = ingress.door.opened("interactive")  # a stream already open: a queue
         assert ingress.door.check("interactive") is None
         gen = ingress._generate(req)
         assert (await anext(gen)).token_ids == [7]
-        assert ingress.door.num_open == 1
-        assert ingress.door.streams.limit == 1  # cut: by half, at most
+        assert ingress.door.num_open == 2
+        assert ingress.door.streams.limit == pytest.approx(1.4)  # cut: 0.7 x the 2 in use
         shed = ingress.door.check("interactive")
         assert shed is not None and "concurrency" in shed.message, shed
         assert shed.retry_after_s > 0  # a drain time for Retry-After
         assert [c.token_ids async for c in gen] == [[8]]
-        assert ingress.door.num_open == 0 and ingress.door.stream_s.value > 0
+        assert ingress.door.num_open == 1 and ingress.door.stream_s.value > 0
         assert ingress.door.check("interactive") is None  # the finished stream freed its slot
+        ingress.door.closed(other, had_first_token=False)
         await asyncio.sleep(0)  # the background report runs
 
     asyncio.run(run())

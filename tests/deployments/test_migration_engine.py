@@ -81,3 +81,55 @@ def test_without_the_offset_the_seeded_continuation_would_differ(tiny_model_dir:
         update={"sampling": cont.sampling.model_copy(update={"num_prior_output_tokens": 0})}
     )
     assert whole[:9] + _run(tiny_model_dir, naive) != whole
+
+
+def _stream(
+    model_dir: Path, req: GenerateRequest, stop_after: int | None = None
+) -> tuple[list[int], str, str | None]:
+    """Tokens, streamed text and finish reason of ``req`` on a fresh engine, step by step as
+    a replica streams it; ``stop_after``: the replica dies once that many tokens are out."""
+    engine = _engine(model_dir)
+    engine.add_request(req.request_id, req.prompt_token_ids, req.sampling.to_params())
+    tokens: list[int] = []
+    text = ""
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens += out.new_token_ids
+            text += out.text_delta
+            if out.finished:
+                return tokens, text, out.finish_reason
+        if stop_after is not None and len(tokens) >= stop_after:
+            engine.abort(req.request_id)
+            return tokens, text, None
+    raise AssertionError("the request never finished")
+
+
+GREEDY = SamplingOptions(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("cut", [1, 5, 9])
+def test_a_continued_stream_streams_the_uninterrupted_text(tiny_model_dir: Path, cut: int) -> None:
+    req = GenerateRequest(request_id=f"text-{cut}", prompt_token_ids=PROMPT, sampling=GREEDY)
+    whole, whole_text, _ = _stream(tiny_model_dir, req)
+    streamed, before, _ = _stream(tiny_model_dir, req, stop_after=cut)
+    rest, after, reason = _stream(tiny_model_dir, continuation(req, streamed))
+    assert (streamed + rest, before + after, reason) == (whole, whole_text, "length")
+
+
+def test_a_stop_string_across_the_migration_point_ends_the_stream(tiny_model_dir: Path) -> None:
+    """The stop-string hold-back of the first replica is streamed by the second, and a stop
+    string that starts before the migration point and ends after it still stops."""
+    free = GenerateRequest(request_id="free", prompt_token_ids=PROMPT, sampling=GREEDY)
+    _, free_text, _ = _stream(tiny_model_dir, free)
+    cut = 9
+    boundary = len(_stream(tiny_model_dir, free, stop_after=cut)[1])
+    stop = free_text[boundary - 2 : boundary + 2]
+    assert len(stop) == 4 and free_text.find(stop) == boundary - 2, (free_text, boundary)
+    sampling = GREEDY.model_copy(update={"stop": [stop]})
+    req = GenerateRequest(request_id="stop", prompt_token_ids=PROMPT, sampling=sampling)
+    whole, whole_text, whole_reason = _stream(tiny_model_dir, req)
+    assert (whole_text, whole_reason) == (free_text[: boundary - 2], "stop")
+    streamed, before, _ = _stream(tiny_model_dir, req, stop_after=cut)
+    assert len(before) < boundary - 2  # the hold-back: text that could start the stop string
+    rest, after, reason = _stream(tiny_model_dir, continuation(req, streamed))
+    assert (streamed + rest, before + after, reason) == (whole, whole_text, "stop")

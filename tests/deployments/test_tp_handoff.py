@@ -5,9 +5,8 @@ The prefill engine (TP=a) runs in a child process with ``TPPrefillConnector``; t
 engine (TP=b) runs here with a ``TPDecodeConnector`` over its ranks' receivers. Tokens equal one
 engine doing the whole request; the bytes the prefill ranks put on the wire are the
 request's KV once (every head once per decode rank that holds it: no duplicate heads); no
-block is left held on either side. For models built by transformers (Qwen3 and Qwen3-MoE on
-their native classes, Gemma 3 on the transformers path) the tokens equal
-``transformers.generate``.
+block is left held on either side. For models built by transformers (Qwen3, Qwen3-MoE and
+Gemma 3 on their native classes) the tokens equal ``transformers.generate``.
 """
 
 from __future__ import annotations
@@ -89,8 +88,7 @@ def test_kv_moves_between_tp_sizes(
     _hand_off(tiny_model_dir, references, prefill_tp, decode_tp)
 
 
-# Models built by transformers: Qwen3 and Qwen3-MoE on their native classes, Gemma 3 on the
-# transformers path split by its base_model_tp_plan.
+# Models built by transformers, on their native classes (model_impl auto).
 TRANSFORMERS_CASES = [("qwen3", 1, 2), ("gemma3", 2, 1), ("qwen3-moe", 2, 2)]
 
 

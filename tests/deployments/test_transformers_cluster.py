@@ -1,8 +1,9 @@
-"""The transformers model path on a real local multi-node Ray cluster: tiny Qwen3-MoE,
-Gemma 3 (sliding-window layers) and gpt-oss (sinks, sliding-window layers) models built by
-transformers, served disaggregated; prompts longer than the local-prefill limit are
-prefilled on the prefill node and their KV moved to the decode node, and every stream's
-greedy tokens equal ``transformers.generate``. One cluster per model, stopped after it."""
+"""Models built by transformers on a real local multi-node Ray cluster: tiny Qwen3-MoE and
+Gemma 3 (sliding-window layers) and gpt-oss (sinks, sliding-window layers), all three on
+their native classes under ``model_impl`` auto, served disaggregated; prompts
+longer than the local-prefill limit are prefilled on the prefill node and their KV moved to
+the decode node, and every stream's greedy tokens equal ``transformers.generate``. One
+cluster per model, stopped after it."""
 
 from __future__ import annotations
 

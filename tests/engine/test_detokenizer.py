@@ -76,3 +76,53 @@ def test_random_token_streams_match_batch_decode(tokenizer, seed: int) -> None:
     assert "".join(deltas) + d.flush() == full
     for delta in deltas:
         assert not delta.endswith("\ufffd")
+
+
+def _migrated(tok, prompt: list[int], ids: list[int], cut: int, prior: bool = True) -> list[str]:
+    """The deltas a client gets when the first ``cut`` outputs come from one replica and the
+    rest from another, which receives them at the end of its prompt."""
+    before, _ = stream(tok, prompt, ids[:cut])
+    after = IncrementalDetokenizer(
+        tok, prompt + ids[:cut], num_prior_output_tokens=cut if prior else 0
+    )
+    return before + [after.append(t) for t in ids[cut:]]
+
+
+def _straddling_cut(tok, ids: list[int]) -> int:
+    """The first cut that falls inside a character's bytes."""
+    for cut in range(1, len(ids)):
+        if stream(tok, [], ids[:cut])[1].pending:
+            return cut
+    raise AssertionError("no character spans several tokens")
+
+
+def test_a_character_straddling_the_migration_point_comes_out_whole_once(tokenizer) -> None:
+    prompt = tokenizer.encode("Prompt:")
+    ids = tokenizer.encode(" wait 😀 done")
+    cut = _straddling_cut(tokenizer, ids)
+    uninterrupted = stream(tokenizer, prompt, ids)[0]
+    migrated = _migrated(tokenizer, prompt, ids, cut)
+    assert "".join(migrated) == "".join(uninterrupted) == " wait 😀 done"
+    assert migrated == uninterrupted  # the same delta for every token
+
+
+def test_without_the_prior_count_the_straddling_character_would_break(tokenizer) -> None:
+    """The check above can fail: a detokenizer that takes the streamed tokens for prompt
+    loses the character's first bytes."""
+    prompt = tokenizer.encode("Prompt:")
+    ids = tokenizer.encode(" wait 😀 done")
+    cut = _straddling_cut(tokenizer, ids)
+    assert "".join(_migrated(tokenizer, prompt, ids, cut, prior=False)) != " wait 😀 done"
+
+
+def test_every_migration_point_continues_the_uninterrupted_text(tokenizer) -> None:
+    prompt = tokenizer.encode("Prompt:")
+    ids = tokenizer.encode(TEXT)
+    uninterrupted = stream(tokenizer, prompt, ids)[0]
+    for cut in range(len(ids) + 1):
+        assert _migrated(tokenizer, prompt, ids, cut) == uninterrupted, cut
+
+
+def test_the_prior_outputs_are_counted_in_the_prompt(tokenizer) -> None:
+    with pytest.raises(ValueError, match="num_prior_output_tokens"):
+        IncrementalDetokenizer(tokenizer, [1, 2], num_prior_output_tokens=3)

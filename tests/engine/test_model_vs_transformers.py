@@ -209,9 +209,9 @@ def test_transformers_4_config_keys_are_understood(tmp_path: Path) -> None:
     assert mc.rope_theta == 500000.0 and mc.rope_scaling == {"rope_type": "linear", "factor": 2.0}
     assert mc.num_kv_heads == 4 and mc.head_dim == 16 and mc.checkpoint_dtype == torch.bfloat16
     assert mc.eos_token_ids == (9, 7)
-    cfg["rope_scaling"] = {"type": "yarn", "factor": 4.0}
+    cfg["rope_scaling"] = {"type": "dynamic", "factor": 4.0}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="yarn.*llama3"):
+    with pytest.raises(ValueError, match="dynamic.*llama3, yarn"):
         load_model_config(tmp_path)
 
 

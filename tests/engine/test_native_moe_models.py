@@ -25,10 +25,10 @@ from tests.engine.transformers_reference import (
     ARRIVALS,
     PREEMPT_ARRIVALS,
     Reference,
-    assert_clean,
-    assert_matches,
-    make_prompt,
-    run,
+    assert_bf16_first_tokens_agree,
+    check_native_engine,
+    load_reference,
+    small_pool_config,
 )
 
 NUM_NEW = 16
@@ -45,27 +45,15 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
 def hf_model(
     request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[Path, Reference]:
-    from transformers import AutoModelForCausalLM
-
     spec, extra = MODELS[request.param]
     model_dir = build_tiny_model(
         spec, tmp_path_factory.mktemp(request.param), tiny_model_dir, **extra
     )
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    return model_dir, Reference(hf, hf.config.vocab_size)
+    return model_dir, load_reference(model_dir)
 
 
 def _check(engine: LLMEngine, ref: Reference, schedule: list[tuple[int, int]]) -> None:
-    assert engine.runner.model_config.impl == "native"
-    arrivals = [
-        (at, f"r{i}", make_prompt(n, seed=i, vocab=ref.vocab_size))
-        for i, (at, n) in enumerate(schedule)
-    ]
-    final = run(engine, arrivals, num_new=NUM_NEW)
-    assert sorted(final) == sorted(rid for _, rid, _ in arrivals)
-    for _, rid, prompt in arrivals:
-        assert_matches(ref, prompt, final[rid], NUM_NEW)
-    assert_clean(engine)
+    check_native_engine(engine, ref, schedule, NUM_NEW)
 
 
 def test_default_schedule_matches_transformers(hf_model) -> None:
@@ -75,10 +63,7 @@ def test_default_schedule_matches_transformers(hf_model) -> None:
 
 def test_chunked_prefill_and_preemption_match_transformers(hf_model) -> None:
     model_dir, ref = hf_model
-    config = EngineConfig(
-        model=str(model_dir), num_kv_blocks=40, max_model_len=640, max_num_batched_tokens=32
-    )
-    engine = LLMEngine(config)
+    engine = LLMEngine(small_pool_config(model_dir))
     _check(engine, ref, PREEMPT_ARRIVALS)
     assert engine.stats().num_preemptions > 0, "the pool was meant to force preemption"
 
@@ -119,11 +104,4 @@ def test_bfloat16_engine_runs_and_agrees_with_float32(tiny_model_dir: Path, tmp_
 
     model_dir = build_tiny_model("qwen3-moe", tmp_path, tiny_model_dir)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ref = Reference(hf, hf.config.vocab_size)
-    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="bfloat16"))
-    assert engine.runner.model_config.dtype == torch.bfloat16
-    prompts = [make_prompt(n, seed=i, vocab=ref.vocab_size) for i, (_, n) in enumerate(ARRIVALS)]
-    final = run(engine, [(0, f"r{i}", p) for i, p in enumerate(prompts)], num_new=4)
-    agree = sum(final[f"r{i}"].token_ids[0] == ref.generate(p)[0] for i, p in enumerate(prompts))
-    assert agree >= len(prompts) - 1, f"only {agree} of {len(prompts)} first tokens agree"
-    assert_clean(engine)
+    assert_bf16_first_tokens_agree(str(model_dir), Reference(hf, hf.config.vocab_size))

@@ -89,6 +89,8 @@ def test_engine_rejects_bad_ids_and_params(engine: LLMEngine) -> None:
         engine.add_request("", [1, 2, 3])
     with pytest.raises(ValueError, match="params"):
         engine.add_request("x", [1, 2, 3], {"max_tokens": 3})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="num_prior_output_tokens"):
+        engine.add_request("x", [1, 2, 3], SamplingParams(num_prior_output_tokens=3))
     engine.add_request("dup", [1, 2, 3], SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="request_id"):
         engine.add_request("dup", [4, 5, 6])

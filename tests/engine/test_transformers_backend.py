@@ -103,9 +103,14 @@ def test_preemption_and_recompute_match_transformers(
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ref = Reference(hf, hf.config.vocab_size)
     config = EngineConfig(
-        model=str(model_dir), num_kv_blocks=48, max_model_len=640, max_num_batched_tokens=128
+        model=str(model_dir),
+        num_kv_blocks=48,
+        max_model_len=640,
+        max_num_batched_tokens=128,
+        model_impl="transformers",  # Gemma 3 has a native class too
     )
     engine = LLMEngine(config)
+    assert engine.runner.model_config.impl == "transformers"
     arrivals = [
         (at, f"r{i}", make_prompt(n, seed=i, vocab=ref.vocab_size))
         for i, (at, n) in enumerate(PREEMPT_ARRIVALS)

@@ -78,6 +78,24 @@ SPECS: dict[str, tuple[str, dict[str, Any]]] = {
             "v_head_dim": 16,
         },
     ),
+    "deepseek-v2": (
+        "DeepseekV2Config",
+        {
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "first_k_dense_replace": 1,
+            "n_shared_experts": 2,
+            "routed_scaling_factor": 1.5,
+            "num_key_value_heads": 4,
+            "q_lora_rank": None,
+            "kv_lora_rank": 16,
+            "qk_rope_head_dim": 8,
+            "head_dim": 8,
+            "qk_nope_head_dim": 16,
+            "v_head_dim": 16,
+        },
+    ),
 }
 
 

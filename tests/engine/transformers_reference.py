@@ -5,9 +5,11 @@ engine's outputs match the reference and that it holds nothing afterwards."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
+from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
@@ -106,3 +108,61 @@ def assert_matches(
         for tid, value in lp.top_logprobs:
             assert abs(value - hf[i, tid].item()) <= ATOL
         assert lp.top_logprobs[0][0] == out.token_ids[i]  # greedy = the top-1
+
+
+def load_reference(model_dir: Path) -> Reference:
+    """transformers' own model of ``model_dir`` in float32, as the oracle."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return Reference(hf, hf.config.vocab_size)
+
+
+def check_schedule(
+    engine: LLMEngine, ref: Reference, schedule: list[tuple[int, int]], num_new: int, impl: str
+) -> None:
+    """Seeded prompts of the schedule's lengths join at its steps on the ``impl`` path:
+    every request's greedy tokens and logprobs match ``ref``; the engine ends clean."""
+    assert engine.runner.model_config.impl == impl
+    arrivals = [
+        (at, f"r{i}", make_prompt(n, seed=i, vocab=ref.vocab_size))
+        for i, (at, n) in enumerate(schedule)
+    ]
+    final = run(engine, arrivals, num_new=num_new)
+    assert sorted(final) == sorted(rid for _, rid, _ in arrivals)
+    for _, rid, prompt in arrivals:
+        assert_matches(ref, prompt, final[rid], num_new)
+    assert_clean(engine)
+
+
+def small_pool_config(model_dir: Path) -> EngineConfig:
+    """A 32-token chunked-prefill budget and a pool small enough that PREEMPT_ARRIVALS
+    force preemption and recompute."""
+    return EngineConfig(
+        model=str(model_dir), num_kv_blocks=40, max_model_len=640, max_num_batched_tokens=32
+    )
+
+
+def assert_first_tokens_agree(engine: LLMEngine, ref: Reference) -> None:
+    """ARRIVALS' prompts all at once: the first greedy token equals ``ref``'s on all but at
+    most one (a reduced-precision engine against a float32 reference); the engine ends
+    clean."""
+    prompts = [make_prompt(n, seed=i, vocab=ref.vocab_size) for i, (_, n) in enumerate(ARRIVALS)]
+    final = run(engine, [(0, f"r{i}", p) for i, p in enumerate(prompts)], num_new=4)
+    agree = sum(final[f"r{i}"].token_ids[0] == ref.generate(p)[0] for i, p in enumerate(prompts))
+    assert agree >= len(prompts) - 1, f"only {agree} of {len(prompts)} first tokens agree"
+    assert_clean(engine)
+
+
+def check_native_engine(
+    engine: LLMEngine, ref: Reference, schedule: list[tuple[int, int]], num_new: int
+) -> None:
+    """``check_schedule`` on pdserve's own class."""
+    check_schedule(engine, ref, schedule, num_new, "native")
+
+
+def assert_bf16_first_tokens_agree(model_dir: str, ref: Reference) -> None:
+    """``assert_first_tokens_agree`` for a bfloat16 engine of ``model_dir``."""
+    engine = LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16"))
+    assert engine.runner.model_config.dtype == torch.bfloat16
+    assert_first_tokens_agree(engine, ref)

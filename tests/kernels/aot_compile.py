@@ -18,7 +18,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from pdserve.kernels.triton import decode, kv, moe, norm, prefill, rotary  # noqa: E402
+from pdserve.kernels.triton import activation, decode, kv, moe, norm, prefill, rotary  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 # Shared memory per block on an H100/H200 (227 KB).
@@ -86,6 +86,24 @@ def _cases():  # type: ignore[no-untyped-def]
         "DOT_PRECISION": None,
         "QUANT": False,
     }
+    # DeepSeek-V3's MLA: 16 query heads per call (engine/models/deepseek_v3.py) on one
+    # 576-wide latent head, with the tiles the launchers pick for it.
+    mla = {"GROUP": 16, "GROUP_PAD": 16, "HEAD_DIM": 576, "BLOCK_D": 1024}
+    yield (
+        "decode MLA latent head",
+        decode._decode_split_kernel,
+        {**attn, **index, "out_ptr": "*fp32", "lse_ptr": "*fp32"},
+        {**decode_consts, **mla, "SPLITS": 4},
+        4,
+    )
+    no_variants = {"HAS_SOFTCAP": False, "HAS_WINDOW": False, "HAS_SINKS": False}
+    yield (
+        "prefill MLA latent head",
+        prefill._prefill_kernel,
+        prefill_types,
+        {**prefill_consts, **mla, **no_variants, "BLOCK_Q": 4, "BLOCK_M": 64, "BLOCK_N": 16},
+        4,
+    )
     variants = {"plain": False, "window+softcap+sinks": True}  # Gemma 2/3, gpt-oss
     for name, variant in variants.items():
         flags = {"HAS_SOFTCAP": variant, "HAS_WINDOW": variant, "HAS_SINKS": variant}
@@ -164,27 +182,33 @@ def _cases():  # type: ignore[no-untyped-def]
         },  # fmt: skip
         4,
     )
-    for mul_weight in (False, True):  # gate/up (bf16 out), then down (weighted, fp32 out)
+    # gate/up (bf16 out), then down (weighted, fp32 out); with expert biases (gpt-oss) or not.
+    moe_types = dict.fromkeys(("a_ptr", "w_ptr", "bias_ptr"), bf16)
+    moe_types.update(route_w_ptr="*fp32", sorted_ids_ptr="*i32", block_expert_ptr="*i32")
+    for mul_weight in (False, True):
+        for has_bias in (False, True):
+            yield (
+                f"moe_gemm mul_weight={mul_weight} bias={has_bias}",
+                moe._moe_gemm_kernel,
+                {**moe_types, "out_ptr": "*fp32" if mul_weight else bf16},
+                {
+                    "K": 768 if mul_weight else 2048,
+                    "A_DIV": 1 if mul_weight else 8,
+                    "HAS_BIAS": has_bias,
+                    "MUL_WEIGHT": mul_weight,
+                    "BLOCK_M": 64,
+                    "BLOCK_N": moe.BLOCK_N,
+                    "BLOCK_K": moe.BLOCK_K,
+                    "DOT_PRECISION": None,
+                },
+                4,
+            )
+    for clamped in (False, True):  # SiLU-and-mul, gpt-oss's clamped SwiGLU
         yield (
-            f"moe_gemm mul_weight={mul_weight}",
-            moe._moe_gemm_kernel,
-            {
-                "a_ptr": bf16,
-                "w_ptr": bf16,
-                "out_ptr": "*fp32" if mul_weight else bf16,
-                "route_w_ptr": "*fp32",
-                "sorted_ids_ptr": "*i32",
-                "block_expert_ptr": "*i32",
-            },  # fmt: skip
-            {
-                "K": 768 if mul_weight else 2048,
-                "A_DIV": 1 if mul_weight else 8,
-                "MUL_WEIGHT": mul_weight,
-                "BLOCK_M": 64,
-                "BLOCK_N": moe.BLOCK_N,
-                "BLOCK_K": moe.BLOCK_K,
-                "DOT_PRECISION": None,
-            },
+            f"gated_activation clamped={clamped}",
+            activation._gated_activation_kernel,
+            {"x_ptr": bf16, "out_ptr": bf16, "alpha": "fp32", "limit": "fp32"},
+            {"CLAMPED": clamped, "BLOCK": 1024},
             4,
         )
 

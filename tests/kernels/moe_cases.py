@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.kernels.moe_reference import ClampedSwiGLU
+
 # Max abs error against the float32 reference relative to the output's largest value: bf16
 # rounds the gate/up output and the activation (8 mantissa bits each).
 MOE_REL_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -18,9 +20,16 @@ class MoEProblem:
     w2: torch.Tensor  # [E, H, I]
     topk_weights: torch.Tensor  # [T, K] float32
     topk_ids: torch.Tensor  # [T, K] int64
+    b13: torch.Tensor | None = None  # [E, 2I]
+    b2: torch.Tensor | None = None  # [E, H]
+    activation: ClampedSwiGLU | None = None
 
     def args(self) -> tuple[torch.Tensor, ...]:
         return self.x, self.w13, self.w2, self.topk_weights, self.topk_ids
+
+    def extras(self) -> dict[str, object]:
+        """The biases and activation, as keyword arguments of every fused-MoE entry point."""
+        return {"b13": self.b13, "b2": self.b2, "activation": self.activation}
 
 
 def make_moe_problem(
@@ -33,9 +42,11 @@ def make_moe_problem(
     seed: int,
     device: str = "cpu",
     skew: bool = False,
+    gpt_oss: bool = False,
 ) -> MoEProblem:
     """Distinct experts per token; ``skew`` routes most tokens to the first few experts
-    (blocks that span many rows next to experts with none)."""
+    (blocks that span many rows next to experts with none); ``gpt_oss`` adds expert biases
+    and the clamped SwiGLU, with gate/up outputs large enough that the clamps bite."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, hidden, generator=g)
     w13 = torch.randn(experts, 2 * inter, hidden, generator=g) / hidden**0.5
@@ -45,12 +56,21 @@ def make_moe_problem(
         logits[:, : top_k + 1] += 4.0
     topk_ids = torch.topk(logits, top_k, dim=-1)[1]
     topk_weights = torch.softmax(torch.randn(tokens, top_k, generator=g), dim=-1)
+    b13 = b2 = activation = None
+    if gpt_oss:
+        w13 = w13 * 6.0
+        b13 = torch.randn(experts, 2 * inter, generator=g).to(device, dtype)
+        b2 = torch.randn(experts, hidden, generator=g).to(device, dtype)
+        activation = ClampedSwiGLU()
     return MoEProblem(
         x.to(device, dtype),
         w13.to(device, dtype),
         w2.to(device, dtype),
         topk_weights.to(device),
         topk_ids.to(device),
+        b13,
+        b2,
+        activation,
     )
 
 

@@ -121,8 +121,31 @@ def test_rms_norm_matches_hf_llama_rmsnorm() -> None:
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64,
         },
+        {  # gpt-oss's parameters (no truncation of the ramp)
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+        {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 128,
+        },  # fmt: skip
+        {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 40.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.707,
+            "original_max_position_embeddings": 128,
+        },  # fmt: skip
     ],
-    ids=lambda p: p["rope_type"],
+    ids=lambda p: f"{p['rope_type']}-{len(p)}",
 )
 def test_rope_matches_hf_llama(rope_parameters: dict) -> None:
     from transformers import LlamaConfig
@@ -151,4 +174,4 @@ def test_rope_matches_hf_llama(rope_parameters: dict) -> None:
 
 def test_rope_rejects_unknown_scaling() -> None:
     with pytest.raises(ValueError, match="rope_type"):
-        R.build_rope_cache_ref(16, 8, 10000.0, {"rope_type": "yarn"}, torch.float32, "cpu")
+        R.build_rope_cache_ref(16, 8, 10000.0, {"rope_type": "longrope"}, torch.float32, "cpu")

@@ -271,3 +271,17 @@ def test_kernels_use_64_bit_offsets_past_2_31_elements() -> None:
     assert torch.equal(packed, kv[:, ids[:2]])
     scatter_blocks_triton(packed, kv, ids[-2:])
     assert torch.equal(kv[:, ids[-2:]], packed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_attention_kernels_on_an_mla_latent_head(dtype: torch.dtype) -> None:
+    """DeepSeek-V3's absorbed MLA: 16 query heads (one CUDA call's share) on one 576-wide
+    latent head (a head size that is no power of two), decode and mixed batches."""
+    heads = {"num_q_heads": 16, "num_kv_heads": 1, "head_dim": 576}
+    q_lens, ctx_lens = random_lengths(11, 3, max_ctx=70, max_new=20)
+    mixed = make_batch(11, q_lens, ctx_lens, **heads, block_size=16, dtype=dtype)
+    args = mixed.attention_args()
+    assert_close(paged_attention_triton(*args), R.paged_attention_ref(*args), ATTN_TOL[dtype])
+    dec = make_batch(11, [1] * 3, ctx_lens, **heads, block_size=16, dtype=dtype).decode_args()
+    want = R.paged_decode_attention_ref(*dec)
+    assert_close(paged_decode_attention_triton(*dec, num_splits=2), want, ATTN_TOL[dtype])

@@ -33,6 +33,15 @@ def test_triton_fused_moe_matches_reference(shape, dtype, skew) -> None:
     assert_moe_close(fused_moe_triton(*p.args()), fused_moe_ref(*p.args()), dtype)
 
 
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_triton_fused_moe_with_biases_and_clamped_swiglu_matches_reference(shape, dtype) -> None:
+    t, h, i, e, k = shape
+    p = make_moe_problem(t, h, i, e, k, dtype, seed=sum(shape), gpt_oss=True)
+    got = fused_moe_triton(*p.args(), **p.extras())
+    assert_moe_close(got, fused_moe_ref(*p.args(), **p.extras()), dtype)
+
+
 def test_align_by_expert_groups_every_pair_once_in_whole_blocks() -> None:
     ids = torch.tensor([[3, 0], [3, 1], [0, 3], [2, 3]])
     sorted_ids, block_expert = align_by_expert(ids, num_experts=5, block_m=2)

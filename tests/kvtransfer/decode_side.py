@@ -31,7 +31,7 @@ def decode_engine(
     )  # fmt: skip
     receiver = KVReceiver(
         engine.kv_cache,
-        pool_layout(engine.kv_cache, engine.model_config.model_name, kv_scales=engine.kv_scales),
+        pool_layout(engine.kv_cache, engine.model_config.kv_identity, kv_scales=engine.kv_scales),
         KVTransferConfig(transport=transport),
         shm_segment=alloc.segment_for(engine.kv_cache),
     )

@@ -1,8 +1,8 @@
 """The P/D KV hand-off for models built by transformers: a prefill engine (its own process)
-streams the KV of tiny Qwen3-MoE (the native class, which ``model_impl`` auto picks),
-Gemma 3 (sliding-window layers) and gpt-oss (sinks, sliding-window layers, MoE), both on the
-transformers path, into a decode engine over shared memory, layer by layer, and the decode
-engine's greedy tokens equal ``transformers.generate``; neither side leaks a block."""
+streams the KV of tiny Qwen3-MoE, Gemma 3 (sliding-window layers) and gpt-oss (sinks,
+sliding-window layers, MoE), all on the native classes ``model_impl`` auto picks, into a
+decode engine over shared memory, layer by layer, and the decode engine's greedy tokens
+equal ``transformers.generate``; neither side leaks a block."""
 
 from __future__ import annotations
 
