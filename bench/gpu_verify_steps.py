@@ -680,7 +680,7 @@ def transformers_graphs(model_root: Path) -> list[Row]:
     from pdserve.engine.testmodel import ensure_test_model
 
     dev = torch.device(DEVICE)
-    moe_shape = argparse.Namespace(hidden=128, inter=64, experts=8, top_k=2)
+    moe_shape = argparse.Namespace(hidden=128, inter=64, experts=8, top_k=2, arch="qwen3-moe")
     models = [
         ("llama3-gqa", ensure_test_model("llama3-gqa", model_root), True),
         ("qwen3-moe", write_model(model_root / "qwen3-moe", moe_shape), False),
