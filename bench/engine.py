@@ -21,8 +21,10 @@ only each request's own tokens count as output.
 
 Both systems run greedy, same dtype, same torch threads. Prints one table per workload and
 writes JSON with, per system and concurrency: output tokens/s, mean time to first token
-(from the workload's start), mean per-token decode latency, and how far greedy tokens agree
-(the share of output tokens before the first difference). In float32 pdserve agrees with
+(from the workload's start), mean per-token decode latency, the process's CPU time and
+minor page faults over the run (shown per output token: steadier than the wall clock on a
+shared machine), and how far greedy tokens agree (the share of output tokens before the
+first difference). In float32 pdserve agrees with
 transformers 100%. In half precision every implementation rounds differently and the texts
 part at some near-tie, so agreement is reported against two references: transformers in the
 same dtype (``vs hf``), and transformers in float32 (``vs fp32``, untimed, for both systems):
@@ -35,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import resource
 import statistics
 import sys
 import time
@@ -70,6 +73,10 @@ class Result:
     prefill_latency_s: float  # mean time to first token, from the workload's start
     decode_latency_s_per_token: float  # mean time between a request's output tokens
     wall_s: float
+    # The process's CPU time (user + system) and minor page faults over the run: on a
+    # shared machine these move far less with the load than the wall-clock figures.
+    cpu_s: float
+    minor_faults: int
 
 
 def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -99,6 +106,19 @@ def mixed_jobs(
     ]
 
 
+@dataclass(frozen=True)
+class Usage:
+    """The process's CPU time (user + system) and minor page faults so far."""
+
+    cpu_s: float
+    minor_faults: int
+
+    @classmethod
+    def now(cls) -> Usage:
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        return cls(ru.ru_utime + ru.ru_stime, ru.ru_minflt)
+
+
 def _summarize(
     workload: str,
     system: str,
@@ -107,8 +127,10 @@ def _summarize(
     wall: float,
     ttft: list[float],
     decode: list[float],
+    since: Usage,
 ) -> Result:
     total = sum(j.max_tokens for j in jobs)
+    usage = Usage.now()
     return Result(
         workload=workload,
         system=system,
@@ -119,6 +141,8 @@ def _summarize(
         prefill_latency_s=statistics.mean(ttft),
         decode_latency_s_per_token=statistics.mean(decode),
         wall_s=wall,
+        cpu_s=usage.cpu_s - since.cpu_s,
+        minor_faults=usage.minor_faults - since.minor_faults,
     )
 
 
@@ -134,6 +158,7 @@ def run_engine(
     engine: LLMEngine, jobs: list[Job], concurrency: int, workload: str = "fixed"
 ) -> tuple[Result, list[list[int]]]:
     """Closed loop: at most ``concurrency`` requests in flight, the next admitted on finish."""
+    usage = Usage.now()
     start = now()
     ids = [f"bench-{start}-{i}" for i in range(len(jobs))]
     first: dict[str, float] = {}
@@ -163,7 +188,7 @@ def run_engine(
     decode = [
         (done[r] - first[r]) / max(j.max_tokens - 1, 1) for r, j in zip(ids, jobs, strict=True)
     ]
-    result = _summarize(workload, "pdserve", concurrency, jobs, wall, ttft, decode)
+    result = _summarize(workload, "pdserve", concurrency, jobs, wall, ttft, decode, usage)
     return result, [tokens[r] for r in ids]
 
 
@@ -191,6 +216,7 @@ def run_transformers(
     tokens: list[list[int]] = []
     ttft: list[float] = []
     decode: list[float] = []
+    usage = Usage.now()
     start = now()
     for b in range(0, len(jobs), concurrency):
         batch = jobs[b : b + concurrency]
@@ -216,7 +242,7 @@ def run_transformers(
             last = clock.times[min(job.max_tokens, len(clock.times)) - 1]
             decode.append((last - clock.times[0]) / max(job.max_tokens - 1, 1))
     wall = now() - start
-    result = _summarize(workload, "transformers", concurrency, jobs, wall, ttft, decode)
+    result = _summarize(workload, "transformers", concurrency, jobs, wall, ttft, decode, usage)
     return result, tokens
 
 
@@ -228,7 +254,8 @@ def print_table(title: str, results: list[Result], agree: Agreement) -> None:
     print(f"\n{title}")
     header = (
         f"{'system':<13}{'conc':>5}{'reqs':>6}{'out tok':>8}{'out tok/s':>11}{'speedup':>9}"
-        f"{'ttft ms':>10}{'decode ms/tok':>15}{'vs hf':>8}{'vs fp32':>9}"
+        f"{'ttft ms':>10}{'decode ms/tok':>15}{'cpu ms/tok':>12}{'faults/tok':>12}"
+        f"{'vs hf':>8}{'vs fp32':>9}"
     )
     print(header)
     print("-" * len(header))
@@ -250,6 +277,7 @@ def print_table(title: str, results: list[Result], agree: Agreement) -> None:
             f"{r.system:<13}{r.concurrency:>5}{r.num_requests:>6}{r.output_tokens:>8}"
             f"{r.output_tokens_per_s:>11.1f}{speed}"
             f"{r.prefill_latency_s * 1e3:>10.1f}{r.decode_latency_s_per_token * 1e3:>15.2f}"
+            f"{r.cpu_s * 1e3 / r.output_tokens:>12.2f}{r.minor_faults / r.output_tokens:>12.0f}"
             f"{vs_hf}{cell(r.concurrency, f'{r.system}_vs_fp32', 9)}"
         )
 

@@ -20,7 +20,10 @@ Steps (``gpu_verify_steps``), each a list of report rows:
 5. tp: tensor parallelism over two GPUs (NCCL): greedy tokens equal transformers with
    chunked prefill and preemption (skipped, with the reason, on one GPU);
 6. numerics: ``bench.numerics`` on the device (the Triton path in bf16 and transformers
-   bf16, each against transformers fp32, stage by stage); the engine at least as close.
+   bf16, each against transformers fp32, stage by stage); the engine at least as close;
+7. tfgraphs: the transformers model path with decode CUDA graphs (greedy tokens equal
+   transformers', graphs replayed for a dense Llama; a Qwen3-MoE reported captured or
+   eager) and its decode tok/s with graphs on and off.
 
 Writes ``DIR/gpu_verify.json`` and ``DIR/gpu_verify.txt`` (the table), exits 1 if any
 check failed or any step raised. ``--dry-run`` plans the steps and imports everything they
@@ -40,7 +43,7 @@ import traceback
 from dataclasses import asdict
 from pathlib import Path
 
-STEPS = ("kernels", "engine", "disagg", "throughput", "tp", "numerics")
+STEPS = ("kernels", "engine", "disagg", "throughput", "tp", "numerics", "tfgraphs")
 BUDGET_S = 8 * 60
 # What the steps import on the device (the dry run imports each; none may need Ray).
 DEVICE_MODULES = (
@@ -51,6 +54,7 @@ DEVICE_MODULES = (
     "pdserve.bench.gpu_verify_gemma",
     "pdserve.bench.gpu_verify_mla",
     "pdserve.bench.numerics",
+    "pdserve.bench.moe",
     "pdserve.kernels.ops",
     "pdserve.kernels.reference",
     "pdserve.kernels.testing",
@@ -128,6 +132,8 @@ def _run_step(name: str, model_root: Path, quick: bool) -> list:
         return s.tensor_parallel(model_root)
     if name == "numerics":
         return s.numerics(model_root, quick)
+    if name == "tfgraphs":
+        return s.transformers_graphs(model_root)
     return s.throughput(model_root, quick)
 
 

@@ -1,4 +1,4 @@
-"""The four steps of ``pdserve.bench.gpu_verify`` (each returns report rows; CUDA only).
+"""The steps of ``pdserve.bench.gpu_verify`` (each returns report rows; CUDA only).
 
 Imports nothing heavier than torch at module level: the driver's ``--dry-run`` imports this
 module and, from ``DEVICE_MODULES``, everything the steps import on the device.
@@ -644,4 +644,99 @@ def throughput(model_root: Path, quick: bool) -> list[Row]:
             str(dict(compiles.by_kernel)),
         )  # fmt: skip
     )
+    return rows
+
+
+# ---- 7. the transformers model path under decode CUDA graphs -----------------------------
+
+
+class _ReplayCounter:
+    """Counts the decode steps a runner's ``DecodeGraphs`` replays."""
+
+    def __init__(self, graphs: Any) -> None:
+        self.replays = 0
+        self._run = graphs.run
+        graphs.run = self
+
+    def __call__(self, *args: Any) -> torch.Tensor:
+        self.replays += 1
+        out: torch.Tensor = self._run(*args)
+        return out
+
+
+def transformers_graphs(model_root: Path) -> list[Row]:
+    """``model_impl="transformers"`` with decode CUDA graphs: greedy tokens (fp32, mixed
+    lengths, chunked prefill) equal transformers' for a dense Llama, whose graphs must be
+    captured and replayed, and for a Qwen3-MoE run by transformers' own experts code, which
+    is reported either way (captured, or decode steps eager after a failed capture); decode
+    tok/s at batch 1 and 8 (bf16, the 'small' test model) with graphs on and off."""
+    import argparse
+
+    from transformers import AutoModelForCausalLM
+
+    from pdserve.bench.moe import write_model
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.model_runner import ModelRunner
+    from pdserve.engine.testmodel import ensure_test_model
+
+    dev = torch.device(DEVICE)
+    moe_shape = argparse.Namespace(hidden=128, inter=64, experts=8, top_k=2, arch="qwen3-moe")
+    models = [
+        ("llama3-gqa", ensure_test_model("llama3-gqa", model_root), True),
+        ("qwen3-moe", write_model(model_root / "qwen3-moe", moe_shape), False),
+    ]
+    rows: list[Row] = []
+    for name, model_dir, must_capture in models:
+        # typeshed's functools.wraps leaves transformers' PreTrainedModel.to unbound.
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(dev).eval()  # type: ignore[arg-type]
+        vocab = hf.config.vocab_size
+        arrivals = [(t, f"r{i}", _prompt(n, 100 + i, vocab)) for i, (t, n) in enumerate(ARRIVALS)]
+        expected = {rid: _hf_greedy(hf, p, dev) for _, rid, p in arrivals}
+        engine = LLMEngine.from_pretrained(
+            model_dir, dtype="float32", device=DEVICE, block_size=16,
+            model_impl="transformers", max_num_batched_tokens=64,
+        )  # fmt: skip
+        # object first: the engine types its runner by a protocol (see engine_vs_transformers).
+        runner: object = engine.runner
+        assert isinstance(runner, ModelRunner)
+        graphs = runner.decode_graphs
+        counter = _ReplayCounter(graphs) if graphs is not None else None
+        got = _run_arrivals(engine, arrivals)
+        same = sum(got[rid] == expected[rid] for rid in expected)
+        replays = counter.replays if counter is not None else 0
+        how = f"{replays} decode steps replayed" if graphs is not None else "eager"
+        if graphs is None and DEVICE == "cuda":
+            how = "eager: the capture failed"
+        rows.append(
+            Row("tfgraphs", f"{name} transformers path fp32 greedy == transformers, graphs on",
+                same == len(expected), same, f"of {len(expected)} requests", None, how)
+        )  # fmt: skip
+        if must_capture:
+            on_gpu = DEVICE == "cuda"
+            rows.append(
+                Row("tfgraphs", f"{name} transformers path decode steps replayed from graphs",
+                    replays > 0 if on_gpu else None, replays, "replays", None,
+                    "" if on_gpu else "skipped: no CUDA graphs on a CPU")
+            )  # fmt: skip
+        del engine, hf
+        torch.cuda.empty_cache()
+    model_dir = ensure_test_model(THROUGHPUT_MODEL, model_root)
+    engines = {
+        on: LLMEngine.from_pretrained(
+            model_dir,
+            device=DEVICE,
+            dtype="bfloat16",
+            max_num_seqs=8,
+            model_impl="transformers",
+            cuda_graphs=on,
+        )  # fmt: skip
+        for on in (False, True)
+    }
+    for batch in (1, 8):
+        tps = {on: _engine_decode_tps(engine, batch, 32, 32) for on, engine in engines.items()}
+        gain = f"eager {tps[False]:.0f} tok/s, x{tps[True] / tps[False]:.2f}"
+        rows.append(
+            Row("tfgraphs", f"transformers path decode tok/s batch {batch}, CUDA graphs", True,
+                tps[True], "tok/s", None, gain)
+        )  # fmt: skip
     return rows

@@ -87,8 +87,8 @@ class EngineConfig(BaseModel):
         description=(
             "On CUDA, replay decode steps from CUDA graphs captured over batch-size buckets "
             "at start-up (prefill and mixed steps run eagerly); false = every step eager. "
-            "Ignored on a CPU, under tensor parallelism and on the transformers model path "
-            "(eager there)."
+            "Ignored on a CPU and under tensor parallelism (eager there); on the "
+            "transformers model path, eager where the model's code cannot be captured."
         ),
     )
 

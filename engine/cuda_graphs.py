@@ -9,12 +9,18 @@ attend to one token of block 0. The block table has the width of the longest req
 the decode kernel's split count is fixed per graph. Prefill and mixed steps run eagerly, as
 do steps with a KV connector (its per-layer callbacks are host code).
 
+Both model paths are captured. transformers' modelling code skips its host-side checks
+while a CUDA stream captures (``is_tracing``); a model whose code still reads a tensor on
+the host (a per-expert loop over the experts a batch hit, say) cannot be captured, and on
+the transformers path its decode steps then run eagerly, with a warning at start-up.
+
 The runner owns one ``DecodeGraphs``; this module never decides whether graphs are used
 (``EngineConfig.cuda_graphs``) and never runs on a CPU.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import TYPE_CHECKING
 
@@ -24,6 +30,8 @@ from pdserve.engine.models.llama import AttentionMetadata
 
 if TYPE_CHECKING:
     from pdserve.engine.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -111,3 +119,23 @@ class DecodeGraphs:
             self.tables[n:b, 0].fill_(0)
         self.graphs[b].replay()
         return self.logits[b][:n]
+
+
+def capture_decode_graphs(runner: ModelRunner) -> DecodeGraphs | None:
+    """Every bucket's graph for ``runner``'s model, or None where transformers' modelling
+    code of the model cannot be captured (decode steps then run eagerly). A native model
+    that cannot be captured is a bug: its error propagates."""
+    graphs = DecodeGraphs(runner)
+    try:
+        graphs.capture()
+    except RuntimeError as exc:
+        if runner.model_config.impl == "native":
+            raise
+        logger.warning(
+            "decode CUDA graphs off: the transformers code of %s cannot be captured (%s); "
+            "decode steps run eagerly",
+            runner.model_config.architecture,
+            str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+        )
+        return None
+    return graphs

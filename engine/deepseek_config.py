@@ -1,7 +1,7 @@
 """The ``ModelConfig`` of a DeepSeek-V3 (or V2) checkpoint on the native path: multi-head
 latent attention (MLA) dimensions, yarn RoPE with DeepSeek's mscale, and the router with
 shared experts (V3: sigmoid-scored, grouped, with a correction bias; V2: softmax-scored
-greedy top-k, not renormalised).
+top-k, plain or group-limited, not renormalised).
 
 The KV pool of the native class holds one head per token: the compressed latent
 (``kv_lora_rank``) followed by the rope key (``qk_rope_head_dim``), instead of
@@ -14,13 +14,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pdserve.engine.kv_layout import KVLayerSpec
 from pdserve.engine.loader import ModelConfig, MoEConfig, _generation_fields
 from pdserve.engine.quantization import read_quantization_config
 
 _ROPE_TYPES = ("default", "yarn")
+_V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
 # The RMSNorms of the q and kv latents: transformers builds them with its default epsilon,
 # not the config's rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
@@ -39,12 +40,14 @@ class MLAConfig:
     softmax_scale: float  # qk_head_dim ** -0.5, times yarn's mscale_all_dim squared
     rope_attention_factor: float  # yarn's cos/sin multiplier; 1.0 without yarn
     # Router: ``scoring`` of the logits (V3: sigmoid plus a selection-only correction bias,
-    # V2: softmax), the best ``topk_groups`` of ``num_groups`` expert groups, weights scaled
+    # V2: softmax), the best ``topk_groups`` of ``num_groups`` expert groups (a group scored
+    # by ``group_score``: V3 its best two experts' sum, V2 its best expert), weights scaled
     # by ``routed_scaling``; shared experts on every token.
     scoring: str
     correction_bias: bool
     num_groups: int
     topk_groups: int
+    group_score: Literal["top2_sum", "max"]
     routed_scaling: float
     num_shared_experts: int
 
@@ -96,11 +99,14 @@ def _mla(cfg: dict[str, Any], scaling: dict[str, Any] | None, arch: str) -> MLAC
             attention_factor = yarn_mscale(factor)
     groups, topk_groups = int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)
     v2 = arch == "DeepseekV2ForCausalLM"
-    if v2 and cfg.get("topk_method", "greedy") != "greedy":
+    method = cfg.get("topk_method") or "greedy"
+    if v2 and method not in _V2_TOPK_METHODS:
         raise ValueError(
-            f"{arch}: topk_method {cfg.get('topk_method')!r} is not supported natively (only "
-            "'greedy'); model_impl='transformers' runs it"
+            f"{arch}: topk_method {method!r} is not supported natively; supported: "
+            f"{', '.join(_V2_TOPK_METHODS)}"
         )
+    if v2 and method == "greedy":  # V2's plain greedy ignores n_group / topk_group
+        groups = topk_groups = 1
     q_lora = cfg.get("q_lora_rank")
     return MLAConfig(
         q_lora_rank=int(q_lora) if q_lora else None,
@@ -114,8 +120,9 @@ def _mla(cfg: dict[str, Any], scaling: dict[str, Any] | None, arch: str) -> MLAC
         rope_attention_factor=attention_factor,
         scoring="softmax" if v2 else "sigmoid",
         correction_bias=not v2,
-        num_groups=1 if v2 else groups,
-        topk_groups=1 if v2 else topk_groups,
+        num_groups=groups,
+        topk_groups=topk_groups,
+        group_score="max" if v2 else "top2_sum",
         routed_scaling=float(cfg.get("routed_scaling_factor", 1.0)),
         num_shared_experts=int(cfg.get("n_shared_experts") or 0),
     )
@@ -123,8 +130,8 @@ def _mla(cfg: dict[str, Any], scaling: dict[str, Any] | None, arch: str) -> MLAC
 
 def deepseek_model_config(model_dir: Path, cfg: dict[str, Any], arch: str) -> ModelConfig:
     """The native ``ModelConfig`` of a DeepSeek-V3 / V2 config.json (ValueError on what the
-    native class does not run: quantized checkpoints, rope types other than yarn, V2's
-    group-limited routing)."""
+    native class does not run: quantized checkpoints, rope types other than yarn, V2
+    routing methods other than greedy and group-limited greedy)."""
     if read_quantization_config(cfg) is not None:
         raise ValueError(f"quantized {arch} checkpoints are not supported natively yet")
     act = cfg.get("hidden_act", "silu")

@@ -275,13 +275,12 @@ class ModelRunner:
         captured = 0
         # Tensor parallel steps run eagerly: capturing c10d's NCCL collectives in a graph
         # is not supported the way vLLM's own communicator is.
-        # The transformers path runs eagerly: its mask and position preprocessing may read
-        # tensors on the host, which a graph capture does not allow.
-        if self.config.cuda_graphs and self.tp.size == 1 and self.model_config.impl == "native":
-            from pdserve.engine.cuda_graphs import DecodeGraphs
+        if self.config.cuda_graphs and self.tp.size == 1:
+            from pdserve.engine.cuda_graphs import capture_decode_graphs
 
-            self.decode_graphs = DecodeGraphs(self)
-            captured = self.decode_graphs.capture()
+            self.decode_graphs = capture_decode_graphs(self)
+            if self.decode_graphs is not None:
+                captured = len(self.decode_graphs.graphs)
         return calls + 3 + captured
 
     # ---- one step -------------------------------------------------------------------------

@@ -8,7 +8,10 @@ The router covers the scoring rules of the open MoE families, picked by ``Router
   - top-k of the logits, softmax over those k (gpt-oss);
   - sigmoid scores, a selection-only bias, grouped top-k (the best ``topk_groups`` of
     ``num_groups`` expert groups, a group scored by its two best experts), renormalised and
-    scaled by ``routed_scaling`` (DeepSeek-V3).
+    scaled by ``routed_scaling`` (DeepSeek-V3);
+  - softmax scores, grouped top-k with a group scored by its best expert
+    (``group_score="max"``), scaled by ``routed_scaling``, not renormalised (DeepSeek-V2's
+    ``group_limited_greedy``).
 Shared experts (DeepSeek-V3) ride in the same fused call: ``add_shared_experts`` routes every
 token also to experts stacked after the routed ones, with weight 1 (a shared MLP of
 ``n * I`` columns is ``n`` experts of ``I`` columns, its down projection summing them).
@@ -42,6 +45,8 @@ class RouterConfig:
     num_groups: int = 1
     topk_groups: int = 1
     routed_scaling: float = 1.0
+    # How a group is scored: the sum of its two best experts (V3) or its best one (V2).
+    group_score: Literal["top2_sum", "max"] = "top2_sum"
 
     def __post_init__(self) -> None:
         if not 0 < self.top_k <= self.num_experts:
@@ -56,11 +61,14 @@ class RouterConfig:
             )
         if not 0 < self.topk_groups <= self.num_groups:
             raise ValueError(f"topk_groups ({self.topk_groups}) must be in [1, num_groups]")
+        if self.group_score not in ("top2_sum", "max"):
+            raise ValueError(f"group_score must be 'top2_sum' or 'max', got {self.group_score!r}")
         per_group = self.num_experts // self.num_groups
-        if self.num_groups > 1 and (per_group < 2 or self.top_k > self.topk_groups * per_group):
+        least = 2 if self.group_score == "top2_sum" else 1
+        if self.num_groups > 1 and (per_group < least or self.top_k > self.topk_groups * per_group):
             raise ValueError(
                 f"top_k ({self.top_k}) needs more experts than topk_groups ({self.topk_groups}) "
-                f"groups of {per_group} hold (and a group scores by its best two)"
+                f"groups of {per_group} hold (and a group scores by its best {least})"
             )
 
 
@@ -81,7 +89,10 @@ def select_experts(
     if cfg.num_groups > 1:
         t = choice.shape[0]
         grouped = choice.view(t, cfg.num_groups, -1)
-        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
+        if cfg.group_score == "max":
+            group_scores = grouped.amax(dim=-1)  # [T, G]
+        else:
+            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
         best = torch.topk(group_scores, cfg.topk_groups, dim=-1)[1]
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
         choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(t, -1)

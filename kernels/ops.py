@@ -29,7 +29,7 @@ from pdserve.kernels.cpu import batched as cpu
 from pdserve.kernels.cpu.attention_variants import paged_attention_variants_cpu
 from pdserve.kernels.cpu.cpus import RuntimeInfo, RuntimeSettings
 from pdserve.kernels.cpu.linear import can_pack, pack_linears, packed_linear_float32
-from pdserve.kernels.cpu.runtime import CpuRuntime, single_threaded_copies
+from pdserve.kernels.cpu.runtime import MMAP_THRESHOLD, CpuRuntime, single_threaded_copies
 from pdserve.kernels.kv_quant import is_quantized_kv, kv_qmax
 from pdserve.kernels.moe_ops import RouterConfig, add_shared_experts, fused_moe, select_experts
 from pdserve.kernels.quant_ops import Activations, make_quantized_linear
@@ -69,7 +69,10 @@ _triton_modules: dict[str, ModuleType | None] = {}
 
 # torch.mm(..., out_dtype=float32) on half-precision CUDA tensors (torch >= 2.8).
 _HAS_MM_OUT_DTYPE = "dtype" in getattr(torch.ops.aten.mm, "overloads", lambda: [])()
-_WIDEN_BYTES = 64 << 20  # float32 weight slice linear_float32 widens at a time
+# The float32 weight slice linear_float32 widens at a time: under the CPU runtime's mmap
+# threshold, so each slice comes from the heap and reuses the last step's memory instead of
+# a fresh mmap that page-faults every page in again, every step (docs/models.md).
+_WIDEN_BYTES = MMAP_THRESHOLD // 2
 
 
 def _triton(name: str, tensor: torch.Tensor) -> ModuleType | None:

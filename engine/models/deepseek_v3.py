@@ -174,8 +174,9 @@ def _deinterleave(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> same, contig
 
 
 class DeepseekMoE(nn.Module):
-    """Sigmoid-scored grouped router with a score-correction bias, the routed experts
-    stacked with the shared ones after them (``w13 [E + S, 2I, H]``, ``w2 [E + S, H, I]``)."""
+    """DeepSeek's router (V3: sigmoid-scored, grouped, with a score-correction bias; V2:
+    softmax-scored, greedy or group-limited), the routed experts stacked with the shared
+    ones after them (``w13 [E + S, 2I, H]``, ``w2 [E + S, H, I]``)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -191,6 +192,7 @@ class DeepseekMoE(nn.Module):
             num_groups=mla.num_groups,
             topk_groups=mla.topk_groups,
             routed_scaling=mla.routed_scaling,
+            group_score=mla.group_score,
         )
         self.gate = Router(cfg.hidden_size, moe.num_experts)
         # V3's selection-only bias (kept float32 whatever the model dtype: it decides

@@ -194,7 +194,10 @@ def packed_linear_float32(x: torch.Tensor, layer: nn.Module) -> torch.Tensor | N
 def _packed(linear: nn.Linear, float32_result: bool) -> nn.Module | None:
     weight = linear.weight
     if can_pack(weight.dtype, weight.device):
-        if native.bf16_linear_available() and not _has_amx():
+        # The logits take the native kernel on AMX CPUs too: oneDNN's packed matmul would
+        # round them to bf16, and widening the weight every step cost 10-30x the kernel
+        # (docs/quantization.md).
+        if native.bf16_linear_available() and (float32_result or not _has_amx()):
             return Bf16Linear(linear)
         if float32_result:
             return None  # oneDNN's packed matmul would round the result to bf16

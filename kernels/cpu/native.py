@@ -12,6 +12,9 @@ CPU ops where torch and its libraries have no good fit:
   bytes per decode step; oneDNN and MKL offer no bf16-weight / fp32-compute matmul on AVX2.
 - bfloat16 linears on CPUs with AVX512-BF16 but no AMX (``csrc/linear_bf16.cpp``): oneDNN's
   packed bf16 matmul reads a decode step's weights at well under the memory bandwidth.
+- int8-weight linears (W8A8 and weight-only, ``csrc/linear_int8.cpp``, wrapped by
+  ``kernels/cpu/int8_native.py``) on CPUs with AVX512-VNNI: torch's int8 matmuls read the
+  weights of a decode step no faster than the bf16 matmul reads twice the bytes.
 - the row-wise ops of every layer (``csrc/layer_ops.cpp``): residual add + RMSNorm, rotary
   embedding of q and k, SiLU-and-mul; in torch each is a chain of kernels with a full pass
   over memory and a temporary per link (a noticeable share of a bf16 prefill step).
@@ -46,6 +49,7 @@ import torch
 __all__ = [
     "available",
     "bind_omp_team",
+    "library",
     "bf16_weight_linear",
     "bf16_linear",
     "bf16_linear_available",
@@ -68,6 +72,7 @@ _SOURCES = [
         "paged_decode.cpp",
         "linear_bf16w.cpp",
         "linear_bf16.cpp",
+        "linear_int8.cpp",
         "layer_ops.cpp",
         "omp_team.cpp",
     )
@@ -208,6 +213,12 @@ def _library() -> ctypes.CDLL | None:
                 _lib = _load()
                 _tried = True
     return _lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded library (built on first call), or None where it is unavailable; for the
+    wrapper modules of its other kernels (``kernels/cpu/int8_native.py``)."""
+    return _library()
 
 
 def available() -> bool:

@@ -1,11 +1,17 @@
 """CPU linear layers over int8 / float8 weights, packed once at load time.
 
 - ``Int8Linear`` (W8A8): activations quantized to int8 per token at run time, an int8 x
-  int8 GEMM with int32 sums (``torch._int_mm``: oneDNN, AVX512-VNNI / AMX-INT8), then both
-  scales applied in float32.
-- ``Int8WeightOnlyLinear`` (W8A16): activations as they are, per-channel int8 weights
-  widened inside the GEMM (``torch.ops.aten._weight_int8pack_mm``) for a few rows; that op
-  is a GEMV at heart, so larger batches take the tiled dequantization below.
+  int8 GEMM with exact int32 sums, then both scales applied in float32. Up to
+  ``NATIVE_ROWS`` rows (decode steps) the native AVX512-VNNI kernel
+  (``kernels/cpu/int8_native.py``) reads the packed weight in one pass; more rows go to
+  oneDNN's prepacked int8 matmul (AMX-INT8 where the CPU has it; ``torch._int_mm`` where
+  torch lacks that op), which computes faster there.
+- ``Int8WeightOnlyLinear`` (W8A16): the same two GEMMs with each activation row split into
+  int8 planes (two for bf16 activations, three for float32; the error, at most
+  absmax / 64516 per element with two, is far below the activations' own rounding), so an
+  int8 weight runs at int8 speed. Without the native kernel: per-channel int8 weights
+  widened inside ``torch.ops.aten._weight_int8pack_mm`` for a few rows (a GEMV at heart),
+  the tiled dequantization below for more.
 - ``DequantLinear``: any other quantized weight (float8, or int8 with group scales): a tile
   of output rows at a time is dequantized into the activations' dtype and multiplied by
   the dense path, so memory holds the quantized weight plus one small tile.
@@ -16,16 +22,22 @@ inference-only and hold no trainable parameters.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pdserve.kernels import quant_reference as ref
+from pdserve.kernels.cpu import int8_native
 
 __all__ = ["DequantLinear", "Int8Linear", "Int8WeightOnlyLinear"]
 
 _TILE_BYTES = 1 << 20  # dequantized weight bytes per tile: stays in L2 between the two passes
 _GEMV_ROWS = 2  # most rows the weight-only int8 op serves before the tiled path is faster
+# Most activation rows (tokens x planes) the native VNNI kernel takes before oneDNN's int8
+# matmul (AMX) is faster (docs/quantization.md).
+NATIVE_ROWS = 16
 
 
 def _tiled_dequant_linear(
@@ -81,32 +93,101 @@ class _QuantLinearBase(nn.Module):
         )
 
 
-class Int8Linear(_QuantLinearBase):
+def _check_per_channel_int8(name: str, q: torch.Tensor, scale: torch.Tensor) -> None:
+    if q.dtype != torch.int8 or scale.shape[1] != 1:
+        raise ValueError(
+            f"{name}: want int8 weights with per-channel scales [N, 1], got {q.dtype} and "
+            f"scales {tuple(scale.shape)}"
+        )
+
+
+def onednn_int8_supported() -> bool:
+    """Whether torch has oneDNN's prepacked int8 linear (``torch.ops.onednn.qlinear_*``)."""
+    try:
+        q = torch.ones(8, 64, dtype=torch.int8)
+        packed = torch.ops.onednn.qlinear_prepack(q, None)
+        _onednn_int8_sums(torch.ones(1, 64, dtype=torch.int8), packed, 8)
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def _onednn_int8_sums(xq: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The int32 sums ``xq @ q^T`` (as float32) of oneDNN's prepacked int8 matmul."""
+    ones, zeros = torch.ones(n), torch.zeros(n, dtype=torch.int64)
+    return torch.ops.onednn.qlinear_pointwise(
+        xq, 1.0, 0, packed, ones, zeros, None, 1.0, 0, torch.float32, "none", [None], ""
+    )
+
+
+_onednn_int8 = functools.cache(onednn_int8_supported)
+
+
+class _Int8PlanesLinear(_QuantLinearBase):
+    """int8 activation planes x int8 weights, exact int32 sums: the native kernel for up to
+    ``NATIVE_ROWS`` plane rows, oneDNN's prepacked int8 matmul above (AMX where the CPU has
+    it; ``torch._int_mm`` on the row-major weight where torch lacks the op), so the module
+    holds the weight twice, in both kernels' layouts."""
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        keep_row_major: bool = False,
+    ) -> None:
+        super().__init__(q, scale, bias)
+        _check_per_channel_int8(type(self).__name__, q, scale)
+        self.scale_row = scale.float().reshape(1, -1).contiguous()  # [1, N]
+        self.native = int8_native.PackedInt8.pack(q, scale) if int8_native.available() else None
+        self.native_rows = NATIVE_ROWS
+        self.onednn = torch.ops.onednn.qlinear_prepack(q, None) if _onednn_int8() else None
+        # _int_mm takes the [K, N] operand as the transposed view of the row-major weight.
+        keep = keep_row_major or self.onednn is None
+        self.weight = q.contiguous() if keep else None
+
+    def _planes_linear(self, x: torch.Tensor, planes: int) -> torch.Tensor:  # x's shape, dtype
+        rows = self._rows(x)
+        native = self.native is not None and rows.dtype in (torch.float32, torch.bfloat16)
+        if native and rows.shape[0] * planes <= self.native_rows:
+            assert self.native is not None
+            if rows.stride(-1) != 1:
+                rows = rows.contiguous()
+            out = int8_native.linear(rows, self.native, self.bias, planes)
+            return out.view(*x.shape[:-1], self.out_features)
+        if native:
+            xq, xs = int8_native.quantize(rows.contiguous(), planes)
+        elif planes == 1:  # the reference's per-token quantization
+            xq, xs = ref.quantize_per_token_int8(rows)
+        else:
+            raise ValueError(f"{type(self).__name__}: {planes} planes need the native kernel")
+        if self.onednn is not None:
+            acc = _onednn_int8_sums(xq, self.onednn, self.out_features)  # [M * planes, N]
+        else:
+            assert self.weight is not None
+            acc = torch._int_mm(xq, self.weight.t()).float()
+        if native:  # the scales, plane sum, bias and rounding in one pass
+            assert self.native is not None
+            out = int8_native.finish(acc, xs, self.native.scale, self.bias, planes, rows.dtype)
+            return out.view(*x.shape[:-1], self.out_features)
+        out = acc * xs * self.scale_row
+        if planes > 1:
+            out = out.view(rows.shape[0], planes, -1).sum(1)
+        return self._finish(out, x)
+
+
+class Int8Linear(_Int8PlanesLinear):
     """``y = dequant(quant_token(x) @ Wq^T)``: W8A8 with per-channel weight scales."""
 
     weight_dtype = "int8 (w8a8)"
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
-        super().__init__(q, scale, bias)
-        if q.dtype != torch.int8 or scale.shape[1] != 1:
-            raise ValueError(
-                f"Int8Linear: want int8 weights with per-channel scales [N, 1], got {q.dtype} "
-                f"and scales {tuple(scale.shape)}"
-            )
-        # oneDNN takes the [K, N] operand as the transposed view of the row-major weight
-        # without a copy per call.
-        self.weight = q.contiguous()
-        self.scale_row = scale.float().reshape(1, -1).contiguous()  # [1, N]
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = self._rows(x)
-        xq, xs = ref.quantize_per_token_int8(rows)
-        acc = torch._int_mm(xq, self.weight.t())  # [M, N] int32
-        return self._finish(acc.float() * xs * self.scale_row, x)
+        return self._planes_linear(x, 1)
 
 
-class Int8WeightOnlyLinear(_QuantLinearBase):
-    """``y = x @ (Wq * s)^T`` with per-channel int8 weights widened inside the GEMM."""
+class Int8WeightOnlyLinear(_Int8PlanesLinear):
+    """``y = x @ (Wq * s)^T`` with per-channel int8 weights: activations in int8 planes
+    through the int8 GEMMs where the native kernel runs, else widened weights."""
 
     weight_dtype = "int8 (weight-only)"
 
@@ -117,15 +198,13 @@ class Int8WeightOnlyLinear(_QuantLinearBase):
         bias: torch.Tensor | None,
         act_dtype: torch.dtype,
     ) -> None:
-        super().__init__(q, scale, bias)
-        if q.dtype != torch.int8 or scale.shape[1] != 1:
-            raise ValueError(
-                f"Int8WeightOnlyLinear: want int8 weights with per-channel scales [N, 1], got "
-                f"{q.dtype} and scales {tuple(scale.shape)}"
-            )
-        self.weight = q.contiguous()
-        # The op takes the scales in the activations' dtype.
+        # The widened-weight fallback (no native kernel) reads the row-major weight.
+        native = int8_native.available() and act_dtype in (torch.float32, torch.bfloat16)
+        super().__init__(q, scale, bias, keep_row_major=not native)
         self.act_dtype = act_dtype
+        # Planes per activation row: bf16 has 8 significant bits, float32 24.
+        self.planes = 2 if act_dtype == torch.bfloat16 else 3
+        # The fallback's op takes the scales in the activations' dtype.
         self.scales = scale.reshape(-1).to(act_dtype).contiguous()  # [N]
         self.scale = scale.float().contiguous()  # [N, 1] for the tiled path
         self.gemv_rows = _GEMV_ROWS
@@ -136,6 +215,9 @@ class Int8WeightOnlyLinear(_QuantLinearBase):
             raise ValueError(
                 f"Int8WeightOnlyLinear: packed for {self.act_dtype} input, got {rows.dtype}"
             )
+        if self.native is not None and rows.dtype in (torch.float32, torch.bfloat16):
+            return self._planes_linear(x, self.planes)
+        assert self.weight is not None  # kept for this path
         if rows.shape[0] > self.gemv_rows:
             return self._finish(_tiled_dequant_linear(rows, self.weight, self.scale), x)
         out = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), self.weight, self.scales)

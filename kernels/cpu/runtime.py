@@ -228,7 +228,7 @@ _M_TOP_PAD = -2
 _M_MMAP_THRESHOLD = -3
 # glibc refuses mmap thresholds above HEAP_MAX/2 (32 MiB on 64-bit): the largest step
 # activation of the models we serve on CPU ([2048 tokens, 5120] bf16) is under it.
-_MMAP_THRESHOLD = 32 << 20
+MMAP_THRESHOLD = 32 << 20
 _TRIM_THRESHOLD = 1 << 30
 _TOP_PAD = 64 << 20
 
@@ -251,7 +251,7 @@ def keep_freed_memory() -> bool:
     ok = all(
         mallopt(param, value) == 1
         for param, value in (
-            (_M_MMAP_THRESHOLD, _MMAP_THRESHOLD),
+            (_M_MMAP_THRESHOLD, MMAP_THRESHOLD),
             (_M_TRIM_THRESHOLD, _TRIM_THRESHOLD),
             (_M_TOP_PAD, _TOP_PAD),
         )

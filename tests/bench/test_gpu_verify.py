@@ -42,7 +42,15 @@ def test_dry_run_through_the_launcher_with_ray_blocked(tmp_path: Path) -> None:
         PYTHONPATH=str(site),
     )
     assert plan["failed"] == {} and plan["ray_modules_loaded"] == []
-    assert plan["steps"] == ["kernels", "engine", "disagg", "throughput", "tp", "numerics"]
+    assert plan["steps"] == [
+        "kernels",
+        "engine",
+        "disagg",
+        "throughput",
+        "tp",
+        "numerics",
+        "tfgraphs",
+    ]
     # The tree was imported through the launcher's symlink farm, not an installed copy.
     assert "pdserve-farm" in plan["pdserve_from"]
     assert "pdserve.bench.gpu_verify_steps" in plan["imported"]
@@ -124,3 +132,17 @@ def test_tp_step_runs_on_cpu_and_skips_with_one_gpu(monkeypatch, tmp_path: Path)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     [skip] = steps.tensor_parallel(tmp_path)
     assert skip.ok is None and skip.note == "skipped: 1 GPU visible, TP=2 needs two"
+
+
+def test_transformers_graphs_step_runs_on_cpu(monkeypatch, tmp_path: Path) -> None:
+    """Step 7 pointed at the CPU (graphs are a CUDA matter: that row is a skip): the
+    transformers path gives transformers' greedy tokens for the dense Llama and the
+    Qwen3-MoE, and the throughput rows compare graphs on and off."""
+    from pdserve.bench import gpu_verify_steps as steps
+
+    monkeypatch.setattr(steps, "DEVICE", "cpu")
+    monkeypatch.setattr(steps, "THROUGHPUT_MODEL", "tiny")
+    rows = steps.transformers_graphs(tmp_path)
+    assert [r.ok for r in rows] == [True, None, True, True, True], rows
+    assert rows[0].value == rows[2].value == len(steps.ARRIVALS)
+    assert rows[0].note == rows[2].note == "eager"

@@ -1,16 +1,25 @@
-"""Decode CUDA graphs, the parts a CPU can check: the batch buckets, and the persistent
+"""Decode CUDA graphs, the parts a CPU can check: the batch buckets, the persistent
 buffers a replay reads (a batch padded to its bucket, the block table to the full width)
-giving the eager step's logits. Capture itself needs CUDA (``bench.gpu_verify``); here a
-"graph" replays the same forward eagerly over the same buffers."""
+giving the eager step's logits on both model paths, and the eager fallback of a
+transformers model whose code cannot be captured. Capture itself needs CUDA
+(``bench.gpu_verify``); here a "graph" replays the same forward eagerly over the same
+buffers."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
+import pytest
 import torch
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.cuda_graphs import DecodeGraphs, batch_buckets, bucket_for
+from pdserve.engine.cuda_graphs import (
+    DecodeGraphs,
+    batch_buckets,
+    bucket_for,
+    capture_decode_graphs,
+)
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler_output import ScheduledChunk, SchedulerOutput
@@ -38,10 +47,17 @@ class _EagerReplay:
         self.graphs.logits[self.b].copy_(self.graphs._forward(self.b))
 
 
-def test_a_padded_replay_gives_the_eager_logits(tiny_model_dir: Path) -> None:
-    runner = ModelRunner(
-        EngineConfig(model=str(tiny_model_dir), device="cpu", block_size=16, max_num_seqs=8)
+def _runner(model_dir: Path, impl: str) -> ModelRunner:
+    return ModelRunner(
+        EngineConfig(
+            model=str(model_dir), device="cpu", block_size=16, max_num_seqs=8, model_impl=impl
+        )
     )
+
+
+@pytest.mark.parametrize("impl", ["native", "transformers"])
+def test_a_padded_replay_gives_the_eager_logits(tiny_model_dir: Path, impl: str) -> None:
+    runner = _runner(tiny_model_dir, impl)
     runner.allocate_kv_cache(32)
     greedy = SamplingParams(temperature=0.0)
     prompts = [[5, 6, 7, 8, 9], list(range(10, 40)), [3]]
@@ -88,3 +104,25 @@ def test_a_padded_replay_gives_the_eager_logits(tiny_model_dir: Path) -> None:
         SchedulerOutput([ScheduledChunk("x", [1, 2], 0, [5], True, greedy, 0)], 2)
     )
     assert sum(r.replays for r in replays.values()) == 1
+
+
+def _capture_fails(self: DecodeGraphs) -> int:
+    raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def test_an_uncapturable_transformers_model_decodes_eagerly(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A host read inside transformers' code fails the capture: that model's decode steps
+    run eagerly (with a warning), while the same failure on the native path is raised."""
+    monkeypatch.setattr(DecodeGraphs, "capture", _capture_fails)
+    runner = _runner(tiny_model_dir, "transformers")
+    runner.allocate_kv_cache(8)
+    with caplog.at_level(logging.WARNING, logger="pdserve.engine.cuda_graphs"):
+        assert capture_decode_graphs(runner) is None
+    assert "decode steps run eagerly" in caplog.text
+    assert "not permitted when stream is capturing" in caplog.text
+    native = _runner(tiny_model_dir, "native")
+    native.allocate_kv_cache(8)
+    with pytest.raises(RuntimeError, match="stream is capturing"):
+        capture_decode_graphs(native)

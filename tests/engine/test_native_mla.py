@@ -3,8 +3,9 @@ against transformers itself (float32).
 
 Tiny random DeepSeek-V3 models built by transformers (q LoRA with interleaved rope and a
 dense first layer; and plain q, neox rope, yarn with DeepSeek's mscale, grouped routing
-over two shared experts) and a DeepSeek-V2 (softmax greedy routing, scaled, not
-renormalised; complex-number rope) load into pdserve's own class (``model_impl`` auto must pick it):
+over two shared experts) and two DeepSeek-V2s (softmax routing, greedy or group-limited
+(groups scored by their best expert), scaled, not renormalised; complex-number rope) load
+into pdserve's own class (``model_impl`` auto must pick it):
 greedy tokens must equal ``transformers.generate`` and logprobs be within 1e-4 of
 transformers' log-softmax, for prompts of 1 to 600 tokens joining at different steps,
 under the default budget and under a 32-token chunked-prefill budget with a pool small
@@ -59,6 +60,18 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "v2-softmax-greedy": ("deepseek-v2", {}),
+    # top_k above topk_group (as in DeepSeek-V2's 6 of 3 groups): otherwise the kept groups
+    # always hold the plain greedy choice.
+    "v2-group-limited": (
+        "deepseek-v2",
+        {
+            "topk_method": "group_limited_greedy",
+            "n_routed_experts": 12,
+            "num_experts_per_tok": 3,
+            "n_group": 4,
+            "topk_group": 2,
+        },
+    ),
 }
 
 
@@ -130,13 +143,13 @@ def test_low_precision_engine_runs_and_agrees_with_transformers(
     assert agree >= len(prompts) - 1, f"only {agree} of {len(prompts)} first tokens agree"
 
 
-def test_v2_group_limited_routing_is_refused_natively(tmp_path: Path) -> None:
+def test_v2_unknown_routing_method_is_refused_natively(tmp_path: Path) -> None:
     from pdserve.engine.loader import load_model_config
     from tests.engine.tiny_hf_models import tiny_config
 
-    config = tiny_config("deepseek-v2", topk_method="group_limited_greedy", n_group=2)
+    config = tiny_config("deepseek-v2", topk_method="noaux_tc", n_group=2)
     config.architectures = ["DeepseekV2ForCausalLM"]
     config.save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="group_limited_greedy.*model_impl='transformers'"):
+    with pytest.raises(ValueError, match="topk_method 'noaux_tc'.*group_limited_greedy"):
         load_model_config(tmp_path, "native")
     assert load_model_config(tmp_path, "transformers").impl == "transformers"

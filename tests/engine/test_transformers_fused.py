@@ -1,4 +1,5 @@
-"""The transformers path's fused RMSNorm and MLP give transformers' own outputs."""
+"""The transformers path's fused RMSNorm, MLP and q/k/v projections give transformers' own
+outputs."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ def _llama(dtype: torch.dtype, mlp_bias: bool = False) -> LlamaModel:
     config = LlamaConfig(
         vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, mlp_bias=mlp_bias,
+        attention_bias=mlp_bias,
     )  # fmt: skip
     model = LlamaModel(config).to(dtype).eval()
     with torch.no_grad():  # non-trivial norm weights and biases
@@ -31,9 +33,12 @@ def _llama(dtype: torch.dtype, mlp_bias: bool = False) -> LlamaModel:
 def test_fused_llama_hidden_states_equal_transformers_bf16(mlp_bias: bool) -> None:
     reference = _llama(torch.bfloat16, mlp_bias)
     fused = copy.deepcopy(reference)
-    assert fuse_modules(fused) == 2 * 2 + 1 + 2  # two norms a layer, the final norm, MLPs
+    # two norms a layer, the final norm, the MLPs and the attentions
+    assert fuse_modules(fused) == 2 * 2 + 1 + 2 + 2
     assert isinstance(fused.norm, FusedRMSNorm)
     assert isinstance(fused.layers[0].mlp, FusedMLP)
+    attn = fused.layers[0].self_attn
+    assert not hasattr(attn, "q_proj") and attn.qkv_proj.out_features == 64 + 2 * 32
     ids = torch.randint(0, 97, (1, 23))
     with torch.no_grad():
         want = reference(ids).last_hidden_state

@@ -111,6 +111,22 @@ def test_pack_linears_replaces_every_linear_and_keeps_tied_embeddings() -> None:
     torch.testing.assert_close(model["head"](x), expected)
 
 
+@needs_bf16
+def test_the_logits_projection_packs_into_a_float32_result_kernel() -> None:
+    if not native.bf16_linear_available():
+        pytest.skip("the native AVX512-BF16 kernel does not run here")
+    torch.manual_seed(1)
+    model = nn.ModuleDict({"lm_head": nn.Linear(64, 300, bias=False)}).to(torch.bfloat16)
+    weight = model["lm_head"].weight.detach().float()
+    assert pack_linears(model) == 1 and isinstance(model["lm_head"], Bf16Linear)
+    x = torch.randn(5, 64)
+    out = ops.linear_float32(x, model["lm_head"])
+    assert out.dtype == torch.float32
+    # float32 sums of x rounded once to bf16, never rounded to bf16 afterwards
+    want = F.linear(x.to(torch.bfloat16).float(), weight)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
 def test_float32_and_non_cpu_models_are_not_packed() -> None:
     model = nn.Sequential(nn.Linear(8, 8))
     assert not can_pack(torch.float32, CPU)

@@ -1,5 +1,6 @@
 """The fused MoE's CPU path against the per-expert reference, and the router against the
-routers of transformers' own Mixtral, Qwen3-MoE, gpt-oss and DeepSeek-V3 modelling code."""
+routers of transformers' own Mixtral, Qwen3-MoE, gpt-oss, DeepSeek-V3 and DeepSeek-V2
+modelling code."""
 
 from __future__ import annotations
 
@@ -80,6 +81,12 @@ def _hf_router(name: str, experts: int, top_k: int, **extra):  # type: ignore[no
         from transformers.models.gpt_oss.modeling_gpt_oss import GptOssTopKRouter as cls
 
         config = tf.GptOssConfig(num_local_experts=experts, num_experts_per_tok=top_k, **extra)
+    elif name == "deepseek-v2":
+        from transformers.models.deepseek_v2.modeling_deepseek_v2 import (
+            DeepseekV2TopkRouter as cls,
+        )
+
+        config = tf.DeepseekV2Config(n_routed_experts=experts, num_experts_per_tok=top_k, **extra)
     else:
         from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
             DeepseekV3TopkRouter as cls,
@@ -123,6 +130,31 @@ ROUTERS = [
         {"n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": False},
         {"scoring": "sigmoid"},
     ),
+    (
+        "deepseek-v2",
+        32,
+        6,
+        {
+            "topk_method": "group_limited_greedy",
+            "n_group": 8,
+            "topk_group": 3,
+            "routed_scaling_factor": 2.5,
+        },
+        {"num_groups": 8, "topk_groups": 3, "group_score": "max", "routed_scaling": 2.5},
+    ),
+    (
+        "deepseek-v2",
+        16,
+        4,
+        {
+            "topk_method": "group_limited_greedy",
+            "n_group": 4,
+            "topk_group": 1,
+            "routed_scaling_factor": 1.5,
+        },
+        {"num_groups": 4, "topk_groups": 1, "group_score": "max", "routed_scaling": 1.5},
+    ),
+    ("deepseek-v2", 16, 3, {"routed_scaling_factor": 1.5}, {"routed_scaling": 1.5}),
 ]
 
 
@@ -153,33 +185,60 @@ def test_router_config_refuses_impossible_choices() -> None:
         RouterConfig(num_experts=8, top_k=2, num_groups=4, topk_groups=5)
     with pytest.raises(ValueError, match="softmax"):
         RouterConfig(num_experts=8, top_k=2, scoring="sigmoid", softmax_after_topk=True)
+    with pytest.raises(ValueError, match="group_score"):
+        RouterConfig(num_experts=8, top_k=2, num_groups=4, group_score="mean")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="best 2"):  # V3 scores a group by its best two
+        RouterConfig(num_experts=8, top_k=2, num_groups=8, topk_groups=2)
+    RouterConfig(num_experts=8, top_k=2, num_groups=8, topk_groups=2, group_score="max")
     with pytest.raises(ValueError, match="logits"):
         select_experts(torch.zeros(3, 5), RouterConfig(num_experts=4, top_k=2))
 
 
-def test_deepseek_v3_moe_block_with_shared_experts_matches_transformers() -> None:
-    """Sigmoid grouped routing, routed scaling and two shared experts folded into the one
-    fused call give transformers' DeepseekV3MoE output."""
+# version -> (config overrides, our RouterConfig)
+MOE_BLOCKS = {
+    "v3": (
+        {"n_group": 4, "topk_group": 2, "norm_topk_prob": True},
+        RouterConfig(16, 4, "sigmoid", True, False, 4, 2, 2.5),
+    ),
+    "v2-group-limited": (
+        {"n_group": 4, "topk_group": 2, "topk_method": "group_limited_greedy"},
+        RouterConfig(16, 4, num_groups=4, topk_groups=2, routed_scaling=2.5, group_score="max"),
+    ),
+}
+
+
+@pytest.mark.parametrize("version", list(MOE_BLOCKS))
+def test_deepseek_moe_block_with_shared_experts_matches_transformers(version: str) -> None:
+    """DeepSeek routing (V3: sigmoid, grouped, bias, renormalised; V2: softmax,
+    group-limited, not renormalised), routed scaling and two shared experts folded into the
+    one fused call give transformers' DeepseekV3MoE / DeepseekV2Moe output."""
     import transformers as tf
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Moe
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
-    config = tf.DeepseekV3Config(
+    extra, cfg = MOE_BLOCKS[version]
+    config_cls, block_cls = (
+        (tf.DeepseekV3Config, DeepseekV3MoE)
+        if version == "v3"
+        else (tf.DeepseekV2Config, DeepseekV2Moe)
+    )
+    config = config_cls(
         hidden_size=32,
         moe_intermediate_size=16,
         n_routed_experts=16,
         num_experts_per_tok=4,
-        n_group=4,
-        topk_group=2,
         routed_scaling_factor=2.5,
-        norm_topk_prob=True,
         n_shared_experts=2,
+        **extra,
     )
-    block = DeepseekV3MoE(config).eval()
+    block = block_cls(config).eval()
     g = torch.Generator().manual_seed(11)
+    bias = getattr(block.gate, "e_score_correction_bias", None)
     with torch.no_grad():
         for param in block.parameters():
             param.copy_(torch.randn(param.shape, generator=g) * 0.3)
-        block.gate.e_score_correction_bias.copy_(torch.randn(16, generator=g) * 0.1)
+        if bias is not None:
+            bias.copy_(torch.randn(16, generator=g) * 0.1)
     x = torch.randn(1, 20, 32, generator=g)
     with torch.no_grad():
         want = block(x)[0]
@@ -190,11 +249,8 @@ def test_deepseek_v3_moe_block_with_shared_experts_matches_transformers() -> Non
     w13 = torch.cat([block.experts.gate_up_proj, torch.cat([sg, su], dim=1)]).detach()
     sd = shared.down_proj.weight.view(32, 2, inter).permute(1, 0, 2)
     w2 = torch.cat([block.experts.down_proj, sd]).detach()
-    cfg = RouterConfig(16, 4, "sigmoid", True, False, 4, 2, 2.5)
     rows = x[0]
-    weights, ids = select_experts(
-        rows @ block.gate.weight.t(), cfg, block.gate.e_score_correction_bias
-    )
+    weights, ids = select_experts(rows @ block.gate.weight.t(), cfg, bias)
     weights, ids = add_shared_experts(weights, ids, first_shared=16, num_shared=2)
     torch.testing.assert_close(fused_moe(rows, w13, w2, weights, ids), want, rtol=1e-5, atol=1e-5)
 

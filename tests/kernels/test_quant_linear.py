@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pdserve.kernels import quant_reference as R
+from pdserve.kernels.cpu import int8_native
 from pdserve.kernels.cpu.quant_linear import (
     DequantLinear,
     Int8Linear,
@@ -17,6 +18,11 @@ from pdserve.kernels.cpu.quant_linear import (
 )
 
 SHAPES = [(1, 64, 32), (7, 96, 40), (33, 256, 384)]  # (M, K, N): decode, odd, prefill-ish
+needs_native = pytest.mark.skipif(
+    not int8_native.available(), reason="the native int8 kernel needs AVX512-VNNI"
+)
+# Which GEMM an int8-planes module runs: its native kernel up to this many plane rows.
+PATHS = {"native": 1 << 30, "onednn": 0}
 
 
 def _case(m: int, k: int, n: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -41,13 +47,20 @@ def test_quantize_weight_round_trips_within_one_step(qdtype: torch.dtype, group:
     assert bool((err <= bound + 1e-7).all())
 
 
-@pytest.mark.parametrize(("m", "k", "n"), SHAPES)
+@pytest.mark.parametrize(("m", "k", "n"), [*SHAPES, (5, 97, 45)])  # last: K, N off the tiles
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_w8a8_matches_reference(m: int, k: int, n: int, dtype: torch.dtype):
+@pytest.mark.parametrize("path", [*sorted(PATHS), "torch"])
+def test_int8_w8a8_matches_reference(
+    m: int, k: int, n: int, dtype: torch.dtype, path: str, monkeypatch: pytest.MonkeyPatch
+):
     x, w, bias = _case(m, k, n)
     q, scale = R.quantize_weight(w, torch.int8)
     x = x.to(dtype)
-    out = Int8Linear(q, scale, bias)(x)
+    if path == "torch":  # what a CPU without the native kernel runs
+        monkeypatch.setattr(int8_native, "available", lambda: False)
+    layer = Int8Linear(q, scale, bias)
+    layer.native_rows = PATHS.get(path, 0)
+    out = layer(x)
     assert out.dtype == dtype and out.shape == (m, n)
     want = R.w8a8_linear(x, q, scale, bias)
     # int32 sums are exact; only the final rounding to the output dtype differs.
@@ -55,15 +68,22 @@ def test_int8_w8a8_matches_reference(m: int, k: int, n: int, dtype: torch.dtype)
     torch.testing.assert_close(out.float(), want, rtol=tol, atol=tol * want.abs().max().item())
 
 
-@pytest.mark.parametrize(("m", "k", "n"), [*SHAPES, (9, 4096, 300)])  # last: several tiles
+@pytest.mark.parametrize(("m", "k", "n"), [*SHAPES, (9, 4096, 300), (5, 97, 45)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_weight_only_matches_reference(m: int, k: int, n: int, dtype: torch.dtype):
+@pytest.mark.parametrize("path", [*sorted(PATHS), "torch"])
+def test_int8_weight_only_matches_reference(
+    m: int, k: int, n: int, dtype: torch.dtype, path: str, monkeypatch: pytest.MonkeyPatch
+):
     if not cpu_weight_only_supported(dtype):
         pytest.skip(f"_weight_int8pack_mm does not run {dtype} on this torch build")
     x, w, bias = _case(m, k, n)
     q, scale = R.quantize_weight(w, torch.int8)
     x = x.to(dtype)
-    out = Int8WeightOnlyLinear(q, scale, bias, dtype)(x)
+    if path == "torch":  # the widened-weight ops a CPU without the native kernel runs
+        monkeypatch.setattr(int8_native, "available", lambda: False)
+    layer = Int8WeightOnlyLinear(q, scale, bias, dtype)
+    layer.native_rows = PATHS.get(path, 0)
+    out = layer(x)
     want = R.weight_only_linear(x, q, scale, bias)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), want, rtol=tol, atol=tol * want.abs().max().item())
@@ -78,6 +98,26 @@ def test_dequant_linear_matches_reference(m: int, k: int, n: int, qdtype, group)
     out = DequantLinear(q, scale, bias)(x)
     want = R.weight_only_linear(x, q, scale, bias)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_planes_reconstruct_the_activations(dtype: torch.dtype):
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(6, 200, generator=g) * torch.logspace(-3, 2, 6).unsqueeze(1)).to(dtype)
+    x[2] = 0  # an all-zero row keeps a finite scale
+    # One plane is the reference's per-token quantization, bit for bit.
+    q1, s1 = int8_native.quantize(x, 1)
+    rq, rs = R.quantize_per_token_int8(x)
+    assert torch.equal(q1, rq) and torch.equal(s1, rs)
+    amax = x.float().abs().amax(-1)
+    # Two planes: half the second step; three: down to float32 rounding of the residuals.
+    for planes, bound in [(2, 1 / 64516), (3, 2.0**-22)]:
+        q, s = int8_native.quantize(x, planes)
+        assert torch.equal(q[::planes], rq)  # the first plane of each row is the same
+        back = (q.float() * s).view(6, planes, 200).sum(1)
+        err = (back - x.float()).abs().amax(-1)
+        assert bool((err <= amax * bound * 1.01).all()), (planes, err / amax)
 
 
 def test_w8a8_is_close_to_the_float_layer():
