@@ -18,8 +18,7 @@ import torch
 from pdserve.engine.gemma_config import GEMMA_ARCHITECTURES, GemmaConfig
 from pdserve.engine.kv_layout import KVLayerSpec
 from pdserve.engine.quantization import QuantScheme, read_quantization_config
-from pdserve.kernels.moe_ops import ClampedSwiGLU
-from pdserve.kernels.ops import can_pack
+from pdserve.kernels.ops import ClampedSwiGLU, can_pack
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from pdserve.engine.deepseek_config import MLAConfig

@@ -31,7 +31,13 @@ from pdserve.kernels.cpu.cpus import RuntimeInfo, RuntimeSettings
 from pdserve.kernels.cpu.linear import can_pack, pack_linears, packed_linear_float32
 from pdserve.kernels.cpu.runtime import MMAP_THRESHOLD, CpuRuntime, single_threaded_copies
 from pdserve.kernels.kv_quant import is_quantized_kv, kv_qmax
-from pdserve.kernels.moe_ops import RouterConfig, add_shared_experts, fused_moe, select_experts
+from pdserve.kernels.moe_ops import (
+    ClampedSwiGLU,
+    RouterConfig,
+    add_shared_experts,
+    fused_moe,
+    select_experts,
+)
 from pdserve.kernels.quant_ops import Activations, make_quantized_linear
 
 __all__ = [
@@ -39,6 +45,7 @@ __all__ = [
     "make_quantized_linear",
     "quant_reference",
     "DeviceRuntime",
+    "ClampedSwiGLU",
     "RouterConfig",
     "add_shared_experts",
     "RuntimeInfo",
