@@ -19,20 +19,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.loader import load_model_config
-from tests.engine.tiny_hf_models import build_tiny_model
 from tests.engine.transformers_reference import (
     ARRIVALS,
     PREEMPT_ARRIVALS,
     Reference,
-    assert_first_tokens_agree,
+    assert_bf16_first_tokens_agree,
     check_schedule,
-    load_reference,
     small_pool_config,
+    tiny_model_and_reference,
 )
 
 NUM_NEW = 16
@@ -60,10 +58,9 @@ def hf_model(
     request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[Path, Reference]:
     spec, extra = MODELS[request.param]
-    model_dir = build_tiny_model(
-        spec, tmp_path_factory.mktemp(request.param), tiny_model_dir, **extra
+    return tiny_model_and_reference(
+        request.param, spec, extra, tiny_model_dir, tmp_path_factory.mktemp("models")
     )
-    return model_dir, load_reference(model_dir)
 
 
 def test_default_schedule_matches_transformers(hf_model) -> None:
@@ -158,6 +155,4 @@ def test_bfloat16_engine_agrees_with_float32(hf_model) -> None:
     scale rounded to bf16 as transformers does): the first greedy token agrees with
     transformers' float32 on all but at most one prompt."""
     model_dir, ref = hf_model
-    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="bfloat16"))
-    assert engine.runner.model_config.dtype == torch.bfloat16
-    assert_first_tokens_agree(engine, ref)
+    assert_bf16_first_tokens_agree(str(model_dir), ref)

@@ -31,6 +31,8 @@ from tests.engine.transformers_reference import (
     check_native_engine,
     make_prompt,
     run,
+    small_pool_config,
+    tiny_model_and_reference,
 )
 
 NUM_NEW = 16
@@ -79,14 +81,10 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
 def hf_model(
     request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[Path, Reference]:
-    from transformers import AutoModelForCausalLM
-
     spec, extra = MODELS[request.param]
-    model_dir = build_tiny_model(
-        spec, tmp_path_factory.mktemp(request.param), tiny_model_dir, **extra
+    return tiny_model_and_reference(
+        request.param, spec, extra, tiny_model_dir, tmp_path_factory.mktemp("models")
     )
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    return model_dir, Reference(hf, hf.config.vocab_size)
 
 
 def _check(engine: LLMEngine, ref: Reference, schedule: list[tuple[int, int]]) -> None:
@@ -104,10 +102,7 @@ def test_default_schedule_matches_transformers(hf_model) -> None:
 
 def test_chunked_prefill_and_preemption_match_transformers(hf_model) -> None:
     model_dir, ref = hf_model
-    config = EngineConfig(
-        model=str(model_dir), num_kv_blocks=40, max_model_len=640, max_num_batched_tokens=32
-    )
-    engine = LLMEngine(config)
+    engine = LLMEngine(small_pool_config(model_dir))
     _check(engine, ref, PREEMPT_ARRIVALS)
     assert engine.stats().num_preemptions > 0, "the pool was meant to force preemption"
 

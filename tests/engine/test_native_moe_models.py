@@ -27,8 +27,8 @@ from tests.engine.transformers_reference import (
     Reference,
     assert_bf16_first_tokens_agree,
     check_native_engine,
-    load_reference,
     small_pool_config,
+    tiny_model_and_reference,
 )
 
 NUM_NEW = 16
@@ -46,10 +46,9 @@ def hf_model(
     request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[Path, Reference]:
     spec, extra = MODELS[request.param]
-    model_dir = build_tiny_model(
-        spec, tmp_path_factory.mktemp(request.param), tiny_model_dir, **extra
+    return tiny_model_and_reference(
+        request.param, spec, extra, tiny_model_dir, tmp_path_factory.mktemp("models")
     )
-    return model_dir, load_reference(model_dir)
 
 
 def _check(engine: LLMEngine, ref: Reference, schedule: list[tuple[int, int]]) -> None:

@@ -118,6 +118,17 @@ def load_reference(model_dir: Path) -> Reference:
     return Reference(hf, hf.config.vocab_size)
 
 
+def tiny_model_and_reference(
+    name: str, spec: str, overrides: dict, tiny_model_dir: Path, tmp_root: Path
+) -> tuple[Path, Reference]:
+    """A tiny random ``spec`` model built by transformers (with ``overrides``) under
+    ``tmp_root/name``, and transformers' float32 model of it as the oracle."""
+    from tests.engine.tiny_hf_models import build_tiny_model
+
+    model_dir = build_tiny_model(spec, tmp_root / name, tiny_model_dir, **overrides)
+    return model_dir, load_reference(model_dir)
+
+
 def check_schedule(
     engine: LLMEngine, ref: Reference, schedule: list[tuple[int, int]], num_new: int, impl: str
 ) -> None:
