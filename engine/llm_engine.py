@@ -27,6 +27,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import SampledTokenLike, Scheduler
 from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.engine.stats import EngineStats, ThroughputMeter
+from pdserve.engine.window_kv import WindowKV, WindowLayout
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -150,8 +151,18 @@ class LLMEngine:
             )
         elif kv_connector is not None:
             kv_connector.register_kv_caches(self.kv_cache, self.model_config.kv_identity)
+        # The window layers' own pool, where the runner keeps one (engine/window_kv.py).
+        self.window_layout: WindowLayout | None = getattr(model_runner, "window_layout", None)
+        window = None
+        if self.window_layout is not None:
+            window = WindowKV(
+                self.window_layout.window,
+                config.block_size,
+                self.window_layout.num_blocks,
+                config.enable_prefix_caching,
+            )
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, config.block_size, config.enable_prefix_caching
+            num_blocks, config.block_size, config.enable_prefix_caching, window
         )
         # The prefix cache's stored/evicted block hashes, drained by the serving layer.
         self.kv_events = KVEventLog()
@@ -251,6 +262,12 @@ class LLMEngine:
         Returns the destination block ids in prompt order, or None when the pool has no
         room now (nothing is held then).
         """
+        if self.window_layout is not None:
+            raise ValueError(
+                "this engine keeps its window layers' KV in a pool of their own, which the "
+                "KV hand-off does not fill: build it with window_kv_pool=False (or a KV "
+                "connector) to receive remote prefills"
+            )
         request = self._make_request(request_id, prompt_token_ids, params, False, arrival_time)
         return self.scheduler.reserve_remote_prefill(request)
 
