@@ -98,8 +98,11 @@ class LLMEngine:
         """``kv_cache_allocator_factory`` / ``kv_agent_factory`` (picklable callables)
         build the KV allocator and KV agent of ranks 1..tp-1 under tensor parallelism
         (``pdserve.engine.tp_executor``)."""
-        self.config = config
         kv_connector = checked_connector(kv_connector)
+        if kv_connector is not None and config.window_kv_pool:
+            # The hand-off moves one pool of every layer: window layers keep all their KV.
+            config = config.model_copy(update={"window_kv_pool": False})
+        self.config = config
         if model_runner is None and config.tensor_parallel_size > 1:
             from pdserve.engine.loader import load_model_config
             from pdserve.engine.model_runner import check_transformers_path
@@ -428,13 +431,15 @@ class LLMEngine:
             return 0
         bs = manager.block_size
         parent = NO_PARENT_HASH
-        cached = 0
+        hashes: list[int] = []
         for i in range((len(token_ids) - 1) // bs):
             parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs])
             if manager.pool.lookup(parent) is None:
                 break
-            cached += bs
-        return cached
+            hashes.append(parent)
+        if manager.window is not None:  # as far as the window pool holds the window too
+            return manager.window.usable_hit(hashes, len(hashes)) * bs
+        return len(hashes) * bs
 
     def generate(
         self,
@@ -511,6 +516,8 @@ class LLMEngine:
             prefix_cache_hits=kv.prefix_cache_hits,
             num_prompt_tokens=s.num_prompt_tokens_computed,
             num_generation_tokens=s.num_generated_tokens,
+            num_window_free_blocks=kv.window.pool.num_free_blocks if kv.window else 0,
+            num_window_total_blocks=kv.window.pool.num_blocks - 1 if kv.window else 0,
         )
 
     def check_integrity(self) -> None:

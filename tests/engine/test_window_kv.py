@@ -179,10 +179,27 @@ def test_a_shared_prefix_longer_than_the_window_hits_and_matches(window_model) -
     first = prefix + make_prompt(20, seed=22, vocab=ref.vocab_size)
     second = prefix + make_prompt(37, seed=23, vocab=ref.vocab_size)
     final = run(engine, [(0, "first", first)], num_new=NUM_NEW)
+    assert engine.cached_prefix_tokens(second) == 400
     final |= run(engine, [(0, "second", second)], num_new=NUM_NEW)
     window = engine.kv_cache_manager.window
     assert window is not None
-    assert final["second"].num_cached_tokens >= 400 - B > window.window
+    assert final["second"].num_cached_tokens == 400 > window.window
     assert_matches(ref, first, final["first"], NUM_NEW)
     assert_matches(ref, second, final["second"], NUM_NEW)
     assert_clean(engine)
+
+
+def test_off_every_layer_keeps_the_whole_sequence(window_model) -> None:
+    """``window_kv_pool=False`` (what a KV connector implies): one pool of every layer, the
+    layout the P/D hand-off moves; a window-pool engine refuses a remote prefill."""
+    model_dir, ref = window_model
+    engine = LLMEngine(EngineConfig(model=str(model_dir), window_kv_pool=False))
+    assert engine.window_layout is None and engine.kv_cache_manager.window is None
+    assert engine.kv_cache.shape[0] == engine.runner.model_config.num_layers
+    check_schedule(engine, ref, SCHEDULE[:2], 8, "native")
+    windowed = _window_engine(EngineConfig(model=str(model_dir)))
+    with pytest.raises(ValueError, match="window_kv_pool=False"):
+        windowed.reserve_remote_prefill("remote", [5] * 40)
+    stats = windowed.stats()
+    assert stats.num_window_total_blocks == windowed.kv_cache_manager.window.pool.num_blocks - 1
+    assert stats.num_window_free_blocks == stats.num_window_total_blocks
