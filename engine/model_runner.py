@@ -37,7 +37,7 @@ from pdserve.engine.quantization import at_load_scheme, pack_quantized, quantize
 from pdserve.engine.sampler import SampledToken, Sampler, SamplingRow
 from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.engine.staging import StepStaging
-from pdserve.engine.window_kv import WindowLayout, plan_window_layout
+from pdserve.engine.window_kv import NULL_BLOCK, WindowLayout, plan_window_layout
 from pdserve.kernels import ops
 from pdserve.kernels.ops import DeviceRuntime, RuntimeSettings, make_runtime, pack_linears
 
@@ -321,6 +321,9 @@ class ModelRunner:
         if self.window_layout is not None:
             shape = self.window_cache_shape(self.window_layout.num_blocks)
             self.window_kv_cache = self._allocate(shape)
+            # Out-of-window table entries point at the null block: finite, whatever the
+            # allocator returned (the kernels mask it, and 0 * NaN would not be 0).
+            self.window_kv_cache[:, :, NULL_BLOCK].zero_()
         return self.kv_cache
 
     def _allocate(self, shape: tuple[int, ...]) -> torch.Tensor:
