@@ -351,8 +351,7 @@ class ModelRunner:
         captured = 0
         # Tensor parallel steps run eagerly: capturing c10d's NCCL collectives in a graph
         # is not supported the way vLLM's own communicator is.
-        # The graphs' static inputs hold one block table: window pools run eagerly.
-        if self.config.cuda_graphs and self.tp.size == 1 and self.window_layout is None:
+        if self.config.cuda_graphs and self.tp.size == 1:
             from pdserve.engine.cuda_graphs import capture_decode_graphs
 
             self.decode_graphs = capture_decode_graphs(self)
