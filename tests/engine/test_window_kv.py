@@ -203,3 +203,18 @@ def test_off_every_layer_keeps_the_whole_sequence(window_model) -> None:
     stats = windowed.stats()
     assert stats.num_window_total_blocks == windowed.kv_cache_manager.window.pool.num_blocks - 1
     assert stats.num_window_free_blocks == stats.num_window_total_blocks
+
+
+def test_a_pool_sized_for_the_seats_alone_serves_long_requests(window_model) -> None:
+    """Two seats, 32-token chunks: the window pool has just the blocks two sequences'
+    windows need, and long requests queued behind each other still finish and match."""
+    model_dir, ref = window_model
+    config = EngineConfig(
+        model=str(model_dir), max_num_seqs=2, max_num_batched_tokens=32, num_kv_blocks=120
+    )
+    engine = _window_engine(config)
+    window = engine.kv_cache_manager.window
+    assert window is not None
+    per_seq = cdiv(window.window, B) + 2
+    assert window.pool.num_blocks == 2 * per_seq + 32 // B + 1
+    check_schedule(engine, ref, [(0, 300), (0, 250), (1, 170), (2, 9)], 40, "native")
