@@ -90,12 +90,19 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         computed_block_ids: Sequence[int] = (),
+        *,
+        window_start: int | None = None,
     ) -> list[int] | None:
         """Make the block table cover computed + prefix-hit + ``num_new_tokens`` tokens.
 
         Returns the newly allocated block ids (possibly empty), or None when the pool cannot
         supply them; on None neither the request nor the pool changed, except that window
         blocks already out of the request's window may have been released.
+
+        ``window_start``: with a window pool, its table covers only the window of that
+        position (earlier entries ``NULL_BLOCK``) instead of every new token's; a remote
+        prefill passes the prompt's length, as only the first decoded token's window is
+        received.
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
@@ -109,7 +116,10 @@ class KVCacheManager:
         num_revived = sum(1 for b in computed_block_ids if self.pool.is_evictable(b))
         if num_needed + num_revived > self.pool.num_free_blocks:
             return None
-        window_hits = self._window_room(request, start, num_tokens, len(computed_block_ids))
+        skip = 0
+        if self.window is not None and window_start is not None:
+            skip = min(self.window.first_needed_block(window_start), num_needed + num_have)
+        window_hits = self._window_room(request, start, num_tokens, len(computed_block_ids), skip)
         if window_hits is None:
             return None
         if computed_block_ids:
@@ -120,15 +130,16 @@ class KVCacheManager:
         assert new_blocks is not None  # guarded by the free-count check above
         request.block_ids.extend(new_blocks)
         if self.window is not None:
-            self.window.extend(request, window_hits, len(request.block_ids))
+            self.window.extend(request, window_hits, len(request.block_ids), skip)
         return new_blocks
 
     def _window_room(
-        self, request: Request, start: int, num_tokens: int, num_hit_blocks: int
+        self, request: Request, start: int, num_tokens: int, num_hit_blocks: int, skip: int = 0
     ) -> list[int] | None:
         """The window table a prefix hit brings ([] without one), or None when the window
         pool cannot supply the blocks up to ``num_tokens``. Releases the blocks already
-        out of the window of ``start`` first (they are never needed again)."""
+        out of the window of ``start`` first (they are never needed again). Entries
+        before ``skip`` stay ``NULL_BLOCK`` (hits there are not taken)."""
         window = self.window
         if window is None:
             return []
@@ -140,10 +151,12 @@ class KVCacheManager:
                     f"request {request.request_id}: its prefix hit has no window blocks "
                     "(get_computed_blocks shortens it; the pool changed in between)"
                 )
-            hits = found
+            from pdserve.engine.window_kv import NULL_BLOCK  # window_kv imports this module
+
+            hits = [NULL_BLOCK if i < skip else b for i, b in enumerate(found)]
         else:
             window.release(request, start)
-        have = len(request.window_block_ids) + len(hits)
+        have = max(len(request.window_block_ids) + len(hits), skip)
         needed = max(0, self.num_blocks_for(num_tokens) - have)
         revived = sum(1 for b in set(hits) if window.pool.is_evictable(b))
         if needed + revived > window.pool.num_free_blocks:

@@ -54,6 +54,9 @@ class PendingSend:
     block_offset: int = 0
     final: bool = True
     cancel: bool = False
+    # With a window pool (``WindowKVConnector``): the window table's entries of the same
+    # blocks (``NULL_BLOCK`` where the window no longer reaches); None without one.
+    window_block_ids: list[int] | None = None
 
     @property
     def first(self) -> bool:
@@ -137,6 +140,37 @@ class KVConnectorWorker(Protocol):
 @runtime_checkable
 class KVConnector(KVConnectorScheduler, KVConnectorWorker, Protocol):
     """Both halves: what ``LLMEngine`` is given as ``kv_connector``."""
+
+
+@runtime_checkable
+class WindowKVConnector(Protocol):
+    """A connector that moves a window pool (``engine/window_kv.py``) as well: the engine
+    keeps its window layers' KV in a pool of their own only with such a connector (or
+    none), registers that pool too, and announces each send's window table entries; the
+    model then calls ``layer_computed`` with the layer's own ``[2, N, B, Hkv, D]`` tensor
+    (full layers: a slice of ``kv_cache``, window layers: of the window pool)."""
+
+    moves_window_pool: bool
+
+    def register_window_kv_caches(
+        self,
+        window_kv_cache: torch.Tensor,
+        model_name: str,
+        *,
+        layers: tuple[int, ...],
+        window: int,
+    ) -> None:
+        """The window pool ``[L_window, 2, N_w, B, Hkv, D]`` holding decoder layers
+        ``layers`` (ascending; the others are ``kv_cache``'s, in order), which keep the
+        last ``window`` tokens. Called right after ``register_kv_caches``."""
+
+
+def moves_window_pool(connector: object) -> bool:
+    """Whether the engine may keep a window pool beside ``connector`` (None: no
+    connector, so yes)."""
+    if connector is None:
+        return True
+    return isinstance(connector, WindowKVConnector) and bool(connector.moves_window_pool)
 
 
 class QuantizedKVConnector(Protocol):

@@ -18,7 +18,12 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 from pdserve.engine.block_pool import NO_PARENT_HASH, hash_block_tokens
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache_manager import KVCacheManager
-from pdserve.engine.kv_connector import KVConnector, QuantizedKVConnector
+from pdserve.engine.kv_connector import (
+    KVConnector,
+    QuantizedKVConnector,
+    WindowKVConnector,
+    moves_window_pool,
+)
 from pdserve.engine.kv_events import KVEventLog
 from pdserve.engine.output_processor import prior_streamed_text
 from pdserve.engine.outputs import RequestOutput, TokenLogprob
@@ -27,7 +32,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import SampledTokenLike, Scheduler
 from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.engine.stats import EngineStats, ThroughputMeter
-from pdserve.engine.window_kv import WindowKV, WindowLayout
+from pdserve.engine.window_kv import NULL_BLOCK, WindowKV, WindowLayout
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -99,8 +104,8 @@ class LLMEngine:
         build the KV allocator and KV agent of ranks 1..tp-1 under tensor parallelism
         (``pdserve.engine.tp_executor``)."""
         kv_connector = checked_connector(kv_connector)
-        if kv_connector is not None and config.window_kv_pool:
-            # The hand-off moves one pool of every layer: window layers keep all their KV.
+        if not moves_window_pool(kv_connector) and config.window_kv_pool:
+            # This hand-off moves one pool of every layer: window layers keep all their KV.
             config = config.model_copy(update={"window_kv_pool": False})
         self.config = config
         if model_runner is None and config.tensor_parallel_size > 1:
@@ -164,6 +169,14 @@ class LLMEngine:
                 self.window_layout.num_blocks,
                 config.enable_prefix_caching,
             )
+            window_pool = getattr(model_runner, "window_kv_cache", None)
+            if kv_connector is not None and window_pool is not None:  # moves_window_pool
+                cast(WindowKVConnector, kv_connector).register_window_kv_caches(
+                    window_pool,
+                    self.model_config.kv_identity,
+                    layers=self.window_layout.layers,
+                    window=self.window_layout.window,
+                )
         self.kv_cache_manager = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching, window
         )
@@ -259,20 +272,39 @@ class LLMEngine:
         params: SamplingParams | None = None,
         *,
         arrival_time: float | None = None,
+        receives_window_pool: bool = False,
     ) -> list[int] | None:
         """Decode role: reserve blocks for the prompt whose KV another engine computes.
 
         Returns the destination block ids in prompt order, or None when the pool has no
-        room now (nothing is held then).
+        room now (nothing is held then). An engine with a window pool
+        (``window_layout``) also reserves the window layers' blocks of the first decoded
+        token's window only: ``remote_window_blocks`` says which; the caller
+        (``receives_window_pool=True``) fills both, else this is refused.
         """
-        if self.window_layout is not None:
+        if self.window_layout is not None and not receives_window_pool:
             raise ValueError(
-                "this engine keeps its window layers' KV in a pool of their own, which the "
-                "KV hand-off does not fill: build it with window_kv_pool=False (or a KV "
-                "connector) to receive remote prefills"
+                "this engine keeps its window layers' KV in a pool of their own: pass "
+                "receives_window_pool=True and fill remote_window_blocks() too (a window "
+                "pool hand-off), or build it with window_kv_pool=False"
             )
         request = self._make_request(request_id, prompt_token_ids, params, False, arrival_time)
         return self.scheduler.reserve_remote_prefill(request)
+
+    def remote_window_blocks(self, request_id: str) -> tuple[int, list[int]]:
+        """A reserved remote prefill's window pool blocks: the index of the first prompt
+        block whose window-layer KV is received and the window blocks from there to the
+        prompt's end (the entries before are ``NULL_BLOCK``: never received, never read).
+        ValueError without a window pool or such a reservation."""
+        request = self.scheduler.remote.get(request_id)
+        if self.window_layout is None or request is None:
+            raise ValueError(f"request {request_id!r}: no window pool reservation")
+        table = request.window_block_ids
+        first = next((i for i, b in enumerate(table) if b != NULL_BLOCK), len(table))
+        # Blocks of a prefix hit are held already (a delta hand-off starts after them).
+        first = max(first, request.num_computed_tokens // self.kv_cache_manager.block_size)
+        end = self.kv_cache_manager.num_blocks_for(request.num_prompt_tokens)
+        return first, list(table[first:end])
 
     def complete_remote_prefill(
         self,

@@ -20,7 +20,7 @@ import torch
 from pdserve.engine import memory_profile
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.grammar import GrammarBackend
-from pdserve.engine.kv_connector import KVConnector
+from pdserve.engine.kv_connector import KVConnector, moves_window_pool
 from pdserve.engine.kv_scales import kv_cache_torch_dtype, resolve_kv_scales
 from pdserve.engine.loader import (
     ModelConfig,
@@ -189,12 +189,13 @@ class ModelRunner:
 
     def _plan_window_layout(self) -> WindowLayout | None:
         """The window pool where the model mixes window and full layers and nothing needs
-        one pool of every layer (a KV connector, tensor parallel ranks, scaled KV)."""
+        one pool of every layer (a KV connector that moves one pool, tensor parallel
+        ranks, scaled KV)."""
         config = self.config
         if (
             not config.window_kv_pool
             or not isinstance(self.model, LlamaForCausalLM)
-            or self.kv_connector is not None
+            or not moves_window_pool(self.kv_connector)
             or self.tp.size > 1
             or self.kv_scales is not None
         ):

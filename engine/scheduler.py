@@ -165,7 +165,9 @@ class Scheduler:
                     f"its {request.num_prompt_tokens - num_computed} uncomputed prompt tokens; "
                     "a remote prefill must cover all of them"
                 )
-        if self.kv.allocate_slots(request, num_external, hits) is None:
+        # A window pool receives only the window of the first decoded token.
+        window_start = request.num_prompt_tokens
+        if self.kv.allocate_slots(request, num_external, hits, window_start=window_start) is None:
             return None
         if connector is not None and self.kv.enable_prefix_caching:
             self.kv.record_prefix_lookup(request.num_prompt_tokens, num_computed)
@@ -344,6 +346,11 @@ class Scheduler:
             request.num_prompt_tokens,
             block_offset=announced,
             final=final,
+            window_block_ids=(
+                list(request.window_block_ids[announced:complete])
+                if self.kv.window is not None
+                else None
+            ),
         )
 
     def _admit_waiting(

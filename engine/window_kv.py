@@ -137,11 +137,14 @@ class WindowKV:
             num_blocks -= 1
         return num_blocks
 
-    def extend(self, request: Request, hits: Sequence[int], length: int) -> None:
+    def extend(self, request: Request, hits: Sequence[int], length: int, skip: int = 0) -> None:
         """Append a prefix hit's window table (``lookup``; one more reference on each of
-        its blocks) and new blocks up to ``length`` entries; the caller checked the room."""
+        its blocks), ``NULL_BLOCK`` entries up to ``skip`` and new blocks up to ``length``
+        entries; the caller checked the room."""
         self.pool.touch(b for b in hits if b != NULL_BLOCK)
         request.window_block_ids.extend(hits)
+        pad = min(skip, length) - len(request.window_block_ids)
+        request.window_block_ids.extend([NULL_BLOCK] * max(0, pad))
         new = self.pool.allocate(length - len(request.window_block_ids))
         assert new is not None  # the caller checked num_free_blocks
         request.window_block_ids.extend(new)

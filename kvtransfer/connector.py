@@ -22,6 +22,13 @@ Delta hand-off: a target whose ``first_block`` is k says the decode side already
 prompt's first k blocks (its prefix cache); only the blocks from k on are sent, and the
 transfer opens at the first step that completes one of them.
 
+Window pool (``window_pool=True``, ``engine.kv_connector.WindowKVConnector``): an engine
+whose window layers keep only their window's KV in a pool of their own registers that pool
+too; a second connector of this class streams it, to a second target per request (the decode
+side's window pool) whose ``first_block`` is the first block the first decoded token's
+window reaches, so only those blocks of the window layers move. The request is finished
+once both transfers ended; its result merges theirs.
+
 Its scheduler half has nothing to do: a prefill engine loads no KV from elsewhere. The
 decode side's connector is ``pdserve.kvtransfer.decode_connector.DecodeKVConnector``.
 """
@@ -62,9 +69,16 @@ class PrefillKVConnector(NoExternalLoads):
         config: KVTransferConfig | None = None,
         *,
         observer: TransferObserver | None = None,
+        window_pool: bool = False,
     ) -> None:
         self.config = config
         self.observer = observer
+        # Whether the engine may keep a window pool (WindowKVConnector): the decode side
+        # must then receive one too.
+        self.moves_window_pool = window_pool
+        self._window: PrefillKVConnector | None = None  # streams the window pool
+        self._layer_map: list[tuple[bool, int]] | None = None  # layer -> (window?, index)
+        self._halves: dict[str, int] = {}  # requests one of whose two transfers ended
         self._sender: KVSender | None = None
         self._lock = threading.Lock()
         self._targets: dict[str, tuple[KVTarget, ...]] = {}
@@ -82,9 +96,23 @@ class PrefillKVConnector(NoExternalLoads):
         return self._sender
 
     # ---- serving-layer side
-    def register_target(self, request_id: str, target: KVTarget | Sequence[KVTarget]) -> None:
+    def register_target(
+        self,
+        request_id: str,
+        target: KVTarget | Sequence[KVTarget],
+        *,
+        window_target: KVTarget | None = None,
+    ) -> None:
         """Say where request ``request_id``'s KV goes (call before adding the request): one
-        target, or one per rank of a tensor-parallel decode replica."""
+        target, or one per rank of a tensor-parallel decode replica; with a window pool
+        registered, ``window_target`` (required then) is where its window blocks go."""
+        if (window_target is None) != (self._window is None):
+            raise ValueError(
+                "window_target: required exactly when the engine registered a window pool "
+                f"(this connector {'has' if self._window else 'has none'})"
+            )
+        if self._window is not None and window_target is not None:
+            self._window.register_target(request_id, window_target)
         targets = (target,) if isinstance(target, KVTarget) else tuple(target)
         if not targets:
             raise ValueError(f"target: no KVTarget given for request {request_id!r}")
@@ -99,15 +127,23 @@ class PrefillKVConnector(NoExternalLoads):
     def unregister_target(self, request_id: str) -> None:
         with self._lock:
             self._targets.pop(request_id, None)
+        if self._window is not None:
+            self._window.unregister_target(request_id)
 
     def take_result(self, request_id: str, timeout: float | None = None) -> TransferResult | None:
         """The request's transfer result once it ended (waits up to ``timeout``)."""
-        return self._results.take(request_id, timeout)
+        result = self._results.take(request_id, timeout)
+        if self._window is None or result is None:
+            return result
+        window = self._window.take_result(request_id, timeout)
+        return result if window is None else merge_results(request_id, [result, window])
 
     def close(self) -> None:
         """Close the sender's connections (idempotent; nothing to do before a pool)."""
         if self._sender is not None:
             self._sender.close()
+        if self._window is not None:
+            self._window.close()
 
     # ---- engine side: worker half (KVConnectorWorker)
     def register_kv_caches(
@@ -131,7 +167,38 @@ class PrefillKVConnector(NoExternalLoads):
             observer=self.observer,
         )
 
+    def register_window_kv_caches(
+        self,
+        window_kv_cache: torch.Tensor,
+        model_name: str,
+        *,
+        layers: tuple[int, ...],
+        window: int,
+    ) -> None:
+        """The engine's window pool (``WindowKVConnector``), streamed by a connector of its
+        own under the identity ``window_identity(model_name, window)``."""
+        if not self.moves_window_pool:
+            raise ValueError("a window pool needs PrefillKVConnector(window_pool=True)")
+        if self._window is not None:
+            raise RuntimeError("a window pool is already registered with this connector")
+        total = self.sender.layout.num_layers + len(layers)
+        members = set(layers)
+        if len(members) != len(layers) or not members <= set(range(total)):
+            raise ValueError(f"layers: {layers} are not distinct layers of {total}")
+        full = [i for i in range(total) if i not in members]
+        self._layer_map = [
+            (True, layers.index(i)) if i in members else (False, full.index(i))
+            for i in range(total)
+        ]
+        self._window = PrefillKVConnector(self.config, observer=self.observer)
+        self._window.register_kv_caches(window_kv_cache, window_identity(model_name, window))
+
     def begin_step(self, sends: list[PendingSend]) -> None:
+        if self._window is not None:
+            self._window.begin_step([_window_part(s) for s in sends])
+        self._begin_own(sends)
+
+    def _begin_own(self, sends: list[PendingSend]) -> None:
         step: list[tuple[SendHandle, range]] = []
         for send in sends:
             rid = send.request_id
@@ -242,6 +309,12 @@ class PrefillKVConnector(NoExternalLoads):
         return opened
 
     def layer_computed(self, layer_idx: int, kv_cache: torch.Tensor) -> None:
+        if self._layer_map is not None:  # kv_cache is the layer's own tensor then
+            in_window, layer_idx = self._layer_map[layer_idx]
+            if in_window:
+                assert self._window is not None
+                self._window.layer_computed(layer_idx, kv_cache)
+                return
         for handle, span in self._step:
             self.sender.send_layer(handle, layer_idx, kv_cache, span)
 
@@ -251,10 +324,25 @@ class PrefillKVConnector(NoExternalLoads):
         with self._lock:
             begun, self._in_step = self._in_step, set()
             self._step = []
-        return self._collect(exclude=begun)
+        own = self._collect(exclude=begun)
+        return self._both_halves(own, self._window.end_step() if self._window else None)
 
     def poll_finished(self) -> list[str]:
-        return self._collect(exclude=set())
+        own = self._collect(exclude=set())
+        return self._both_halves(own, self._window.poll_finished() if self._window else None)
+
+    def _both_halves(self, own: list[str], window: list[str] | None) -> list[str]:
+        """With a window pool, the requests whose full-pool and window transfers have both
+        ended (each half reports a request once)."""
+        if window is None:
+            return own
+        done = []
+        for rid in own + window:
+            if self._halves.pop(rid, 0):
+                done.append(rid)
+            else:
+                self._halves[rid] = 1
+        return done
 
     def _collect(self, exclude: set[str]) -> list[str]:
         now = time.time()
@@ -308,3 +396,22 @@ def _trim_held(send: PendingSend, held: int) -> PendingSend | None:
     return dataclasses.replace(
         send, block_ids=send.block_ids[drop:], block_offset=send.block_offset + drop - held
     )
+
+
+def window_identity(model_name: str, window: int) -> str:
+    """The identity a window pool's blocks are sent under (the decode side's window pool
+    registers the same): never confused with a pool of every layer."""
+    return f"{model_name} (window layers, last {window} tokens)"
+
+
+def _window_part(send: PendingSend) -> PendingSend:
+    """The window pool's side of a step's send: the same blocks' window table entries
+    (the target's ``first_block`` then drops those the window no longer reaches)."""
+    if send.cancel:
+        return send
+    if send.window_block_ids is None or len(send.window_block_ids) != len(send.block_ids):
+        raise ValueError(
+            f"request {send.request_id!r}: the engine announced no window table entries for "
+            "its blocks, but registered a window pool"
+        )
+    return dataclasses.replace(send, block_ids=list(send.window_block_ids), window_block_ids=None)

@@ -314,9 +314,10 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             x, residual = layer(positions, x, residual, kv_cache[i], rope[i], meta)
             if kv_connector is not None:
-                # Layer i's K/V are in the cache now: the connector may start sending them.
-                assert isinstance(kv_cache, torch.Tensor), "a connector reads one pool"
-                kv_connector.layer_computed(i, kv_cache)
+                # Layer i's K/V are in the cache now: the connector may start sending them
+                # (with a window pool, from the layer's own tensor: WindowKVConnector).
+                layer_kv = kv_cache if isinstance(kv_cache, torch.Tensor) else kv_cache[i]
+                kv_connector.layer_computed(i, layer_kv)
         x, _ = self.model.norm(x, residual, out_dtype=torch.float32)
         return x
 

@@ -8,11 +8,13 @@ import multiprocessing as mp
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pdserve.kvtransfer import KVTransferConfig
 from pdserve.kvtransfer.blocks import pool_layout
+from pdserve.kvtransfer.connector import window_identity
 from pdserve.kvtransfer.receiver import KVReceiver
 from pdserve.kvtransfer.shm import SharedKVAllocator
 from pdserve.kvtransfer.types import TransferResult
@@ -21,33 +23,63 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from pdserve.engine.sampling_params import SamplingParams
 
 
+@dataclass
+class WindowReceivers:
+    """A window-pool decode engine's two receivers: its full layers' pool's and its window
+    pool's (which gets only the blocks of the first decoded token's window)."""
+
+    full: KVReceiver
+    window: KVReceiver
+
+    def pending(self) -> list[str]:
+        return self.full.pending() + self.window.pending()
+
+    def close(self) -> None:
+        self.full.close()
+        self.window.close()
+
+
 def decode_engine(
-    model_dir: Path, transport: str, num_blocks: int, kv_cache_dtype: str = "auto"
-) -> tuple[Any, KVReceiver, SharedKVAllocator]:
+    model_dir: Path,
+    transport: str,
+    num_blocks: int,
+    kv_cache_dtype: str = "auto",
+    window_pool: bool = False,
+) -> tuple[Any, Any, SharedKVAllocator]:
     """A decode-role engine whose pool lives in shared memory, and its receiver offering
     ``transport``. CPU on every host: the shm/gloo transports are the subject here
-    (bench.gpu_verify runs the CUDA ones). The receiver fills one pool of every layer, so
-    a window model's engine keeps its window layers there too (``window_kv_pool``)."""
+    (bench.gpu_verify runs the CUDA ones). Without ``window_pool`` the receiver fills one
+    pool of every layer, so a window model's engine keeps its window layers there too;
+    with it the engine keeps its window pool and the receiver is a ``WindowReceivers``."""
     from pdserve.engine.llm_engine import LLMEngine
 
     alloc = SharedKVAllocator()
     engine = LLMEngine.from_pretrained(
         model_dir, kv_cache_allocator=alloc, num_kv_blocks=num_blocks, device="cpu",
-        kv_cache_dtype=kv_cache_dtype, window_kv_pool=False,
+        kv_cache_dtype=kv_cache_dtype, window_kv_pool=window_pool,
     )  # fmt: skip
+    config = KVTransferConfig(transport=transport)
     receiver = KVReceiver(
         engine.kv_cache,
         pool_layout(engine.kv_cache, engine.model_config.kv_identity, kv_scales=engine.kv_scales),
-        KVTransferConfig(transport=transport),
+        config,
         shm_segment=alloc.segment_for(engine.kv_cache),
     )
-    return engine, receiver, alloc
+    if not window_pool:
+        return engine, receiver, alloc
+    assert engine.window_layout is not None, "not a model that mixes window and full layers"
+    pool = engine.runner.window_kv_cache
+    identity = window_identity(engine.model_config.kv_identity, engine.window_layout.window)
+    window = KVReceiver(
+        pool, pool_layout(pool, identity), config, shm_segment=alloc.segment_for(pool)
+    )
+    return engine, WindowReceivers(receiver, window), alloc
 
 
 def hand_off(
     parent: Any,
     engine: Any,
-    receiver: KVReceiver,
+    receiver: KVReceiver | WindowReceivers,
     prompts: dict[str, list[int]],
     params: SamplingParams,
     transport: str,
@@ -55,13 +87,25 @@ def hand_off(
     """Reserve the prompts on the decode engine, have the prefill process (``parent``, as
     ``procs.prefill_engine_main``) send their KV, check every transfer landed and complete
     the remote prefills; returns each request's reserved blocks and transfer result."""
-    batch, blocks_of = [], {}
+    batch: list[tuple[str, list[int], int | None, str | tuple[str, str]]] = []
+    blocks_of = {}
+    windowed = isinstance(receiver, WindowReceivers)
     for rid, prompt in prompts.items():
-        blocks = engine.reserve_remote_prefill(rid, prompt, params)
+        blocks = engine.reserve_remote_prefill(rid, prompt, params, receives_window_pool=windowed)
         assert blocks is not None
         blocks_of[rid] = len(blocks)
-        target = receiver.expect(rid, blocks, time.time() + 90, num_tokens=len(prompt))
-        batch.append((rid, prompt, params.max_tokens, target.model_dump_json()))
+        if not windowed:
+            target = receiver.expect(rid, blocks, time.time() + 90, num_tokens=len(prompt))
+            batch.append((rid, prompt, params.max_tokens, target.model_dump_json()))
+            continue
+        first, window_blocks = engine.remote_window_blocks(rid)
+        deadline = time.time() + 90
+        full = receiver.full.expect(rid, blocks, deadline, num_tokens=len(prompt))
+        window = receiver.window.expect(
+            rid, window_blocks, deadline, num_tokens=len(prompt), first_block=first
+        )
+        targets = (full.model_dump_json(), window.model_dump_json())
+        batch.append((rid, prompt, params.max_tokens, targets))
     parent.send(batch)
     assert parent.poll(180), "prefill process did not answer"
     answers, prefill_leaked = parent.recv()
@@ -70,7 +114,10 @@ def hand_off(
     for rid, first, result_json in answers:
         result = TransferResult.model_validate_json(result_json)
         assert first is not None and result.ok, (transport, result_json)
-        assert receiver.wait(rid).ok
+        if windowed:
+            assert receiver.full.wait(rid).ok and receiver.window.wait(rid).ok
+        else:
+            assert receiver.wait(rid).ok
         engine.complete_remote_prefill(rid, first)
         results[rid] = (blocks_of[rid], result)
     return results
@@ -101,7 +148,8 @@ def prefill_process_and_decoders(
     model_dir: Path,
     num_blocks: int,
     kv_cache_dtype: str = "auto",
-) -> Iterator[tuple[Any, dict[str, tuple[Any, KVReceiver, SharedKVAllocator]]]]:
+    window_pool: bool = False,
+) -> Iterator[tuple[Any, dict[str, tuple[Any, Any, SharedKVAllocator]]]]:
     """A spawned prefill process ``target(child_pipe, *args)`` and a decode engine on each
     of the shm and torch_dist transports: yields (the parent pipe, the decoders by
     transport). On a clean exit the process is told to stop (``None``) and must exit 0;
@@ -110,10 +158,12 @@ def prefill_process_and_decoders(
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=target, args=(child, *args))
     proc.start()
-    decoders: dict[str, tuple[Any, KVReceiver, SharedKVAllocator]] = {}
+    decoders: dict[str, tuple[Any, Any, SharedKVAllocator]] = {}
     try:
         for transport in ("shm", "torch_dist"):
-            decoders[transport] = decode_engine(model_dir, transport, num_blocks, kv_cache_dtype)
+            decoders[transport] = decode_engine(
+                model_dir, transport, num_blocks, kv_cache_dtype, window_pool
+            )
         yield parent, decoders
         parent.send(None)
         proc.join(30)

@@ -82,11 +82,16 @@ def receiver_main(conn: Connection, layout_json: str, transport: str, num_blocks
 
 
 def prefill_engine_main(
-    conn: Connection, model_dir: str, num_kv_blocks: int, kv_cache_dtype: str = "auto"
+    conn: Connection,
+    model_dir: str,
+    num_kv_blocks: int,
+    kv_cache_dtype: str = "auto",
+    window_pool: bool = False,
 ) -> None:
     """Prefill-role engine: for each batch [(request_id, prompt_ids, params_json?, target)]
     add the requests ``prefill_only`` with their targets, step until every send ended, and
-    answer [(request_id, first_token_id, transfer_result_json)]. ``None`` ends the loop."""
+    answer [(request_id, first_token_id, transfer_result_json)]. ``None`` ends the loop.
+    ``window_pool``: a window model keeps (and sends) its window layers' pool."""
     torch.set_num_threads(1)
     from pdserve.bench.gpu_verify_steps import prefill_batch
     from pdserve.engine.llm_engine import LLMEngine
@@ -100,7 +105,7 @@ def prefill_engine_main(
             break
         if engine is None:
             # The engine registers its pool with the connector, which builds its sender.
-            connector = PrefillKVConnector()
+            connector = PrefillKVConnector(window_pool=window_pool)
             # CPU on every host: these tests are about the shm and gloo transports
             # (bench.gpu_verify runs the CUDA ones).
             engine = LLMEngine.from_pretrained(

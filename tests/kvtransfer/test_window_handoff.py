@@ -44,3 +44,48 @@ def test_window_model_handoff_gives_single_engine_tokens(
             assert decode_all(engine) == want, transport
             assert_no_leak(engine)
             assert receiver.pending() == []
+
+
+def test_window_pool_handoff_sends_only_the_window(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Both sides keep the window pool: the prefill side sends its window layers' blocks
+    of the first decoded token's window only, into the decode side's window pool; tokens
+    equal one engine's, the bytes are the windowed layout's, and a later prompt sharing a
+    prefix of a handed-off one (whose early window-layer KV never came) still matches."""
+    model_dir = build_tiny_model("gpt-oss", tmp_path, tiny_model_dir, swiglu_limit=1.5)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(4, 2048, (n,), generator=g).tolist() for n in (300, 9, 70)]
+    later = prompts[0][:250] + [7, 8, 9]
+    single = LLMEngine.from_pretrained(model_dir, num_kv_blocks=BLOCKS, device="cpu")
+    outs = single.generate([*prompts, later], PARAMS)
+    want = {f"r{i}": list(o.token_ids) for i, o in enumerate(outs[:-1])}
+    window = 32
+    with prefill_process_and_decoders(
+        prefill_engine_main,
+        (str(model_dir), BLOCKS, "auto", True),
+        model_dir,
+        BLOCKS,
+        window_pool=True,
+    ) as (parent, decoders):
+        for transport, (engine, receivers, _) in decoders.items():
+            assert engine.window_layout is not None and engine.window_layout.window == window
+            requests = {f"r{i}": prompt for i, prompt in enumerate(prompts)}
+            results = hand_off(parent, engine, receivers, requests, PARAMS, transport)
+            full, windowed = receivers.full.layout, receivers.window.layout
+            bs = full.block_size
+            for rid, (num_blocks, result) in results.items():
+                n = len(requests[rid])
+                blocks = -(-n // bs)
+                first_in_window = max(0, (n - window + 1) // bs)
+                assert num_blocks >= blocks
+                assert result.bytes == (
+                    blocks * full.num_layers * full.block_bytes()
+                    + (blocks - first_in_window) * windowed.num_layers * windowed.block_bytes()
+                ), (transport, rid)
+            assert decode_all(engine) == want, transport
+            # The decode side's prefix cache holds the 300-token prompt's full layers but
+            # only its last window's window-layer KV: a prompt sharing 250 tokens of it
+            # must not take the blocks whose window-layer KV never arrived.
+            (out,) = engine.generate([later], PARAMS)
+            assert list(out.token_ids) == list(outs[-1].token_ids), transport
+            assert_no_leak(engine)
+            assert receivers.pending() == []
