@@ -17,6 +17,12 @@ the last layer's bytes take at the measured bandwidth. ``--kv-dtypes auto,fp8_e4
 repeats it for each KV cache dtype (both engines alike) and reports the bytes each hand-off
 moved next to the float cache's.
 
+Part 3, a window model's hand-off (``--window-models``, ``--window-prompt``): the bytes one
+hand-off of a prompt moves for each released config of ``bench.window_kv``, with the window
+pool on both sides (window layers: only the blocks of the first decoded token's window, as
+the decode engine reserves them) against every block of every layer;
+tests/kvtransfer/test_window_handoff.py checks that real hand-offs move exactly the former.
+
 Prints a table and writes JSON (``--out``, default bench/results/kvtransfer.json).
 Targets checked: shm >= 50% of copy bandwidth from 64 MiB up; gloo >= 50% of the raw
 socket; hand-off p50 < 5 ms plus the last layer's bytes time.
@@ -448,6 +454,25 @@ def _print_bytes(handoffs: list[dict[str, Any]]) -> None:
         )
 
 
+def _window_handoffs(models: str, prompt_tokens: int) -> list[dict[str, Any]]:
+    """Part 3: one hand-off's bytes per window model, windowed and every block (printed)."""
+    from pdserve.bench.window_kv import handoff_bytes
+
+    rows = [handoff_bytes(m, prompt_tokens) for m in models.split(",") if m]
+    if rows:
+        print(f"\nWindow model hand-off, {prompt_tokens}-token prompt, bf16:")
+        print(f"{'model':>12} {'layers w/f':>10} {'blocks w/f':>10} {'windowed':>11} "
+              f"{'every block':>11} {'ratio':>6}")  # fmt: skip
+    for r in rows:
+        print(
+            f"{r['model']:>12} {r['window_layers']:>5}/{r['full_layers']:<4} "
+            f"{r['window_layer_blocks_sent']:>5}/{r['blocks']:<4} "
+            f"{r['bytes_windowed'] / MIB:>7.1f} MiB {r['bytes_every_block'] / MIB:>7.1f} MiB "
+            f"{r['bytes_every_block'] / r['bytes_windowed']:>5.2f}x"
+        )
+    return rows
+
+
 def _cpu_pressure() -> float | None:
     try:
         line = Path("/proc/pressure/cpu").read_text().splitlines()[0]
@@ -477,8 +502,15 @@ def main(argv: list[str] | None = None) -> None:
         default="auto",
         help="comma-separated KV cache dtypes of the hand-off (auto, fp8_e4m3, int8)",
     )
+    p.add_argument(
+        "--window-models",
+        default="gpt-oss-20b,gemma3-1b",
+        help="comma-separated configs of bench.window_kv for part 3 (empty: skip)",
+    )
+    p.add_argument("--window-prompt", type=int, default=4096, help="part 3's prompt tokens")
     p.add_argument("--out", type=Path, default=Path("bench/results/kvtransfer.json"))
     args = p.parse_args(argv)
+    windowed = _window_handoffs(args.window_models, args.window_prompt)
     torch.set_num_threads(args.threads)
 
     ctx = mp.get_context("spawn")
@@ -543,6 +575,7 @@ def main(argv: list[str] | None = None) -> None:
         "bandwidth": rows,
         "handoff": handoffs,
         "handoff_note": handoff_note,
+        "window_handoff_bytes": windowed,
         "targets": targets,
     }
     args.out.write_text(json.dumps(report, indent=2))

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.engine.kv_cache_manager import KVCacheManager, cdiv
-from pdserve.engine.loader import load_model_config
+from pdserve.engine.loader import ModelConfig, load_model_config
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.window_kv import WindowKV, plan_window_layout
@@ -83,10 +83,54 @@ CONFIGS: dict[str, dict[str, Any]] = {
 BF16_BYTES = 2
 
 
-def run(model: str, tokens: int, chunk: int, block_size: int) -> dict[str, Any]:
+def _config(model: str) -> ModelConfig:
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(CONFIGS[model]))
-        cfg = load_model_config(tmp)
+        return load_model_config(tmp)
+
+
+def handoff_bytes(model: str, prompt_tokens: int, block_size: int = 16) -> dict[str, Any]:
+    """The bytes (bf16) one P/D hand-off of a ``prompt_tokens`` prompt moves with the window
+    pool on both sides (full layers: every block; window layers: the blocks the decode
+    side's reservation holds, by the engine's own ``allocate_slots``) and with every layer
+    whole (one pool)."""
+    cfg = _config(model)
+    layout = plan_window_layout(
+        cfg.kv_layers,
+        block_size,
+        max_num_seqs=1,
+        max_num_batched_tokens=prompt_tokens,
+        max_model_len=prompt_tokens + 1,
+    )
+    if layout is None:
+        raise ValueError(f"{model}: no mix of window and full-attention layers")
+    window = WindowKV(layout.window, block_size, layout.num_blocks, False)
+    kv = KVCacheManager(cdiv(prompt_tokens, block_size), block_size, False, window)
+    request = Request("seq", list(range(prompt_tokens)), SamplingParams(max_tokens=1), 0.0)
+    # What a decode engine reserves for a remote prefill (Scheduler.reserve_remote_prefill).
+    if kv.allocate_slots(request, prompt_tokens, window_start=prompt_tokens) is None:
+        raise AssertionError("the planned pools cannot hold the prompt")
+    blocks, window_blocks = len(request.block_ids), window.num_held(request)
+    layer_block = 2 * block_size * cfg.num_kv_heads * cfg.head_dim * BF16_BYTES
+    num_window, num_full = len(layout.layers), cfg.num_layers - len(layout.layers)
+    every_block = cfg.num_layers * blocks * layer_block
+    windowed = (num_full * blocks + num_window * window_blocks) * layer_block
+    return {
+        "model": model,
+        "prompt_tokens": prompt_tokens,
+        "block_size": block_size,
+        "window": layout.window,
+        "window_layers": num_window,
+        "full_layers": num_full,
+        "blocks": blocks,
+        "window_layer_blocks_sent": window_blocks,
+        "bytes_every_block": every_block,
+        "bytes_windowed": windowed,
+    }
+
+
+def run(model: str, tokens: int, chunk: int, block_size: int) -> dict[str, Any]:
+    cfg = _config(model)
     layout = plan_window_layout(
         cfg.kv_layers,
         block_size,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.bench.window_kv import run
+from pdserve.bench.window_kv import handoff_bytes, run
 
 
 @pytest.mark.parametrize(("model", "window"), [("gemma3-1b", 512), ("gpt-oss-20b", 128)])
@@ -18,3 +18,15 @@ def test_a_window_layer_holds_its_window_only(model: str, window: int) -> None:
     assert r["window_layer_blocks_end"] == window // 16  # decoding: the window's blocks
     assert r["sequence_kv_bytes_with_end"] < r["sequence_kv_bytes_with_peak"]
     assert r["sequence_kv_bytes_with_peak"] < r["sequence_kv_bytes_without"]
+
+
+@pytest.mark.parametrize(("model", "window"), [("gemma3-1b", 512), ("gpt-oss-20b", 128)])
+def test_a_window_model_handoff_moves_the_window_blocks_only(model: str, window: int) -> None:
+    r = handoff_bytes(model, 4000, block_size=16)
+    blocks = 4000 // 16
+    first = (4000 - window + 1) // 16  # the first decoded token (position 4000) attends it
+    assert (r["blocks"], r["window_layer_blocks_sent"]) == (blocks, blocks - first)
+    layer_block = r["bytes_every_block"] // (blocks * (r["window_layers"] + r["full_layers"]))
+    assert r["bytes_windowed"] == layer_block * (
+        r["full_layers"] * blocks + r["window_layers"] * (blocks - first)
+    )
