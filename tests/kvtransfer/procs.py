@@ -87,11 +87,13 @@ def prefill_engine_main(
     num_kv_blocks: int,
     kv_cache_dtype: str = "auto",
     window_pool: bool = False,
+    max_num_batched_tokens: int | None = None,
 ) -> None:
     """Prefill-role engine: for each batch [(request_id, prompt_ids, params_json?, target)]
     add the requests ``prefill_only`` with their targets, step until every send ended, and
     answer [(request_id, first_token_id, transfer_result_json)]. ``None`` ends the loop.
-    ``window_pool``: a window model keeps (and sends) its window layers' pool."""
+    ``window_pool``: a window model keeps (and sends) its window layers' pool;
+    ``max_num_batched_tokens``: the step budget (a small one chunks long prompts)."""
     torch.set_num_threads(1)
     from pdserve.bench.gpu_verify_steps import prefill_batch
     from pdserve.engine.llm_engine import LLMEngine
@@ -111,6 +113,8 @@ def prefill_engine_main(
             engine = LLMEngine.from_pretrained(
                 model_dir, kv_connector=connector, num_kv_blocks=num_kv_blocks, device="cpu",
                 kv_cache_dtype=kv_cache_dtype,
+                **({"max_num_batched_tokens": max_num_batched_tokens}
+                   if max_num_batched_tokens else {}),
             )  # fmt: skip
         assert connector is not None
         answers = prefill_batch(engine, connector, batch)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from pdserve.engine.llm_engine import LLMEngine
@@ -46,11 +47,16 @@ def test_window_model_handoff_gives_single_engine_tokens(
             assert receiver.pending() == []
 
 
-def test_window_pool_handoff_sends_only_the_window(tiny_model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("budget", [None, 32], ids=["default", "chunked-32"])
+def test_window_pool_handoff_sends_only_the_window(
+    tiny_model_dir: Path, tmp_path: Path, budget: int | None
+) -> None:
     """Both sides keep the window pool: the prefill side sends its window layers' blocks
     of the first decoded token's window only, into the decode side's window pool; tokens
     equal one engine's, the bytes are the windowed layout's, and a later prompt sharing a
-    prefix of a handed-off one (whose early window-layer KV never came) still matches."""
+    prefix of a handed-off one (whose early window-layer KV never came) still matches.
+    With a 32-token budget the prefill side computes the prompts in chunks, releasing
+    window blocks between them while the earlier chunks' full-layer blocks are sent."""
     model_dir = build_tiny_model("gpt-oss", tmp_path, tiny_model_dir, swiglu_limit=1.5)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(4, 2048, (n,), generator=g).tolist() for n in (300, 9, 70)]
@@ -61,7 +67,7 @@ def test_window_pool_handoff_sends_only_the_window(tiny_model_dir: Path, tmp_pat
     window = 32
     with prefill_process_and_decoders(
         prefill_engine_main,
-        (str(model_dir), BLOCKS, "auto", True),
+        (str(model_dir), BLOCKS, "auto", True, budget),
         model_dir,
         BLOCKS,
         window_pool=True,
