@@ -174,7 +174,9 @@ class DecodeServer:
         model = self.engine.model_config
         # A token's KV over the whole replica (every rank's heads, each once).
         self.kv_bytes_per_token = replica_kv_bytes_per_token(
-            self.engine.kv_cache, model.num_kv_heads
+            self.engine.kv_cache,
+            model.num_kv_heads,
+            getattr(self.engine, "window_kv_cache", None),  # injected test engines may lack it
         )
         self._allocator = allocator
         self.policy = DisaggregationPolicy(

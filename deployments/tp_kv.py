@@ -65,10 +65,17 @@ def rank_layout(kv_cache: torch.Tensor, model_name: str, shard: TPShard, kv_head
     )
 
 
-def replica_kv_bytes_per_token(kv_cache: torch.Tensor, kv_heads: int) -> int:
+def replica_kv_bytes_per_token(
+    kv_cache: torch.Tensor, kv_heads: int, window_kv_cache: torch.Tensor | None = None
+) -> int:
     """Bytes of one token's KV over a whole replica: every layer, K and V, each of the
-    model's ``kv_heads`` once (``kv_cache`` is one rank's pool ``[L, 2, N, B, Hkv, D]``)."""
+    model's ``kv_heads`` once (``kv_cache`` is one rank's pool ``[L, 2, N, B, Hkv, D]``).
+    An engine whose window layers keep their KV in a pool of their own (``window_kv_cache``
+    ``[L_window, 2, N_w, B, Hkv, D]``) counts those layers too: a token inside the window
+    holds KV on every layer."""
     num_layers, _, _, _, _, head_dim = kv_cache.shape
+    if window_kv_cache is not None:
+        num_layers += window_kv_cache.shape[0]
     return num_layers * 2 * kv_heads * head_dim * kv_cache.element_size()
 
 

@@ -110,6 +110,11 @@ class AsyncLLMEngine:
         return self.engine.kv_cache
 
     @property
+    def window_kv_cache(self) -> torch.Tensor | None:
+        """The window layers' own pool, where the engine keeps one (``LLMEngine``)."""
+        return self.engine.window_kv_cache
+
+    @property
     def block_size(self) -> int:
         """Tokens per KV block."""
         return self.engine.block_size

@@ -291,6 +291,12 @@ class LLMEngine:
         request = self._make_request(request_id, prompt_token_ids, params, False, arrival_time)
         return self.scheduler.reserve_remote_prefill(request)
 
+    @property
+    def window_kv_cache(self) -> torch.Tensor | None:
+        """The window layers' own pool ``[L_window, 2, N_w, B, Hkv, D]`` (engine/window_kv.py),
+        None where every layer is in ``kv_cache``."""
+        return getattr(self.runner, "window_kv_cache", None)
+
     def remote_window_blocks(self, request_id: str) -> tuple[int, list[int]]:
         """A reserved remote prefill's window pool blocks: the index of the first prompt
         block whose window-layer KV is received and the window blocks from there to the

@@ -68,7 +68,7 @@ def decode_engine(
     if not window_pool:
         return engine, receiver, alloc
     assert engine.window_layout is not None, "not a model that mixes window and full layers"
-    pool = engine.runner.window_kv_cache
+    pool = engine.window_kv_cache
     identity = window_identity(engine.model_config.kv_identity, engine.window_layout.window)
     window = KVReceiver(
         pool, pool_layout(pool, identity), config, shm_segment=alloc.segment_for(pool)
