@@ -189,14 +189,14 @@ class ModelRunner:
 
     def _plan_window_layout(self) -> WindowLayout | None:
         """The window pool where the model mixes window and full layers and nothing needs
-        one pool of every layer (a KV connector that moves one pool, tensor parallel
-        ranks, scaled KV)."""
+        one pool of every layer (a KV connector that moves one pool, scaled KV). Under
+        tensor parallelism each rank's window pool holds its own KV heads, as its
+        ``kv_cache`` does."""
         config = self.config
         if (
             not config.window_kv_pool
             or not isinstance(self.model, LlamaForCausalLM)
             or not moves_window_pool(self.kv_connector)
-            or self.tp.size > 1
             or self.kv_scales is not None
         ):
             return None

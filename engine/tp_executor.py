@@ -41,6 +41,7 @@ from pdserve.engine.tp_worker import (
     WorkerSpec,
     start_workers,
 )
+from pdserve.engine.window_kv import WindowLayout
 
 __all__ = ["TPConnector", "TPExecutor", "TPWorkerError", "checked_tp_connector"]
 
@@ -150,6 +151,15 @@ class TPExecutor:
     def kv_cache(self) -> torch.Tensor | None:
         return self.runner.kv_cache
 
+    @property
+    def window_layout(self) -> WindowLayout | None:
+        """Rank 0's window pool plan; every rank plans the same one (its own heads)."""
+        return self.runner.window_layout
+
+    @property
+    def window_kv_cache(self) -> torch.Tensor | None:
+        return self.runner.window_kv_cache
+
     def _all(self, method: str, *args: Any, timeout: float = GROUP_TIMEOUT_S) -> list[Any]:
         for w in self.workers:
             w.submit(method, *args)
@@ -163,7 +173,12 @@ class TPExecutor:
         return min([own, *(w.result(GROUP_TIMEOUT_S) for w in self.workers)])
 
     def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
-        self._all("allocate_kv_cache", num_blocks, self.model_config.model_name)
+        layouts = self._all("allocate_kv_cache", num_blocks, self.model_config.model_name)
+        if any(layout != self.runner.window_layout for layout in layouts):
+            raise RuntimeError(
+                f"the ranks planned different window pools: rank 0 {self.runner.window_layout}, "
+                f"the others {layouts}"
+            )
         return self.runner.allocate_kv_cache(num_blocks)
 
     def warm_up(self) -> int:

@@ -31,6 +31,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_connector import KVConnector
 from pdserve.engine.parallel import TPShard, join_group
 from pdserve.engine.scheduler_output import SchedulerOutput
+from pdserve.engine.window_kv import WindowLayout
 
 # How long a worker may take to start (load its shard, join the group) and a step to reply.
 START_TIMEOUT_S = 600.0
@@ -119,7 +120,9 @@ class TPWorker:
     def profile_num_blocks(self) -> int:
         return self.runner.profile_num_blocks()
 
-    def allocate_kv_cache(self, num_blocks: int, model_name: str) -> None:
+    def allocate_kv_cache(self, num_blocks: int, model_name: str) -> WindowLayout | None:
+        """Allocate this rank's pools; returns its window pool's plan (rank 0 checks that
+        every rank planned the same)."""
         cache = self.runner.allocate_kv_cache(num_blocks)
         if self.agent_factory is not None:
             cfg = self.runner.model_config
@@ -131,6 +134,7 @@ class TPWorker:
             self.runner.kv_connector = (
                 connector if connector is not None and connector.saves_kv_layers else None
             )
+        return self.runner.window_layout
 
     def warm_up(self) -> int:
         return self.runner.warm_up()

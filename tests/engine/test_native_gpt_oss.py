@@ -77,10 +77,17 @@ def test_chunked_prefill_and_preemption_match_transformers(gpt_oss) -> None:
 
 def test_heads_and_experts_split_over_two_ranks_match_transformers(gpt_oss) -> None:
     """Tensor parallelism (gloo between real processes): each rank holds half the heads
-    (and their sinks) and half of each expert's columns; the tokens stay transformers'."""
+    (and their sinks) and half of each expert's columns, and its heads of both KV pools
+    (the window layers' in a pool of their own); the tokens stay transformers'."""
     model_dir, ref = gpt_oss
     engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", tensor_parallel_size=2))
     try:
+        assert engine.window_layout is not None
+        window_pool = engine.window_kv_cache
+        assert window_pool is not None
+        # rank 0's pools: half of the model's KV heads each
+        assert window_pool.shape[-2] == engine.kv_cache.shape[-2]
+        assert window_pool.shape[-2] * 2 == engine.model_config.num_kv_heads
         check_native_engine(engine, ref, ARRIVALS[:5], NUM_NEW)
     finally:
         engine.shutdown()
