@@ -111,8 +111,6 @@ class PrefillKVConnector(NoExternalLoads):
                 "window_target: required exactly when the engine registered a window pool "
                 f"(this connector {'has' if self._window else 'has none'})"
             )
-        if self._window is not None and window_target is not None:
-            self._window.register_target(request_id, window_target)
         targets = (target,) if isinstance(target, KVTarget) else tuple(target)
         if not targets:
             raise ValueError(f"target: no KVTarget given for request {request_id!r}")
@@ -121,6 +119,8 @@ class PrefillKVConnector(NoExternalLoads):
                 raise TypeError(f"target: expected KVTarget, got {type(t).__name__}")
             if t.request_id != request_id:
                 raise ValueError(f"target.request_id: {t.request_id!r} differs from {request_id!r}")
+        if self._window is not None and window_target is not None:
+            self._window.register_target(request_id, window_target)
         with self._lock:
             self._targets[request_id] = targets
 
@@ -136,7 +136,15 @@ class PrefillKVConnector(NoExternalLoads):
         if self._window is None or result is None:
             return result
         window = self._window.take_result(request_id, timeout)
-        return result if window is None else merge_results(request_id, [result, window])
+        if window is None:  # the full pool's transfer ended, the window pool's not yet
+            window = TransferResult(
+                request_id=request_id,
+                ok=False,
+                bytes=0,
+                seconds=0.0,
+                error="the window pool's transfer had not ended",
+            )
+        return merge_results(request_id, [result, window])
 
     def close(self) -> None:
         """Close the sender's connections (idempotent; nothing to do before a pool)."""

@@ -1,0 +1,53 @@
+"""PrefillKVConnector with a window pool: it needs ``window_pool=True``, every request then
+needs a window target too (and only then), and the window pool is paired under its own
+identity, so it never pairs with a pool of every layer."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from pdserve.kvtransfer import KVTarget
+from pdserve.kvtransfer.blocks import pool_layout
+from pdserve.kvtransfer.connector import PrefillKVConnector, window_identity
+
+
+def _pool(num_layers: int) -> torch.Tensor:
+    return torch.zeros(num_layers, 2, 8, 4, 1, 8)
+
+
+def _target(rid: str, pool: torch.Tensor, model: str) -> KVTarget:
+    return KVTarget(
+        transport="shm", address="127.0.0.1:1", node_id="n", request_id=rid, block_ids=(1,),
+        deadline=time.time() + 5, token="t" * 16, layout=pool_layout(pool, model),
+    )  # fmt: skip
+
+
+def test_window_targets_are_required_exactly_with_a_window_pool() -> None:
+    plain = PrefillKVConnector()
+    plain.register_kv_caches(_pool(2), "m")
+    with pytest.raises(ValueError, match="window_pool=True"):
+        plain.register_window_kv_caches(_pool(2), "m", layers=(0, 2), window=8)
+    with pytest.raises(ValueError, match="window_target"):
+        plain.register_target(
+            "r", _target("r", _pool(2), "m"), window_target=_target("r", _pool(2), "m")
+        )
+
+    windowed = PrefillKVConnector(window_pool=True)
+    windowed.register_kv_caches(_pool(2), "m")
+    with pytest.raises(ValueError, match="not distinct layers"):
+        windowed.register_window_kv_caches(_pool(2), "m", layers=(0, 7), window=8)
+    windowed.register_window_kv_caches(_pool(2), "m", layers=(0, 2), window=8)
+    with pytest.raises(ValueError, match="window_target"):
+        windowed.register_target("r", _target("r", _pool(2), "m"))
+    identity = window_identity("m", 8)
+    windowed.register_target(
+        "r", _target("r", _pool(2), "m"), window_target=_target("r", _pool(2), identity)
+    )
+    assert identity != "m" and "8" in identity
+    # A pool of every layer differs from the window pool's layout by name and layers.
+    assert pool_layout(_pool(4), "m").mismatch(pool_layout(_pool(2), identity)) is not None
+    windowed.close()
+    plain.close()
