@@ -218,3 +218,31 @@ def test_a_pool_sized_for_the_seats_alone_serves_long_requests(window_model) -> 
     per_seq = cdiv(window.window, B) + 2
     assert window.pool.num_blocks == 2 * per_seq + 32 // B + 1
     check_schedule(engine, ref, [(0, 300), (0, 250), (1, 170), (2, 9)], 40, "native")
+
+
+def test_a_remote_prefill_holds_the_first_decoded_tokens_window_only() -> None:
+    """A decode engine's reservation for a handed-off prompt (``window_start`` = its length)
+    takes window blocks only for the window of the first token it decodes, so a window pool
+    far smaller than the prompt holds it; its prefix cache then serves the whole prompt
+    (here a whole number of blocks: a hit of P tokens needs the window of position P) but
+    no shorter prefix whose window-layer KV it never received."""
+    window, n = 40, 1008
+    kv = _manager(window, num_window_blocks=8)  # 7 usable: the prompt has 63 blocks
+    prompt = list(range(n))
+    request = _request("remote", prompt)
+    assert kv.allocate_slots(request, n, window_start=n) is not None
+    first = (n - window + 1) // B
+    table = request.window_block_ids
+    assert len(table) == len(request.block_ids) == cdiv(n, B)
+    assert table[:first] == [NULL_BLOCK] * first and NULL_BLOCK not in table[first:]
+    request.num_computed_tokens = n  # the KV landed
+    kv.cache_full_blocks(request)
+    kv.check_integrity([request])
+
+    again = _request("again", [*prompt, 5, 6])
+    hits, num_cached = kv.get_computed_blocks(again)
+    assert num_cached == (n // B) * B and hits == request.block_ids[: n // B]
+    shorter = _request("shorter", [*prompt[:600], 5, 6])
+    assert kv.get_computed_blocks(shorter) == ([], 0)  # its window never came
+    kv.free(request)
+    kv.check_integrity([])
