@@ -218,8 +218,13 @@ class Scheduler:
     def fail_remote_prefill(self, request_id: str) -> None:
         """The remote prefill failed: compute the prompt here, into the reserved blocks."""
         request = self._pop_remote(request_id)
-        # The prefix hit kept at reservation stays: only the rest is recomputed (never
-        # into blocks other requests may share).
+        if self.kv.window is not None:
+            # Its window table holds only the first decoded token's window; every chunk of
+            # the prompt needs its own, so the request starts over (its prefix may hit).
+            self.kv.free(request)
+            request.num_computed_tokens = 0
+        # Otherwise the prefix hit kept at reservation stays: only the rest is recomputed
+        # (never into blocks other requests may share).
         request.transition(RequestStatus.WAITING)
         self.waiting.appendleft(request)
 

@@ -205,6 +205,27 @@ def test_off_every_layer_keeps_the_whole_sequence(window_model) -> None:
     assert stats.num_window_free_blocks == stats.num_window_total_blocks
 
 
+def test_a_failed_remote_prefill_is_computed_here_and_matches(window_model) -> None:
+    """A window-pool decode engine reserves a 300-token prompt for a remote prefill (window
+    blocks of the first decoded token's window only); the prefill fails, so it computes the
+    prompt itself, in 32-token chunks: the tokens are transformers'."""
+    model_dir, ref = window_model
+    engine = _window_engine(EngineConfig(model=str(model_dir), max_num_batched_tokens=32))
+    prompt = make_prompt(300, seed=31, vocab=ref.vocab_size)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    assert engine.reserve_remote_prefill("r", prompt, params, receives_window_pool=True)
+    first, blocks = engine.remote_window_blocks("r")
+    assert first == (300 - engine.window_layout.window + 1) // B and blocks
+    engine.fail_remote_prefill("r")
+    out = None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out = o
+    assert out is not None and out.finished
+    assert out.token_ids == ref.generate(prompt, 20)
+    assert_clean(engine)
+
+
 def test_a_pool_sized_for_the_seats_alone_serves_long_requests(window_model) -> None:
     """Two seats, 32-token chunks: the window pool has just the blocks two sequences'
     windows need, and long requests queued behind each other still finish and match."""
