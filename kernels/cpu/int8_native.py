@@ -4,6 +4,8 @@
 quads for VPDPBUSD, each output's weight sum beside). ``linear`` splits each activation row
 into ``planes`` int8 planes (1: per-token W8A8; 2-3: what the weight-only linears use, an
 error far below a bf16 activation's rounding) and multiplies them with exact int32 sums;
+``linear(..., amx=True)`` runs the same product on AMX tiles
+(``kernels/cpu/csrc/linear_int8_amx.cpp``, identical results) where ``amx_available()``;
 ``quantize`` gives the planes alone for a GEMM elsewhere (oneDNN) and ``finish`` turns its
 sums into the output in one pass. The modules in
 ``kernels/cpu/quant_linear.py`` own the weights and check arguments.
@@ -18,7 +20,15 @@ import torch
 
 from pdserve.kernels.cpu import native
 
-__all__ = ["MAX_PLANES", "PackedInt8", "available", "finish", "linear", "quantize"]
+__all__ = [
+    "MAX_PLANES",
+    "PackedInt8",
+    "amx_available",
+    "available",
+    "finish",
+    "linear",
+    "quantize",
+]
 
 MAX_PLANES = 3
 _I64, _P = ctypes.c_int64, ctypes.c_void_p
@@ -36,6 +46,7 @@ def _lib() -> ctypes.CDLL:
             "pdserve_int8_packed_bytes": [_I64, _I64],
             "pdserve_int8_wsum_len": [_I64],
             "pdserve_int8_row_bytes": [_I64],
+            "pdserve_int8_amx_row_bytes": [_I64],
         }.items():
             getattr(lib, fn).argtypes = args
             getattr(lib, fn).restype = _I64
@@ -44,6 +55,9 @@ def _lib() -> ctypes.CDLL:
         for suffix in _SUFFIX.values():
             fn = getattr(lib, f"pdserve_linear_int8_{suffix}")
             fn.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _I64, _P, _P, _P, _P, _I64, _P, _P, _P]
+            fn.restype = None
+            fn = getattr(lib, f"pdserve_linear_int8_amx_{suffix}")
+            fn.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _I64, _P, _P, _P, _I64, _P, _P]
             fn.restype = None
             fn = getattr(lib, f"pdserve_int8_quantize_{suffix}")
             fn.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _I64, _P]
@@ -59,6 +73,13 @@ def available() -> bool:
     """Whether the library loaded and was built for a CPU with AVX512-VNNI."""
     lib = native.library()
     return lib is not None and bool(lib.pdserve_linear_int8_supported())
+
+
+def amx_available() -> bool:
+    """Whether the AMX-INT8 kernel runs here: built for a CPU with AMX tiles and int8, and
+    the OS granted this process the tile state."""
+    lib = native.library()
+    return available() and lib is not None and bool(lib.pdserve_int8_amx_supported())
 
 
 @dataclass(frozen=True)
@@ -87,14 +108,24 @@ def linear(
     w: PackedInt8,
     bias: torch.Tensor | None,  # [N] float32, contiguous
     planes: int,
+    amx: bool = False,
 ) -> torch.Tensor:  # [M, N] rows.dtype
     """``rows`` in ``planes`` int8 planes times ``w`` (exact int32 sums), both scales and the
-    bias in float32, rounded once to ``rows.dtype``."""
+    bias in float32, rounded once to ``rows.dtype``; on AMX tiles if ``amx`` (the caller
+    checks ``amx_available()``), else on VNNI."""
     lib = _lib()
     m, k = rows.shape
     n = w.out_features
     out = torch.empty((m, n), dtype=rows.dtype)
-    if m:
+    if m and amx:
+        xq = torch.empty(m * planes * lib.pdserve_int8_amx_row_bytes(k), dtype=torch.uint8)
+        xs = torch.empty(m * planes, dtype=torch.float32)
+        getattr(lib, f"pdserve_linear_int8_amx_{_SUFFIX[rows.dtype]}")(
+            rows.data_ptr(), rows.stride(0), m, k, planes, w.packed.data_ptr(), n,
+            w.scale.data_ptr(), None if bias is None else bias.data_ptr(),
+            out.data_ptr(), out.stride(0), xq.data_ptr(), xs.data_ptr(),
+        )  # fmt: skip
+    elif m:
         xq = torch.empty(m * planes * lib.pdserve_int8_row_bytes(k), dtype=torch.uint8)
         xs = torch.empty(m * planes, dtype=torch.float32)
         sums = torch.empty(m * planes * n, dtype=torch.float32)

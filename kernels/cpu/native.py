@@ -73,11 +73,12 @@ _SOURCES = [
         "linear_bf16w.cpp",
         "linear_bf16.cpp",
         "linear_int8.cpp",
+        "linear_int8_amx.cpp",
         "layer_ops.cpp",
         "omp_team.cpp",
     )
 ]
-_HEADERS = [_CSRC / "cpu_math.h"]
+_HEADERS = [_CSRC / "cpu_math.h", _CSRC / "int8_rows.h"]
 _ABI_VERSION = 2
 CACHE_ENV = "PDSERVE_KERNEL_CACHE"
 # -fno-trapping-math: nothing here reads floating-point exception flags, and without it GCC
