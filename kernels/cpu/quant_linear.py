@@ -106,13 +106,13 @@ def onednn_int8_supported() -> bool:
     try:
         q = torch.ones(8, 64, dtype=torch.int8)
         packed = torch.ops.onednn.qlinear_prepack(q, None)
-        _onednn_int8_sums(torch.ones(1, 64, dtype=torch.int8), packed, 8)
+        onednn_int8_sums(torch.ones(1, 64, dtype=torch.int8), packed, 8)
     except (AttributeError, RuntimeError, NotImplementedError):
         return False
     return True
 
 
-def _onednn_int8_sums(xq: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+def onednn_int8_sums(xq: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     """The int32 sums ``xq @ q^T`` (as float32) of oneDNN's prepacked int8 matmul."""
     ones, zeros = torch.ones(n), torch.zeros(n, dtype=torch.int64)
     return torch.ops.onednn.qlinear_pointwise(
@@ -165,7 +165,7 @@ class _Int8PlanesLinear(_QuantLinearBase):
         else:
             raise ValueError(f"{type(self).__name__}: {planes} planes need the native kernel")
         if self.onednn is not None:
-            acc = _onednn_int8_sums(xq, self.onednn, self.out_features)  # [M * planes, N]
+            acc = onednn_int8_sums(xq, self.onednn, self.out_features)  # [M * planes, N]
         else:
             assert self.weight is not None
             acc = torch._int_mm(xq, self.weight.t()).float()
