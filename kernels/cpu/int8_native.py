@@ -33,39 +33,40 @@ __all__ = [
 MAX_PLANES = 3
 _I64, _P = ctypes.c_int64, ctypes.c_void_p
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
-_configured = False
+_configured: ctypes.CDLL | None = None  # the library, its int8 functions typed
 
 
 def _lib() -> ctypes.CDLL:
     global _configured
+    if _configured is not None:
+        return _configured
     lib = native.library()
     if lib is None or not lib.pdserve_linear_int8_supported():
         raise RuntimeError("the native int8 linear is unavailable on this machine")
-    if not _configured:
-        for fn, args in {
-            "pdserve_int8_packed_bytes": [_I64, _I64],
-            "pdserve_int8_wsum_len": [_I64],
-            "pdserve_int8_row_bytes": [_I64],
-            "pdserve_int8_amx_row_bytes": [_I64],
-        }.items():
-            getattr(lib, fn).argtypes = args
-            getattr(lib, fn).restype = _I64
-        lib.pdserve_pack_int8.argtypes = [_P, _I64, _I64, _I64, _P, _P]
-        lib.pdserve_pack_int8.restype = None
-        for suffix in _SUFFIX.values():
-            fn = getattr(lib, f"pdserve_linear_int8_{suffix}")
-            fn.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _I64, _P, _P, _P, _P, _I64, _P, _P, _P]
-            fn.restype = None
-            fn = getattr(lib, f"pdserve_linear_int8_amx_{suffix}")
-            fn.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _I64, _P, _P, _P, _I64, _P, _P]
-            fn.restype = None
-            fn = getattr(lib, f"pdserve_int8_quantize_{suffix}")
-            fn.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _I64, _P]
-            fn.restype = None
-            fn = getattr(lib, f"pdserve_int8_finish_{suffix}")
-            fn.argtypes = [_P, _I64, _I64, _I64, _P, _P, _P, _P, _I64]
-            fn.restype = None
-        _configured = True
+    for fn, args in {
+        "pdserve_int8_packed_bytes": [_I64, _I64],
+        "pdserve_int8_wsum_len": [_I64],
+        "pdserve_int8_row_bytes": [_I64],
+        "pdserve_int8_amx_row_bytes": [_I64],
+    }.items():
+        getattr(lib, fn).argtypes = args
+        getattr(lib, fn).restype = _I64
+    lib.pdserve_pack_int8.argtypes = [_P, _I64, _I64, _I64, _P, _P]
+    lib.pdserve_pack_int8.restype = None
+    for suffix in _SUFFIX.values():
+        fn = getattr(lib, f"pdserve_linear_int8_{suffix}")
+        fn.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _I64, _P, _P, _P, _P, _I64, _P, _P, _P]
+        fn.restype = None
+        fn = getattr(lib, f"pdserve_linear_int8_amx_{suffix}")
+        fn.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _I64, _P, _P, _P, _I64, _P, _P]
+        fn.restype = None
+        fn = getattr(lib, f"pdserve_int8_quantize_{suffix}")
+        fn.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _I64, _P]
+        fn.restype = None
+        fn = getattr(lib, f"pdserve_int8_finish_{suffix}")
+        fn.argtypes = [_P, _I64, _I64, _I64, _P, _P, _P, _P, _I64]
+        fn.restype = None
+    _configured = lib
     return lib
 
 
@@ -91,6 +92,7 @@ class PackedInt8:
     scale: torch.Tensor  # [N] float32
     out_features: int
     in_features: int
+    amx_row_bytes: int  # bytes of one activation plane row for the AMX kernel
 
     @classmethod
     def pack(cls, q: torch.Tensor, scale: torch.Tensor) -> PackedInt8:  # [N, K] int8, [N, 1]
@@ -100,7 +102,8 @@ class PackedInt8:
         packed = torch.empty(lib.pdserve_int8_packed_bytes(n, k), dtype=torch.int8)
         wsum = torch.empty(lib.pdserve_int8_wsum_len(n), dtype=torch.int32)
         lib.pdserve_pack_int8(q.data_ptr(), k, n, k, packed.data_ptr(), wsum.data_ptr())
-        return cls(packed, wsum, scale.float().reshape(-1).contiguous(), n, k)
+        row_bytes = lib.pdserve_int8_amx_row_bytes(k)
+        return cls(packed, wsum, scale.float().reshape(-1).contiguous(), n, k, row_bytes)
 
 
 def linear(
@@ -118,12 +121,13 @@ def linear(
     n = w.out_features
     out = torch.empty((m, n), dtype=rows.dtype)
     if m and amx:
-        xq = torch.empty(m * planes * lib.pdserve_int8_amx_row_bytes(k), dtype=torch.uint8)
-        xs = torch.empty(m * planes, dtype=torch.float32)
+        # One scratch buffer: the planes' bytes, then (64-byte aligned) their scales.
+        xq_bytes = (m * planes * w.amx_row_bytes + 63) // 64 * 64
+        scratch = torch.empty(xq_bytes + 4 * m * planes, dtype=torch.uint8)
         getattr(lib, f"pdserve_linear_int8_amx_{_SUFFIX[rows.dtype]}")(
             rows.data_ptr(), rows.stride(0), m, k, planes, w.packed.data_ptr(), n,
             w.scale.data_ptr(), None if bias is None else bias.data_ptr(),
-            out.data_ptr(), out.stride(0), xq.data_ptr(), xs.data_ptr(),
+            out.data_ptr(), out.stride(0), scratch.data_ptr(), scratch.data_ptr() + xq_bytes,
         )  # fmt: skip
     elif m:
         xq = torch.empty(m * planes * lib.pdserve_int8_row_bytes(k), dtype=torch.uint8)
