@@ -5,16 +5,16 @@
         [--prefill-len 256] [--out FILE.json]
 
 One ``LLMEngine`` per scheme (``EngineConfig.quantization``; ``none`` is the checkpoint's
-dtype), all loaded before any timing. Each round runs, for every concurrency c and every
-scheme (the scheme order rotates from round to round), c random 128-token prompts to
-``--steps`` greedy tokens and times every decode step (the steps after each request has
-its first token; each makes c tokens): its wall time and this process's CPU time. With one
-torch thread the CPU time is what the step cost this engine however many other jobs share
-the machine; the wall time is what a client saw. Each round also times, per scheme, the
-prefill of one ``--prefill-len``-token prompt (until its first token). Prints, per
-concurrency and scheme, the medians over all rounds' steps as decode tokens/s, and the
-ratio to the first scheme, then prefill tokens/s the same way; writes JSON with every
-round's medians.
+dtype; a ``+head`` suffix adds ``quantize_lm_head``), all loaded before any timing. Each
+round runs, for every concurrency c and every scheme (the scheme order rotates from round
+to round), c random 128-token prompts to ``--steps`` greedy tokens and times every decode
+step (the steps after each request has its first token; each makes c tokens): its wall
+time and this process's CPU time. With one torch thread the CPU time is what the step
+cost this engine however many other jobs share the machine; the wall time is what a
+client saw. Each round also times, per scheme, the prefill of one ``--prefill-len``-token
+prompt (until its first token). Prints, per concurrency and scheme, the medians over all
+rounds' steps as decode tokens/s, and the ratio to the first scheme, then prefill tokens/s
+the same way; writes JSON with every round's medians.
 """
 
 from __future__ import annotations
@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument(
         "--schemes", nargs="+", default=["none", "int8", "int8-weight-only"],
-        choices=["none", "int8", "int8-weight-only", "fp8"],
+        choices=[f"{s}{h}" for s in ("none", "int8", "int8-weight-only", "fp8")
+                 for h in ("", "+head")],
     )  # fmt: skip
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=24, help="greedy tokens per request")
@@ -96,7 +97,8 @@ def main(argv: list[str] | None = None) -> None:
         s: LLMEngine(
             EngineConfig(
                 model=str(model),
-                quantization=None if s == "none" else s,
+                quantization=None if s.startswith("none") else s.removesuffix("+head"),
+                quantize_lm_head=s.endswith("+head"),
                 block_size=16,
                 num_kv_blocks=conc * ((PROMPT_LEN + args.steps) // 16 + 1)
                 + args.prefill_len // 16

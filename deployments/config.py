@@ -96,6 +96,13 @@ class ModelSettings(_Strict):
             "quantized without it."
         ),
     )
+    quantize_lm_head: bool = Field(
+        default=False,
+        description=(
+            "Int8 weights (per output channel, weight-only) for the logits projection too "
+            "(it stays float otherwise); CPU pools only for now."
+        ),
+    )
     impl: Literal["auto", "native", "transformers"] = Field(
         default="auto",
         description=(

@@ -33,7 +33,12 @@ from pdserve.engine.models import build_model
 from pdserve.engine.models.llama import AttentionMetadata, LlamaForCausalLM
 from pdserve.engine.models.transformers_backend import TransformersForCausalLM
 from pdserve.engine.parallel import SINGLE, TPGroup, check_model
-from pdserve.engine.quantization import at_load_scheme, pack_quantized, quantize_linears
+from pdserve.engine.quantization import (
+    at_load_scheme,
+    pack_quantized,
+    quantize_linears,
+    quantize_logits,
+)
 from pdserve.engine.sampler import SampledToken, Sampler, SamplingRow
 from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.engine.staging import StepStaging
@@ -116,6 +121,11 @@ def check_transformers_path(cfg: ModelConfig, config: EngineConfig, tp_size: int
         raise ValueError(
             f"architecture {cfg.architecture} runs on the transformers path, which serves "
             "float checkpoints only: leave quantization unset and use a float checkpoint"
+        )
+    if config.quantize_lm_head:
+        raise ValueError(
+            f"architecture {cfg.architecture} runs on the transformers path: "
+            "quantize_lm_head is for the native models only"
         )
 
 
@@ -200,6 +210,8 @@ class ModelRunner:
             pack_quantized(model, cfg.dtype)
             if self.config.quantization is not None:
                 quantize_linears(model, at_load_scheme(self.config.quantization), cfg.dtype)
+            if self.config.quantize_lm_head:
+                quantize_logits(model)
         # CPU: oneDNN-packed bf16 weights (native bf16), or bf16-held weights of a bf16
         # checkpoint served in float32 (AVX2); elsewhere the nn.Linear layers stay.
         pack_linears(model)

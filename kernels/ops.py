@@ -38,7 +38,7 @@ from pdserve.kernels.moe_ops import (
     fused_moe,
     select_experts,
 )
-from pdserve.kernels.quant_ops import Activations, make_quantized_linear
+from pdserve.kernels.quant_ops import Activations, is_quantized_linear, make_quantized_linear
 
 __all__ = [
     "Activations",
@@ -332,6 +332,8 @@ def linear_float32(
     if x.dim() != 2:
         raise ValueError(f"x: expected [M, K], got {tuple(x.shape)}")
     x = x.float()
+    if is_quantized_linear(layer):  # EngineConfig.quantize_lm_head: float32 in and out
+        return layer(x).float()
     packed = packed_linear_float32(x, layer)
     if packed is not None:
         return packed
