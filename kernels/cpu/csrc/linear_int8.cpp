@@ -5,8 +5,10 @@
 // weight should cost half the time of a bf16 one; torch._int_mm and _weight_int8pack_mm read
 // int8 weights at decode sizes no faster than oneDNN's packed bf16 matmul reads twice the
 // bytes (measurements in docs/quantization.md). This kernel makes one pass over the packed
-// bytes. From a few dozen rows on, AMX (oneDNN, torch._int_mm) computes faster than VNNI
-// and the callers (kernels/cpu/quant_linear.py) use it instead.
+// bytes. Where the CPU has AMX-INT8, linear_int8_amx.cpp runs the same product on tiles
+// (from about 8 rows VPDPBUSD's arithmetic, not the bytes, sets this kernel's time);
+// without AMX, from 16 plane rows on oneDNN's int8 matmul computes faster and the callers
+// (kernels/cpu/quant_linear.py) use it instead.
 //
 // Activations: each row of x is split into P int8 planes with their own scales,
 // x ~ sum_p s_p q_p: s_0 = absmax / 127 and q_0 = round(x / s_0) (half to even, clamped to
