@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -34,6 +35,7 @@ MAX_PLANES = 3
 _I64, _P = ctypes.c_int64, ctypes.c_void_p
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _configured: ctypes.CDLL | None = None  # the library, its int8 functions typed
+_AMX_LINEAR: dict[torch.dtype, Any] = {}  # activation dtype -> the AMX entry point
 
 
 def _lib() -> ctypes.CDLL:
@@ -53,13 +55,14 @@ def _lib() -> ctypes.CDLL:
         getattr(lib, fn).restype = _I64
     lib.pdserve_pack_int8.argtypes = [_P, _I64, _I64, _I64, _P, _P]
     lib.pdserve_pack_int8.restype = None
-    for suffix in _SUFFIX.values():
+    for dtype, suffix in _SUFFIX.items():
         fn = getattr(lib, f"pdserve_linear_int8_{suffix}")
         fn.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _I64, _P, _P, _P, _P, _I64, _P, _P, _P]
         fn.restype = None
         fn = getattr(lib, f"pdserve_linear_int8_amx_{suffix}")
         fn.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _I64, _P, _P, _P, _I64, _P, _P]
         fn.restype = None
+        _AMX_LINEAR[dtype] = fn
         fn = getattr(lib, f"pdserve_int8_quantize_{suffix}")
         fn.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _I64, _P]
         fn.restype = None
@@ -124,7 +127,7 @@ def linear(
         # One scratch buffer: the planes' bytes, then (64-byte aligned) their scales.
         xq_bytes = (m * planes * w.amx_row_bytes + 63) // 64 * 64
         scratch = torch.empty(xq_bytes + 4 * m * planes, dtype=torch.uint8)
-        getattr(lib, f"pdserve_linear_int8_amx_{_SUFFIX[rows.dtype]}")(
+        _AMX_LINEAR[rows.dtype](
             rows.data_ptr(), rows.stride(0), m, k, planes, w.packed.data_ptr(), n,
             w.scale.data_ptr(), None if bias is None else bias.data_ptr(),
             out.data_ptr(), out.stride(0), scratch.data_ptr(), scratch.data_ptr() + xq_bytes,

@@ -157,7 +157,7 @@ class _Int8PlanesLinear(_QuantLinearBase):
             if rows.stride(-1) != 1:
                 rows = rows.contiguous()
             out = int8_native.linear(rows, self.native, self.bias, planes, amx=self.amx)
-            return out.view(*x.shape[:-1], self.out_features)
+            return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
         if native:
             xq, xs = int8_native.quantize(rows.contiguous(), planes)
         elif planes == 1:  # the reference's per-token quantization
