@@ -739,6 +739,12 @@ class GRPCOptions(_Strict):
     )
 
 
+# Serve's queue for an ingress replica while its door sheds: the door's stream bound
+# starts at 8 (``StreamLimit``), and what arrives past it at once is answered 429 either way,
+# cheapest by Serve itself.
+SHED_INGRESS_QUEUE = 8
+
+
 class AppConfig(_Strict):
     """Everything a pdserve application needs: ``pdserve.deployments.app.build_app(AppConfig)``."""
 
@@ -770,8 +776,11 @@ class AppConfig(_Strict):
             "at once, without a hop to the ingress (HTTP 429 with a Retry-After of the TTFT "
             "SLO rounded up, gRPC RESOURCE_EXHAUSTED), so a flood the front door cannot "
             "take grows no queue there. Serve counts requests still being routed as queued, "
-            "so this also bounds a burst arriving at once. None = one decode batch per "
-            "decode replica (decode.engine.max_num_seqs x decode.max_replicas)."
+            "so this also bounds a burst arriving at once. None = 8 while interactive "
+            "traffic is shed (admission.on_slo_miss: shed): the ingress's door would answer "
+            "most of a burst 429 anyway, after a hop into its event loop that Serve's own "
+            "refusal saves, and its stream bound starts at 8; one decode batch per decode "
+            "replica (decode.engine.max_num_seqs x decode.max_replicas) when it queues."
         ),
     )
     slo: SLOConfig = Field(default_factory=SLOConfig, description="Latency objectives.")
@@ -864,9 +873,13 @@ class AppConfig(_Strict):
 
     @property
     def ingress_queued_limit(self) -> int:
-        """``ingress_max_queued_requests``, or one decode batch per decode replica."""
+        """``ingress_max_queued_requests``, or ``SHED_INGRESS_QUEUE`` while interactive
+        traffic is shed (docs/benchmarks.md, "Overload"), else one decode batch per decode
+        replica."""
         if self.ingress_max_queued_requests is not None:
             return self.ingress_max_queued_requests
+        if self.admission.on_slo_miss == "shed":
+            return SHED_INGRESS_QUEUE
         return self.decode.engine.max_num_seqs * self.decode.max_replicas
 
     def gpus_per_rank(self, role: PoolRole) -> float:
