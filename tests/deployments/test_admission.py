@@ -172,6 +172,20 @@ def test_the_door_closes_only_while_every_known_decode_replica_sheds() -> None:
         signals.ShedHint(seen_window_s=0.0)
 
 
+def test_a_shed_is_told_the_pools_drain_time_uncapped_by_the_doors_window() -> None:
+    """The Retry-After of a shed: until the first known replica drains by its own
+    prediction (not capped like the door's window), 0 while one has no shed."""
+    hint = signals.ShedHint(max_window_s=1.0)
+    hint.shed("interactive", now=0.0, drain_s=4.0, replica="a")
+    assert hint.retry_after_s("interactive", 1.0) == 3.0  # a alone: its own 4 s
+    assert hint.remaining_s("interactive", 1.0) == 0.0  # the door asks again after 1 s
+    hint.seen("b", now=1.0)
+    assert hint.retry_after_s("interactive", 1.5) == 0.0  # b has room
+    hint.shed("interactive", now=2.0, drain_s=0.5, replica="b")
+    assert hint.retry_after_s("interactive", 2.0) == 0.5  # b drains first
+    assert hint.retry_after_s("batch", 2.0) == 0.5  # an interactive shed is a batch one
+
+
 def test_the_ingress_asks_a_replica_again_after_at_most_max_window() -> None:
     hint = signals.ShedHint(max_window_s=1.0)
     hint.shed("interactive", now=20.0, drain_s=13.0)  # a pessimistic prediction
