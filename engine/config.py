@@ -112,11 +112,6 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> EngineConfig:
-        if self.kv_cache_dtype != "auto" and self.tensor_parallel_size > 1:
-            raise ValueError(
-                f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported with "
-                f"tensor_parallel_size={self.tensor_parallel_size} yet; use 'auto'"
-            )
         if self.num_kv_blocks is not None and self.max_model_len is not None:
             need = -(-self.max_model_len // self.block_size)
             if self.num_kv_blocks < need:

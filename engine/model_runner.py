@@ -97,7 +97,7 @@ def _available_memory_bytes() -> int:
 
 def check_transformers_path(cfg: ModelConfig, config: EngineConfig, tp_size: int) -> None:
     """What the transformers-backed path cannot do, refused before any weight loads: a
-    tensor-parallel split its ``base_model_tp_plan`` does not give, quantization."""
+    tensor-parallel split its ``base_model_tp_plan`` does not give, quantized weights."""
     if cfg.impl != "transformers":
         return
     if tp_size > 1:
@@ -106,12 +106,6 @@ def check_transformers_path(cfg: ModelConfig, config: EngineConfig, tp_size: int
 
         hf_config = load_hf_config(config.model, cfg.architecture)
         check_plan(hf_config, cfg.architecture, tp_size)
-    if config.kv_cache_dtype != "auto":
-        raise ValueError(
-            f"architecture {cfg.architecture} runs on the transformers path, whose KV cache "
-            f"is the model's dtype for now: kv_cache_dtype must be 'auto', got "
-            f"{config.kv_cache_dtype!r}"
-        )
     if config.quantization is not None or cfg.quantization is not None:
         raise ValueError(
             f"architecture {cfg.architecture} runs on the transformers path, which serves "

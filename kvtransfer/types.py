@@ -105,8 +105,8 @@ class KVLayout(_Frozen):
                 mine, theirs = self.heads_total, other.heads_total
             if mine != theirs:
                 diffs.append(f"{name}: local={mine!r} peer={theirs!r}")
-        if not diffs and self.num_kv_heads == other.num_kv_heads:
-            worst = _scale_mismatch(self.kv_scales, other.kv_scales)
+        if not diffs:
+            worst = _scale_mismatch(self.shared_head_scales(other), other.shared_head_scales(self))
             if worst is not None:
                 diffs.append(f"kv_scales ({self.dtype}): {worst}")
         if not diffs:  # layouts built with model_construct skip the validator
@@ -119,6 +119,22 @@ class KVLayout(_Frozen):
                         f"peer {other.describe_heads()})"
                     )
         return "; ".join(diffs) if diffs else None
+
+    def shared_head_scales(self, other: KVLayout) -> tuple[float, ...]:
+        """This pool's scales of the global KV heads it shares with ``other`` (layer, K/V,
+        head order): what both sides of a hand-off must agree on. Empty for a float pool;
+        all of them when a pool's scales do not match its heads (the lengths then differ)."""
+        if len(self.kv_scales) != 2 * self.num_layers * self.num_kv_heads:
+            return self.kv_scales
+        lo = max(self.kv_head_start, other.kv_head_start)
+        hi = min(self.kv_head_start + self.num_kv_heads, other.kv_head_start + other.num_kv_heads)
+        first, count = lo - self.kv_head_start, max(hi - lo, 0)
+        rows = len(self.kv_scales) // self.num_kv_heads  # one per layer and K/V
+        return tuple(
+            self.kv_scales[row * self.num_kv_heads + first + h]
+            for row in range(rows)
+            for h in range(count)
+        )
 
     def block_bytes(self, num_heads: int | None = None) -> int:
         """Bytes of one block of one layer, K and V together, over ``num_heads`` heads
