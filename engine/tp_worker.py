@@ -73,7 +73,6 @@ class RankKVAgent(Protocol):
     def close(self) -> None: ...
 
 
-# (pool, model name, the rank's shard, the model's KV heads) -> the rank's agent
 @dataclass(frozen=True)
 class RankPool:
     """A worker rank's KV pool, as its KV agent is built from it."""
@@ -85,6 +84,7 @@ class RankPool:
     kv_scales: torch.Tensor | None = None  # an int8 / float8 pool's [L, 2, H] scales
 
 
+# A worker rank's pool -> the rank's agent
 KVAgentFactory = Callable[[RankPool], RankKVAgent]
 
 
