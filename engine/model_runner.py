@@ -209,17 +209,19 @@ class ModelRunner:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes one KV block takes on this rank across all layers (K and V)."""
+        """Bytes one KV block takes on this rank across all layers (every plane)."""
         c = self.model_config
         elem = torch.empty((), dtype=self.kv_dtype).element_size()
         heads = len(self.kv_heads)
-        return c.num_layers * 2 * self.config.block_size * heads * c.head_dim * elem
+        return c.num_layers * c.kv_planes * self.config.block_size * heads * c.head_dim * elem
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
-        """This rank's pool: ``[L, 2, N, B, Hkv_rank, D]``."""
+        """This rank's pool: ``[L, P, N, B, Hkv_rank, D]``, P the model's ``kv_planes``
+        (2: keys and values; 1: an MLA latent that is both)."""
         c = self.model_config
         heads = len(self.kv_heads)
-        return (c.num_layers, 2, num_blocks, self.config.block_size, heads, c.head_dim)
+        shape = (num_blocks, self.config.block_size, heads, c.head_dim)
+        return (c.num_layers, c.kv_planes, *shape)
 
     def profile_num_blocks(self) -> int:
         """How many KV blocks to allocate when ``num_kv_blocks`` is not configured.
@@ -248,7 +250,7 @@ class ModelRunner:
         return min(useful, affordable)
 
     def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
-        """Allocate the pool (layout ``[L, 2, N, B, Hkv, D]``) through the allocator."""
+        """Allocate the pool (layout ``kv_cache_shape``) through the allocator."""
         shape = self.kv_cache_shape(num_blocks)
         cache = self.kv_cache_allocator(shape, self.kv_dtype, self.device)
         if tuple(cache.shape) != shape or not cache.is_contiguous():
@@ -265,9 +267,13 @@ class ModelRunner:
             return 0
         c = self.model_config
         heads = c.num_heads // self.tp.size
-        calls = ops.warm_up_attention(
-            heads, len(self.kv_heads), c.head_dim, self.config.block_size, c.dtype, self.device
-        )
+        block = self.config.block_size
+        if c.mla is not None:  # decode goes to the MLA kernel (the models' own choice)
+            rank = c.mla.kv_lora_rank
+            calls = ops.warm_up_mla_decode(heads, rank, c.head_dim, block, c.dtype, self.device)
+        else:
+            kv_heads = len(self.kv_heads)
+            calls = ops.warm_up_attention(heads, kv_heads, c.head_dim, block, c.dtype, self.device)
         memory_profile.run_profile_step(self)  # prefill / mixed path
         memory_profile.run_profile_step(self, self.config.max_num_seqs)  # a decode batch
         memory_profile.run_profile_step(self, 1)  # a single decode
