@@ -80,10 +80,10 @@ def pool_rank_layout(pool: RankPool) -> KVLayout:
 
 
 def replica_kv_bytes_per_token(kv_cache: torch.Tensor, kv_heads: int) -> int:
-    """Bytes of one token's KV over a whole replica: every layer, K and V, each of the
-    model's ``kv_heads`` once (``kv_cache`` is one rank's pool ``[L, 2, N, B, Hkv, D]``)."""
-    num_layers, _, _, _, _, head_dim = kv_cache.shape
-    return num_layers * 2 * kv_heads * head_dim * kv_cache.element_size()
+    """Bytes of one token's KV over a whole replica: every layer and plane, each of the
+    model's ``kv_heads`` once (``kv_cache`` is one rank's pool ``[L, P, N, B, Hkv, D]``)."""
+    num_layers, planes, _, _, _, head_dim = kv_cache.shape
+    return num_layers * planes * kv_heads * head_dim * kv_cache.element_size()
 
 
 # ---- prefill ---------------------------------------------------------------------------------

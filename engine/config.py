@@ -78,6 +78,16 @@ class EngineConfig(BaseModel):
             "the KV pool holds."
         ),
     )
+    window_kv_pool: bool = Field(
+        default=True,
+        description=(
+            "Sliding-window layers of a model that mixes them with full-attention layers "
+            "(gpt-oss, Gemma 2/3) keep only their window's KV, in a pool of their own. Off, "
+            "or with a KV connector, tensor parallelism or an int8/fp8 KV cache: they keep "
+            "the whole sequence's KV like the other layers (the layout the P/D hand-off "
+            "moves)."
+        ),
+    )
     enable_prefix_caching: bool = Field(
         default=True, description="Reuse full KV blocks of identical prompt prefixes."
     )

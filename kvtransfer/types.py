@@ -33,6 +33,13 @@ class KVLayout(_Frozen):
     num_kv_heads: int = Field(gt=0, description="KV heads per layer held by this pool.")
     head_dim: int = Field(gt=0, description="Dimension of one head.")
     block_size: int = Field(gt=0, description="Tokens per KV block.")
+    num_planes: int = Field(
+        default=2,
+        ge=1,
+        le=2,
+        description="Planes per layer: 2 (keys, values), or 1 where one cached slot is "
+        "read as both (multi-head latent attention).",
+    )
     dtype: str = Field(description="torch dtype name of the pool, e.g. 'float32'.")
     kv_head_start: int = Field(
         default=0, ge=0, description="Global index of this pool's first KV head."
@@ -99,7 +106,8 @@ class KVLayout(_Frozen):
         mapped rank to rank, see ``pdserve.kvtransfer.tp_plan``); the model's total heads
         may not, nor may a head range fall outside the model's heads."""
         diffs = []
-        for name in ("model", "num_layers", "total_kv_heads", "head_dim", "block_size", "dtype"):
+        fields = ("model", "num_layers", "total_kv_heads", "head_dim", "block_size", "dtype")
+        for name in (*fields, "num_planes"):
             mine, theirs = getattr(self, name), getattr(other, name)
             if name == "total_kv_heads":
                 mine, theirs = self.heads_total, other.heads_total
@@ -137,10 +145,11 @@ class KVLayout(_Frozen):
         )
 
     def block_bytes(self, num_heads: int | None = None) -> int:
-        """Bytes of one block of one layer, K and V together, over ``num_heads`` heads
-        (default: every head of this pool)."""
+        """Bytes of one block of one layer, every plane (K and V, or MLA's one), over
+        ``num_heads`` heads (default: every head of this pool)."""
         heads = self.num_kv_heads if num_heads is None else num_heads
-        return 2 * self.block_size * heads * self.head_dim * _dtype_size(self.dtype)
+        elem = _dtype_size(self.dtype)
+        return self.num_planes * self.block_size * heads * self.head_dim * elem
 
 
 class KVTarget(_Frozen):
