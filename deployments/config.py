@@ -848,15 +848,6 @@ class AppConfig(_Strict):
                 f"{kv_d!r} differ: the KV hand-off moves the cache in its own dtype, so both "
                 "pools must use the same one"
             )
-        roles: tuple[PoolRole, ...] = ("prefill", "decode")
-        for role in roles:
-            pool = self.pool(role)
-            if pool.engine.kv_cache_dtype != "auto" and pool.tensor_parallel_size > 1:
-                raise ValueError(
-                    f"{role}.engine.kv_cache_dtype={pool.engine.kv_cache_dtype!r} is not "
-                    f"supported with {role}.tensor_parallel_size={pool.tensor_parallel_size} "
-                    "yet; use 'auto'"
-                )
         return self
 
     def pool(self, role: PoolRole) -> PoolConfig:
