@@ -1,8 +1,9 @@
 """gpu_verify's check of the native Gemma 2 / Gemma 3 classes on CUDA (part of the engine
 step): tiny random models built by transformers on the device (windows smaller than the
 longest prompt; Gemma 2's softcaps; Gemma 3's local RoPE base, scaled global RoPE and tied
-embeddings), served natively in float32 with CUDA graphs and chunked prefill; greedy tokens
-must equal transformers'. The CPU tests (tests/engine/test_native_gemma.py) hold the same
+embeddings), served natively in float32 with CUDA graphs, chunked prefill and the window
+layers' KV in a pool of their own (engine/window_kv.py); greedy tokens must equal
+transformers'. The CPU tests (tests/engine/test_native_gemma.py) hold the same
 models to logprobs as well."""
 
 from __future__ import annotations
@@ -100,16 +101,18 @@ def gemma_vs_transformers(model_root: Path) -> list[Row]:
                 model_dir, dtype="float32", device=DEVICE, max_num_batched_tokens=64
             )
             native = engine.runner.model_config.impl == "native"
+            # Window layers in a pool of their own (engine/window_kv.py).
+            windowed = engine.window_layout is not None
             got = _run_arrivals(engine, arrivals)
             same = sum(got[rid] == expected[rid] for rid in expected)
             rows.append(
                 Row(
                     "engine",
-                    f"{name} native fp32 greedy == transformers, chunked prefill",
-                    native and same == len(expected),
+                    f"{name} native fp32 greedy == transformers, chunked prefill, window pool",
+                    native and windowed and same == len(expected),
                     same,
                     f"of {len(expected)} requests",
-                    note="" if native else "not the native class",
+                    note="" if native and windowed else "not the native class / no window pool",
                 )
             )
             del engine, hf

@@ -15,7 +15,10 @@ process while a decode engine waits in another; the hand-off is the time from th
 layer computed to the decode side's ``wait`` returning, reported next to TTFT and the time
 the last layer's bytes take at the measured bandwidth. ``--kv-dtypes auto,fp8_e4m3,int8``
 repeats it for each KV cache dtype (both engines alike) and reports the bytes each hand-off
-moved next to the float cache's.
+moved next to the float cache's. ``--mla-handoff`` adds the hand-off of a scaled-down
+DeepSeek-V3 (the released latent slot, 512 + 64 wide, in the pool's one plane; few layers
+and heads; ``bench.mla_kv``): its measured bytes, next to what the same prompt's expanded
+per-head K/V (the transformers path's pool) would move.
 
 Prints a table and writes JSON (``--out``, default bench/results/kvtransfer.json).
 Targets checked: shm >= 50% of copy bandwidth from 64 MiB up; gloo >= 50% of the raw
@@ -317,7 +320,7 @@ def _handoff(
     from pdserve.engine.sampling_params import SamplingParams
     from pdserve.engine.testmodel import ensure_test_model
 
-    model_dir = ensure_test_model(model)
+    model_dir = Path(model) if Path(model).is_dir() else ensure_test_model(model)
     num_blocks = math.ceil(tokens / 16) + 8
     conn.send(("engine", str(model_dir), num_blocks, transport, kv_cache_dtype))
     assert conn.recv() == "ok"
@@ -369,6 +372,7 @@ def _handoff(
         "transport": transport,
         "kv_cache_dtype": kv_cache_dtype,
         "kv_pool_dtype": layout.dtype,
+        "kv_planes": layout.num_planes,
         "kv_bytes": samples[0]["bytes"],
         "layer_bytes": samples[0]["bytes"] // layout.num_layers,
         "handoff_p50_s": statistics.median(handoffs),
@@ -433,7 +437,9 @@ def _targets(rows: list[dict[str, Any]], handoffs: list[dict[str, Any]]) -> dict
 
 
 def _print_bytes(handoffs: list[dict[str, Any]]) -> None:
-    """Bytes per hand-off of each KV dtype, next to the float cache's (same transport)."""
+    """Bytes per hand-off of each KV dtype, next to the float cache's (same transport and
+    model; the MLA row reports its own comparison)."""
+    handoffs = [h for h in handoffs if "expanded_kv_bytes" not in h]
     base = {h["transport"]: h["kv_bytes"] for h in handoffs if h["kv_cache_dtype"] == "auto"}
     if len({h["kv_cache_dtype"] for h in handoffs}) < 2:
         return
@@ -446,6 +452,28 @@ def _print_bytes(handoffs: list[dict[str, Any]]) -> None:
             f"{h['transport']:>10} {h['kv_cache_dtype']:>9} ({h['kv_pool_dtype']}): "
             f"{h['kv_bytes']:>12,d} B  {ratio}"
         )
+
+
+def _mla_handoff(conn: Connection, tokens: int, reps: int, transport: str) -> dict[str, Any]:
+    """The hand-off of the scaled-down DeepSeek-V3 (native MLA pool), with the bytes its
+    expanded K/V would take for the same prompt."""
+    import tempfile
+
+    from pdserve.bench.mla_kv import path_bytes, write_small_mla_model
+    from pdserve.engine.testmodel import ensure_test_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_small_mla_model(Path(tmp), ensure_test_model("small"))
+        row = _handoff(conn, str(model_dir), tokens, reps, transport, "auto")
+        expanded = path_bytes(model_dir, "transformers", tokens, 16, torch.bfloat16)
+    row["model"] = "deepseek-v3-scaled-down (MLA)"
+    row["expanded_kv_bytes"] = expanded["handoff_bytes"]
+    print(
+        f"\nMLA hand-off ({tokens} tokens, latent 512 + 64, {row['kv_planes']} plane): "
+        f"{row['kv_bytes']:,d} B on the wire; expanded K/V would be "
+        f"{expanded['handoff_bytes']:,d} B ({expanded['handoff_bytes'] / row['kv_bytes']:.1f}x)"
+    )
+    return row
 
 
 def _cpu_pressure() -> float | None:
@@ -477,6 +505,11 @@ def main(argv: list[str] | None = None) -> None:
         default="auto",
         help="comma-separated KV cache dtypes of the hand-off (auto, fp8_e4m3, int8)",
     )
+    p.add_argument(
+        "--mla-handoff",
+        action="store_true",
+        help="also hand off a scaled-down DeepSeek-V3 (latent KV) over the first transport",
+    )
     p.add_argument("--out", type=Path, default=Path("bench/results/kvtransfer.json"))
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -507,6 +540,11 @@ def main(argv: list[str] | None = None) -> None:
                                 args.handoff_reps, transport, kv_dtype,
                             )
                         )  # fmt: skip
+                if args.mla_handoff:
+                    transport = args.handoff_transports.split(",")[0]
+                    handoffs.append(
+                        _mla_handoff(conn, args.handoff_tokens, args.handoff_reps, transport)
+                    )
         conn.send(("quit",))
         conn.recv()
     finally:

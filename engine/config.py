@@ -88,6 +88,16 @@ class EngineConfig(BaseModel):
             "the KV pool holds."
         ),
     )
+    window_kv_pool: bool = Field(
+        default=True,
+        description=(
+            "Sliding-window layers of a model that mixes them with full-attention layers "
+            "(gpt-oss, Gemma 2/3) keep only their window's KV, in a pool of their own. Off, "
+            "or with a KV connector, tensor parallelism or an int8/fp8 KV cache: they keep "
+            "the whole sequence's KV like the other layers (the layout the P/D hand-off "
+            "moves)."
+        ),
+    )
     enable_prefix_caching: bool = Field(
         default=True, description="Reuse full KV blocks of identical prompt prefixes."
     )
@@ -124,11 +134,6 @@ class EngineConfig(BaseModel):
     def _check_cross_fields(self) -> EngineConfig:
         if self.quantize_lm_head and self.device == "cuda":
             raise ValueError("quantize_lm_head runs on the CPU only for now (device='cuda')")
-        if self.kv_cache_dtype != "auto" and self.tensor_parallel_size > 1:
-            raise ValueError(
-                f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported with "
-                f"tensor_parallel_size={self.tensor_parallel_size} yet; use 'auto'"
-            )
         if self.num_kv_blocks is not None and self.max_model_len is not None:
             need = -(-self.max_model_len // self.block_size)
             if self.num_kv_blocks < need:

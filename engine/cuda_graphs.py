@@ -5,9 +5,10 @@ removes the CPU launch cost that dominates small batches. One graph per bucket (
 16, then steps of 16 up to ``max_num_seqs``), captured largest first into one memory pool,
 all reading persistent input buffers that each step updates in place: a batch of ``n``
 sequences runs the smallest bucket ``>= n``, its padding rows write nowhere (slot -1) and
-attend to one token of block 0. The block table has the width of the longest request, so
-the decode kernel's split count is fixed per graph. Prefill and mixed steps run eagerly, as
-do steps with a KV connector (its per-layer callbacks are host code).
+attend to one token of block 0 (the null block of a window pool, whose slots and tables
+have buffers of their own: engine/window_kv.py). The block table has the width of the
+longest request, so the decode kernel's split count is fixed per graph. Prefill and mixed
+steps run eagerly, as do steps with a KV connector (its per-layer callbacks are host code).
 
 Both model paths are captured. transformers' modelling code skips its host-side checks
 while a CUDA stream captures (``is_tracing``); a model whose code still reads a tensor on
@@ -58,6 +59,12 @@ class DecodeGraphs:
         self.input_ids = torch.zeros(top, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(top, dtype=torch.int64, device=dev)
         self.slots = torch.full((top,), -1, dtype=torch.int64, device=dev)
+        # The window layers' slots and tables, where they have a pool of their own.
+        self.window_slots: torch.Tensor | None = None
+        self.window_tables: torch.Tensor | None = None
+        if runner.window_layout is not None:
+            self.window_slots = torch.full((top,), -1, dtype=torch.int64, device=dev)
+            self.window_tables = torch.zeros(top, self.width, dtype=torch.int32, device=dev)
         self.seq_lens = torch.ones(top, dtype=torch.int32, device=dev)
         self.tables = torch.zeros(top, self.width, dtype=torch.int32, device=dev)
         self.cu = torch.arange(top + 1, dtype=torch.int32, device=dev)
@@ -73,8 +80,11 @@ class DecodeGraphs:
             block_tables=self.tables[:b],
             decode_only=True,
             kv_scales=runner.kv_scales,
+            window_slot_mapping=None if self.window_slots is None else self.window_slots[:b],
+            window_block_tables=None if self.window_tables is None else self.window_tables[:b],
         )
-        hidden = runner.model(self.input_ids[:b], self.positions[:b], runner.kv_cache, meta)
+        caches = runner.layer_kv_caches()
+        hidden = runner.model(self.input_ids[:b], self.positions[:b], caches, meta)
         return runner.model.compute_logits(hidden).float()
 
     @torch.inference_mode()
@@ -113,6 +123,13 @@ class DecodeGraphs:
         self.slots[:n].copy_(meta.slot_mapping, non_blocking=True)
         self.seq_lens[:n].copy_(meta.seq_lens, non_blocking=True)
         self.tables[:n, :width].copy_(meta.block_tables, non_blocking=True)
+        if self.window_slots is not None and self.window_tables is not None:
+            assert meta.window_slot_mapping is not None and meta.window_block_tables is not None
+            self.window_slots[:n].copy_(meta.window_slot_mapping, non_blocking=True)
+            self.window_tables[:n, :width].copy_(meta.window_block_tables, non_blocking=True)
+            if b > n:  # block 0 of the window pool: its null block
+                self.window_slots[n:b].fill_(-1)
+                self.window_tables[n:b, 0].fill_(0)
         if b > n:  # padding rows: write nowhere, attend to one token of block 0
             self.slots[n:b].fill_(-1)
             self.seq_lens[n:b].fill_(1)

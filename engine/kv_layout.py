@@ -4,9 +4,12 @@ the attention window.
 Models describe their layers with ``KVLayerSpec``; the model runner sizes the pool from
 the descriptions and the KV hand-off moves whole layers, so both follow from them. Layers
 share one pool tensor ``[L, 2, N, B, Hkv, D]``: a value head narrower than its key head
-(DeepSeek-V3's 128 next to 192) is stored zero-padded to the key's size, and a sliding
-window only limits what a layer attends (its KV is kept, so the prefix cache and the
-hand-off treat every layer alike). This module never allocates.
+(DeepSeek-V3's 128 next to 192) is stored zero-padded to the key's size. A sliding window
+limits what a layer attends; on the native path the window layers of a model that mixes
+them with full ones keep only their window, in a second pool (``engine/window_kv.py``),
+and elsewhere (a KV connector, tensor parallelism, the transformers path) their KV is kept
+whole in the one pool, so the hand-off treats every layer alike. This module never
+allocates.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import SampledTokenLike, Scheduler
 from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.engine.stats import EngineStats, ThroughputMeter
+from pdserve.engine.window_kv import WindowKV, WindowLayout
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -97,8 +98,11 @@ class LLMEngine:
         """``kv_cache_allocator_factory`` / ``kv_agent_factory`` (picklable callables)
         build the KV allocator and KV agent of ranks 1..tp-1 under tensor parallelism
         (``pdserve.engine.tp_executor``)."""
-        self.config = config
         kv_connector = checked_connector(kv_connector)
+        if kv_connector is not None and config.window_kv_pool:
+            # The hand-off moves one pool of every layer: window layers keep all their KV.
+            config = config.model_copy(update={"window_kv_pool": False})
+        self.config = config
         if model_runner is None and config.tensor_parallel_size > 1:
             from pdserve.engine.loader import load_model_config
             from pdserve.engine.model_runner import check_transformers_path
@@ -150,8 +154,18 @@ class LLMEngine:
             )
         elif kv_connector is not None:
             kv_connector.register_kv_caches(self.kv_cache, self.model_config.kv_identity)
+        # The window layers' own pool, where the runner keeps one (engine/window_kv.py).
+        self.window_layout: WindowLayout | None = getattr(model_runner, "window_layout", None)
+        window = None
+        if self.window_layout is not None:
+            window = WindowKV(
+                self.window_layout.window,
+                config.block_size,
+                self.window_layout.num_blocks,
+                config.enable_prefix_caching,
+            )
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, config.block_size, config.enable_prefix_caching
+            num_blocks, config.block_size, config.enable_prefix_caching, window
         )
         # The prefix cache's stored/evicted block hashes, drained by the serving layer.
         self.kv_events = KVEventLog()
@@ -251,6 +265,12 @@ class LLMEngine:
         Returns the destination block ids in prompt order, or None when the pool has no
         room now (nothing is held then).
         """
+        if self.window_layout is not None:
+            raise ValueError(
+                "this engine keeps its window layers' KV in a pool of their own, which the "
+                "KV hand-off does not fill: build it with window_kv_pool=False (or a KV "
+                "connector) to receive remote prefills"
+            )
         request = self._make_request(request_id, prompt_token_ids, params, False, arrival_time)
         return self.scheduler.reserve_remote_prefill(request)
 
@@ -411,13 +431,15 @@ class LLMEngine:
             return 0
         bs = manager.block_size
         parent = NO_PARENT_HASH
-        cached = 0
+        hashes: list[int] = []
         for i in range((len(token_ids) - 1) // bs):
             parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs])
             if manager.pool.lookup(parent) is None:
                 break
-            cached += bs
-        return cached
+            hashes.append(parent)
+        if manager.window is not None:  # as far as the window pool holds the window too
+            return manager.window.usable_hit(hashes, len(hashes)) * bs
+        return len(hashes) * bs
 
     def generate(
         self,
@@ -494,6 +516,8 @@ class LLMEngine:
             prefix_cache_hits=kv.prefix_cache_hits,
             num_prompt_tokens=s.num_prompt_tokens_computed,
             num_generation_tokens=s.num_generated_tokens,
+            num_window_free_blocks=kv.window.pool.num_free_blocks if kv.window else 0,
+            num_window_total_blocks=kv.window.pool.num_blocks - 1 if kv.window else 0,
         )
 
     def check_integrity(self) -> None:

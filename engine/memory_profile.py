@@ -64,17 +64,23 @@ def run_profile_step(runner: ModelRunner, num_tokens: int | None = None) -> int:
         cfg.block_size,
     )
     saved, connector, graphs = runner.kv_cache, runner.kv_connector, runner.decode_graphs
+    saved_window = runner.window_kv_cache
     runner.kv_connector = None  # the profile step sends nothing
     runner.decode_graphs = None  # captured graphs are bound to the real pool: run eagerly
     runner.kv_cache = torch.zeros(
         runner.kv_cache_shape(num_blocks), dtype=runner.kv_dtype, device=runner.device
     )
+    if runner.window_layout is not None:  # a window pool as large: the step's tables fit it
+        runner.window_kv_cache = torch.zeros(
+            runner.window_cache_shape(num_blocks), dtype=runner.kv_dtype, device=runner.device
+        )
     try:
         _, logits = runner.compute_logits(step)
         # The sampler's worst temporaries: a full-vocabulary sort (top-p) of every row.
         torch.sort(logits, dim=-1)
     finally:
         runner.kv_cache, runner.kv_connector, runner.decode_graphs = saved, connector, graphs
+        runner.window_kv_cache = saved_window
     return num_blocks
 
 

@@ -42,6 +42,7 @@ from pdserve.engine.quantization import (
 from pdserve.engine.sampler import SampledToken, Sampler, SamplingRow
 from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.engine.staging import StepStaging
+from pdserve.engine.window_kv import NULL_BLOCK, WindowLayout, plan_window_layout
 from pdserve.kernels import ops
 from pdserve.kernels.ops import DeviceRuntime, RuntimeSettings, make_runtime, pack_linears
 
@@ -102,7 +103,7 @@ def _available_memory_bytes() -> int:
 
 def check_transformers_path(cfg: ModelConfig, config: EngineConfig, tp_size: int) -> None:
     """What the transformers-backed path cannot do, refused before any weight loads: a
-    tensor-parallel split its ``base_model_tp_plan`` does not give, quantization."""
+    tensor-parallel split its ``base_model_tp_plan`` does not give, quantized weights."""
     if cfg.impl != "transformers":
         return
     if tp_size > 1:
@@ -111,12 +112,6 @@ def check_transformers_path(cfg: ModelConfig, config: EngineConfig, tp_size: int
 
         hf_config = load_hf_config(config.model, cfg.architecture)
         check_plan(hf_config, cfg.architecture, tp_size)
-    if config.kv_cache_dtype != "auto":
-        raise ValueError(
-            f"architecture {cfg.architecture} runs on the transformers path, whose KV cache "
-            f"is the model's dtype for now: kv_cache_dtype must be 'auto', got "
-            f"{config.kv_cache_dtype!r}"
-        )
     if config.quantization is not None or cfg.quantization is not None:
         raise ValueError(
             f"architecture {cfg.architecture} runs on the transformers path, which serves "
@@ -189,7 +184,32 @@ class ModelRunner:
         # the engine's life: read from the checkpoint or calibrated now, engine/kv_scales.py).
         self.kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, dtype)
         self.kv_scales: torch.Tensor | None = None
+        self.window_layout: WindowLayout | None = None  # decided below, once scales are
         self.kv_scales = resolve_kv_scales(self, self.kv_dtype)
+        # Window layers' KV in a pool of their own (engine/window_kv.py), or None: every
+        # layer in kv_cache. kv_cache then holds the full-attention layers only.
+        self.window_layout = self._plan_window_layout()
+        self.window_kv_cache: torch.Tensor | None = None
+
+    def _plan_window_layout(self) -> WindowLayout | None:
+        """The window pool where the model mixes window and full layers and nothing needs
+        one pool of every layer (a KV connector, tensor parallel ranks, scaled KV)."""
+        config = self.config
+        if (
+            not config.window_kv_pool
+            or not isinstance(self.model, LlamaForCausalLM)
+            or self.kv_connector is not None
+            or self.tp.size > 1
+            or self.kv_scales is not None
+        ):
+            return None
+        return plan_window_layout(
+            self.model_config.kv_layers,
+            config.block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+        )
 
     def _load_model(self) -> LlamaForCausalLM | TransformersForCausalLM:
         cfg = self.model_config
@@ -220,18 +240,53 @@ class ModelRunner:
     # ---- KV cache -------------------------------------------------------------------------
 
     @property
+    def num_pool_layers(self) -> int:
+        """Layers whose KV is in ``kv_cache``: all, less those of a window pool."""
+        window = self.window_layout
+        return self.model_config.num_layers - (len(window.layers) if window else 0)
+
+    @property
     def block_bytes(self) -> int:
-        """Bytes one KV block takes on this rank across all layers (K and V)."""
-        c = self.model_config
+        """Bytes one KV block takes on this rank across the pool's layers (every plane)."""
+        return self.num_pool_layers * self._layer_block_bytes()
+
+    def _layer_block_bytes(self) -> int:
         elem = torch.empty((), dtype=self.kv_dtype).element_size()
         heads = len(self.kv_heads)
-        return c.num_layers * 2 * self.config.block_size * heads * c.head_dim * elem
+        c = self.model_config
+        return c.kv_planes * self.config.block_size * heads * c.head_dim * elem
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
-        """This rank's pool: ``[L, 2, N, B, Hkv_rank, D]``."""
-        c = self.model_config
+        """This rank's pool: ``[L, P, N, B, Hkv_rank, D]`` (L: ``num_pool_layers``; P the
+        model's ``kv_planes``, 2: keys and values, 1: an MLA latent that is both)."""
+        return self._pool_shape(self.num_pool_layers, num_blocks)
+
+    def window_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """The window pool: ``[L_window, P, N_window, B, Hkv_rank, D]``."""
+        assert self.window_layout is not None
+        return self._pool_shape(len(self.window_layout.layers), num_blocks)
+
+    def _pool_shape(self, num_layers: int, num_blocks: int) -> tuple[int, ...]:
         heads = len(self.kv_heads)
-        return (c.num_layers, 2, num_blocks, self.config.block_size, heads, c.head_dim)
+        block = self.config.block_size
+        c = self.model_config
+        return (num_layers, c.kv_planes, num_blocks, block, heads, c.head_dim)
+
+    def layer_kv_caches(self) -> torch.Tensor | list[torch.Tensor]:
+        """What the model indexes by layer: ``kv_cache`` itself, or with a window pool
+        each layer's ``[2, N, B, Hkv, D]`` slice of the pool that holds it."""
+        window = self.window_layout
+        if window is None:
+            assert self.kv_cache is not None
+            return self.kv_cache
+        assert self.kv_cache is not None and self.window_kv_cache is not None
+        full = iter(self.kv_cache)
+        windowed = iter(self.window_kv_cache)
+        members = set(window.layers)
+        return [
+            next(windowed) if i in members else next(full)
+            for i in range(self.model_config.num_layers)
+        ]
 
     def profile_num_blocks(self) -> int:
         """How many KV blocks to allocate when ``num_kv_blocks`` is not configured.
@@ -251,6 +306,7 @@ class ModelRunner:
         else:
             budget = min(_available_memory_bytes() * _CPU_KV_MEMORY_FRACTION, _CPU_KV_MEMORY_CAP)
             budget /= self.tp.size  # the ranks of a CPU replica share the host's memory
+        budget -= self.window_pool_bytes  # the window pool first: its size is fixed
         affordable = int(budget // self.block_bytes)
         if affordable < per_seq:
             raise ValueError(
@@ -259,13 +315,30 @@ class ModelRunner:
             )
         return min(useful, affordable)
 
+    @property
+    def window_pool_bytes(self) -> int:
+        """Bytes of the window pool (0 without one)."""
+        window = self.window_layout
+        if window is None:
+            return 0
+        return len(window.layers) * window.num_blocks * self._layer_block_bytes()
+
     def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
-        """Allocate the pool (layout ``[L, 2, N, B, Hkv, D]``) through the allocator."""
-        shape = self.kv_cache_shape(num_blocks)
+        """Allocate the pool (layout ``kv_cache_shape``) through the allocator, and
+        the window pool where there is one."""
+        self.kv_cache = self._allocate(self.kv_cache_shape(num_blocks))
+        if self.window_layout is not None:
+            shape = self.window_cache_shape(self.window_layout.num_blocks)
+            self.window_kv_cache = self._allocate(shape)
+            # Out-of-window table entries point at the null block: finite, whatever the
+            # allocator returned (the kernels mask it, and 0 * NaN would not be 0).
+            self.window_kv_cache[:, :, NULL_BLOCK].zero_()
+        return self.kv_cache
+
+    def _allocate(self, shape: tuple[int, ...]) -> torch.Tensor:
         cache = self.kv_cache_allocator(shape, self.kv_dtype, self.device)
         if tuple(cache.shape) != shape or not cache.is_contiguous():
             raise ValueError(f"kv_cache_allocator returned {tuple(cache.shape)}, expected {shape}")
-        self.kv_cache = cache
         return cache
 
     def warm_up(self) -> int:
@@ -277,9 +350,13 @@ class ModelRunner:
             return 0
         c = self.model_config
         heads = c.num_heads // self.tp.size
-        calls = ops.warm_up_attention(
-            heads, len(self.kv_heads), c.head_dim, self.config.block_size, c.dtype, self.device
-        )
+        block = self.config.block_size
+        if c.mla is not None:  # decode goes to the MLA kernel (the models' own choice)
+            rank = c.mla.kv_lora_rank
+            calls = ops.warm_up_mla_decode(heads, rank, c.head_dim, block, c.dtype, self.device)
+        else:
+            kv_heads = len(self.kv_heads)
+            calls = ops.warm_up_attention(heads, kv_heads, c.head_dim, block, c.dtype, self.device)
         memory_profile.run_profile_step(self)  # prefill / mixed path
         memory_profile.run_profile_step(self, self.config.max_num_seqs)  # a decode batch
         memory_profile.run_profile_step(self, 1)  # a single decode
@@ -306,6 +383,9 @@ class ModelRunner:
         cu = [0]
         seq_lens: list[int] = []
         tables: list[list[int]] = []
+        windowed = self.window_layout is not None
+        window_slots: list[int] = []
+        window_tables: list[list[int]] = []
         sample_rows: list[int] = []
         sample_ids: list[str] = []
         sampling: list[SamplingRow] = []
@@ -323,14 +403,17 @@ class ModelRunner:
             input_ids.extend(chunk.token_ids)
             positions.extend(range(start, end))
             table = chunk.block_ids
-            # One range per block touched (not one expression per token): prefill chunks
-            # of thousands of tokens cost a few block-sized extends.
-            pos = start
-            while pos < end:
-                base = table[pos // block_size] * block_size
-                stop = min(end, (pos // block_size + 1) * block_size)
-                slots.extend(range(base + pos % block_size, base + (stop - 1) % block_size + 1))
-                pos = stop
+            _append_slots(slots, table, start, end, block_size)
+            if windowed:
+                # A profiling step's chunks have none: their throwaway pools are alike.
+                window_table = chunk.window_block_ids or table
+                if len(window_table) != len(table):
+                    raise ValueError(
+                        f"request {chunk.request_id}: window table of {len(window_table)} "
+                        f"blocks next to {len(table)}"
+                    )
+                _append_slots(window_slots, window_table, start, end, block_size)
+                window_tables.append(window_table)
             cu.append(cu[-1] + n)
             seq_lens.append(end)
             tables.append(table)
@@ -350,28 +433,34 @@ class ModelRunner:
         width = max(len(t) for t in tables)
         # Padding entries are never read (seq_lens bounds every sequence); 0 is a valid id.
         padded = [t + [0] * (width - len(t)) for t in tables]
+        padded += [t + [0] * (width - len(t)) for t in window_tables]
         if self.device.type == "cuda":
             # Pinned staging: one asynchronous host-to-device copy per dtype.
-            ids_t, pos_t, slots_t, rows_t = self.staging.to_device(
-                [input_ids, positions, slots, sample_rows], torch.int64
+            ids_t, pos_t, slots_t, rows_t, wslots_t = self.staging.to_device(
+                [input_ids, positions, slots, sample_rows, window_slots], torch.int64
             )
-            cu_t, lens_t, tables_t = self.staging.to_device(
+            cu_t, lens_t, all_tables_t = self.staging.to_device(
                 [cu, seq_lens, [b for t in padded for b in t]], torch.int32
             )
-            tables_t = tables_t.view(len(padded), width)
+            all_tables_t = all_tables_t.view(len(padded), width)
         else:
-            i64 = (input_ids, positions, slots, sample_rows)
-            ids_t, pos_t, slots_t, rows_t = (torch.tensor(v, dtype=torch.int64) for v in i64)
-            cu_t, lens_t, tables_t = (
+            i64 = (input_ids, positions, slots, sample_rows, window_slots)
+            ids_t, pos_t, slots_t, rows_t, wslots_t = (
+                torch.tensor(v, dtype=torch.int64) for v in i64
+            )
+            cu_t, lens_t, all_tables_t = (
                 torch.tensor(v, dtype=torch.int32) for v in (cu, seq_lens, padded)
             )
+        num_seqs = len(tables)
         meta = AttentionMetadata(
             slot_mapping=slots_t,
             cu_seqlens_q=cu_t,
             seq_lens=lens_t,
-            block_tables=tables_t,
+            block_tables=all_tables_t[:num_seqs],
             decode_only=len(input_ids) == len(out.chunks),
             kv_scales=self.kv_scales,
+            window_slot_mapping=wslots_t if windowed else None,
+            window_block_tables=all_tables_t[num_seqs:] if windowed else None,
         )
         return BatchInputs(
             input_ids=ids_t,
@@ -401,7 +490,14 @@ class ModelRunner:
         ):
             logits = graphs.run(batch.input_ids, batch.positions, batch.meta)
             return batch, logits.index_select(0, batch.sample_rows)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.meta, connector)
+        if self.window_layout is not None:
+            assert isinstance(self.model, LlamaForCausalLM)
+            caches = self.layer_kv_caches()
+            hidden = self.model(batch.input_ids, batch.positions, caches, batch.meta, connector)
+        else:
+            hidden = self.model(
+                batch.input_ids, batch.positions, self.kv_cache, batch.meta, connector
+            )
         logits = self.model.compute_logits(hidden[batch.sample_rows]).float()
         return batch, logits
 
@@ -419,3 +515,17 @@ class ModelRunner:
         batch, logits = self.compute_logits(out)
         tokens = self.sampler(logits, batch.sampling)
         return dict(zip(batch.sample_request_ids, tokens, strict=True))
+
+
+def _append_slots(
+    slots: list[int], table: list[int], start: int, end: int, block_size: int
+) -> None:
+    """The cache slots of positions ``[start, end)`` under ``table``: one range per block
+    touched (not one expression per token), so a prefill chunk of thousands of tokens
+    costs a few block-sized extends."""
+    pos = start
+    while pos < end:
+        base = table[pos // block_size] * block_size
+        stop = min(end, (pos // block_size + 1) * block_size)
+        slots.extend(range(base + pos % block_size, base + (stop - 1) % block_size + 1))
+        pos = stop

@@ -85,6 +85,9 @@ class Request:
     # Prompt tokens served from the prefix cache at first admission (reported to clients).
     num_cached_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
+    # The window layers' block table (engine/window_kv.py), when they have a pool of their
+    # own: one entry per block of the sequence, NULL_BLOCK where it fell out of the window.
+    window_block_ids: list[int] = field(default_factory=list)
     # Leading blocks whose hash is registered in the prefix cache.
     num_hashed_blocks: int = 0
     # Hashes of the full blocks of all_token_ids, computed lazily and extended as it grows.

@@ -292,6 +292,9 @@ class Scheduler:
                 token_ids=request.tokens_slice(start, end),
                 start_position=start,
                 block_ids=list(request.block_ids),
+                window_block_ids=(
+                    list(request.window_block_ids) if self.kv.window is not None else None
+                ),
                 sample=sample,
                 sampling_params=request.params,
                 num_output_tokens=request.num_output_tokens,

@@ -31,6 +31,9 @@ class ScheduledChunk:
     # (prompt ids, output ids) of the request, by reference, for the sampler's penalties;
     # None when its sampling does not read them (no copy per step for the common case).
     history: tuple[list[int], list[int]] | None = None
+    # The window layers' block table when they have a pool of their own (same length as
+    # block_ids; out-of-window entries point at the pool's never-written null block).
+    window_block_ids: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -25,6 +25,9 @@ class EngineStats:
     prefix_cache_hits: int
     num_prompt_tokens: int
     num_generation_tokens: int
+    # The window layers' own pool (engine/window_kv.py, null block excluded); 0: none.
+    num_window_free_blocks: int = 0
+    num_window_total_blocks: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -18,7 +18,7 @@ allocates the KV cache and never samples.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +46,10 @@ class AttentionMetadata:
     decode_only: bool  # every sequence has exactly one new token: use the decode kernel
     # [L, 2, Hkv] float32: per-layer K and V scales of an int8 / float8 pool; None: float
     kv_scales: torch.Tensor | None = None
+    # Where the window layers' KV has a pool of its own (engine/window_kv.py): their slots
+    # [T] int64 and block tables [S, M] int32 in it (out-of-window entries: the null block).
+    window_slot_mapping: torch.Tensor | None = None
+    window_block_tables: torch.Tensor | None = None
 
 
 # The residual stream's dtype in every model dtype: each layer's bf16 output is added to it
@@ -121,16 +125,20 @@ class Attention(nn.Module):
         ks = vs = None
         if meta.kv_scales is not None:
             ks, vs = meta.kv_scales[self.layer_idx]
-        ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, ks, vs)
+        slots, tables = meta.slot_mapping, meta.block_tables
+        if self.sliding_window is not None and meta.window_block_tables is not None:
+            assert meta.window_slot_mapping is not None
+            slots, tables = meta.window_slot_mapping, meta.window_block_tables
+        ops.write_kv(k, v, k_cache, v_cache, slots, ks, vs)
         if meta.decode_only:
             out = ops.paged_decode_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, self.scale,
+                q, k_cache, v_cache, tables, meta.seq_lens, self.scale,
                 sliding_window=self.sliding_window, softcap=self.softcap, sinks=self.sinks,
                 k_scale=ks, v_scale=vs,
             )  # fmt: skip
         else:
             out = ops.paged_attention(
-                q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
+                q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, tables,
                 self.scale, sliding_window=self.sliding_window, softcap=self.softcap,
                 sinks=self.sinks, k_scale=ks, v_scale=vs,
             )  # fmt: skip
@@ -293,12 +301,13 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64
-        kv_cache: torch.Tensor,  # [L, 2, N, B, Hkv, D]
+        kv_cache: torch.Tensor | Sequence[torch.Tensor],  # [L, 2, N, B, Hkv, D]
         meta: AttentionMetadata,
         kv_connector: KVConnector | None = None,
     ) -> torch.Tensor:  # [T, hidden] float32: final-norm hidden states
         """Run the decoder; writes every token's K/V into ``kv_cache`` at its slot. The
-        final norm's output stays float32: it only feeds the logits."""
+        final norm's output stays float32: it only feeds the logits. ``kv_cache`` may also
+        be each layer's ``[2, N, B, Hkv, D]`` (window layers in a pool of their own)."""
         rope = self.layer_rope_tables()
         x = self.embed(input_ids)
         residual: torch.Tensor | None = None
@@ -306,6 +315,7 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(positions, x, residual, kv_cache[i], rope[i], meta)
             if kv_connector is not None:
                 # Layer i's K/V are in the cache now: the connector may start sending them.
+                assert isinstance(kv_cache, torch.Tensor), "a connector reads one pool"
                 kv_connector.layer_computed(i, kv_cache)
         x, _ = self.model.norm(x, residual, out_dtype=torch.float32)
         return x

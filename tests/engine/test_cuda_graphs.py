@@ -126,3 +126,60 @@ def test_an_uncapturable_transformers_model_decodes_eagerly(
     native.allocate_kv_cache(8)
     with pytest.raises(RuntimeError, match="stream is capturing"):
         capture_decode_graphs(native)
+
+
+def test_a_window_pool_replay_gives_the_eager_logits(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """gpt-oss's window layers in a pool of their own (engine/window_kv.py): the graphs'
+    buffers carry the window slots and tables too (blocks out of the window on the null
+    block), and a padded replay gives the eager step's logits and writes the same slots."""
+    from tests.engine.tiny_hf_models import build_tiny_model
+
+    model_dir = build_tiny_model("gpt-oss", tmp_path / "gpt-oss", tiny_model_dir)
+    runner = _runner(model_dir, "native")
+    assert runner.window_layout is not None and runner.window_layout.window == 32
+    runner.allocate_kv_cache(32)
+    greedy = SamplingParams(temperature=0.0)
+    prompts = [[5, 6, 7, 8, 9], list(range(10, 80)), [3]]
+    tables = [[0], [1, 2, 3, 4, 5], [6]]
+    window_tables = [[1], [2, 3, 4, 5, 6], [7]]
+    chunks = [ScheduledChunk(f"r{i}", p, 0, tables[i], True, greedy, 0,
+                             window_block_ids=window_tables[i])
+              for i, p in enumerate(prompts)]  # fmt: skip
+    runner.compute_logits(SchedulerOutput(chunks, sum(len(p) for p in prompts)))
+    window_tables[1][:2] = [0, 0]  # position 70 attends 39.. : blocks 0 and 1 are freed
+    decode = SchedulerOutput(
+        [
+            ScheduledChunk(
+                f"r{i}",
+                [42 + i],
+                len(p),
+                tables[i],
+                True,
+                greedy,
+                1,
+                window_block_ids=window_tables[i],
+            )
+            for i, p in enumerate(prompts)
+        ],  # fmt: skip
+        3,
+    )
+    assert runner.window_kv_cache is not None
+    before = runner.kv_cache.clone(), runner.window_kv_cache.clone()
+    _, eager = runner.compute_logits(decode)
+    written = runner.kv_cache.clone(), runner.window_kv_cache.clone()
+    runner.kv_cache.copy_(before[0])
+    runner.window_kv_cache.copy_(before[1])
+
+    graphs = DecodeGraphs(runner)
+    for b in graphs.buckets:
+        graphs.logits[b] = torch.zeros(b, runner.model_config.vocab_size)
+        graphs.graphs[b] = _EagerReplay(graphs, b)
+    assert graphs.window_slots is not None
+    graphs.window_slots.fill_(123)  # stale values from an earlier, larger batch
+    runner.decode_graphs = graphs
+    _, replayed = runner.compute_logits(decode)
+    torch.testing.assert_close(replayed, eager, atol=2e-4, rtol=1e-3)
+    assert torch.equal(replayed.argmax(-1), eager.argmax(-1))
+    torch.testing.assert_close(runner.kv_cache, written[0], atol=2e-4, rtol=1e-3)
+    torch.testing.assert_close(runner.window_kv_cache, written[1], atol=2e-4, rtol=1e-3)
+    assert torch.equal(runner.window_kv_cache[:, :, 0], before[1][:, :, 0])  # null: untouched

@@ -25,42 +25,18 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.loader import load_model_config
 from tests.engine.transformers_reference import (
     ARRIVALS,
+    GEMMA3_TINY,
     PREEMPT_ARRIVALS,
-    Reference,
     assert_bf16_first_tokens_agree,
     check_schedule,
     small_pool_config,
-    tiny_model_and_reference,
+    tiny_models_fixture,
 )
 
 NUM_NEW = 16
-_GEMMA3_ROPE = {
-    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-    "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0},
-}
 # name -> (tiny spec, config overrides)
-MODELS: dict[str, tuple[str, dict[str, Any]]] = {
-    "gemma2": ("gemma2", {}),
-    "gemma3": (
-        "gemma3",
-        {
-            "rope_parameters": _GEMMA3_ROPE,
-            "tie_word_embeddings": True,
-            "num_hidden_layers": 3,
-            "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
-        },
-    ),
-}
-
-
-@pytest.fixture(scope="module", params=list(MODELS))
-def hf_model(
-    request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> tuple[Path, Reference]:
-    spec, extra = MODELS[request.param]
-    return tiny_model_and_reference(
-        request.param, spec, extra, tiny_model_dir, tmp_path_factory.mktemp("models")
-    )
+MODELS: dict[str, tuple[str, dict[str, Any]]] = {"gemma2": ("gemma2", {}), "gemma3": GEMMA3_TINY}
+hf_model = tiny_models_fixture(MODELS, "models")
 
 
 def test_default_schedule_matches_transformers(hf_model) -> None:

@@ -30,24 +30,13 @@ from tests.engine.transformers_reference import (
     assert_matches,
     make_prompt,
     run,
+    tiny_models_fixture,
 )
 
 NUM_NEW = 16
 
 
-@pytest.fixture(scope="module", params=list(SPECS))
-def hf_model(
-    request: pytest.FixtureRequest,
-    tiny_model_dir: Path,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> tuple[Path, Reference]:
-    from transformers import AutoModelForCausalLM
-
-    model_dir = build_tiny_model(
-        request.param, tmp_path_factory.mktemp(request.param), tiny_model_dir
-    )
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    return model_dir, Reference(hf, hf.config.vocab_size)
+hf_model = tiny_models_fixture({spec: (spec, {}) for spec in SPECS}, "backend")
 
 
 def _check(engine: LLMEngine, ref: Reference, arrivals: list[tuple[int, str, list[int]]]) -> None:

@@ -4,9 +4,12 @@ engine's outputs match the reference and that it holds nothing afterwards."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 
 from pdserve.engine.config import EngineConfig
@@ -127,6 +130,42 @@ def tiny_model_and_reference(
 
     model_dir = build_tiny_model(spec, tmp_root / name, tiny_model_dir, **overrides)
     return model_dir, load_reference(model_dir)
+
+
+# A tiny Gemma 3: two sliding layers and a full one, each kind with its own RoPE (linearly
+# scaled on the full layers), q/k norms and a tied output embedding.
+GEMMA3_TINY: tuple[str, dict[str, Any]] = (
+    "gemma3",
+    {
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0},
+        },
+        "tie_word_embeddings": True,
+        "num_hidden_layers": 3,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+    },
+)
+
+
+def tiny_models_fixture(
+    models: dict[str, tuple[str, dict[str, Any]]], folder: str
+) -> Callable[..., tuple[Path, Reference]]:
+    """A module-scoped fixture over ``models`` (name -> (tiny spec, config overrides)):
+    each model built under a fresh ``folder`` and its transformers reference."""
+
+    @pytest.fixture(scope="module", params=list(models))
+    def fixture(
+        request: pytest.FixtureRequest,
+        tiny_model_dir: Path,
+        tmp_path_factory: pytest.TempPathFactory,
+    ) -> tuple[Path, Reference]:
+        spec, extra = models[request.param]
+        return tiny_model_and_reference(
+            request.param, spec, extra, tiny_model_dir, tmp_path_factory.mktemp(folder)
+        )
+
+    return fixture
 
 
 def check_schedule(

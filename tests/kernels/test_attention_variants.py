@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -125,3 +126,50 @@ def test_triton_kernels_match_reference(name: str, dtype: torch.dtype) -> None:
                 *batch.decode_args(), sliding_window=window, softcap=cap, sinks=sinks
             )
             assert_close(got, want, ATTN_TOL[dtype])
+
+
+def _freed_outside_window(batch, window: int):  # type: ignore[no-untyped-def]
+    """The batch as a window pool holds it: every block wholly older than the window of a
+    sequence's first query points at a zero null block (appended), and the blocks it held
+    before are poisoned with NaN (freed, whatever another sequence writes there)."""
+    bs = batch.k_cache.shape[1]
+    null = batch.k_cache.shape[0]
+    k = torch.cat([batch.k_cache, torch.zeros_like(batch.k_cache[:1])])
+    v = torch.cat([batch.v_cache, torch.zeros_like(batch.v_cache[:1])])
+    tables = batch.block_tables.clone()
+    cu = batch.cu_seqlens_q.tolist()
+    freed = 0
+    for s, ctx in enumerate(batch.seq_lens.tolist()):
+        first_query = ctx - (cu[s + 1] - cu[s])
+        for j in range(max(0, first_query - window + 1) // bs):
+            k[tables[s, j]] = v[tables[s, j]] = float("nan")
+            tables[s, j] = null
+            freed += 1
+    assert freed > 0, "the batch was meant to have blocks outside the window"
+    return replace(batch, k_cache=k, v_cache=v, block_tables=tables)
+
+
+@pytest.mark.parametrize("decode", [False, True])
+def test_blocks_outside_the_window_are_never_read(decode: bool) -> None:
+    """Window layers' freed blocks (engine/window_kv.py): the CPU path, and the Triton
+    kernels under the interpreter, give the full table's output from a table whose
+    out-of-window entries point at a zero null block, the freed blocks holding NaN."""
+    batch = _batch(13, 2, 8, torch.float32, decode)
+    window = 7
+    want = R.paged_attention_ref(*batch.attention_args(), window)
+    nulled = _freed_outside_window(batch, window)
+    assert_close(ops.paged_attention(*nulled.attention_args(), window), want, 2e-5)
+    if decode:
+        got = ops.paged_decode_attention(*nulled.decode_args(), window)
+        assert_close(got, want, 2e-5)
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    pytest.importorskip("triton")
+    from pdserve.kernels.triton.decode import paged_decode_attention_triton
+    from pdserve.kernels.triton.prefill import paged_attention_triton
+
+    got = paged_attention_triton(*nulled.attention_args(), block_m=16, sliding_window=window)
+    assert_close(got, want, 2e-5)
+    if decode:
+        got = paged_decode_attention_triton(*nulled.decode_args(), sliding_window=window)
+        assert_close(got, want, 2e-5)

@@ -5,15 +5,20 @@ one prefill process with a decode engine per transport."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdserve.kvtransfer import KVTransferConfig
 from pdserve.kvtransfer.blocks import pool_layout
 from pdserve.kvtransfer.receiver import KVReceiver
 from pdserve.kvtransfer.shm import SharedKVAllocator
+from pdserve.kvtransfer.types import TransferResult
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from pdserve.engine.sampling_params import SamplingParams
 
 
 def decode_engine(
@@ -21,13 +26,14 @@ def decode_engine(
 ) -> tuple[Any, KVReceiver, SharedKVAllocator]:
     """A decode-role engine whose pool lives in shared memory, and its receiver offering
     ``transport``. CPU on every host: the shm/gloo transports are the subject here
-    (bench.gpu_verify runs the CUDA ones)."""
+    (bench.gpu_verify runs the CUDA ones). The receiver fills one pool of every layer, so
+    a window model's engine keeps its window layers there too (``window_kv_pool``)."""
     from pdserve.engine.llm_engine import LLMEngine
 
     alloc = SharedKVAllocator()
     engine = LLMEngine.from_pretrained(
         model_dir, kv_cache_allocator=alloc, num_kv_blocks=num_blocks, device="cpu",
-        kv_cache_dtype=kv_cache_dtype,
+        kv_cache_dtype=kv_cache_dtype, window_kv_pool=False,
     )  # fmt: skip
     receiver = KVReceiver(
         engine.kv_cache,
@@ -36,6 +42,38 @@ def decode_engine(
         shm_segment=alloc.segment_for(engine.kv_cache),
     )
     return engine, receiver, alloc
+
+
+def hand_off(
+    parent: Any,
+    engine: Any,
+    receiver: KVReceiver,
+    prompts: dict[str, list[int]],
+    params: SamplingParams,
+    transport: str,
+) -> dict[str, tuple[int, TransferResult]]:
+    """Reserve the prompts on the decode engine, have the prefill process (``parent``, as
+    ``procs.prefill_engine_main``) send their KV, check every transfer landed and complete
+    the remote prefills; returns each request's reserved blocks and transfer result."""
+    batch, blocks_of = [], {}
+    for rid, prompt in prompts.items():
+        blocks = engine.reserve_remote_prefill(rid, prompt, params)
+        assert blocks is not None
+        blocks_of[rid] = len(blocks)
+        target = receiver.expect(rid, blocks, time.time() + 90, num_tokens=len(prompt))
+        batch.append((rid, prompt, params.max_tokens, target.model_dump_json()))
+    parent.send(batch)
+    assert parent.poll(180), "prefill process did not answer"
+    answers, prefill_leaked = parent.recv()
+    assert prefill_leaked == 0
+    results = {}
+    for rid, first, result_json in answers:
+        result = TransferResult.model_validate_json(result_json)
+        assert first is not None and result.ok, (transport, result_json)
+        assert receiver.wait(rid).ok
+        engine.complete_remote_prefill(rid, first)
+        results[rid] = (blocks_of[rid], result)
+    return results
 
 
 def decode_all(engine: Any) -> dict[str, list[int]]:

@@ -2,21 +2,26 @@
 (its own process) streams the latent KV blocks (one head of ``kv_lora_rank +
 qk_rope_head_dim`` per token) into a decode engine over shared memory and over
 torch.distributed; each decode engine's greedy tokens equal one engine doing the whole
-request, and what landed is the latent's bytes. A native (latent) pool and a transformers
-(per-head K/V) pool of the same checkpoint refuse to pair."""
+request, and what landed is the latent's bytes, once (the pool's one plane is read as keys
+and values). A native (latent) pool and a transformers (per-head K/V) pool of the same
+checkpoint refuse to pair, and so do a one-plane and a two-plane latent pool."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from pdserve.kvtransfer.blocks import pool_layout
-from pdserve.kvtransfer.types import KVLayoutMismatchError, TransferResult
+from pdserve.kvtransfer.types import KVLayoutMismatchError
 from tests.engine.tiny_hf_models import build_tiny_model
-from tests.kvtransfer.decode_side import assert_no_leak, decode_all, prefill_process_and_decoders
+from tests.kvtransfer.decode_side import (
+    assert_no_leak,
+    decode_all,
+    hand_off,
+    prefill_process_and_decoders,
+)
 from tests.kvtransfer.procs import prefill_engine_main
 
 engine_mod = pytest.importorskip("pdserve.engine.llm_engine")
@@ -43,26 +48,13 @@ def test_latent_handoff_gives_single_engine_tokens(tiny_model_dir: Path, tmp_pat
     ) as (parent, decoders):
         for transport, (engine, receiver, _) in decoders.items():
             assert tuple(engine.kv_cache.shape[-2:]) == (1, LATENT)
-            batch, blocks_of = [], {}
-            for i, prompt in enumerate(prompts):
-                rid = f"r{i}"
-                blocks = engine.reserve_remote_prefill(rid, prompt, _params())
-                assert blocks is not None
-                blocks_of[rid] = len(blocks)
-                target = receiver.expect(rid, blocks, time.time() + 90, num_tokens=len(prompt))
-                batch.append((rid, prompt, NUM_NEW, target.model_dump_json()))
-            parent.send(batch)
-            assert parent.poll(180), "prefill process did not answer"
-            answers, prefill_leaked = parent.recv()
-            assert prefill_leaked == 0
+            requests = {f"r{i}": prompt for i, prompt in enumerate(prompts)}
+            results = hand_off(parent, engine, receiver, requests, _params(), transport)
             layout = receiver.layout
-            for rid, first, result_json in answers:
-                result = TransferResult.model_validate_json(result_json)
-                assert first is not None and result.ok, (transport, result_json)
-                # Whole blocks of one latent head per layer: K and V halves of the slot.
-                assert result.bytes == blocks_of[rid] * layout.num_layers * layout.block_bytes()
-                assert receiver.wait(rid).ok
-                engine.complete_remote_prefill(rid, first)
+            for num_blocks, result in results.values():
+                # Whole blocks of one latent head per layer, in one plane, float32.
+                latent_block = layout.block_size * LATENT * 4
+                assert result.bytes == num_blocks * layout.num_layers * latent_block
             assert decode_all(engine) == want, transport
             assert_no_leak(engine)
             assert receiver.pending() == []
@@ -89,4 +81,9 @@ def test_latent_and_per_head_pools_of_one_checkpoint_do_not_pair(
     # What the connector checks before it opens a send to a target with this layout.
     with pytest.raises(KVLayoutMismatchError, match=r"MLA latent KV"):
         tp_plan.send_slice(mine, theirs)
+    # A pool that kept the latent twice (K and V planes) means other bytes per block.
+    assert mine.num_planes == 1
+    two_planes = mine.model_copy(update={"num_planes": 2})
+    with pytest.raises(KVLayoutMismatchError, match=r"num_planes: local=1 peer=2"):
+        tp_plan.send_slice(mine, two_planes)
     connector.close()
