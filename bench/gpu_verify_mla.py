@@ -1,12 +1,12 @@
 """The native DeepSeek-V3 class (MLA over a latent KV cache) on the device: greedy tokens of
 the engine (fp32, CUDA) equal transformers' for a small random DeepSeek-V3 built by
-transformers, with 32 query heads (two of the class's 16-head attention calls on CUDA),
-yarn rope and grouped routing, under chunked prefill and under a pool small enough to
-preempt. Part of ``gpu_verify``'s engine step."""
+transformers, with 32 query heads (decode on the MLA decode kernel, two head blocks;
+prefill in two of the class's 16-head calls on CUDA), yarn rope and grouped routing,
+under chunked prefill and under a pool small enough to preempt. Part of ``gpu_verify``'s
+engine step."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -60,18 +60,14 @@ CONFIG: dict[str, Any] = {
 
 def build_model(model_root: Path) -> Path:
     """The random checkpoint (seeded) beside the test model's tokenizer."""
-    from transformers import AutoModelForCausalLM, DeepseekV3Config
+    from transformers import DeepseekV3Config
 
-    from pdserve.engine.testmodel import ensure_test_model
+    from pdserve.engine.testmodel import ensure_test_model, save_random_model
 
     out = model_root / "deepseek-v3-mla"
     if not (out / "config.json").is_file():
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(DeepseekV3Config(**CONFIG), dtype=torch.float32)
-        model.save_pretrained(out, safe_serialization=True)
-        for f in ensure_test_model(VARIANTS[0], model_root).iterdir():
-            if f.name.startswith(("tokenizer", "special_tokens")):
-                shutil.copy(f, out / f.name)
+        tokenizer = ensure_test_model(VARIANTS[0], model_root)
+        save_random_model(DeepseekV3Config(**CONFIG), out, tokenizer, 0, torch.float32)
     return out
 
 

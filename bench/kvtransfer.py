@@ -15,7 +15,10 @@ process while a decode engine waits in another; the hand-off is the time from th
 layer computed to the decode side's ``wait`` returning, reported next to TTFT and the time
 the last layer's bytes take at the measured bandwidth. ``--kv-dtypes auto,fp8_e4m3,int8``
 repeats it for each KV cache dtype (both engines alike) and reports the bytes each hand-off
-moved next to the float cache's.
+moved next to the float cache's. ``--mla-handoff`` adds the hand-off of a scaled-down
+DeepSeek-V3 (the released latent slot, 512 + 64 wide, in the pool's one plane; few layers
+and heads; ``bench.mla_kv``): its measured bytes, next to what the same prompt's expanded
+per-head K/V (the transformers path's pool) would move.
 
 Part 3, a window model's hand-off (``--window-models``, ``--window-prompt``): the bytes one
 hand-off of a prompt moves for each released config of ``bench.window_kv``, with the window
@@ -323,7 +326,7 @@ def _handoff(
     from pdserve.engine.sampling_params import SamplingParams
     from pdserve.engine.testmodel import ensure_test_model
 
-    model_dir = ensure_test_model(model)
+    model_dir = Path(model) if Path(model).is_dir() else ensure_test_model(model)
     num_blocks = math.ceil(tokens / 16) + 8
     conn.send(("engine", str(model_dir), num_blocks, transport, kv_cache_dtype))
     assert conn.recv() == "ok"
@@ -375,6 +378,7 @@ def _handoff(
         "transport": transport,
         "kv_cache_dtype": kv_cache_dtype,
         "kv_pool_dtype": layout.dtype,
+        "kv_planes": layout.num_planes,
         "kv_bytes": samples[0]["bytes"],
         "layer_bytes": samples[0]["bytes"] // layout.num_layers,
         "handoff_p50_s": statistics.median(handoffs),
@@ -439,7 +443,9 @@ def _targets(rows: list[dict[str, Any]], handoffs: list[dict[str, Any]]) -> dict
 
 
 def _print_bytes(handoffs: list[dict[str, Any]]) -> None:
-    """Bytes per hand-off of each KV dtype, next to the float cache's (same transport)."""
+    """Bytes per hand-off of each KV dtype, next to the float cache's (same transport and
+    model; the MLA row reports its own comparison)."""
+    handoffs = [h for h in handoffs if "expanded_kv_bytes" not in h]
     base = {h["transport"]: h["kv_bytes"] for h in handoffs if h["kv_cache_dtype"] == "auto"}
     if len({h["kv_cache_dtype"] for h in handoffs}) < 2:
         return
@@ -471,6 +477,28 @@ def _window_handoffs(models: str, prompt_tokens: int) -> list[dict[str, Any]]:
             f"{r['bytes_every_block'] / r['bytes_windowed']:>5.2f}x"
         )
     return rows
+
+
+def _mla_handoff(conn: Connection, tokens: int, reps: int, transport: str) -> dict[str, Any]:
+    """The hand-off of the scaled-down DeepSeek-V3 (native MLA pool), with the bytes its
+    expanded K/V would take for the same prompt."""
+    import tempfile
+
+    from pdserve.bench.mla_kv import path_bytes, write_small_mla_model
+    from pdserve.engine.testmodel import ensure_test_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_small_mla_model(Path(tmp), ensure_test_model("small"))
+        row = _handoff(conn, str(model_dir), tokens, reps, transport, "auto")
+        expanded = path_bytes(model_dir, "transformers", tokens, 16, torch.bfloat16)
+    row["model"] = "deepseek-v3-scaled-down (MLA)"
+    row["expanded_kv_bytes"] = expanded["handoff_bytes"]
+    print(
+        f"\nMLA hand-off ({tokens} tokens, latent 512 + 64, {row['kv_planes']} plane): "
+        f"{row['kv_bytes']:,d} B on the wire; expanded K/V would be "
+        f"{expanded['handoff_bytes']:,d} B ({expanded['handoff_bytes'] / row['kv_bytes']:.1f}x)"
+    )
+    return row
 
 
 def _cpu_pressure() -> float | None:
@@ -508,6 +536,11 @@ def main(argv: list[str] | None = None) -> None:
         help="comma-separated configs of bench.window_kv for part 3 (empty: skip)",
     )
     p.add_argument("--window-prompt", type=int, default=4096, help="part 3's prompt tokens")
+    p.add_argument(
+        "--mla-handoff",
+        action="store_true",
+        help="also hand off a scaled-down DeepSeek-V3 (latent KV) over the first transport",
+    )
     p.add_argument("--out", type=Path, default=Path("bench/results/kvtransfer.json"))
     args = p.parse_args(argv)
     windowed = _window_handoffs(args.window_models, args.window_prompt)
@@ -539,6 +572,11 @@ def main(argv: list[str] | None = None) -> None:
                                 args.handoff_reps, transport, kv_dtype,
                             )
                         )  # fmt: skip
+                if args.mla_handoff:
+                    transport = args.handoff_transports.split(",")[0]
+                    handoffs.append(
+                        _mla_handoff(conn, args.handoff_tokens, args.handoff_reps, transport)
+                    )
         conn.send(("quit",))
         conn.recv()
     finally:

@@ -7,10 +7,11 @@ expanded per-head K/V, per token and on the wire for one P/D hand-off.
 Writes the released DeepSeek-V3 config.json (61 layers, 128 heads, qk 128 + 64 / v 128,
 kv_lora_rank 512, yarn rope) to a temporary directory (no weights), reads it through both
 model paths (``model_impl`` native and transformers) as the engine does, and sizes each
-path's pool ``[L, 2, N, B, Hkv, D]`` from it. The wire bytes of one hand-off are the
-sender's layout (``kvtransfer.blocks.pool_layout`` of that pool shape) times the prompt's
-blocks and layers: what ``TransferResult.bytes`` reports (tests/kvtransfer/test_mla_handoff.py
-checks that equality on a real transfer). Prints a table and writes JSON.
+path's pool ``[L, P, N, B, Hkv, D]`` from it (P = ``kv_planes``: 2 expanded, 1 latent).
+The wire bytes of one hand-off are the sender's layout (``kvtransfer.blocks.pool_layout``
+of that pool shape) times the prompt's blocks and layers: what ``TransferResult.bytes``
+reports (tests/kvtransfer/test_mla_handoff.py checks that equality on a real transfer).
+Prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -72,17 +73,54 @@ DEEPSEEK_V3: dict[str, Any] = {
 }
 
 
+# A scaled-down DeepSeek-V3 with the released model's latent slot (kv_lora_rank 512 +
+# rope 64) and head sizes, but few layers, heads and experts: small enough to prefill on a
+# CPU for a measured hand-off (``bench.kvtransfer --mla-handoff``).
+SMALL_MLA_OVERRIDES: dict[str, Any] = {
+    "hidden_size": 512,
+    "intermediate_size": 1024,
+    "moe_intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "q_lora_rank": 256,
+    "max_position_embeddings": 8192,
+}
+
+
+def write_small_mla_model(out_dir: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+    """Random weights of the scaled-down DeepSeek-V3 (bfloat16, built by transformers) and
+    the tokenizer files of ``tokenizer_dir`` (its vocabulary sizes the model)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from pdserve.engine.testmodel import save_random_model
+
+    vocab = len(AutoTokenizer.from_pretrained(tokenizer_dir))
+    fields = {**DEEPSEEK_V3, **SMALL_MLA_OVERRIDES, "vocab_size": vocab}
+    for key in ("architectures", "model_type", "torch_dtype"):
+        fields.pop(key)
+    config = AutoConfig.for_model("deepseek_v3", **fields)
+    config.architectures = ["DeepseekV3ForCausalLM"]
+    return save_random_model(config, out_dir, tokenizer_dir, seed, torch.bfloat16)
+
+
 def path_bytes(
     model_dir: Path, impl: str, prompt_tokens: int, block_size: int, dtype: torch.dtype
 ) -> dict[str, Any]:
     """One path's pool geometry, bytes per token and hand-off bytes."""
     cfg = load_model_config(model_dir, impl)
     blocks = math.ceil(prompt_tokens / block_size)
-    shape = (cfg.num_layers, 2, blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    shape = (cfg.num_layers, cfg.kv_planes, blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
     layout = pool_layout(torch.empty(shape, dtype=dtype, device="meta"), cfg.kv_identity)
     per_token = cfg.num_layers * layout.block_bytes() // block_size
     return {
         "impl": cfg.impl,
+        "kv_planes": cfg.kv_planes,
         "kv_heads": cfg.num_kv_heads,
         "slot_dim": cfg.head_dim,
         "kv_layers": [{"key_dim": s.key_dim, "value_dim": s.value_dim} for s in cfg.kv_layers[:1]],
@@ -109,22 +147,20 @@ def main() -> None:
             for impl in ("native", "transformers")
         }
     latent, expanded = rows["native"], rows["transformers"]
-    # What the latent itself takes: one K half per slot (the V half duplicates it).
-    latent_only = latent["bytes_per_token"] // 2
     print(f"DeepSeek-V3 KV, {args.dtype}, block {args.block_size}, hand-off of "
           f"{args.prompt_tokens} prompt tokens")  # fmt: skip
-    print(f"{'pool':<34} {'Hkv x D':>10} {'bytes/token':>12} {'hand-off MiB':>13} {'ratio':>7}")
+    print(f"{'pool':<40} {'P x Hkv x D':>14} {'bytes/token':>12} {'hand-off MiB':>13} {'ratio':>7}")
     table = [
-        ("expanded K/V (transformers path)", expanded, expanded["bytes_per_token"]),
-        ("latent, K+V halves (native MLA)", latent, latent["bytes_per_token"]),
-        ("latent alone (if V half dropped)", latent, latent_only),
+        ("expanded K/V (transformers path)", expanded),
+        ("latent, as stored and moved (native)", latent),
     ]
-    for name, row, per_token in table:
-        handoff = per_token * row["handoff_blocks"] * args.block_size
+    for name, row in table:
+        per_token = row["bytes_per_token"]
         ratio = expanded["bytes_per_token"] / per_token
+        geometry = f"{row['kv_planes']} x {row['kv_heads']} x {row['slot_dim']}"
         print(
-            f"{name:<34} {row['kv_heads']:>4} x {row['slot_dim']:<4} {per_token:>12,} "
-            f"{handoff / 2**20:>13.1f} {ratio:>6.1f}x"
+            f"{name:<40} {geometry:>14} {per_token:>12,} "
+            f"{row['handoff_bytes'] / 2**20:>13.1f} {ratio:>6.1f}x"
         )
     result = {
         "config": "DeepSeek-V3",
@@ -132,9 +168,7 @@ def main() -> None:
         "block_size": args.block_size,
         "prompt_tokens": args.prompt_tokens,
         "paths": rows,
-        "latent_content_bytes_per_token": latent_only,
-        "ratio_pool": expanded["bytes_per_token"] / latent["bytes_per_token"],
-        "ratio_latent_content": expanded["bytes_per_token"] / latent_only,
+        "ratio": expanded["bytes_per_token"] / latent["bytes_per_token"],
     }
     out = args.out or Path("bench/results") / f"mla-kv-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -4,7 +4,7 @@
                                         [--model-impl auto|native|transformers]
                                         [--min-len 8] [--max-len 300] [--seed 0]
                                         [--device cpu|cuda] [--out FILE.json]
-                                        [--quantization int8 int8-weight-only fp8]
+                                        [--quantization int8 int8-weight-only fp8 int8+head ...]
                                         [--quantized NAME=DIR ...]
                                         [--kv-cache-dtype fp8_e4m3 int8]
 
@@ -305,8 +305,9 @@ def main(argv: list[str] | None = None) -> None:
         "--quantization",
         nargs="*",
         default=[],
-        choices=["int8", "int8-weight-only", "fp8"],
-        help="also run pdserve with the float model quantized at load by each method",
+        choices=[f"{m}{h}" for m in ("int8", "int8-weight-only", "fp8") for h in ("", "+head")],
+        help="also run pdserve with the float model quantized at load by each method "
+        "(+head: and quantize_lm_head)",
     )
     parser.add_argument(
         "--quantized",
@@ -354,7 +355,11 @@ def main(argv: list[str] | None = None) -> None:
         systems["pdserve fp32"] = EngineProbe(model_dir, "float32", args.device, **impl)
     for method in args.quantization:
         systems[f"pdserve {method}"] = EngineProbe(
-            model_dir, "auto", args.device, quantization=method
+            model_dir,
+            "auto",
+            args.device,
+            quantization=method.removesuffix("+head"),
+            quantize_lm_head=method.endswith("+head"),
         )
     for kv_dtype in args.kv_cache_dtype:
         systems[f"pdserve bf16 kv {kv_dtype}"] = EngineProbe(

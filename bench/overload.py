@@ -27,11 +27,13 @@ import argparse
 import asyncio
 import collections
 import json
+import multiprocessing
 import os
 import random
 import statistics
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -55,7 +57,11 @@ class Outcome:
     priority: str
     sent: float
     status: int | None = None
+    # Latencies count from the request's send (its headers written to the socket, an
+    # aiohttp trace): a flood's client spends its own time creating tasks and opening
+    # connections first, which is the client's cost, not the server's (``send_wait_s``).
     headers_s: float | None = None  # time to the response headers
+    send_wait_s: float | None = None  # from the request's task starting to its send
     retry_after: str | None = None
     ttft: float | None = None
     tokens: int = 0
@@ -66,6 +72,7 @@ class Outcome:
     # (Serve's proxy past the ingress's bounds, plain text).
     refused_by: str | None = None
     shed_reason: str | None = None  # admission control's reason, from its message
+    shed_message: str | None = None  # the refusal's message (its drain time, its replica's)
 
     @property
     def admitted(self) -> bool:
@@ -83,13 +90,40 @@ class Outcome:
         return (self.admitted and not self.finished) or self.status is None
 
 
+def send_time_trace() -> aiohttp.TraceConfig:
+    """A session trace that stamps each request's send (``perf_counter`` when its headers
+    were written) into the ``trace_request_ctx`` dict ``send`` passes."""
+
+    async def headers_sent(_: aiohttp.ClientSession, ctx: Any, __: Any) -> None:
+        if isinstance(ctx.trace_request_ctx, dict):
+            ctx.trace_request_ctx.setdefault("sent", time.perf_counter())
+
+    trace = aiohttp.TraceConfig()
+    trace.on_request_headers_sent.append(headers_sent)
+    return trace
+
+
+def client_session(limit: int = 2000) -> aiohttp.ClientSession:
+    """The bench's client: up to ``limit`` connections, requests stamped at their send."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=limit), trace_configs=[send_time_trace()]
+    )
+
+
 async def send(
     client: aiohttp.ClientSession, url: str, body: dict[str, Any], out: Outcome, began: float
 ) -> None:
+    """One streamed request; latencies from its send when the session stamps it
+    (``client_session``), else from this call."""
     start = time.perf_counter()
+    stamp: dict[str, float] = {}
     headers = {"x-pdserve-priority": out.priority}
     try:
-        async with client.post(url, json=body, headers=headers, timeout=REQUEST_TIMEOUT) as r:
+        async with client.post(
+            url, json=body, headers=headers, timeout=REQUEST_TIMEOUT, trace_request_ctx=stamp
+        ) as r:
+            out.send_wait_s = stamp.get("sent", start) - start
+            start = stamp.get("sent", start)
             out.status = r.status
             out.headers_s = time.perf_counter() - start
             out.retry_after = r.headers.get("retry-after")
@@ -98,6 +132,7 @@ async def send(
                 try:
                     message = str(json.loads(raw)["error"]["message"])
                     out.refused_by = "pdserve"
+                    out.shed_message = message[:300]
                     if message.startswith("overloaded ("):
                         out.shed_reason = message[len("overloaded (") :].split(")")[0]
                 except (ValueError, KeyError, TypeError):
@@ -144,7 +179,7 @@ async def drive(
     rng = random.Random(seed)
     outcomes: list[Outcome] = []
     tasks: list[asyncio.Task[None]] = []
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=2000)) as client:
+    async with client_session() as client:
         began = time.perf_counter()
         lag_task = None
         if client_lag is not None:
@@ -177,6 +212,15 @@ async def drive(
         if lag_task is not None:
             lag_task.cancel()
     return outcomes
+
+
+def drive_in_process(
+    kwargs: dict[str, Any],
+) -> tuple[list[Outcome], list[tuple[float, float]]]:
+    """``drive(**kwargs)`` with its client loop lag, run to the end (in a process of its
+    own)."""
+    lag: list[tuple[float, float]] = []
+    return asyncio.run(drive(**kwargs, client_lag=lag)), lag
 
 
 async def sample_loop_lag(
@@ -215,7 +259,7 @@ async def probe_rate(url: str, model: str, prompts: list[str], output_len: int, 
             i += 4
 
     began = time.perf_counter()
-    async with aiohttp.ClientSession() as client:
+    async with client_session() as client:
         await asyncio.gather(*(client_loop(client, i) for i in range(4)))
     return done / (time.perf_counter() - began)
 
@@ -237,6 +281,14 @@ def summarize(outcomes: list[Outcome], slo_s: float) -> dict[str, Any]:
             ok = [o for o in sel if o.admitted]
             shed = [o for o in sel if o.status == 429]
             ttfts = [o.ttft for o in ok if o.ttft is not None]
+            rejects = {
+                by: [
+                    o.headers_s
+                    for o in shed
+                    if o.headers_s is not None and by in (o.refused_by, "")
+                ]
+                for by in ("", "proxy", "pdserve")
+            }
             rows[f"{phase}/{prio}"] = {
                 "sent": len(sel),
                 "admitted": len(ok),
@@ -255,7 +307,15 @@ def summarize(outcomes: list[Outcome], slo_s: float) -> dict[str, Any]:
                 "ttft_p50_s": pct(ttfts, 0.5),
                 "ttft_p99_s": pct(ttfts, 0.99),
                 "slo_attainment": sum(t <= slo_s for t in ttfts) / len(ttfts) if ttfts else None,
-                "reject_p99_s": pct([o.headers_s for o in shed if o.headers_s is not None], 0.99),
+                "reject_p50_s": pct(rejects[""], 0.5),
+                "reject_p99_s": pct(rejects[""], 0.99),
+                "reject_by_proxy_p50_s": pct(rejects["proxy"], 0.5),
+                "reject_by_proxy_p99_s": pct(rejects["proxy"], 0.99),
+                "reject_by_pdserve_p50_s": pct(rejects["pdserve"], 0.5),
+                "reject_by_pdserve_p99_s": pct(rejects["pdserve"], 0.99),
+                "send_wait_p99_s": pct(
+                    [o.send_wait_s for o in sel if o.send_wait_s is not None], 0.99
+                ),
             }
     return rows
 
@@ -288,7 +348,9 @@ def format_table(rows: dict[str, Any]) -> str:
         "ttft_p50_s",
         "ttft_p99_s",
         "slo_attainment",
+        "reject_p50_s",
         "reject_p99_s",
+        "send_wait_p99_s",
     ]
     lines = [f"{'phase/priority':<24}" + "".join(f"{c:>15}" for c in cols)]
     for name, row in rows.items():
@@ -461,6 +523,9 @@ def run_phase_set(
                 probe_rate(completions, model, prompts, args.output_len, args.probe_s)
             )
         phases = [(n, max(0.05, x * base_rate), s) for n, x, s in phases_x]
+        # This process's Ray driver just joined the cluster (Ray starts workers for a new
+        # job): let that work end before the load starts, or it counts as the server's.
+        time.sleep(args.settle_s)
         samples: list[dict[str, Any]] = []
         client_lag: list[tuple[float, float]] = []
         stop = [False]
@@ -475,17 +540,28 @@ def run_phase_set(
 
             mon = asyncio.create_task(monitor())
             try:
-                return await drive(
-                    f"{url}/v1/completions",
-                    model,
-                    prompts,
-                    phases,
-                    args.output_len,
-                    args.batch_fraction,
-                    args.seed,
-                    args.max_requests,
-                    client_lag,
-                )
+                # The client runs in a process of its own: this one holds a Ray driver
+                # (its threads, the monitor's calls), whose work would delay the client's
+                # sends and its reading of every answer, and count as the server's.
+                with ProcessPoolExecutor(
+                    1, mp_context=multiprocessing.get_context("spawn")
+                ) as pool:
+                    outcomes, lag = await asyncio.get_running_loop().run_in_executor(
+                        pool,
+                        drive_in_process,
+                        {
+                            "url": f"{url}/v1/completions",
+                            "model": model,
+                            "prompts": prompts,
+                            "phases": phases,
+                            "output_len": args.output_len,
+                            "batch_fraction": args.batch_fraction,
+                            "seed": args.seed,
+                            "max_requests": args.max_requests,
+                        },
+                    )
+                client_lag.extend(lag)
+                return outcomes
             finally:
                 stop[0] = True
                 await mon
@@ -644,6 +720,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="step",
         help="step: 1x -> factor x -> 1x; ramp: 0.5x -> 4x -> 0.5x with autoscaling on "
         "(one cluster per run: a Ray driver connects to one cluster per process)",
+    )
+    p.add_argument(
+        "--settle-s",
+        type=float,
+        default=5.0,
+        help="wait after connecting to the cluster, before the first phase",
     )
     p.add_argument("--start-timeout-s", type=float, default=300.0)
     p.add_argument("--start-attempts", type=int, default=3)

@@ -1,6 +1,6 @@
 """Per-linear speed of the CPU int8 kernels against the bf16 matmul, at decode sizes.
 
-    python -P -m pdserve.bench.quant_linear [--rows 1 8 32] [--threads 1 2] [--rounds 7]
+    python -P -m pdserve.bench.quant_linear [--rows 1 8 16 32] [--threads 1 2] [--rounds 7]
                                             [--out FILE.json]
 
 The four linears of one decoder layer of the ``small`` test model (qkv 1280x768, o 768x768,
@@ -13,16 +13,20 @@ identical inputs, alternating within a round:
 - ``w8a8 _int_mm``: per-token quantization in torch, then ``torch._int_mm`` (oneDNN);
 - ``w8a16 _weight_int8pack_mm``: torch's int8-weight GEMV;
 - ``w8a16 tiled dequant``: a tile of weight rows dequantized to bf16, then ``F.linear``;
-- ``w8a8 native`` / ``w8a16 native 2 planes``: ``kernels/cpu/csrc/linear_int8.cpp`` with
-  one / two int8 planes per activation row; ``w8a16 2 planes _int_mm``: the two planes
-  through ``torch._int_mm``;
+- ``w8a8 native`` / ``w8a16 native 2 planes``: ``kernels/cpu/csrc/linear_int8.cpp`` (VNNI)
+  with one / two int8 planes per activation row; ``w8a16 2 planes _int_mm``: the two planes
+  through ``torch._int_mm``; ``w8a8 oneDNN int8``: the native quantizer, oneDNN's
+  prepacked int8 matmul, the native epilogue (what more than 16 rows ran before AMX);
+- ``w8a8 AMX`` / ``w8a16 AMX 2 planes``: ``kernels/cpu/csrc/linear_int8_amx.cpp``;
 - ``Int8Linear`` / ``Int8WeightOnlyLinear``: the modules the engine runs, which pick
   among these by row count (``kernels/cpu/quant_linear.py``).
 
 Prints, per thread count and row count, the microseconds of the whole layer (the four
 linears; min and median over rounds of wall time, the min being the least disturbed by
 other jobs on a shared machine), the weight bytes read per microsecond (GB/s at the min),
-and the max error against ``quant_reference`` relative to the output's largest value.
+the min of this process's CPU time (with one thread: the kernel's own time, whatever else
+runs on the machine), and the max error against ``quant_reference`` relative to the
+output's largest value.
 """
 
 from __future__ import annotations
@@ -42,7 +46,12 @@ from torch import nn
 from pdserve.kernels import quant_reference as ref
 from pdserve.kernels.cpu import int8_native
 from pdserve.kernels.cpu.linear import PackedLinear, can_pack
-from pdserve.kernels.cpu.quant_linear import Int8Linear, Int8WeightOnlyLinear
+from pdserve.kernels.cpu.quant_linear import (
+    Int8Linear,
+    Int8WeightOnlyLinear,
+    onednn_int8_sums,
+    onednn_int8_supported,
+)
 
 SHAPES = {"qkv": (1280, 768), "o": (768, 768), "gate_up": (5120, 768), "down": (768, 2560)}
 Fn = Callable[[torch.Tensor], torch.Tensor]
@@ -87,6 +96,18 @@ def _candidates(q: torch.Tensor, scale: torch.Tensor, w: torch.Tensor) -> dict[s
             return out.view(x.shape[0], 2, -1).sum(1).to(x.dtype)
 
         out["w8a16 2 planes _int_mm"] = planes_int_mm
+        if onednn_int8_supported():
+            prepacked = torch.ops.onednn.qlinear_prepack(q, None)
+
+            def onednn(x: torch.Tensor) -> torch.Tensor:
+                xq, xs = int8_native.quantize(x, 1)
+                acc = onednn_int8_sums(xq, prepacked, q.shape[0])
+                return int8_native.finish(acc, xs, packed.scale, None, 1, x.dtype)
+
+            out["w8a8 oneDNN int8"] = onednn
+    if int8_native.amx_available():
+        out["w8a8 AMX"] = lambda x: int8_native.linear(x, packed, None, 1, amx=True)
+        out["w8a16 AMX 2 planes"] = lambda x: int8_native.linear(x, packed, None, 2, amx=True)
     out["Int8Linear"] = Int8Linear(q, scale, None)
     out["Int8WeightOnlyLinear"] = Int8WeightOnlyLinear(q, scale, None, torch.bfloat16)
     return out
@@ -115,15 +136,17 @@ def run(rows: list[int], threads: list[int], rounds: int) -> list[dict[str, obje
         for m in rows:
             xs = [torch.randn(m, k, generator=g).to(torch.bfloat16) for _, k in SHAPES.values()]
             times: dict[str, list[float]] = {nm: [] for nm in names}
+            cpu: dict[str, list[float]] = {nm: [] for nm in names}
             for _ in range(rounds):
                 for nm in names:
                     for (_, _, c), x in zip(layers, xs, strict=True):
                         c[nm](x)  # warm
-                    start = time.perf_counter()
+                    start, start_cpu = time.perf_counter(), time.process_time()
                     for _ in range(5):
                         for (_, _, c), x in zip(layers, xs, strict=True):
                             c[nm](x)
                     times[nm].append((time.perf_counter() - start) / 5 * 1e6)
+                    cpu[nm].append((time.process_time() - start_cpu) / 5 * 1e6)
             for nm in names:
                 bytes_per = weights * (2 if nm.startswith("bf16") else 1)
                 err = max(
@@ -132,7 +155,7 @@ def run(rows: list[int], threads: list[int], rounds: int) -> list[dict[str, obje
                 best = min(times[nm])
                 results.append(
                     {"threads": t, "rows": m, "kernel": nm, "us_min": best,
-                     "us_median": statistics.median(times[nm]),
+                     "us_median": statistics.median(times[nm]), "cpu_us_min": min(cpu[nm]),
                      "gb_per_s": bytes_per / best / 1e3, "max_rel_err": err}
                 )  # fmt: skip
     return results
@@ -140,19 +163,20 @@ def run(rows: list[int], threads: list[int], rounds: int) -> list[dict[str, obje
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 32])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, os.cpu_count() or 1])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     print(f"load average {os.getloadavg()}")
     results = run(args.rows, args.threads, args.rounds)
-    head = ("thr", "rows", "kernel", "us min", "us med", "GB/s", "err")
-    print("{:>3} {:>4} {:<28} {:>8} {:>8} {:>6} {:>8}".format(*head))
+    head = ("thr", "rows", "kernel", "us min", "us med", "GB/s", "cpu min", "err")
+    print("{:>3} {:>4} {:<28} {:>8} {:>8} {:>6} {:>8} {:>8}".format(*head))
     for r in results:
         print(
             f"{r['threads']:>3} {r['rows']:>4} {r['kernel']:<28} {r['us_min']:>8.0f} "
-            f"{r['us_median']:>8.0f} {r['gb_per_s']:>6.1f} {r['max_rel_err']:>8.1e}"
+            f"{r['us_median']:>8.0f} {r['gb_per_s']:>6.1f} {r['cpu_us_min']:>8.0f} "
+            f"{r['max_rel_err']:>8.1e}"
         )
     print(f"load average {os.getloadavg()}")
     if args.out:

@@ -90,7 +90,7 @@ def build_application(
 def ingress_bounds(cfg: AppConfig) -> dict[str, Any]:
     """Serve's bounds on the front door: an ingress replica holds at most as many requests
     as the decode pool admits (``AppConfig.ingress_ongoing_limit``), and Serve's HTTP proxy
-    queues one decode batch more (``ingress_queued_limit``), then refuses with 429 + Retry-After
+    queues a few more (``ingress_queued_limit``), then refuses with 429 + Retry-After
     (gRPC RESOURCE_EXHAUSTED) itself. Without them a flood the front door cannot keep up
     with waits, unbounded and unseen by admission control, in the proxy."""
     return {

@@ -96,6 +96,13 @@ class ModelSettings(_Strict):
             "quantized without it."
         ),
     )
+    quantize_lm_head: bool = Field(
+        default=False,
+        description=(
+            "Int8 weights (per output channel, weight-only) for the logits projection too "
+            "(it stays float otherwise); CPU pools only for now."
+        ),
+    )
     impl: Literal["auto", "native", "transformers"] = Field(
         default="auto",
         description=(
@@ -739,6 +746,12 @@ class GRPCOptions(_Strict):
     )
 
 
+# Serve's queue for an ingress replica while its door sheds: the door's stream bound
+# starts at 8 (``StreamLimit``), and what arrives past it at once is answered 429 either way,
+# cheapest by Serve itself.
+SHED_INGRESS_QUEUE = 8
+
+
 class AppConfig(_Strict):
     """Everything a pdserve application needs: ``pdserve.deployments.app.build_app(AppConfig)``."""
 
@@ -770,8 +783,11 @@ class AppConfig(_Strict):
             "at once, without a hop to the ingress (HTTP 429 with a Retry-After of the TTFT "
             "SLO rounded up, gRPC RESOURCE_EXHAUSTED), so a flood the front door cannot "
             "take grows no queue there. Serve counts requests still being routed as queued, "
-            "so this also bounds a burst arriving at once. None = one decode batch per "
-            "decode replica (decode.engine.max_num_seqs x decode.max_replicas)."
+            "so this also bounds a burst arriving at once. None = 8 while interactive "
+            "traffic is shed (admission.on_slo_miss: shed): the ingress's door would answer "
+            "most of a burst 429 anyway, after a hop into its event loop that Serve's own "
+            "refusal saves, and its stream bound starts at 8; one decode batch per decode "
+            "replica (decode.engine.max_num_seqs x decode.max_replicas) when it queues."
         ),
     )
     slo: SLOConfig = Field(default_factory=SLOConfig, description="Latency objectives.")
@@ -839,15 +855,6 @@ class AppConfig(_Strict):
                 f"{kv_d!r} differ: the KV hand-off moves the cache in its own dtype, so both "
                 "pools must use the same one"
             )
-        roles: tuple[PoolRole, ...] = ("prefill", "decode")
-        for role in roles:
-            pool = self.pool(role)
-            if pool.engine.kv_cache_dtype != "auto" and pool.tensor_parallel_size > 1:
-                raise ValueError(
-                    f"{role}.engine.kv_cache_dtype={pool.engine.kv_cache_dtype!r} is not "
-                    f"supported with {role}.tensor_parallel_size={pool.tensor_parallel_size} "
-                    "yet; use 'auto'"
-                )
         return self
 
     def pool(self, role: PoolRole) -> PoolConfig:
@@ -864,9 +871,13 @@ class AppConfig(_Strict):
 
     @property
     def ingress_queued_limit(self) -> int:
-        """``ingress_max_queued_requests``, or one decode batch per decode replica."""
+        """``ingress_max_queued_requests``, or ``SHED_INGRESS_QUEUE`` while interactive
+        traffic is shed (docs/benchmarks.md, "Overload"), else one decode batch per decode
+        replica."""
         if self.ingress_max_queued_requests is not None:
             return self.ingress_max_queued_requests
+        if self.admission.on_slo_miss == "shed":
+            return SHED_INGRESS_QUEUE
         return self.decode.engine.max_num_seqs * self.decode.max_replicas
 
     def gpus_per_rank(self, role: PoolRole) -> float:

@@ -109,6 +109,7 @@ def engine_config(cfg: AppConfig, role: PoolRole, model_dir: str) -> EngineConfi
         model=model_dir,
         dtype=cfg.model.dtype,
         quantization=cfg.model.quantization,
+        quantize_lm_head=cfg.model.quantize_lm_head,
         model_impl=cfg.model.impl,
         device=require_device(cfg, role),  # type: ignore[arg-type]
         seed=cfg.model.seed,

@@ -451,7 +451,11 @@ class OpenAIIngress:
                     finished = True
                 err = chunk.error
                 if err is not None and err.code == 429 and err.retry_after_s:
-                    door.refused(ticket, err.retry_after_s, chunk.replica)
+                    # The client may retry when any replica has room, not only this one.
+                    retry_s = door.refused(ticket, err.retry_after_s, chunk.replica)
+                    if retry_s < err.retry_after_s:
+                        err = err.model_copy(update={"retry_after_s": retry_s})
+                        chunk = chunk.model_copy(update={"error": err})
                 yield chunk
         except BackPressureError as err:
             # Serve's queue for the decode pool is full (its max_queued_requests): overload,

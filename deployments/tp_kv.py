@@ -49,10 +49,18 @@ from pdserve.kvtransfer.types import (
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from pdserve.engine.kv_connector import PendingSend
     from pdserve.engine.tp_executor import TPExecutor
+    from pdserve.engine.tp_worker import RankPool
 
 
-def rank_layout(kv_cache: torch.Tensor, model_name: str, shard: TPShard, kv_heads: int) -> KVLayout:
-    """The layout of one rank's pool: its KV heads among the model's ``kv_heads``."""
+def rank_layout(
+    kv_cache: torch.Tensor,
+    model_name: str,
+    shard: TPShard,
+    kv_heads: int,
+    kv_scales: torch.Tensor | None = None,
+) -> KVLayout:
+    """The layout of one rank's pool: its KV heads among the model's ``kv_heads`` (with
+    ``kv_scales``, an int8 / float8 pool's ``[L, 2, H]`` scales of those heads)."""
     heads = shard.kv_heads(kv_heads)
     return pool_layout(
         kv_cache,
@@ -62,21 +70,27 @@ def rank_layout(kv_cache: torch.Tensor, model_name: str, shard: TPShard, kv_head
         kv_head_replica=shard.kv_replica(kv_heads),
         tp_size=shard.size,
         tp_rank=shard.rank,
+        kv_scales=kv_scales,
     )
+
+
+def pool_rank_layout(pool: RankPool) -> KVLayout:
+    """``rank_layout`` of a worker rank's pool."""
+    return rank_layout(pool.kv_cache, pool.model_name, pool.shard, pool.kv_heads, pool.kv_scales)
 
 
 def replica_kv_bytes_per_token(
     kv_cache: torch.Tensor, kv_heads: int, window_kv_cache: torch.Tensor | None = None
 ) -> int:
-    """Bytes of one token's KV over a whole replica: every layer, K and V, each of the
-    model's ``kv_heads`` once (``kv_cache`` is one rank's pool ``[L, 2, N, B, Hkv, D]``).
+    """Bytes of one token's KV over a whole replica: every layer and plane, each of the
+    model's ``kv_heads`` once (``kv_cache`` is one rank's pool ``[L, P, N, B, Hkv, D]``).
     An engine whose window layers keep their KV in a pool of their own (``window_kv_cache``
-    ``[L_window, 2, N_w, B, Hkv, D]``) counts those layers too: a token inside the window
+    ``[L_window, P, N_w, B, Hkv, D]``) counts those layers too: a token inside the window
     holds KV on every layer."""
-    num_layers, _, _, _, _, head_dim = kv_cache.shape
+    num_layers, planes, _, _, _, head_dim = kv_cache.shape
     if window_kv_cache is not None:
         num_layers += window_kv_cache.shape[0]
-    return num_layers * 2 * kv_heads * head_dim * kv_cache.element_size()
+    return num_layers * planes * kv_heads * head_dim * kv_cache.element_size()
 
 
 # ---- prefill ---------------------------------------------------------------------------------
@@ -122,13 +136,9 @@ class PrefillAgentFactory:
 
     transfer: KVTransferConfig
 
-    def __call__(
-        self, kv_cache: torch.Tensor, model_name: str, shard: TPShard, kv_heads: int
-    ) -> PrefillRankAgent:
+    def __call__(self, pool: RankPool) -> PrefillRankAgent:
         connector = PrefillKVConnector(self.transfer)
-        connector.register_kv_caches(
-            kv_cache, model_name, layout=rank_layout(kv_cache, model_name, shard, kv_heads)
-        )
+        connector.register_kv_caches(pool.kv_cache, pool.model_name, layout=pool_rank_layout(pool))
         return PrefillRankAgent(connector)
 
 
@@ -190,12 +200,14 @@ class TPPrefillConnector(NoExternalLoads):
         return self._results.take(request_id, timeout)
 
     # ---- KVConnector, worker half (rank 0's engine thread)
-    def register_kv_caches(self, kv_cache: torch.Tensor, model_name: str) -> None:
+    def register_kv_caches(
+        self, kv_cache: torch.Tensor, model_name: str, *, kv_scales: torch.Tensor | None = None
+    ) -> None:
         executor = self._executor
         if executor is None:
             raise RuntimeError("TPPrefillConnector: the executor did not attach")
         heads = executor.model_config.num_kv_heads
-        layout = rank_layout(kv_cache, model_name, executor.tp.shard, heads)
+        layout = rank_layout(kv_cache, model_name, executor.tp.shard, heads, kv_scales)
         self.local.register_kv_caches(kv_cache, model_name, layout=layout)
 
     def begin_step(self, sends: list[PendingSend]) -> None:
@@ -268,11 +280,9 @@ class DecodeAgentFactory:
 
     transfer: KVTransferConfig
 
-    def __call__(
-        self, kv_cache: torch.Tensor, model_name: str, shard: TPShard, kv_heads: int
-    ) -> DecodeRankAgent:
-        layout = rank_layout(kv_cache, model_name, shard, kv_heads)
-        return DecodeRankAgent(KVReceiver(kv_cache, layout, self.transfer))
+    def __call__(self, pool: RankPool) -> DecodeRankAgent:
+        receiver = KVReceiver(pool.kv_cache, pool_rank_layout(pool), self.transfer)
+        return DecodeRankAgent(receiver)
 
 
 class TPDecodeConnector(RemoteLoads):
@@ -382,10 +392,12 @@ class TPDecodeConnector(RemoteLoads):
             self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- KVConnector, worker half (rank 0's engine thread)
-    def register_kv_caches(self, kv_cache: torch.Tensor, model_name: str) -> None:
+    def register_kv_caches(
+        self, kv_cache: torch.Tensor, model_name: str, *, kv_scales: torch.Tensor | None = None
+    ) -> None:
         executor, _ = self._workers()
         heads = executor.model_config.num_kv_heads
-        layout = rank_layout(kv_cache, model_name, executor.tp.shard, heads)
+        layout = rank_layout(kv_cache, model_name, executor.tp.shard, heads, kv_scales)
         self.local.register_kv_caches(kv_cache, model_name, layout=layout)
 
     def begin_step(self, sends: list[PendingSend]) -> None:

@@ -105,7 +105,7 @@ class AsyncLLMEngine:
 
     @property
     def kv_cache(self) -> torch.Tensor:
-        """The KV pool ``[L, 2, N, B, Hkv, D]``, allocated once with the engine: for a KV
+        """The KV pool ``[L, P, N, B, Hkv, D]``, allocated once with the engine: for a KV
         receiver to export it and write reserved blocks. Never read it on the event loop."""
         return self.engine.kv_cache
 

@@ -36,6 +36,16 @@ class EngineConfig(BaseModel):
             "as quantized whatever this says, and setting it too is an error."
         ),
     )
+    quantize_lm_head: bool = Field(
+        default=False,
+        description=(
+            "Int8 weights (per output channel, weight-only) for the logits projection too, "
+            "which otherwise stays float: a decode step reads it like any decoder linear. "
+            "The float32 hidden states enter in three int8 planes (about float32 rounding), "
+            "so only the weight's rounding moves the logits. CPU only for now; not on the "
+            "transformers model path."
+        ),
+    )
     kv_cache_dtype: Literal["auto", "fp8_e4m3", "int8"] = Field(
         default="auto",
         description=(
@@ -122,11 +132,8 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> EngineConfig:
-        if self.kv_cache_dtype != "auto" and self.tensor_parallel_size > 1:
-            raise ValueError(
-                f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported with "
-                f"tensor_parallel_size={self.tensor_parallel_size} yet; use 'auto'"
-            )
+        if self.quantize_lm_head and self.device == "cuda":
+            raise ValueError("quantize_lm_head runs on the CPU only for now (device='cuda')")
         if self.num_kv_blocks is not None and self.max_model_len is not None:
             need = -(-self.max_model_len // self.block_size)
             if self.num_kv_blocks < need:

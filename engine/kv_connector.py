@@ -119,7 +119,7 @@ class KVConnectorWorker(Protocol):
     saves_kv_layers: bool
 
     def register_kv_caches(self, kv_cache: torch.Tensor, model_name: str) -> None:
-        """The engine's KV pool ``[L, 2, N, B, Hkv, D]`` and the identity of the model that
+        """The engine's KV pool ``[L, P, N, B, Hkv, D]`` and the identity of the model that
         fills it (part of the layout both ends of a transfer must agree on)."""
 
     def begin_step(self, sends: list[PendingSend]) -> None:

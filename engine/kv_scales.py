@@ -2,7 +2,8 @@
 
 ``EngineConfig.kv_cache_dtype`` picks the pool's element type. A quantized pool needs one
 float32 scale per layer, K or V, and KV head (``[L, 2, Hkv]``), fixed for the engine's life
-so that every block of the pool, the prefix cache and the KV hand-off mean the same thing:
+so that every block of the pool, the prefix cache and the KV hand-off mean the same thing
+(an MLA pool's one plane is read as both K and V: its K and V scales are equal):
 
 - a float8 cache takes the checkpoint's ``model.layers.<i>.self_attn.k_scale`` / ``v_scale``
   where it has them (vLLM's and compressed-tensors' per-tensor KV scales, broadcast over the
@@ -109,8 +110,9 @@ def calibration_step(
 
 @torch.inference_mode()
 def calibrate_kv_scales(runner: ModelRunner, kv_dtype: torch.dtype) -> torch.Tensor:
-    """``[L, 2, Hkv]`` float32 scales from one forward pass of the calibration prompt into
-    a throwaway float pool (the runner's pool, scales and connector are restored)."""
+    """``[L, P, Hkv]`` float32 scales (P the pool's planes) from one forward pass of the
+    calibration prompt into a throwaway float pool (the runner's pool, scales and connector
+    are restored)."""
     num_tokens = min(_CALIBRATION_TOKENS, runner.max_model_len)
     step, blocks = calibration_step(
         runner.model_config.vocab_size, num_tokens, runner.config.block_size
@@ -122,7 +124,7 @@ def calibrate_kv_scales(runner: ModelRunner, kv_dtype: torch.dtype) -> torch.Ten
     try:
         runner.compute_logits(step)
         pool = runner.kv_cache
-        # [L, 2, N, B, H, D] -> max over blocks, offsets and dims.
+        # [L, P, N, B, H, D] -> max over blocks, offsets and dims.
         absmax = pool.float().abs().amax(dim=(2, 3, 5))
     finally:
         runner.kv_cache, runner.kv_scales, runner.kv_connector = saved
@@ -139,4 +141,7 @@ def resolve_kv_scales(runner: ModelRunner, kv_dtype: torch.dtype) -> torch.Tenso
         scales = checkpoint_kv_scales(runner.config.model, c.num_layers, runner.kv_heads)
     if scales is None:
         scales = calibrate_kv_scales(runner, kv_dtype)
+    if runner.model_config.kv_planes == 1:
+        # One plane is both K and V (MLA's latent): one scale serves both reads.
+        scales = scales.amax(dim=1, keepdim=True).expand(-1, 2, -1)
     return scales.to(device=runner.device, dtype=torch.float32).contiguous()

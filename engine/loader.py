@@ -121,6 +121,12 @@ class ModelConfig:
         return self.max_position_embeddings
 
     @property
+    def kv_planes(self) -> int:
+        """Planes of the KV pool ``[L, planes, N, B, Hkv, D]``: 2 (keys, values), or 1 for
+        MLA, whose value is the first ``kv_lora_rank`` columns of the cached latent slot."""
+        return 1 if self.mla is not None else 2
+
+    @property
     def kv_identity(self) -> str:
         """What the KV pool holds, as both ends of a hand-off must agree on: the model, and
         for MLA that its slots hold the latent rather than per-head K/V."""

@@ -33,7 +33,12 @@ from pdserve.engine.models import build_model
 from pdserve.engine.models.llama import AttentionMetadata, LlamaForCausalLM
 from pdserve.engine.models.transformers_backend import TransformersForCausalLM
 from pdserve.engine.parallel import SINGLE, TPGroup, check_model
-from pdserve.engine.quantization import at_load_scheme, pack_quantized, quantize_linears
+from pdserve.engine.quantization import (
+    at_load_scheme,
+    pack_quantized,
+    quantize_linears,
+    quantize_logits,
+)
 from pdserve.engine.sampler import SampledToken, Sampler, SamplingRow
 from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.engine.staging import StepStaging
@@ -98,7 +103,7 @@ def _available_memory_bytes() -> int:
 
 def check_transformers_path(cfg: ModelConfig, config: EngineConfig, tp_size: int) -> None:
     """What the transformers-backed path cannot do, refused before any weight loads: a
-    tensor-parallel split its ``base_model_tp_plan`` does not give, quantization."""
+    tensor-parallel split its ``base_model_tp_plan`` does not give, quantized weights."""
     if cfg.impl != "transformers":
         return
     if tp_size > 1:
@@ -107,16 +112,15 @@ def check_transformers_path(cfg: ModelConfig, config: EngineConfig, tp_size: int
 
         hf_config = load_hf_config(config.model, cfg.architecture)
         check_plan(hf_config, cfg.architecture, tp_size)
-    if config.kv_cache_dtype != "auto":
-        raise ValueError(
-            f"architecture {cfg.architecture} runs on the transformers path, whose KV cache "
-            f"is the model's dtype for now: kv_cache_dtype must be 'auto', got "
-            f"{config.kv_cache_dtype!r}"
-        )
     if config.quantization is not None or cfg.quantization is not None:
         raise ValueError(
             f"architecture {cfg.architecture} runs on the transformers path, which serves "
             "float checkpoints only: leave quantization unset and use a float checkpoint"
+        )
+    if config.quantize_lm_head:
+        raise ValueError(
+            f"architecture {cfg.architecture} runs on the transformers path: "
+            "quantize_lm_head is for the native models only"
         )
 
 
@@ -227,6 +231,8 @@ class ModelRunner:
             pack_quantized(model, cfg.dtype)
             if self.config.quantization is not None:
                 quantize_linears(model, at_load_scheme(self.config.quantization), cfg.dtype)
+            if self.config.quantize_lm_head:
+                quantize_logits(model)
         # CPU: oneDNN-packed bf16 weights (native bf16), or bf16-held weights of a bf16
         # checkpoint served in float32 (AVX2); elsewhere the nn.Linear layers stay.
         pack_linears(model)
@@ -242,27 +248,30 @@ class ModelRunner:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes one KV block takes on this rank across the pool's layers (K and V)."""
+        """Bytes one KV block takes on this rank across the pool's layers (every plane)."""
         return self.num_pool_layers * self._layer_block_bytes()
 
     def _layer_block_bytes(self) -> int:
         elem = torch.empty((), dtype=self.kv_dtype).element_size()
         heads = len(self.kv_heads)
-        return 2 * self.config.block_size * heads * self.model_config.head_dim * elem
+        c = self.model_config
+        return c.kv_planes * self.config.block_size * heads * c.head_dim * elem
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
-        """This rank's pool: ``[L, 2, N, B, Hkv_rank, D]`` (L: ``num_pool_layers``)."""
+        """This rank's pool: ``[L, P, N, B, Hkv_rank, D]`` (L: ``num_pool_layers``; P the
+        model's ``kv_planes``, 2: keys and values, 1: an MLA latent that is both)."""
         return self._pool_shape(self.num_pool_layers, num_blocks)
 
     def window_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
-        """The window pool: ``[L_window, 2, N_window, B, Hkv_rank, D]``."""
+        """The window pool: ``[L_window, P, N_window, B, Hkv_rank, D]``."""
         assert self.window_layout is not None
         return self._pool_shape(len(self.window_layout.layers), num_blocks)
 
     def _pool_shape(self, num_layers: int, num_blocks: int) -> tuple[int, ...]:
         heads = len(self.kv_heads)
         block = self.config.block_size
-        return (num_layers, 2, num_blocks, block, heads, self.model_config.head_dim)
+        c = self.model_config
+        return (num_layers, c.kv_planes, num_blocks, block, heads, c.head_dim)
 
     def layer_kv_caches(self) -> torch.Tensor | list[torch.Tensor]:
         """What the model indexes by layer: ``kv_cache`` itself, or with a window pool
@@ -316,7 +325,7 @@ class ModelRunner:
         return len(window.layers) * window.num_blocks * self._layer_block_bytes()
 
     def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
-        """Allocate the pool (layout ``[L, 2, N, B, Hkv, D]``) through the allocator, and
+        """Allocate the pool (layout ``kv_cache_shape``) through the allocator, and
         the window pool where there is one."""
         self.kv_cache = self._allocate(self.kv_cache_shape(num_blocks))
         if self.window_layout is not None:
@@ -342,9 +351,13 @@ class ModelRunner:
             return 0
         c = self.model_config
         heads = c.num_heads // self.tp.size
-        calls = ops.warm_up_attention(
-            heads, len(self.kv_heads), c.head_dim, self.config.block_size, c.dtype, self.device
-        )
+        block = self.config.block_size
+        if c.mla is not None:  # decode goes to the MLA kernel (the models' own choice)
+            rank = c.mla.kv_lora_rank
+            calls = ops.warm_up_mla_decode(heads, rank, c.head_dim, block, c.dtype, self.device)
+        else:
+            kv_heads = len(self.kv_heads)
+            calls = ops.warm_up_attention(heads, kv_heads, c.head_dim, block, c.dtype, self.device)
         memory_profile.run_profile_step(self)  # prefill / mixed path
         memory_profile.run_profile_step(self, self.config.max_num_seqs)  # a decode batch
         memory_profile.run_profile_step(self, 1)  # a single decode

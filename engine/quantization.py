@@ -292,6 +292,17 @@ def pack_quantized(model: nn.Module, act_dtype: torch.dtype) -> int:
     return count
 
 
+def quantize_logits(model: nn.Module) -> None:
+    """``model.lm_head`` (a float ``nn.Linear``, tied or not) -> int8 weights per output
+    channel, weight-only on float32 activations (``ops.linear_float32`` runs it)."""
+    head = getattr(model, "lm_head", None)
+    if type(head) is not nn.Linear:
+        raise ValueError(f"quantize_lm_head: want a float nn.Linear lm_head, got {type(head)}")
+    q, scale = ref.quantize_weight(head.weight.detach().float(), torch.int8)
+    bias = None if head.bias is None else head.bias.detach()
+    model.lm_head = make_quantized_linear(q, scale, bias, None, torch.float32)
+
+
 def quantize_linears(model: nn.Module, scheme: QuantScheme, act_dtype: torch.dtype) -> int:
     """Quantize every float ``nn.Linear`` the scheme covers (in place, per output channel)
     into its kernel module; the logits projection stays float. Returns how many."""

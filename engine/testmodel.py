@@ -293,6 +293,22 @@ def default_cache_dir() -> Path:
     return Path(cache) / "pdserve" / "models"
 
 
+def save_random_model(
+    config: Any, out_dir: Path, tokenizer_dir: Path, seed: int, dtype: torch.dtype
+) -> Path:
+    """Random weights (seeded) of a transformers ``config``, built and saved by transformers
+    into ``out_dir`` beside the tokenizer files of ``tokenizer_dir`` (a test model's)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    for f in tokenizer_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, out_dir / f.name)
+    return out_dir
+
+
 def ensure_test_model(name: str, root: str | Path | None = None) -> Path:
     """Generate the named model (a size or a variant) once into ``root`` and return its dir.
 

@@ -160,6 +160,17 @@ class TPExecutor:
     def window_kv_cache(self) -> torch.Tensor | None:
         return self.runner.window_kv_cache
 
+    @property
+    def kv_scales(self) -> torch.Tensor | None:
+        """Rank 0's ``[L, 2, H]`` KV scales (its heads' share; every rank computed its own
+        in the same calibration pass), None for a float pool."""
+        return self.runner.kv_scales
+
+    def rank_kv_scales(self) -> list[torch.Tensor | None]:
+        """Every rank's KV scales (CPU), rank order."""
+        own = self.runner.kv_scales
+        return [None if own is None else own.cpu(), *self._all("kv_scales")]
+
     def _all(self, method: str, *args: Any, timeout: float = GROUP_TIMEOUT_S) -> list[Any]:
         for w in self.workers:
             w.submit(method, *args)

@@ -74,8 +74,19 @@ class RankKVAgent(Protocol):
     def close(self) -> None: ...
 
 
-# (pool, model name, the rank's shard, the model's KV heads) -> the rank's agent
-KVAgentFactory = Callable[[torch.Tensor, str, TPShard, int], RankKVAgent]
+@dataclass(frozen=True)
+class RankPool:
+    """A worker rank's KV pool, as its KV agent is built from it."""
+
+    kv_cache: torch.Tensor  # [L, 2, N, B, H, D]: the rank's heads
+    model_name: str  # the model identity both ends of a hand-off compare
+    shard: TPShard
+    kv_heads: int  # KV heads of the whole model
+    kv_scales: torch.Tensor | None = None  # an int8 / float8 pool's [L, 2, H] scales
+
+
+# A worker rank's pool -> the rank's agent
+KVAgentFactory = Callable[[RankPool], RankKVAgent]
 
 
 @dataclass(frozen=True)
@@ -126,9 +137,10 @@ class TPWorker:
         cache = self.runner.allocate_kv_cache(num_blocks)
         if self.agent_factory is not None:
             cfg = self.runner.model_config
-            self.agent = self.agent_factory(
-                cache, model_name, self.runner.tp.shard, cfg.num_kv_heads
+            pool = RankPool(
+                cache, model_name, self.runner.tp.shard, cfg.num_kv_heads, self.runner.kv_scales
             )
+            self.agent = self.agent_factory(pool)
             connector = self.agent.connector
             # As on rank 0: only a connector that reads KV per layer joins the forward pass.
             self.runner.kv_connector = (
@@ -138,6 +150,11 @@ class TPWorker:
 
     def warm_up(self) -> int:
         return self.runner.warm_up()
+
+    def kv_scales(self) -> torch.Tensor | None:
+        """This rank's ``[L, 2, H]`` KV scales (on the CPU), None for a float pool."""
+        scales = self.runner.kv_scales
+        return None if scales is None else scales.cpu()
 
     def execute(self, out: SchedulerOutput, meta: Any) -> Any:
         """Run this rank's shard of the step (the all-gathered logits are rank 0's to
@@ -216,6 +233,7 @@ _WORKER_METHODS = frozenset(
         "profile_num_blocks",
         "allocate_kv_cache",
         "warm_up",
+        "kv_scales",
         "execute",
         "poll",
         "sends_only",

@@ -38,7 +38,7 @@ from pdserve.kernels.moe_ops import (
     fused_moe,
     select_experts,
 )
-from pdserve.kernels.quant_ops import Activations, make_quantized_linear
+from pdserve.kernels.quant_ops import Activations, is_quantized_linear, make_quantized_linear
 
 __all__ = [
     "Activations",
@@ -62,11 +62,13 @@ __all__ = [
     "pack_linears",
     "paged_attention",
     "paged_decode_attention",
+    "paged_mla_decode",
     "prepare_copy_thread",
     "rms_norm",
     "scatter_blocks",
     "select_experts",
     "silu_and_mul",
+    "warm_up_mla_decode",
     "write_kv",
 ]
 
@@ -148,20 +150,30 @@ def _check_kv_scales(
 
 def write_kv(
     key: torch.Tensor,  # [T, Hkv, D]
-    value: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor | None,  # [T, Hkv, D]; None: a one-plane cache (keys only)
     k_cache: torch.Tensor,  # [N, B, Hkv, D]
-    v_cache: torch.Tensor,  # [N, B, Hkv, D]
+    v_cache: torch.Tensor | None,  # [N, B, Hkv, D]; None with ``value``
     slot_mapping: torch.Tensor,  # [T] int64, < 0 = skip
     k_scale: torch.Tensor | None = None,  # [Hkv] float32: int8 / float8 caches only
-    v_scale: torch.Tensor | None = None,  # [Hkv] float32
+    v_scale: torch.Tensor | None = None,  # [Hkv] float32; None for a one-plane cache
 ) -> None:
     """Write each token's K/V into its cache slot (in place); into an int8 / float8 cache
-    quantized with the layer's per-head scales (``kernels.kv_quant``)."""
-    _check_cache(k_cache, v_cache)
-    quantized = _check_kv_scales(k_cache, k_scale, v_scale)
-    if key.shape != value.shape or key.shape[1:] != k_cache.shape[2:]:
+    quantized with the layer's per-head scales (``kernels.kv_quant``). Without ``value``
+    and ``v_cache`` only the keys are stored: an MLA pool's one plane, read as keys and
+    values alike."""
+    one_plane = value is None
+    if one_plane != (v_cache is None):
+        raise ValueError("value/v_cache: give both (K and V planes) or neither (one plane)")
+    if v_cache is None:
+        _check_cache(k_cache, k_cache)
+        quantized = _check_kv_scales(k_cache, k_scale, k_scale if v_scale is None else v_scale)
+    else:
+        _check_cache(k_cache, v_cache)
+        quantized = _check_kv_scales(k_cache, k_scale, v_scale)
+    if key.shape[1:] != k_cache.shape[2:] or (value is not None and value.shape != key.shape):
+        got = "" if value is None else f" / value {tuple(value.shape)}"
         raise ValueError(
-            f"key: shape {tuple(key.shape)} / value {tuple(value.shape)} do not match "
+            f"key: shape {tuple(key.shape)}{got} do not match "
             f"cache [*, *, {k_cache.shape[2]}, {k_cache.shape[3]}]"
         )
     if slot_mapping.shape != (key.shape[0],):
@@ -170,12 +182,16 @@ def write_kv(
     if mod is not None:
         mod.write_kv_triton(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     elif quantized:
-        assert k_scale is not None and v_scale is not None
+        assert k_scale is not None
         # Copied as bytes: torch has no float8 index_copy_ on a CPU.
-        kq = kv_quant.quantize_kv(key, k_scale, k_cache.dtype).view(torch.uint8)
-        vq = kv_quant.quantize_kv(value, v_scale, v_cache.dtype).view(torch.uint8)
         u8 = torch.uint8
-        cpu.write_kv_cpu(kq, vq, k_cache.view(u8), v_cache.view(u8), slot_mapping)
+        kq = kv_quant.quantize_kv(key, k_scale, k_cache.dtype).view(u8)
+        if value is None or v_cache is None:
+            cpu.write_kv_cpu(kq, None, k_cache.view(u8), None, slot_mapping)
+        else:
+            assert v_scale is not None
+            vq = kv_quant.quantize_kv(value, v_scale, v_cache.dtype).view(u8)
+            cpu.write_kv_cpu(kq, vq, k_cache.view(u8), v_cache.view(u8), slot_mapping)
     else:
         cpu.write_kv_cpu(key, value, k_cache, v_cache, slot_mapping)
 
@@ -270,6 +286,57 @@ def paged_decode_attention(
     return cpu.paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
 
+def paged_mla_decode(
+    q: torch.Tensor,  # [S, H, L + R]: absorbed query, then roped query
+    cache: torch.Tensor,  # [N, B, 1, L + R]: latent, then rope key
+    block_tables: torch.Tensor,  # [S, M] int32
+    seq_lens: torch.Tensor,  # [S] int32
+    scale: float,
+    kv_lora_rank: int,
+    kv_scale: torch.Tensor | None = None,  # [1] float32: int8 / float8 caches only
+) -> torch.Tensor:  # [S, H, L]
+    """Multi-head latent attention decode over a one-plane latent cache: each head's
+    softmax-weighted latent (``reference.paged_mla_decode_ref``). CUDA: the MLA kernel
+    (``triton/mla_decode.py``), a head block per program; elsewhere, or for widths it does
+    not take, the MQA decode path with the cache as keys and values."""
+    _check_cache(cache, cache)
+    _check_heads(q, cache)
+    if cache.shape[2] != 1 or not 0 < kv_lora_rank < q.shape[2]:
+        raise ValueError(
+            f"cache: expected one latent head wider than kv_lora_rank={kv_lora_rank}, got "
+            f"shape {tuple(cache.shape)}"
+        )
+    _check_kv_scales(cache, kv_scale, kv_scale)
+    if seq_lens.shape != (q.shape[0],):
+        raise ValueError(f"seq_lens: expected shape ({q.shape[0]},)")
+    if block_tables.dim() != 2 or block_tables.shape[0] != q.shape[0]:
+        raise ValueError(f"block_tables: expected [{q.shape[0]}, M]")
+    mod = _triton("mla_decode", q)
+    if mod is not None and mod.supports(kv_lora_rank, q.shape[2] - kv_lora_rank):
+        return mod.paged_mla_decode_triton(
+            q, cache, block_tables, seq_lens, scale, kv_lora_rank, kv_scale
+        )
+    out = paged_decode_attention(
+        q, cache, cache, block_tables, seq_lens, scale, k_scale=kv_scale, v_scale=kv_scale
+    )
+    return out[..., :kv_lora_rank]
+
+
+def warm_up_mla_decode(
+    num_heads: int,
+    kv_lora_rank: int,
+    slot_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> int:
+    """Compile every variant of the MLA decode kernel the engine may pick (CUDA; else 0)."""
+    mod = _triton("mla_decode", torch.empty(0, device=device))
+    if mod is None or not mod.supports(kv_lora_rank, slot_dim - kv_lora_rank):
+        return 0
+    return mod.warm_up_mla(num_heads, kv_lora_rank, slot_dim, block_size, dtype, device)
+
+
 def warm_up_attention(
     num_heads: int,
     num_kv_heads: int,
@@ -332,6 +399,8 @@ def linear_float32(
     if x.dim() != 2:
         raise ValueError(f"x: expected [M, K], got {tuple(x.shape)}")
     x = x.float()
+    if is_quantized_linear(layer):  # EngineConfig.quantize_lm_head: float32 in and out
+        return layer(x).float()
     packed = packed_linear_float32(x, layer)
     if packed is not None:
         return packed

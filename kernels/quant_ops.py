@@ -20,7 +20,7 @@ from pdserve.kernels.cpu import quant_linear as cpu
 
 Activations = Literal["int8", "fp8"] | None
 
-__all__ = ["Activations", "make_quantized_linear", "weight_dtype_of"]
+__all__ = ["Activations", "is_quantized_linear", "make_quantized_linear", "weight_dtype_of"]
 
 
 @functools.cache
@@ -84,6 +84,11 @@ def make_quantized_linear(
         if _cpu_weight_only(act_dtype):
             return cpu.Int8WeightOnlyLinear(q, scale, bias, act_dtype)
     return cpu.DequantLinear(q, scale, bias)
+
+
+def is_quantized_linear(module: nn.Module) -> bool:
+    """Whether ``module`` is one of the quantized kernel modules made here."""
+    return isinstance(module, (cpu._QuantLinearBase, _CudaQuantLinear))
 
 
 def weight_dtype_of(model: nn.Module) -> str:

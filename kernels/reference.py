@@ -27,14 +27,15 @@ __all__ = [
     "scatter_blocks_ref",
     "silu_and_mul_ref",
     "write_kv_ref",
+    "paged_mla_decode_ref",
 ]
 
 
 def write_kv_ref(
     key: torch.Tensor,  # [T, Hkv, D]
-    value: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor | None,  # [T, Hkv, D]; None: a one-plane cache (keys only)
     k_cache: torch.Tensor,  # [N, B, Hkv, D]
-    v_cache: torch.Tensor,  # [N, B, Hkv, D]
+    v_cache: torch.Tensor | None,  # [N, B, Hkv, D]; None with ``value``
     slot_mapping: torch.Tensor,  # [T] int64; < 0 means padding (skipped)
 ) -> None:
     """Store each token's K/V row at its slot (in place)."""
@@ -45,7 +46,8 @@ def write_kv_ref(
     blocks = torch.div(slots, block_size, rounding_mode="floor")
     offsets = slots % block_size
     k_cache[blocks, offsets] = key[keep].to(k_cache.dtype)
-    v_cache[blocks, offsets] = value[keep].to(v_cache.dtype)
+    if value is not None and v_cache is not None:
+        v_cache[blocks, offsets] = value[keep].to(v_cache.dtype)
 
 
 def _gather_context(
@@ -131,6 +133,20 @@ def paged_decode_attention_ref(
     return paged_attention_ref(
         q, k_cache, v_cache, cu, seq_lens, block_tables, scale, sliding_window, softcap, sinks
     )
+
+
+def paged_mla_decode_ref(
+    q: torch.Tensor,  # [S, H, L + R]: absorbed query, then roped query
+    cache: torch.Tensor,  # [N, B, 1, L + R]: latent, then rope key
+    block_tables: torch.Tensor,  # [S, M] int32
+    seq_lens: torch.Tensor,  # [S] int32
+    scale: float,
+    kv_lora_rank: int,
+) -> torch.Tensor:  # [S, H, L]
+    """MLA decode: every head scores the whole slot (``q . [c, k_pe]``) and takes the
+    softmax-weighted latent ``c`` (the slot's first ``kv_lora_rank`` columns)."""
+    out = paged_decode_attention_ref(q, cache, cache, block_tables, seq_lens, scale)
+    return out[..., :kv_lora_rank].contiguous()
 
 
 def rms_norm_ref(

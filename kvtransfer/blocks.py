@@ -178,21 +178,25 @@ def pool_layout(
     tp_rank: int = 0,
     kv_scales: torch.Tensor | None = None,  # [L, 2, H] float32: an int8 / float8 pool's
 ) -> KVLayout:
-    """The layout of an engine's pool ``[L, 2, N, B, H, D]`` filled by model ``model``
-    (with ``kv_scales``, the scales of a quantized pool).
+    """The layout of an engine's pool ``[L, P, N, B, H, D]`` (P = 2 planes, K and V, or 1
+    for an MLA latent) filled by model ``model`` (with ``kv_scales``, the scales of a
+    quantized pool).
 
     A tensor-parallel rank's pool holds the global KV heads ``[kv_head_start,
     kv_head_start + H)`` of the model's ``total_kv_heads``; ``kv_head_replica`` > 0 marks a
     replicated copy (more ranks than KV heads), which never sends."""
-    if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
-        raise ValueError(f"kv_cache: shape {tuple(kv_cache.shape)} is not [L, 2, N, B, H, D]")
-    num_layers, _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    if kv_cache.dim() != 6 or kv_cache.shape[1] not in (1, 2):
+        raise ValueError(
+            f"kv_cache: shape {tuple(kv_cache.shape)} is not [L, P, N, B, H, D] with P 1 or 2"
+        )
+    num_layers, planes, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     return KVLayout(
         model=model,
         num_layers=num_layers,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         block_size=block_size,
+        num_planes=planes,
         dtype=dtype_name(kv_cache.dtype),
         kv_head_start=kv_head_start,
         total_kv_heads=total_kv_heads,
@@ -229,13 +233,17 @@ def registered_layout(
 
 
 def check_pool(kv_cache: torch.Tensor, layout: KVLayout) -> None:
-    """Raise ValueError unless ``kv_cache`` is a [L, 2, N, B, H, D] pool matching ``layout``."""
-    want = (layout.num_layers, 2, None, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    """Raise ValueError unless ``kv_cache`` is a [L, P, N, B, H, D] pool matching ``layout``."""
+    planes = layout.num_planes
+    want = (layout.num_layers, planes, None, layout.block_size, layout.num_kv_heads)
     got = tuple(kv_cache.shape)
-    if len(got) != 6 or any(w is not None and w != g for w, g in zip(want, got, strict=True)):
+    if len(got) != 6 or any(
+        w is not None and w != g for w, g in zip((*want, layout.head_dim), got, strict=True)
+    ):
         raise ValueError(
             f"kv_cache: shape {got} does not match layout "
-            f"[num_layers={layout.num_layers}, 2, N, block_size={layout.block_size}, "
+            f"[num_layers={layout.num_layers}, num_planes={planes}, N, "
+            f"block_size={layout.block_size}, "
             f"num_kv_heads={layout.num_kv_heads}, head_dim={layout.head_dim}]"
         )
     if dtype_name(kv_cache.dtype) != layout.dtype:

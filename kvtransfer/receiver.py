@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 
 
 class KVReceiver:
-    """Accepts KV writes from prefill peers into ``kv_cache`` [L, 2, N, B, H, D].
+    """Accepts KV writes from prefill peers into ``kv_cache`` [L, P, N, B, H, D].
 
     ``shm_segment``: the shared segment holding ``kv_cache`` (from ``SharedKVAllocator``),
     needed to offer the shared-memory transport.

@@ -156,7 +156,7 @@ class KVSender:
     ) -> None:
         """Enqueue layer ``layer_idx`` of the request's blocks ``span`` (indices into its
         blocks; default: every block known so far) as one message; ``kv_cache`` is the
-        whole pool [L, 2, N, B, H, D] or that layer [2, N, B, H, D]. Returns at once."""
+        whole pool [L, P, N, B, H, D] or that layer [P, N, B, H, D]. Returns at once."""
         if handle.done():
             return
         if span is None:

@@ -76,7 +76,7 @@ class SendTransport(ABC):
 class LandingSite(Protocol):
     """What a ``ReceiveTransport`` needs of the receiver it serves (``KVReceiver``)."""
 
-    kv_cache: torch.Tensor  # [L, 2, N, B, H, D]
+    kv_cache: torch.Tensor  # [L, P, N, B, H, D]
     layout: KVLayout
     config: KVTransferConfig
 

@@ -241,8 +241,9 @@ class TorchDistReceive(ReceiveTransport):
                     if session.state == "open":
                         # The header was checked against the peer's share of the heads.
                         first = msg.head_start - self.site.layout.kv_head_start
-                        n, (bs, _, dim) = msg.num_blocks, pool.shape[3:]
-                        buf = typed_view(flat, (2, n, bs, msg.num_heads, dim), pool.dtype)
+                        n, planes, (bs, _, dim) = msg.num_blocks, pool.shape[1], pool.shape[3:]
+                        shape = (planes, n, bs, msg.num_heads, dim)
+                        buf = typed_view(flat, shape, pool.dtype)
                         dst = blocks.heads(pool[msg.layer], first, msg.num_heads)
                         index = session.block_index[msg.block_start : msg.block_start + n]
                         blocks.scatter(buf.to(pool.device), dst, index)

@@ -33,6 +33,13 @@ class KVLayout(_Frozen):
     num_kv_heads: int = Field(gt=0, description="KV heads per layer held by this pool.")
     head_dim: int = Field(gt=0, description="Dimension of one head.")
     block_size: int = Field(gt=0, description="Tokens per KV block.")
+    num_planes: int = Field(
+        default=2,
+        ge=1,
+        le=2,
+        description="Planes per layer: 2 (keys, values), or 1 where one cached slot is "
+        "read as both (multi-head latent attention).",
+    )
     dtype: str = Field(description="torch dtype name of the pool, e.g. 'float32'.")
     kv_head_start: int = Field(
         default=0, ge=0, description="Global index of this pool's first KV head."
@@ -99,14 +106,15 @@ class KVLayout(_Frozen):
         mapped rank to rank, see ``pdserve.kvtransfer.tp_plan``); the model's total heads
         may not, nor may a head range fall outside the model's heads."""
         diffs = []
-        for name in ("model", "num_layers", "total_kv_heads", "head_dim", "block_size", "dtype"):
+        fields = ("model", "num_layers", "total_kv_heads", "head_dim", "block_size", "dtype")
+        for name in (*fields, "num_planes"):
             mine, theirs = getattr(self, name), getattr(other, name)
             if name == "total_kv_heads":
                 mine, theirs = self.heads_total, other.heads_total
             if mine != theirs:
                 diffs.append(f"{name}: local={mine!r} peer={theirs!r}")
-        if not diffs and self.num_kv_heads == other.num_kv_heads:
-            worst = _scale_mismatch(self.kv_scales, other.kv_scales)
+        if not diffs:
+            worst = _scale_mismatch(self.shared_head_scales(other), other.shared_head_scales(self))
             if worst is not None:
                 diffs.append(f"kv_scales ({self.dtype}): {worst}")
         if not diffs:  # layouts built with model_construct skip the validator
@@ -120,11 +128,28 @@ class KVLayout(_Frozen):
                     )
         return "; ".join(diffs) if diffs else None
 
+    def shared_head_scales(self, other: KVLayout) -> tuple[float, ...]:
+        """This pool's scales of the global KV heads it shares with ``other`` (layer, K/V,
+        head order): what both sides of a hand-off must agree on. Empty for a float pool;
+        all of them when a pool's scales do not match its heads (the lengths then differ)."""
+        if len(self.kv_scales) != 2 * self.num_layers * self.num_kv_heads:
+            return self.kv_scales
+        lo = max(self.kv_head_start, other.kv_head_start)
+        hi = min(self.kv_head_start + self.num_kv_heads, other.kv_head_start + other.num_kv_heads)
+        first, count = lo - self.kv_head_start, max(hi - lo, 0)
+        rows = len(self.kv_scales) // self.num_kv_heads  # one per layer and K/V
+        return tuple(
+            self.kv_scales[row * self.num_kv_heads + first + h]
+            for row in range(rows)
+            for h in range(count)
+        )
+
     def block_bytes(self, num_heads: int | None = None) -> int:
-        """Bytes of one block of one layer, K and V together, over ``num_heads`` heads
-        (default: every head of this pool)."""
+        """Bytes of one block of one layer, every plane (K and V, or MLA's one), over
+        ``num_heads`` heads (default: every head of this pool)."""
         heads = self.num_kv_heads if num_heads is None else num_heads
-        return 2 * self.block_size * heads * self.head_dim * _dtype_size(self.dtype)
+        elem = _dtype_size(self.dtype)
+        return self.num_planes * self.block_size * heads * self.head_dim * elem
 
 
 class KVTarget(_Frozen):

@@ -175,7 +175,8 @@ def measure(
             table[k] = t - attn * k * k / 2
     points = sorted(table)
     cfg = engine.model_config
-    kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * engine.kv_cache.element_size()
+    kv_bytes = cfg.kv_planes * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
+    kv_bytes *= engine.kv_cache.element_size()
     capacity = engine.runner.profile_num_blocks() * engine.block_size
     runtime = f"{pool[1]} pool runtime" if not threads and pool is not None else threads
     profile = StepProfile(

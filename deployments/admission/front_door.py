@@ -266,13 +266,17 @@ class FrontDoor:
         """A decode replica answered (an ack or a first token): it is routable."""
         self.shed_hint.seen(replica, self._clock())
 
-    def refused(self, ticket: Ticket, retry_after_s: float, replica: str | None = None) -> None:
+    def refused(self, ticket: Ticket, retry_after_s: float, replica: str | None = None) -> float:
         """The decode replica ``replica`` (None: unknown) shed it, its queue draining in
-        ``retry_after_s``."""
+        ``retry_after_s``. Returns the Retry-After to answer: the pool's, until the first
+        replica this door knows has room (``ShedHint.retry_after_s``), at most the
+        replica's own."""
         now = self._clock()
         self.shed_hint.shed(ticket.priority, now, retry_after_s, replica)
         if self.streams is not None:
             self.streams.refused(ticket.admitted_at, ticket.open_before, now)
+        pool_s = self.shed_hint.retry_after_s(ticket.priority, now)
+        return min(retry_after_s, max(MIN_DRAIN_S, pool_s))
 
     def not_admitted_in_time(self, ticket: Ticket) -> DoorShed:
         """The 429 of a request whose admission decision did not come in time: the path to

@@ -40,7 +40,12 @@ class ShedHint:
 
     ``max_window_s`` bounds a window: past it the next requests reach a replica, which
     sheds them again from its queue as it is then. A drain time is a prediction, and a
-    pessimistic one would otherwise leave the engine idle for all of it (docs/tuning.md)."""
+    pessimistic one would otherwise leave the engine idle for all of it (docs/tuning.md).
+
+    What a client is told to wait (``retry_after_s``) is the pool's, not one replica's: the
+    time until the first routable replica drains by its own prediction (uncapped), so a
+    client shed by a replica with a long queue is not sent away for all of it while another
+    replica has room."""
 
     def __init__(
         self, max_window_s: float | None = None, seen_window_s: float = SEEN_WINDOW_S
@@ -52,6 +57,7 @@ class ShedHint:
         self.max_window_s = max_window_s
         self.seen_window_s = seen_window_s
         self._until: dict[str | None, dict[str, float]] = {}  # replica (None: pool) -> class
+        self._drained: dict[str | None, dict[str, float]] = {}  # the same, uncapped
         self._seen: dict[str, float] = {}  # replica -> when last heard from
 
     def seen(self, replica: str, now: float) -> None:
@@ -65,13 +71,14 @@ class ShedHint:
         classes: tuple[Priority, ...] = (
             ("interactive", "batch") if priority == "interactive" else ("batch",)
         )
-        if self.max_window_s is not None:
-            drain_s = min(drain_s, self.max_window_s)
+        window_s = drain_s if self.max_window_s is None else min(drain_s, self.max_window_s)
         if replica is not None:
             self._seen[replica] = now
         until = self._until.setdefault(replica, {})
+        drained = self._drained.setdefault(replica, {})
         for c in classes:
-            until[c] = max(until.get(c, 0.0), now + drain_s)
+            until[c] = max(until.get(c, 0.0), now + window_s)
+            drained[c] = max(drained.get(c, 0.0), now + drain_s)
 
     def remaining_s(self, priority: Priority, now: float) -> float:
         """Seconds this class is still shed by the whole pool (0 = send it to the pool)."""
@@ -80,14 +87,30 @@ class ShedHint:
         replicas = [self._left(r, priority, now) for r in self._seen]
         return max(pool, min(replicas, default=0.0))
 
-    def _left(self, replica: str | None, priority: Priority, now: float) -> float:
-        return max(0.0, self._until.get(replica, {}).get(priority, 0.0) - now)
+    def retry_after_s(self, priority: Priority, now: float) -> float:
+        """Seconds until the first routable replica has drained the queue it shed this
+        class for, by its own prediction (0: one has room now). The Retry-After of a shed."""
+        self._forget(now)
+        pool = self._left(None, priority, now, self._drained)
+        replicas = [self._left(r, priority, now, self._drained) for r in self._seen]
+        return max(pool, min(replicas, default=0.0))
+
+    def _left(
+        self,
+        replica: str | None,
+        priority: Priority,
+        now: float,
+        until: dict[str | None, dict[str, float]] | None = None,
+    ) -> float:
+        table = self._until if until is None else until
+        return max(0.0, table.get(replica, {}).get(priority, 0.0) - now)
 
     def _forget(self, now: float) -> None:
         """Drop replicas not heard from within ``seen_window_s`` (gone, or scaled down)."""
         for r in [r for r, at in self._seen.items() if now - at > self.seen_window_s]:
             del self._seen[r]
             self._until.pop(r, None)
+            self._drained.pop(r, None)
 
 
 class ProxyLag:

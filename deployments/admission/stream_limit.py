@@ -3,6 +3,8 @@ callers pass times in."""
 
 from __future__ import annotations
 
+from collections import deque
+
 from pdserve.deployments.admission.rules import MIN_DRAIN_S, Priority
 
 
@@ -40,8 +42,13 @@ class StreamLimit:
       is no 429 to guard (on a shared CPU the loop lags with other processes' work, which
       fewer streams would not remove);
     - the concurrency whose first tokens came in time (``sustained``: the most streams open
-      at the admission of a request whose first token was not late) is a floor for every
-      cut but a late first token's, which alone shows that concurrency missing the SLO.
+      at the admission of a request whose first token was not late, within the last
+      ``sustained_window_s``) is a floor for every cut but a late first token's, which alone
+      shows that concurrency missing the SLO. The floor is evidence about the path as it
+      was, so it expires like BBR's windowed maximum of delivery rate: a level not seen
+      again in time within the window (by default ten round trips, ten targets) no longer
+      holds the bound up, and a quiet spell or a lower load leaves the floor at what the
+      recent traffic showed, not at what an earlier peak did.
 
     A request the decode replica shed (its own queue predicted past the SLO) is the same
     signal as a late first token (TCP's loss beside its delay): the door, not the replica,
@@ -67,6 +74,7 @@ class StreamLimit:
         low: int = 1,
         decrease: float = 0.7,
         batch_share: float = 0.75,
+        sustained_window_s: float | None = None,
     ) -> None:
         if target_s <= 0:
             raise ValueError(f"target_s must be > 0, got {target_s}")
@@ -78,12 +86,41 @@ class StreamLimit:
             raise ValueError(f"decrease must be in (0, 1), got {decrease}")
         if not 0 < batch_share <= 1:
             raise ValueError(f"batch_share must be in (0, 1], got {batch_share}")
+        window_s = 10 * target_s if sustained_window_s is None else sustained_window_s
+        if window_s <= 0:
+            raise ValueError(f"sustained_window_s must be > 0, got {sustained_window_s}")
         self.target_s, self.lag_budget_s, self.low, self.high = target_s, lag_budget_s, low, high
         self.decrease, self.batch_share = decrease, batch_share
+        self.sustained_window_s = window_s
         self.limit = float(min(high, max(low, initial)))
         self.slow_start = True
-        self.sustained = 0  # the most streams open at an admission answered in time
+        # (when, level) of in-time first tokens within the window, levels strictly
+        # decreasing: the front is the window's maximum (a monotonic queue).
+        self._in_time: deque[tuple[float, int]] = deque()
         self._cut_at = float("-inf")
+
+    @property
+    def sustained(self) -> int:
+        """The most streams open at the admission of a request answered in time, within
+        the window as of the last time passed in (0: none)."""
+        return self._in_time[0][1] if self._in_time else 0
+
+    def _expire(self, now: float) -> None:
+        while self._in_time and now - self._in_time[0][0] > self.sustained_window_s:
+            self._in_time.popleft()
+
+    def _record_in_time(self, level: int, now: float) -> None:
+        while self._in_time and self._in_time[-1][1] <= level:
+            self._in_time.pop()
+        self._in_time.append((now, level))
+
+    def _cap_sustained(self, level: int) -> None:
+        """A late first token showed ``level`` streams missing the target: no sample above
+        it is evidence any more."""
+        capped = [(t, min(v, level)) for t, v in self._in_time]
+        self._in_time.clear()
+        for t, v in capped:  # keep the strictly decreasing order
+            self._record_in_time(v, t)
 
     def admits(self, priority: Priority, num_open: int) -> bool:
         """Whether one more stream of this class fits beside the ``num_open`` ones."""
@@ -103,16 +140,17 @@ class StreamLimit:
         ``open_at_admission`` streams open then (itself not counted); ``loop_lag_s``: the
         ingress's event loop lag now; ``predicted_s``: the decode replica's prediction of
         this TTFT (0 = none)."""
+        self._expire(now)
         late_s = max(self.target_s, predicted_s + self.target_s / 2)
         fast_s = max(self.target_s / 2, predicted_s + self.target_s / 4)
         if ttft_s > late_s:
             # Admitted alone, it waited behind none of this door's streams: hold.
             if open_at_admission > 0:
                 self._cut(admitted_at, open_at_admission, now)
-                self.sustained = min(self.sustained, int(self.limit))
+                self._cap_sustained(int(self.limit))
             self.slow_start = False
             return
-        self.sustained = max(self.sustained, open_at_admission + 1)
+        self._record_in_time(open_at_admission + 1, now)
         if ttft_s > fast_s or loop_lag_s > self.lag_budget_s / 2:
             self.slow_start = False
         elif open_at_admission + 2 >= self.limit:
@@ -125,12 +163,14 @@ class StreamLimit:
         lags the loop before any stream it admitted has one), at most every quarter of the
         target, the time the streams open then take to give way; never below
         ``sustained``."""
+        self._expire(now)
         if loop_lag_s > self.lag_budget_s and now - self._cut_at >= self.target_s / 4:
             self._cut_to(num_open, now, floor=self.sustained)
 
     def refused(self, admitted_at: float, open_at_admission: int, now: float) -> None:
         """The decode replica shed a request this door let through: cut, as for a late
         first token, but never below ``sustained``."""
+        self._expire(now)
         self._cut(admitted_at, open_at_admission, now, floor=self.sustained)
 
     def _cut(self, admitted_at: float, open_at_admission: int, now: float, floor: int = 0) -> None:

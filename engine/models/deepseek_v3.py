@@ -6,12 +6,13 @@ Each token caches one "head" of ``kv_lora_rank + qk_rope_head_dim`` values: the 
 latent ``c`` and the roped key ``k_pe``. Attention never expands them into per-head keys
 and values: ``q_nope`` is absorbed through each head's ``W_UK`` (``q_nope @ W_UK`` has
 ``kv_lora_rank`` columns), concatenated with the roped ``q_pe`` and scored against the
-cached ``[c, k_pe]`` by the ordinary paged MQA kernels (one KV head), so
-``q_nope . (W_UK c) + q_pe . k_pe`` is exactly the expanded model's score. The value of a
-slot is the same ``[c, k_pe]`` (the pool's V half duplicates the K half; see
-docs/models.md for the bytes): the first ``kv_lora_rank`` columns of the attention output
-are each head's weighted latent, taken through ``W_UV`` and ``o_proj``. The same form
-serves prefill and decode.
+cached ``[c, k_pe]`` (one KV head; prefill by the ordinary paged MQA kernel, decode by the
+MLA decode kernel), so ``q_nope . (W_UK c) + q_pe . k_pe`` is exactly the expanded model's
+score. The value of a
+slot is the same ``[c, k_pe]``: the pool holds one plane (``ModelConfig.kv_planes``),
+passed to the kernels as both the key and the value cache (see docs/models.md for the
+bytes); the first ``kv_lora_rank`` columns of the attention output are each head's weighted
+latent, taken through ``W_UV`` and ``o_proj``. The same form serves prefill and decode.
 
 The MoE layers reuse the fused experts: the shared experts are stacked after the routed
 ones and every token is sent to them with weight 1 (``ops.add_shared_experts``). This
@@ -98,7 +99,7 @@ class MLAttention(nn.Module):
         self,
         positions: torch.Tensor,  # [T]
         x: torch.Tensor,  # [T, hidden]
-        kv_cache: torch.Tensor,  # [2, N, B, 1, kv_lora_rank + rope]: this layer's slice
+        kv_cache: torch.Tensor,  # [1, N, B, 1, kv_lora_rank + rope]: this layer's slice
         cos_sin: torch.Tensor,  # [P, rope]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
@@ -117,26 +118,31 @@ class MLAttention(nn.Module):
         q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)
         query = torch.cat([q_latent, q_pe], dim=-1)  # [T, H, L + rope]
         slot = torch.cat([latent.view(t, 1, mla.kv_lora_rank), k_pe], dim=-1)  # [T, 1, L+rope]
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
-        ks = vs = None
-        if meta.kv_scales is not None:
-            ks, vs = meta.kv_scales[self.layer_idx]
-        ops.write_kv(slot, slot, k_cache, v_cache, meta.slot_mapping, ks, vs)
-        chunk = _head_chunk(query)
-        parts = [
-            _attend(query[:, h : h + chunk], k_cache, v_cache, meta, mla.softmax_scale, ks, vs)
-            for h in range(0, self.num_heads, chunk)
-        ]
-        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        cache = kv_cache[0]  # the one plane: each slot's latent is its key and its value
+        scale = None if meta.kv_scales is None else meta.kv_scales[self.layer_idx, 0]
+        ops.write_kv(slot, None, cache, None, meta.slot_mapping, scale)
+        if meta.decode_only:  # [T, H, L]: every head in one call, the latent read once
+            out = ops.paged_mla_decode(
+                query, cache, meta.block_tables, meta.seq_lens, mla.softmax_scale,
+                mla.kv_lora_rank, scale,
+            )  # fmt: skip
+        else:
+            chunk = _head_chunk(query)
+            parts = [
+                _prefill(query[:, h : h + chunk], cache, meta, mla.softmax_scale, scale)
+                for h in range(0, self.num_heads, chunk)
+            ]
+            out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         # Each head's weighted latent through its W_UV: [H, T, L] @ [H, L, v] -> [T, H, v].
         o_latent = out[..., : mla.kv_lora_rank].transpose(0, 1)
         o = torch.bmm(o_latent, self.w_uv.transpose(1, 2)).transpose(0, 1)
         return self.o_proj(o.reshape(t, self.num_heads * mla.v_head_dim))
 
 
-# On CUDA, query heads per attention call: the Triton kernels hold a tile of every query
-# head sharing a KV head, and 128 heads of a 576-wide latent need more shared memory than an
-# sm_90 block has (see docs/models.md, "MLA"); 16 fit.
+# On CUDA, query heads per prefill attention call: the Triton prefill kernel holds a tile of
+# every query head sharing a KV head, and 128 heads of a 576-wide latent need more shared
+# memory than an sm_90 block has (see docs/models.md, "MLA"); 16 fit. Decode has its own
+# kernel (``ops.paged_mla_decode``), which blocks the heads itself.
 CUDA_HEADS_PER_CALL = 16
 
 
@@ -144,24 +150,16 @@ def _head_chunk(query: torch.Tensor) -> int:
     return CUDA_HEADS_PER_CALL if query.device.type == "cuda" else query.shape[1]
 
 
-def _attend(
+def _prefill(
     query: torch.Tensor,  # [T, h, L + rope]: some or all of the query heads
-    k_cache: torch.Tensor,  # [N, B, 1, L + rope]
-    v_cache: torch.Tensor,  # [N, B, 1, L + rope]
+    cache: torch.Tensor,  # [N, B, 1, L + rope]: read as keys and as values
     meta: AttentionMetadata,
-    scale: float,
-    ks: torch.Tensor | None,
-    vs: torch.Tensor | None,
+    softmax_scale: float,
+    kv_scale: torch.Tensor | None,  # [1] float32: an int8 / float8 cache's
 ) -> torch.Tensor:  # [T, h, L + rope]
-    query = query.contiguous()
-    if meta.decode_only:
-        return ops.paged_decode_attention(
-            query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
-            k_scale=ks, v_scale=vs,
-        )  # fmt: skip
     return ops.paged_attention(
-        query, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, scale,
-        k_scale=ks, v_scale=vs,
+        query.contiguous(), cache, cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
+        softmax_scale, k_scale=kv_scale, v_scale=kv_scale,
     )  # fmt: skip
 
 

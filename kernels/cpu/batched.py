@@ -409,9 +409,9 @@ def _whole_prompts(
 
 def write_kv_cpu(
     key: torch.Tensor,  # [T, Hkv, D]
-    value: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor | None,  # [T, Hkv, D]; None: a one-plane cache (keys only)
     k_cache: torch.Tensor,  # [N, B, Hkv, D]
-    v_cache: torch.Tensor,  # [N, B, Hkv, D]
+    v_cache: torch.Tensor | None,  # [N, B, Hkv, D]; None with ``value``
     slot_mapping: torch.Tensor,  # [T] int64, < 0 = skip
 ) -> None:
     """Store each token's K/V row at its slot: one ``index_copy_`` per cache.
@@ -420,19 +420,18 @@ def write_kv_cpu(
     the pool layout); otherwise falls back to the reference's two-index assignment.
     """
     n, b, hkv, d = k_cache.shape
-    if (
-        not (k_cache[0].is_contiguous() and v_cache[0].is_contiguous())
-        or k_cache.stride(0) != b * hkv * d
-        or v_cache.stride(0) != b * hkv * d
-    ):
+    caches = [k_cache] if v_cache is None else [k_cache, v_cache]
+    if any(not c[0].is_contiguous() or c.stride(0) != b * hkv * d for c in caches):
         reference.write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
         return
     slots = slot_mapping.to(device=key.device, dtype=torch.int64)
     if bool((slots < 0).any()):
         keep = slots >= 0
-        slots, key, value = slots[keep], key[keep], value[keep]
+        slots, key = slots[keep], key[keep]
+        value = None if value is None else value[keep]
     k_cache.view(n * b, hkv, d).index_copy_(0, slots, key.to(k_cache.dtype))
-    v_cache.view(n * b, hkv, d).index_copy_(0, slots, value.to(v_cache.dtype))
+    if value is not None and v_cache is not None:
+        v_cache.view(n * b, hkv, d).index_copy_(0, slots, value.to(v_cache.dtype))
 
 
 def rms_norm_cpu(

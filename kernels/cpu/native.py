@@ -12,9 +12,10 @@ CPU ops where torch and its libraries have no good fit:
   bytes per decode step; oneDNN and MKL offer no bf16-weight / fp32-compute matmul on AVX2.
 - bfloat16 linears on CPUs with AVX512-BF16 but no AMX (``csrc/linear_bf16.cpp``): oneDNN's
   packed bf16 matmul reads a decode step's weights at well under the memory bandwidth.
-- int8-weight linears (W8A8 and weight-only, ``csrc/linear_int8.cpp``, wrapped by
-  ``kernels/cpu/int8_native.py``) on CPUs with AVX512-VNNI: torch's int8 matmuls read the
-  weights of a decode step no faster than the bf16 matmul reads twice the bytes.
+- int8-weight linears (W8A8 and weight-only, ``csrc/linear_int8.cpp`` on AVX512-VNNI and
+  ``csrc/linear_int8_amx.cpp`` on AMX-INT8 tiles, wrapped by ``kernels/cpu/int8_native.py``):
+  torch's int8 matmuls read the weights of a decode step no faster than the bf16 matmul
+  reads twice the bytes.
 - the row-wise ops of every layer (``csrc/layer_ops.cpp``): residual add + RMSNorm, rotary
   embedding of q and k, SiLU-and-mul; in torch each is a chain of kernels with a full pass
   over memory and a temporary per link (a noticeable share of a bf16 prefill step).
@@ -73,11 +74,12 @@ _SOURCES = [
         "linear_bf16w.cpp",
         "linear_bf16.cpp",
         "linear_int8.cpp",
+        "linear_int8_amx.cpp",
         "layer_ops.cpp",
         "omp_team.cpp",
     )
 ]
-_HEADERS = [_CSRC / "cpu_math.h"]
+_HEADERS = [_CSRC / "cpu_math.h", _CSRC / "int8_rows.h"]
 _ABI_VERSION = 2
 CACHE_ENV = "PDSERVE_KERNEL_CACHE"
 # -fno-trapping-math: nothing here reads floating-point exception flags, and without it GCC

@@ -1,11 +1,11 @@
 """CPU linear layers over int8 / float8 weights, packed once at load time.
 
 - ``Int8Linear`` (W8A8): activations quantized to int8 per token at run time, an int8 x
-  int8 GEMM with exact int32 sums, then both scales applied in float32. Up to
-  ``NATIVE_ROWS`` rows (decode steps) the native AVX512-VNNI kernel
-  (``kernels/cpu/int8_native.py``) reads the packed weight in one pass; more rows go to
-  oneDNN's prepacked int8 matmul (AMX-INT8 where the CPU has it; ``torch._int_mm`` where
-  torch lacks that op), which computes faster there.
+  int8 GEMM with exact int32 sums, then both scales applied in float32. On a CPU with
+  AMX-INT8, pdserve's AMX kernel at every row count; else up to ``NATIVE_ROWS`` rows
+  (decode steps) the native AVX512-VNNI kernel (``kernels/cpu/int8_native.py``, both read
+  the packed weight in one pass), more rows on oneDNN's prepacked int8 matmul
+  (``torch._int_mm`` where torch lacks that op), which computes faster there.
 - ``Int8WeightOnlyLinear`` (W8A16): the same two GEMMs with each activation row split into
   int8 planes (two for bf16 activations, three for float32; the error, at most
   absmax / 64516 per element with two, is far below the activations' own rounding), so an
@@ -36,7 +36,7 @@ __all__ = ["DequantLinear", "Int8Linear", "Int8WeightOnlyLinear"]
 _TILE_BYTES = 1 << 20  # dequantized weight bytes per tile: stays in L2 between the two passes
 _GEMV_ROWS = 2  # most rows the weight-only int8 op serves before the tiled path is faster
 # Most activation rows (tokens x planes) the native VNNI kernel takes before oneDNN's int8
-# matmul (AMX) is faster (docs/quantization.md).
+# matmul is faster, on a CPU without AMX-INT8 (docs/quantization.md).
 NATIVE_ROWS = 16
 
 
@@ -106,13 +106,13 @@ def onednn_int8_supported() -> bool:
     try:
         q = torch.ones(8, 64, dtype=torch.int8)
         packed = torch.ops.onednn.qlinear_prepack(q, None)
-        _onednn_int8_sums(torch.ones(1, 64, dtype=torch.int8), packed, 8)
+        onednn_int8_sums(torch.ones(1, 64, dtype=torch.int8), packed, 8)
     except (AttributeError, RuntimeError, NotImplementedError):
         return False
     return True
 
 
-def _onednn_int8_sums(xq: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+def onednn_int8_sums(xq: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     """The int32 sums ``xq @ q^T`` (as float32) of oneDNN's prepacked int8 matmul."""
     ones, zeros = torch.ones(n), torch.zeros(n, dtype=torch.int64)
     return torch.ops.onednn.qlinear_pointwise(
@@ -124,9 +124,10 @@ _onednn_int8 = functools.cache(onednn_int8_supported)
 
 
 class _Int8PlanesLinear(_QuantLinearBase):
-    """int8 activation planes x int8 weights, exact int32 sums: the native kernel for up to
-    ``NATIVE_ROWS`` plane rows, oneDNN's prepacked int8 matmul above (AMX where the CPU has
-    it; ``torch._int_mm`` on the row-major weight where torch lacks the op), so the module
+    """int8 activation planes x int8 weights, exact int32 sums. With AMX-INT8: the native
+    AMX kernel at every row count, on the one packed weight. Without: the native VNNI
+    kernel for up to ``NATIVE_ROWS`` plane rows, oneDNN's prepacked int8 matmul above
+    (``torch._int_mm`` on the row-major weight where torch lacks the op), so the module
     holds the weight twice, in both kernels' layouts."""
 
     def __init__(
@@ -140,21 +141,23 @@ class _Int8PlanesLinear(_QuantLinearBase):
         _check_per_channel_int8(type(self).__name__, q, scale)
         self.scale_row = scale.float().reshape(1, -1).contiguous()  # [1, N]
         self.native = int8_native.PackedInt8.pack(q, scale) if int8_native.available() else None
+        self.amx = self.native is not None and int8_native.amx_available()
         self.native_rows = NATIVE_ROWS
-        self.onednn = torch.ops.onednn.qlinear_prepack(q, None) if _onednn_int8() else None
+        onednn = not self.amx and _onednn_int8()
+        self.onednn = torch.ops.onednn.qlinear_prepack(q, None) if onednn else None
         # _int_mm takes the [K, N] operand as the transposed view of the row-major weight.
-        keep = keep_row_major or self.onednn is None
+        keep = keep_row_major or (self.onednn is None and not self.amx)
         self.weight = q.contiguous() if keep else None
 
     def _planes_linear(self, x: torch.Tensor, planes: int) -> torch.Tensor:  # x's shape, dtype
         rows = self._rows(x)
         native = self.native is not None and rows.dtype in (torch.float32, torch.bfloat16)
-        if native and rows.shape[0] * planes <= self.native_rows:
+        if native and (self.amx or rows.shape[0] * planes <= self.native_rows):
             assert self.native is not None
             if rows.stride(-1) != 1:
                 rows = rows.contiguous()
-            out = int8_native.linear(rows, self.native, self.bias, planes)
-            return out.view(*x.shape[:-1], self.out_features)
+            out = int8_native.linear(rows, self.native, self.bias, planes, amx=self.amx)
+            return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
         if native:
             xq, xs = int8_native.quantize(rows.contiguous(), planes)
         elif planes == 1:  # the reference's per-token quantization
@@ -162,7 +165,7 @@ class _Int8PlanesLinear(_QuantLinearBase):
         else:
             raise ValueError(f"{type(self).__name__}: {planes} planes need the native kernel")
         if self.onednn is not None:
-            acc = _onednn_int8_sums(xq, self.onednn, self.out_features)  # [M * planes, N]
+            acc = onednn_int8_sums(xq, self.onednn, self.out_features)  # [M * planes, N]
         else:
             assert self.weight is not None
             acc = torch._int_mm(xq, self.weight.t()).float()

@@ -16,9 +16,21 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.kv_quant import is_quantized_kv
-from pdserve.kernels.triton.paged import block_slots, load_tile
+from pdserve.kernels.triton.paged import (
+    block_slots,
+    load_tile,
+    online_softmax_step,
+    split_result,
+)
 
-__all__ = ["SPLIT_BUCKETS", "bucket_splits", "paged_decode_attention_triton", "warm_up"]
+__all__ = [
+    "SPLIT_BUCKETS",
+    "bucket_splits",
+    "merge_splits",
+    "paged_decode_attention_triton",
+    "split_buffers",
+    "warm_up",
+]
 
 _LOG2E = 1.4426950408889634
 
@@ -101,22 +113,14 @@ def _decode_split_kernel(
             v = v.to(tl.float32).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         s = tl.where(valid[None, :], s, float("-inf"))  # [GROUP_PAD, BLOCK_N]
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc, v, DOT_PRECISION)
 
-    # An empty slice (past the end of a short sequence) leaves l_i == 0: write 0 / -inf.
-    safe_l = tl.where(l_i > 0, l_i, 1.0)
-    out = acc * (v_scale / safe_l)[:, None]
+    out, lse = split_result(acc, m_i, l_i, v_scale)
     o_ptrs = out_ptr + seq * stride_os + heads[:, None] * stride_oh + d[None, :]
     if SPLITS == 1:
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
     else:
         tl.store(o_ptrs + split * stride_osplit, out, mask=q_mask)
-        lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
         tl.store(lse_ptr + seq * stride_ls + heads * stride_lh + split, lse, mask=g < GROUP)
 
 
@@ -243,17 +247,7 @@ def paged_decode_attention_triton(
     # Else the bucket stands even where fewer splits would cover the context: trailing
     # splits are empty (the merge gives them no weight), and the constant stays a bucket.
     block_d = triton.next_power_of_2(head_dim)
-    if splits == 1:
-        partial, lse = out, out  # lse unused
-        p_strides = (out.stride(0), out.stride(1), 0)
-        l_strides = (0, 0)
-    else:
-        partial = torch.empty(
-            num_seqs, num_heads, splits, head_dim, dtype=torch.float32, device=q.device
-        )
-        lse = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
-        p_strides = (partial.stride(0), partial.stride(1), partial.stride(2))
-        l_strides = (lse.stride(0), lse.stride(1))
+    partial, lse, p_strides, l_strides = split_buffers(out, splits)
     _decode_split_kernel[(num_seqs, num_kv_heads, splits)](
         q,
         k_cache,
@@ -288,21 +282,53 @@ def paged_decode_attention_triton(
         QUANT=quant,
         num_warps=4,
     )
-    if splits > 1:
-        _decode_reduce_kernel[(num_seqs, num_heads)](
-            partial,
-            lse,
-            out,
-            *p_strides,
-            *l_strides,
-            out.stride(0),
-            out.stride(1),
-            SPLITS=splits,
-            SPLITS_PAD=triton.next_power_of_2(splits),
-            HEAD_DIM=head_dim,
-            BLOCK_D=block_d,
-        )
+    merge_splits(partial, lse, out, splits)
     return out
+
+
+Strides = tuple[int, ...]
+
+
+def split_buffers(
+    out: torch.Tensor,  # [S, H, D]
+    splits: int,
+) -> tuple[torch.Tensor, torch.Tensor, Strides, Strides]:
+    """Where a split kernel writes: ``out`` itself for one split, else float32 partial
+    outputs ``[S, H, splits, D]`` and their log-sum-exps ``[S, H, splits]``; with the
+    (sequence, head, split) and (sequence, head) strides the kernels take."""
+    if splits == 1:
+        return out, out, (out.stride(0), out.stride(1), 0), (0, 0)  # lse unused
+    num_seqs, num_heads, head_dim = out.shape
+    partial = torch.empty(
+        num_seqs, num_heads, splits, head_dim, dtype=torch.float32, device=out.device
+    )
+    lse = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=out.device)
+    p_strides = (partial.stride(0), partial.stride(1), partial.stride(2))
+    return partial, lse, p_strides, (lse.stride(0), lse.stride(1))
+
+
+def merge_splits(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, splits: int) -> None:
+    """Merge the splits of ``split_buffers`` into ``out`` by their log-sum-exps (nothing to
+    do for one split)."""
+    if splits == 1:
+        return
+    num_seqs, num_heads, head_dim = out.shape
+    _decode_reduce_kernel[(num_seqs, num_heads)](
+        partial,
+        lse,
+        out,
+        partial.stride(0),
+        partial.stride(1),
+        partial.stride(2),
+        lse.stride(0),
+        lse.stride(1),
+        out.stride(0),
+        out.stride(1),
+        SPLITS=splits,
+        SPLITS_PAD=triton.next_power_of_2(splits),
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+    )
 
 
 def warm_up(

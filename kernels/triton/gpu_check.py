@@ -10,7 +10,8 @@ reported against ceilings measured in the same run, on the same GPU:
   - block gather/scatter, KV write, RMSNorm, rotary: bandwidth vs the copy;
   - the fused MoE (``gpu_check_moe``): decode as expert bytes per second, prefill TFLOP/s.
 The int8 / float8 KV cache (quantizing write, attention over it) is checked too
-(``gpu_check_kvquant``).
+(``gpu_check_kvquant``), and DeepSeek-V3's MLA decode kernel with the one-plane latent
+write, timed against the generic MQA kernel (``gpu_check_mla``).
 Prints a table, writes JSON (``--out``), exits 1 if a check fails. Without CUDA it says so
 and exits 0. ``--quick`` shrinks the benchmark shapes (used by the GPU test).
 """
@@ -408,6 +409,10 @@ def main(argv: list[str] | None = None) -> int:
     from pdserve.kernels.triton.gpu_check_kvquant import check_quantized_kv
 
     rows += check_quantized_kv(dev)
+    from pdserve.kernels.triton.gpu_check_mla import check_mla
+
+    rows += check_mla(dev, args.quick, ceil)
+    torch.cuda.empty_cache()
     rows.append(_bench_decode(dev, args.quick, ceil))
     torch.cuda.empty_cache()
     rows += _bench_prefill(dev, args.quick, ceil)

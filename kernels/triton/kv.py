@@ -42,6 +42,7 @@ def _write_kv_kernel(
     QUANT: tl.constexpr,  # the cache is int8 / float8: store x / scale, clamped to QMAX
     QMAX: tl.constexpr,
     ROUND: tl.constexpr,  # int8: round half away from zero before the cast
+    HAS_VALUE: tl.constexpr,  # False: a one-plane cache (MLA latent), keys only
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -53,18 +54,20 @@ def _write_kv_kernel(
     dims = tl.arange(0, BLOCK_D)[None, :]
     mask = (heads < NUM_HEADS) & (dims < HEAD_DIM)
     k = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
-    v = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
     if QUANT:
         k = _quantize(
             k, tl.load(k_scale_ptr + heads, mask=heads < NUM_HEADS, other=1.0), QMAX, ROUND
         )
-        v = _quantize(
-            v, tl.load(v_scale_ptr + heads, mask=heads < NUM_HEADS, other=1.0), QMAX, ROUND
-        )
     k_dst = k_cache_ptr + block * stride_kcn + offset * stride_kcb + heads * stride_kch + dims
-    v_dst = v_cache_ptr + block * stride_vcn + offset * stride_vcb + heads * stride_vch + dims
     tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    if HAS_VALUE:
+        v = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
+        if QUANT:
+            v = _quantize(
+                v, tl.load(v_scale_ptr + heads, mask=heads < NUM_HEADS, other=1.0), QMAX, ROUND
+            )
+        v_dst = v_cache_ptr + block * stride_vcn + offset * stride_vcb + heads * stride_vch + dims
+        tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -81,15 +84,19 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 def write_kv_triton(
     key: torch.Tensor,  # [T, Hkv, D]
-    value: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor | None,  # [T, Hkv, D]; None: a one-plane cache (keys only)
     k_cache: torch.Tensor,  # [N, B, Hkv, D]
-    v_cache: torch.Tensor,  # [N, B, Hkv, D]
+    v_cache: torch.Tensor | None,  # [N, B, Hkv, D]; None with ``value``
     slot_mapping: torch.Tensor,  # [T] int64, < 0 = skip
     k_scale: torch.Tensor | None = None,  # [Hkv] float32: int8 / float8 caches only
     v_scale: torch.Tensor | None = None,  # [Hkv] float32
 ) -> None:
     """Store each token's K/V row at its slot (in place), quantized with the per-head
     scales into an int8 / float8 cache (``kernels.kv_quant``)."""
+    has_value = value is not None and v_cache is not None
+    if not has_value:  # the value arguments of a one-plane write are never read
+        value, v_cache, v_scale = key, k_cache, k_scale
+    assert value is not None and v_cache is not None
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("k_cache/v_cache: the head_dim axis must be contiguous")
     num_tokens, num_heads, head_dim = key.shape
@@ -126,6 +133,7 @@ def write_kv_triton(
         QUANT=quant,
         QMAX=kv_qmax(k_cache.dtype) if quant else 1.0,
         ROUND=k_cache.dtype == torch.int8,
+        HAS_VALUE=has_value,
     )
 
 

@@ -1,6 +1,7 @@
-"""The paged-KV tile read that the Triton attention kernels share (``decode.py``,
-``prefill.py``): ``BLOCK_N`` consecutive context positions of one KV head, found through a
-sequence's block table. Inlined into each kernel by Triton; never launched on its own."""
+"""What the Triton attention kernels share (``decode.py``, ``mla_decode.py``,
+``prefill.py``): the paged-KV tile read (``BLOCK_N`` consecutive context positions of one KV
+head, found through a sequence's block table) and the decode kernels' online-softmax step
+and split result. Inlined into each kernel by Triton; never launched on their own."""
 
 from __future__ import annotations
 
@@ -30,3 +31,24 @@ def load_tile(cache_ptr, block, offset, kv_head, d, mask, stride_n, stride_b, st
         mask=mask,
         other=0.0,
     )
+
+
+@triton.jit
+def online_softmax_step(s, m_i, l_i, acc, v, DOT_PRECISION: tl.constexpr):
+    """Fold one tile into the running softmax: scores ``s`` [M, BLOCK_N] (log2 domain,
+    -inf where masked), values ``v`` [BLOCK_N, D]; returns the new max, sum and output."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def split_result(acc, m_i, l_i, v_scale):
+    """A context slice's normalised output (times ``v_scale``) and log2-sum-exp; an empty
+    slice (past the end of a short sequence, ``l_i == 0``) gives 0 and -inf."""
+    safe_l = tl.where(l_i > 0, l_i, 1.0)
+    lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
+    return acc * (v_scale / safe_l)[:, None], lse

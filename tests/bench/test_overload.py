@@ -51,10 +51,9 @@ def test_the_client_reads_streams_429s_and_cut_streams() -> None:
     proxy), and a stream cut before [DONE] (lost)."""
     import asyncio
 
-    import aiohttp
     from aiohttp import web
 
-    from pdserve.bench.overload import send
+    from pdserve.bench.overload import client_session, send
 
     def event(text: str, finish: str | None = None) -> bytes:
         choice = {"index": 0, "text": text, "finish_reason": finish}
@@ -85,7 +84,7 @@ def test_the_client_reads_streams_429s_and_cut_streams() -> None:
         port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         outs = [Outcome("x", "interactive", 0.0) for _ in range(4)]
         try:
-            async with aiohttp.ClientSession() as client:
+            async with client_session() as client:
                 url = f"http://127.0.0.1:{port}/v1/completions"
                 for prompt, out in zip(("ok", "shed", "proxy", "cut"), outs, strict=True):
                     await send(client, url, {"prompt": prompt}, out, 0.0)
@@ -99,6 +98,9 @@ def test_the_client_reads_streams_429s_and_cut_streams() -> None:
     assert shed.status == 429 and shed.retry_after == "3" and not shed.lost
     assert shed.refused_by == "pdserve" and proxy.refused_by == "proxy"
     assert shed.shed_reason == "ttft_slo"
+    # Timed from each request's send, which the session's trace stamped.
+    assert all(o.send_wait_s is not None and o.send_wait_s > 0 for o in (ok, shed, proxy, cut))
+    assert all(o.headers_s is not None and o.headers_s > 0 for o in (ok, shed, proxy, cut))
     assert cut.status == 200 and cut.tokens == 2 and not cut.finished and cut.lost
     assert cut.truncated
 

@@ -172,6 +172,20 @@ def test_the_door_closes_only_while_every_known_decode_replica_sheds() -> None:
         signals.ShedHint(seen_window_s=0.0)
 
 
+def test_a_shed_is_told_the_pools_drain_time_uncapped_by_the_doors_window() -> None:
+    """The Retry-After of a shed: until the first known replica drains by its own
+    prediction (not capped like the door's window), 0 while one has no shed."""
+    hint = signals.ShedHint(max_window_s=1.0)
+    hint.shed("interactive", now=0.0, drain_s=4.0, replica="a")
+    assert hint.retry_after_s("interactive", 1.0) == 3.0  # a alone: its own 4 s
+    assert hint.remaining_s("interactive", 1.0) == 0.0  # the door asks again after 1 s
+    hint.seen("b", now=1.0)
+    assert hint.retry_after_s("interactive", 1.5) == 0.0  # b has room
+    hint.shed("interactive", now=2.0, drain_s=0.5, replica="b")
+    assert hint.retry_after_s("interactive", 2.0) == 0.5  # b drains first
+    assert hint.retry_after_s("batch", 2.0) == 0.5  # an interactive shed is a batch one
+
+
 def test_the_ingress_asks_a_replica_again_after_at_most_max_window() -> None:
     hint = signals.ShedHint(max_window_s=1.0)
     hint.shed("interactive", now=20.0, drain_s=13.0)  # a pessimistic prediction
@@ -435,3 +449,35 @@ def test_requests_arriving_together_are_admitted_only_up_to_the_stream_bound() -
     door.opened("interactive", fourth)
     door.opened("interactive", fourth)  # a second choice (n = 2) is a stream of its own
     assert door.num_open == 5 and door.num_passed == 0
+
+
+def test_the_concurrency_served_in_time_stops_flooring_the_bound_after_its_window() -> None:
+    """Ten streams in time set a floor for ten round trips (ten targets); confirmed again,
+    it holds on; not seen again within the window, it expires, and a shed cuts the bound
+    as if it had never been seen. A lower level seen since is what remains."""
+    limit = stream_limit.StreamLimit(target_s=2.0, high=64, lag_budget_s=0.02, initial=12)
+    assert limit.sustained_window_s == pytest.approx(20.0)
+    limit.observe(1.2, admitted_at=0.0, open_at_admission=9, now=1.2)  # ten in time
+    limit.observe(0.8, admitted_at=10.0, open_at_admission=3, now=10.8)  # four in time
+    limit.refused(admitted_at=20.0, open_at_admission=11, now=21.0)  # within the window
+    assert limit.sustained == 10 and limit.limit == 10
+    limit.observe(1.0, admitted_at=20.0, open_at_admission=9, now=21.1)  # ten again
+    limit.check_loop(0.1, num_open=10, now=40.0)
+    assert limit.sustained == 10 and limit.limit == 10  # confirmed at 21.1: still held
+    limit.refused(admitted_at=42.0, open_at_admission=9, now=42.0)  # 20.9 s after
+    assert limit.sustained == 0 and limit.limit == pytest.approx(7)  # 0.7 x 10, no floor
+    with pytest.raises(ValueError, match="sustained_window_s"):
+        stream_limit.StreamLimit(target_s=2.0, high=8, sustained_window_s=0.0)
+
+
+def test_a_late_first_token_caps_every_level_the_window_remembers() -> None:
+    """A late first token at seven streams caps what the window holds: neither the ten of
+    before nor the eight seen after it (as the window's later maximum) floors above seven."""
+    limit = stream_limit.StreamLimit(target_s=2.0, high=64, initial=12)
+    limit.observe(1.0, admitted_at=0.0, open_at_admission=9, now=1.0)
+    limit.observe(1.0, admitted_at=1.5, open_at_admission=7, now=2.5)
+    limit.observe(3.0, admitted_at=3.0, open_at_admission=9, now=6.0)  # late at ten
+    assert limit.limit == pytest.approx(7) and limit.sustained == 7
+    limit.observe(1.0, admitted_at=6.5, open_at_admission=4, now=7.5)  # five in time
+    limit.refused(admitted_at=24.0, open_at_admission=6, now=24.0)  # both 7s expired
+    assert limit.sustained == 5 and limit.limit == pytest.approx(5)

@@ -207,8 +207,9 @@ def _deployments(app: Any) -> list[Any]:
 def test_the_ingress_is_bounded_by_the_decode_pool_and_the_proxy_refuses_with_429() -> None:
     """A flood the front door cannot take waits nowhere unbounded: the ingress holds at most
     what the decode pool admits (half of each replica's ongoing cap, at max_replicas, split
-    over the ingress replicas), Serve's proxy queues one batch per decode replica more,
-    then answers 429 with a Retry-After of the TTFT SLO itself."""
+    over the ingress replicas), Serve's proxy queues 8 more while the door sheds (one batch
+    per decode replica while it queues), then answers 429 with a Retry-After of the TTFT
+    SLO itself."""
     cfg: dict[str, Any] = {
         "model": TINY,
         "policy": {"mode": "always_local"},
@@ -224,13 +225,17 @@ def test_the_ingress_is_bounded_by_the_decode_pool_and_the_proxy_refuses_with_42
     config = ingress_config(cfg)
     # Decode's ongoing cap is 4 x 8 = 32, it admits 16 of them; 3 replicas over 2 ingresses.
     assert config.max_ongoing_requests == 3 * 16 // 2
-    assert config.max_queued_requests == 8 * 3
+    assert config.max_queued_requests == 8  # the door's bound at start, not 8 x 3 batches
     assert config.backpressure_config.status_code == 429
     assert config.backpressure_config.retry_after_s == 2.0  # 1.5 s rounded up
 
     # Queueing interactive traffic: the ingress may hold the pool's whole ongoing caps.
     queueing = {**cfg, "policy": {"mode": "always_local"}, "admission": {"on_slo_miss": "queue"}}
     assert ingress_config(queueing).max_ongoing_requests == 3 * 32 // 2
+    batch_queue = {**cfg, "decode": {**cfg["decode"], "engine": {"max_num_seqs": 16}}}
+    assert ingress_config(batch_queue).max_queued_requests == 8  # shedding: not 16 x 3
+    queueing16 = {**queueing, "decode": batch_queue["decode"]}
+    assert ingress_config(queueing16).max_queued_requests == 16 * 3
 
     given = {**cfg, "ingress_max_ongoing_requests": 50, "ingress_max_queued_requests": 5}
     config = ingress_config(given)

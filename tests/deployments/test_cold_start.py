@@ -87,3 +87,19 @@ def test_a_cold_first_step_does_not_linger_in_the_measured_rate() -> None:
     assert meter.rate == 460 / 0.3  # the second replaces the cold one
     meter.update(460, 0.6)
     assert meter.rate == 0.2 * (460 / 0.6) + 0.8 * (460 / 0.3)  # then an average
+
+
+def test_the_sustained_loop_stops_flooring_the_door_after_a_quiet_spell() -> None:
+    """The closed loop of 8 served in time, then a quiet minute on the model's clock: the
+    floor it set has expired, so the next decode shed cuts the door's bound below 8, where
+    within the window (the test above) it did not."""
+    server = DoorAndReplica(ModelReplica(), loop_lag_s=LOADED_LOOP_LAG_S)
+    run_closed_loop(server, concurrency=1, num_requests=4, prefix="w")
+    assert run_closed_loop(server, concurrency=8, num_requests=16, prefix="a") == 0
+    streams = server.door.streams
+    assert streams is not None and streams.sustained >= 8 and streams.limit >= 8
+    server.replica.now += 60.0  # three windows of ten 2 s targets
+    server.door.heard_from("decode-1")
+    server.shed_elsewhere.add("b1")
+    assert run_closed_loop(server, concurrency=1, num_requests=1, prefix="b") == 1
+    assert streams.sustained == 0 and streams.limit < 8

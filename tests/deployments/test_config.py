@@ -232,6 +232,8 @@ def test_prefill_and_decode_pools_of_different_kv_dtypes_are_refused_naming_both
     # A decode pool that always prefills itself hands nothing off: any dtype.
     local = {**pools, "policy": {"mode": "always_local"}}
     assert AppConfig.model_validate(local).decode.engine.kv_cache_dtype == "auto"
+    # Tensor-parallel pools of one KV dtype pair, whatever their sizes (each rank moves its
+    # heads' quantized blocks, with their scales).
     tp = {"engine": {"kv_cache_dtype": "int8"}, "tensor_parallel_size": 2}
-    with pytest.raises(ValueError, match=r"prefill.engine.kv_cache_dtype='int8'.*tensor_par"):
-        AppConfig.model_validate({"prefill": tp, "decode": {**tp, "tensor_parallel_size": 1}})
+    cfg = AppConfig.model_validate({"prefill": tp, "decode": {**tp, "tensor_parallel_size": 1}})
+    assert engine_config(cfg, "prefill", "/models/m").tensor_parallel_size == 2

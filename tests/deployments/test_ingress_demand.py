@@ -212,6 +212,41 @@ def test_one_decode_replica_shedding_leaves_the_door_open_for_the_other() -> Non
     assert shed_reasons == ["drain_hint"]
 
 
+def test_a_replica_shed_tells_the_client_when_the_pool_has_room_not_the_replica() -> None:
+    """A replica's 429 carries its own drain time; the client gets the pool's: 5 s from a
+    replica alone, but while the other replica has room (or drains sooner) the client may
+    come back when that one can take it."""
+    from pdserve.deployments.admission.rules import MIN_DRAIN_S
+    from pdserve.deployments.admission.stream_limit import StreamLimit
+    from pdserve.deployments.decode_stream import error_from_info
+    from pdserve.deployments.messages import ErrorInfo, GenerateRequest
+
+    decode = _TwoReplicas(route=["a", "b", "a", "b", "a"])
+    ingress = _ingress(decode, [], StreamLimit(target_s=2.0, high=16, initial=16))
+
+    async def retry_after(n: int) -> float | None:
+        req = GenerateRequest(request_id=f"r{n}", prompt_token_ids=[1, 2, 3])
+        chunks = [chunk async for chunk in ingress._generate(req)]
+        return chunks[-1].error.retry_after_s if chunks[-1].error else None
+
+    async def run() -> list[float | None]:
+        decode.sheds["a"] = 5.0
+        alone = await retry_after(1)  # a is the only replica the ingress knows
+        assert await retry_after(2) is None  # b serves: now it is known
+        beside_room = await retry_after(3)  # a sheds again while b has room
+        decode.sheds["b"] = 0.8
+        await retry_after(4)
+        beside_full = await retry_after(5)  # a sheds while b drains in 0.8 s
+        return [alone, beside_room, beside_full]
+
+    alone, beside_room, beside_full = asyncio.run(run())
+    assert alone == 5.0
+    assert beside_room == MIN_DRAIN_S
+    assert beside_full is not None and 0.7 < beside_full <= 0.8
+    told = ErrorInfo(code=429, type="rate_limit_error", message="", retry_after_s=beside_room)
+    assert error_from_info(told).headers() == {"Retry-After": "1"}  # the HTTP answer: not 5
+
+
 def test_open_streams_at_the_adaptive_bound_are_shed_at_the_door_and_first_tokens_move_it() -> None:
     """The ingress holds its open streams under ``StreamLimit``: at the bound the next
     request is answered 429 at the door (reason concurrency, counted as turned-away demand);

@@ -2,7 +2,10 @@
 TP=2 replicas, each a STRICT_PACK placement group whose ranks 1.. are Ray actors, serve
 greedy outputs equal to a single engine, locally and across the P/D split (KV moving rank
 to rank); a prefill rank killed mid-flight ends in the decode side's local fallback with the
-same tokens, and Serve replaces the broken replica."""
+same tokens, and Serve replaces the broken replica.
+
+Both pools hold an int8 KV cache (each rank its heads' one-byte blocks and scales), and the
+single engine too; ``test_tp_handoff.py`` moves the float cache between TP sizes."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from pdserve.deployments.config import AppConfig  # noqa: E402
+from pdserve.engine.loader import load_model_config  # noqa: E402
 from tests.support import wait_until  # noqa: E402
 from tests.support.cluster import (  # noqa: E402
     PD,
@@ -35,7 +39,7 @@ APP = "pdserve-tp-test"
 
 def app_config() -> AppConfig:
     pool = {"num_cpus": 1, "tensor_parallel_size": 2}
-    engine = {"num_kv_blocks": 128, "max_num_seqs": 8}
+    engine = {"num_kv_blocks": 128, "max_num_seqs": 8, "kv_cache_dtype": "int8"}
     return AppConfig.from_dict(
         {
             "name": APP,
@@ -63,7 +67,9 @@ def reference() -> Any:
     from pdserve.engine.sampling_params import SamplingParams
 
     model_dir = app_config().model.resolve_path()
-    engine = LLMEngine.from_pretrained(model_dir, dtype="float32", device="cpu", num_kv_blocks=128)
+    engine = LLMEngine.from_pretrained(
+        model_dir, dtype="float32", device="cpu", num_kv_blocks=128, kv_cache_dtype="int8"
+    )
     greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     return lambda ids: engine.generate([ids], greedy)[0].token_ids
 
@@ -90,7 +96,12 @@ def test_tp_replicas_serve_the_single_engine_tokens(pd: PD, reference) -> None:
     where = {rid: chunks[0].prefill_location for rid, chunks in results.items()}
     assert where == {"long-1": "remote", "long-2": "remote", "short-1": "local"}
     after = pd.decode.counters.remote().result()
-    assert after.kv_bytes_received > before.kv_bytes_received
+    # What rank 0's receiver counts: every block of the two remote prompts, every layer, K
+    # and V, its one of the 2 KV heads, one byte an element.
+    cfg = load_model_config(app_config().model.resolve_path())
+    blocks = sum(-(-len(prompts[rid]) // 16) for rid in ("long-1", "long-2"))
+    want = blocks * cfg.num_layers * 2 * 16 * (cfg.num_kv_heads // 2) * cfg.head_dim
+    assert after.kv_bytes_received - before.kv_bytes_received == want
     wait_idle(pd)
 
 

@@ -44,13 +44,16 @@ def _params() -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
 
 
-def _config(model_dir: Path, tp: int) -> EngineConfig:
+def _config(model_dir: Path, tp: int, kv: str = "auto", impl: str = "auto") -> EngineConfig:
     return EngineConfig(
-        model=str(model_dir), device="cpu", num_kv_blocks=BLOCKS, tensor_parallel_size=tp
-    )
+        model=str(model_dir), device="cpu", num_kv_blocks=BLOCKS, tensor_parallel_size=tp,
+        kv_cache_dtype=kv, model_impl=impl,
+    )  # fmt: skip
 
 
-def prefill_main(conn: Connection, model_dir: str, tp: int) -> None:
+def prefill_main(
+    conn: Connection, model_dir: str, tp: int, kv: str = "auto", impl: str = "auto"
+) -> None:
     """The prefill replica: for [(rid, prompt, [target json per decode rank])] prefill with
     the targets registered; answers [(rid, first token, merged result json)]."""
     torch.set_num_threads(1)
@@ -58,7 +61,7 @@ def prefill_main(conn: Connection, model_dir: str, tp: int) -> None:
     local = PrefillKVConnector(transfer)
     connector: Any = TPPrefillConnector(local) if tp > 1 else local
     engine = LLMEngine(
-        _config(Path(model_dir), tp),
+        _config(Path(model_dir), tp, kv, impl),
         kv_connector=connector,
         kv_agent_factory=PrefillAgentFactory(transfer) if tp > 1 else None,
     )
@@ -88,6 +91,27 @@ def test_kv_moves_between_tp_sizes(
     _hand_off(tiny_model_dir, references, prefill_tp, decode_tp)
 
 
+INT8_CASES = [(2, 2, "native"), (2, 1, "native"), (2, 2, "transformers")]
+
+
+@pytest.mark.parametrize(
+    ("prefill_tp", "decode_tp", "impl"),
+    INT8_CASES,
+    ids=[f"{i}-{a}to{b}" for a, b, i in INT8_CASES],
+)
+def test_int8_kv_moves_between_tensor_parallel_ranks(
+    tiny_model_dir: Path, prefill_tp: int, decode_tp: int, impl: str
+) -> None:
+    """Each prefill rank sends its heads' int8 blocks (one byte an element, checked in
+    ``_hand_off``) to the decode ranks holding them, whose scales for those heads agree;
+    the decode replica's tokens equal one native engine with an int8 cache (both replicas
+    on the transformers path too)."""
+    single = LLMEngine(_config(tiny_model_dir, 1, "int8", "native"))
+    outs = single.generate(PROMPTS, _params())
+    expected = {tuple(p): list(o.token_ids) for p, o in zip(PROMPTS, outs, strict=True)}
+    _hand_off(tiny_model_dir, expected, prefill_tp, decode_tp, "int8", impl)
+
+
 # Models built by transformers, on their native classes (model_impl auto).
 TRANSFORMERS_CASES = [("qwen3", 1, 2), ("gemma3", 2, 1), ("qwen3-moe", 2, 2)]
 
@@ -114,20 +138,25 @@ def test_transformers_path_kv_moves_between_tp_sizes(
 
 
 def _hand_off(
-    model_dir: Path, references: dict[tuple[int, ...], list[int]], prefill_tp: int, decode_tp: int
+    model_dir: Path,
+    references: dict[tuple[int, ...], list[int]],
+    prefill_tp: int,
+    decode_tp: int,
+    kv: str = "auto",
+    impl: str = "auto",
 ) -> None:
     """Prefill at TP=``prefill_tp`` in a child process, decode here at TP=``decode_tp``: the
     tokens equal ``references``, the wire carries each head once per decode rank holding
     it, and no block stays held."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=prefill_main, args=(child, str(model_dir), prefill_tp))
+    proc = ctx.Process(target=prefill_main, args=(child, str(model_dir), prefill_tp, kv, impl))
     proc.start()
     transfer = KVTransferConfig(transport="torch_dist")
     local = DecodeKVConnector(transfer)
     receiver: Any = TPDecodeConnector(local) if decode_tp > 1 else local
     engine = LLMEngine(
-        _config(model_dir, decode_tp),
+        _config(model_dir, decode_tp, kv, impl),
         kv_connector=receiver,
         kv_agent_factory=DecodeAgentFactory(transfer) if decode_tp > 1 else None,
     )
@@ -141,6 +170,10 @@ def _hand_off(
             assert blocks is not None
             targets = receiver.expect(rid, time.time() + 90)
             assert len(targets) == decode_tp
+            for t in targets:  # a quantized pool's scales, one per layer, K/V and rank head
+                lay = t.layout
+                want_scales = 0 if kv == "auto" else lay.num_layers * 2 * lay.num_kv_heads
+                assert len(lay.kv_scales) == want_scales, lay
             batch.append((rid, prompt, [t.model_dump_json() for t in targets]))
             prompts[rid] = prompt
         parent.send(batch)

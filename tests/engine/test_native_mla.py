@@ -9,8 +9,8 @@ into pdserve's own class (``model_impl`` auto must pick it):
 greedy tokens must equal ``transformers.generate`` and logprobs be within 1e-4 of
 transformers' log-softmax, for prompts of 1 to 600 tokens joining at different steps,
 under the default budget and under a 32-token chunked-prefill budget with a pool small
-enough to force preemption. The pool holds one latent head per token, and tensor
-parallelism is refused with a clear error.
+enough to force preemption. The pool holds one latent head per token in one plane, and
+tensor parallelism is refused with a clear error.
 """
 
 from __future__ import annotations
@@ -90,7 +90,9 @@ def hf_model(
 def _check(engine: LLMEngine, ref: Reference, schedule: list[tuple[int, int]]) -> None:
     cfg = engine.runner.model_config
     assert cfg.impl == "native" and cfg.mla is not None
-    # One cached head per token: the 16-wide latent and the 8-wide rope key.
+    # One cached head per token, the 16-wide latent and the 8-wide rope key, in one plane
+    # (read as keys and as values).
+    assert engine.kv_cache.shape[1] == 1
     assert tuple(engine.kv_cache.shape[-2:]) == (1, 16 + 8)
     check_native_engine(engine, ref, schedule, NUM_NEW)
 
@@ -132,6 +134,8 @@ def test_low_precision_engine_runs_and_agrees_with_transformers(
     engine = LLMEngine(config)
     want = torch.int8 if kv_cache_dtype == "int8" else torch.bfloat16
     assert engine.kv_cache.dtype == want
+    if engine.kv_scales is not None:  # the one plane is read as K and V: one scale for both
+        assert torch.equal(engine.kv_scales[:, 0], engine.kv_scales[:, 1])
     prompts = [make_prompt(n, seed=i, vocab=ref.vocab_size) for i, (_, n) in enumerate(ARRIVALS)]
     final = run(engine, [(0, f"r{i}", p) for i, p in enumerate(prompts)], num_new=4)
     agree = sum(final[f"r{i}"].token_ids[0] == ref.generate(p)[0] for i, p in enumerate(prompts))

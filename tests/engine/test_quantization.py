@@ -217,8 +217,27 @@ def test_app_config_model_quantization_reaches_both_pools():
     from pdserve.deployments.config import AppConfig
     from pdserve.deployments.engine_factory import engine_config
 
-    cfg = AppConfig.from_dict({"model": {"quantization": "int8-weight-only"}})
+    model = {"quantization": "int8-weight-only", "quantize_lm_head": True}
+    cfg = AppConfig.from_dict({"model": model})
     for role in ("prefill", "decode"):
-        assert engine_config(cfg, role, "/models/m").quantization == "int8-weight-only"
+        engine = engine_config(cfg, role, "/models/m")
+        assert engine.quantization == "int8-weight-only" and engine.quantize_lm_head
     with pytest.raises(ValueError, match="quantization"):
         AppConfig.from_dict({"model": {"quantization": "int4"}})
+
+
+@pytest.mark.parametrize("method", [None, "int8-weight-only"])
+def test_quantize_lm_head_changes_only_the_heads_rounding(tiny_model_dir: Path, method):
+    base = LLMEngine.from_pretrained(tiny_model_dir, dtype="float32", quantization=method)
+    engine = LLMEngine.from_pretrained(
+        tiny_model_dir, dtype="float32", quantization=method, quantize_lm_head=True
+    )
+    assert getattr(engine.runner.model.lm_head, "weight_dtype", None) == "int8 (weight-only)"
+    want = [o.token_ids[0] for o in base.generate(_prompts(), FIRST)]
+    agreement = _first_token_agreement(engine, want)
+    assert agreement >= 0.9, f"int8 lm_head: first tokens agree on {agreement:.0%}"
+
+
+def test_quantize_lm_head_is_cpu_only_for_now(tiny_model_dir: Path):
+    with pytest.raises(ValueError, match="quantize_lm_head"):
+        EngineConfig(model=str(tiny_model_dir), device="cuda", quantize_lm_head=True)

@@ -6,11 +6,12 @@ near-tie)."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from pdserve.engine.testmodel import save_random_model
 
 VOCAB = 2048  # the tiny test model's tokenizer
 _COMMON: dict[str, Any] = {
@@ -111,13 +112,5 @@ def build_tiny_model(
     name: str, out_dir: Path, tokenizer_dir: Path, seed: int = 0, **overrides: Any
 ) -> Path:
     """Write the named tiny model (config.json, model.safetensors, tokenizer) to ``out_dir``."""
-    from transformers import AutoModelForCausalLM
-
     config = tiny_config(name, **overrides)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    for f in tokenizer_dir.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(f, out_dir / f.name)
-    return out_dir
+    return save_random_model(config, out_dir, tokenizer_dir, seed, torch.float32)

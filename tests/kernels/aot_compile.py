@@ -18,7 +18,16 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from pdserve.kernels.triton import activation, decode, kv, moe, norm, prefill, rotary  # noqa: E402
+from pdserve.kernels.triton import (  # noqa: E402
+    activation,
+    decode,
+    kv,
+    mla_decode,
+    moe,
+    norm,
+    prefill,
+    rotary,
+)
 
 TARGET = GPUTarget("cuda", 90, 32)
 # Shared memory per block on an H100/H200 (227 KB).
@@ -96,6 +105,28 @@ def _cases():  # type: ignore[no-untyped-def]
         {**decode_consts, **mla, "SPLITS": 4},
         4,
     )
+    # The MLA decode kernel at DeepSeek-V3's widths (latent 512 + rope 64), the tiles the
+    # launcher picks; bf16 and an int8 / float8 latent cache.
+    mla_types = {"q_ptr": bf16, "cache_ptr": bf16, "block_tables_ptr": "*i32",
+                 "seq_lens_ptr": "*i32", "lse_ptr": "*fp32", "kv_scale_ptr": "*fp32",
+                 "scale_log2": "fp32"}  # fmt: skip
+    mla_consts = {
+        "LATENT": 512,
+        "ROPE": 64,
+        "BLOCK_H": mla_decode.BLOCK_H,
+        "BLOCK_SIZE": 16,
+        "BLOCK_N": mla_decode.BLOCK_N,
+        "DOT_PRECISION": None,
+        "QUANT": False,
+    }
+    for splits in (1, 4):
+        yield (f"MLA decode kernel splits={splits}", mla_decode._mla_decode_kernel,
+               {**mla_types, "out_ptr": bf16 if splits == 1 else "*fp32"},
+               {**mla_consts, "SPLITS": splits}, 4)  # fmt: skip
+    for cache in ("*i8", "*fp8e4nv"):
+        yield (f"MLA decode kernel, {cache} latent", mla_decode._mla_decode_kernel,
+               {**mla_types, "cache_ptr": cache, "out_ptr": "*fp32"},
+               {**mla_consts, "SPLITS": 4, "QUANT": True}, 4)  # fmt: skip
     no_variants = {"HAS_SOFTCAP": False, "HAS_WINDOW": False, "HAS_SINKS": False}
     yield (
         "prefill MLA latent head",
@@ -117,8 +148,11 @@ def _cases():  # type: ignore[no-untyped-def]
         "slot_ptr": "*i64",
     }
     write_consts = {"NUM_HEADS": 8, "HEAD_DIM": 128, "BLOCK_SIZE": 16, "BLOCK_H": 8, "BLOCK_D": 128}
-    plain_write = {"QUANT": False, "QMAX": 1.0, "ROUND": False}
+    plain_write = {"QUANT": False, "QMAX": 1.0, "ROUND": False, "HAS_VALUE": True}
     yield ("write_kv", kv._write_kv_kernel, write_types, {**write_consts, **plain_write}, 4)
+    one_plane = {**write_consts, **plain_write, "NUM_HEADS": 1, "BLOCK_H": 1, "HEAD_DIM": 576,
+                 "BLOCK_D": 1024, "HAS_VALUE": False}  # fmt: skip
+    yield ("write_kv one plane (MLA latent)", kv._write_kv_kernel, write_types, one_plane, 4)
     # An int8 / float8 KV cache (kernels.kv_quant): quantizing write, dequantizing attention.
     for cache in ("*i8", "*fp8e4nv"):
         quant = {"k_cache_ptr": cache, "v_cache_ptr": cache, "k_scale_ptr": "*fp32",
@@ -130,7 +164,8 @@ def _cases():  # type: ignore[no-untyped-def]
         yield (f"prefill {cache} cache, window+softcap", prefill._prefill_kernel,
                {**prefill_types, **quant}, {**prefill_consts, **flags}, 8)  # fmt: skip
         int8 = cache == "*i8"
-        q_write = {"QUANT": True, "QMAX": 127.0 if int8 else 448.0, "ROUND": int8}
+        q_write = {"QUANT": True, "QMAX": 127.0 if int8 else 448.0, "ROUND": int8,
+                   "HAS_VALUE": True}  # fmt: skip
         yield (f"write_kv into {cache}", kv._write_kv_kernel, {**write_types, **quant},
                {**write_consts, **q_write}, 4)  # fmt: skip
     for gather in (True, False):

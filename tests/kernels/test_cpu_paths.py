@@ -236,3 +236,25 @@ def test_write_kv_with_padding_slots_and_bfloat16_cache() -> None:
     R.write_kv_ref(key, value, ref_k, ref_v, slots)
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
     assert k_cache.count_nonzero() == ref_k.count_nonzero() > 0
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8], ids=str)
+def test_one_plane_write_stores_keys_only(kv_dtype: torch.dtype) -> None:
+    """An MLA pool's one plane: each key at its slot (quantized with the layer's scale for
+    an int8 pool), padding slots skipped, the rest untouched."""
+    cache = torch.zeros(4, 8, 1, 24, dtype=kv_dtype)
+    key = torch.randn(5, 1, 24)
+    slots = torch.tensor([-1, 0, 31, -1, 9])
+    scale = torch.tensor([0.05]) if kv_dtype == torch.int8 else None
+    ops.write_kv(key, None, cache, None, slots, scale)
+    stored = cache.view(32, 1, 24)[[0, 31, 9]].float() * (1.0 if scale is None else scale)
+    tol = 0.0 if scale is None else 0.5 * float(scale)
+    assert (stored - key[[1, 2, 4]]).abs().max() <= tol
+    assert cache.view(32, 24).abs().sum(dim=1).count_nonzero() == 3
+
+
+def test_write_kv_refuses_a_value_without_its_plane() -> None:
+    cache = torch.zeros(4, 8, 1, 24)
+    key = torch.randn(2, 1, 24)
+    with pytest.raises(ValueError, match="value/v_cache: give both"):
+        ops.write_kv(key, key, cache, None, torch.tensor([0, 1]))

@@ -21,8 +21,18 @@ SHAPES = [(1, 64, 32), (7, 96, 40), (33, 256, 384)]  # (M, K, N): decode, odd, p
 needs_native = pytest.mark.skipif(
     not int8_native.available(), reason="the native int8 kernel needs AVX512-VNNI"
 )
-# Which GEMM an int8-planes module runs: its native kernel up to this many plane rows.
+# Which GEMM an int8-planes module runs: AMX (where the CPU has it), else its VNNI kernel up
+# to this many plane rows, oneDNN above.
 PATHS = {"native": 1 << 30, "onednn": 0}
+
+
+def _pick_path(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if path == "amx" and not int8_native.amx_available():
+        pytest.skip("needs a CPU and OS with AMX-INT8 tiles")
+    if path != "amx":
+        monkeypatch.setattr(int8_native, "amx_available", lambda: False)
+    if path == "torch":  # what a CPU without the native kernel runs
+        monkeypatch.setattr(int8_native, "available", lambda: False)
 
 
 def _case(m: int, k: int, n: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -49,15 +59,14 @@ def test_quantize_weight_round_trips_within_one_step(qdtype: torch.dtype, group:
 
 @pytest.mark.parametrize(("m", "k", "n"), [*SHAPES, (5, 97, 45)])  # last: K, N off the tiles
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("path", [*sorted(PATHS), "torch"])
+@pytest.mark.parametrize("path", [*sorted(PATHS), "amx", "torch"])
 def test_int8_w8a8_matches_reference(
     m: int, k: int, n: int, dtype: torch.dtype, path: str, monkeypatch: pytest.MonkeyPatch
 ):
     x, w, bias = _case(m, k, n)
     q, scale = R.quantize_weight(w, torch.int8)
     x = x.to(dtype)
-    if path == "torch":  # what a CPU without the native kernel runs
-        monkeypatch.setattr(int8_native, "available", lambda: False)
+    _pick_path(path, monkeypatch)
     layer = Int8Linear(q, scale, bias)
     layer.native_rows = PATHS.get(path, 0)
     out = layer(x)
@@ -70,7 +79,7 @@ def test_int8_w8a8_matches_reference(
 
 @pytest.mark.parametrize(("m", "k", "n"), [*SHAPES, (9, 4096, 300), (5, 97, 45)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("path", [*sorted(PATHS), "torch"])
+@pytest.mark.parametrize("path", [*sorted(PATHS), "amx", "torch"])
 def test_int8_weight_only_matches_reference(
     m: int, k: int, n: int, dtype: torch.dtype, path: str, monkeypatch: pytest.MonkeyPatch
 ):
@@ -79,8 +88,7 @@ def test_int8_weight_only_matches_reference(
     x, w, bias = _case(m, k, n)
     q, scale = R.quantize_weight(w, torch.int8)
     x = x.to(dtype)
-    if path == "torch":  # the widened-weight ops a CPU without the native kernel runs
-        monkeypatch.setattr(int8_native, "available", lambda: False)
+    _pick_path(path, monkeypatch)  # torch: the widened-weight ops
     layer = Int8WeightOnlyLinear(q, scale, bias, dtype)
     layer.native_rows = PATHS.get(path, 0)
     out = layer(x)

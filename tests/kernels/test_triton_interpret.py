@@ -152,6 +152,21 @@ def test_write_kv_kernel_matches_reference(dtype: torch.dtype, bs: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_one_plane_write_stores_each_key_once(dtype: torch.dtype) -> None:
+    """An MLA pool's one plane: the keys land at their slots, nothing else changes."""
+    gen = torch.Generator().manual_seed(5)
+    cache = torch.randn(4, 16, 1, 24, generator=gen).to(dtype)
+    key = torch.randn(7, 1, 24, generator=gen).to(dtype)
+    slots = torch.tensor([3, 17, -1, 40, 63, 0, 22])
+    want = cache.clone()
+    for i, s in enumerate(slots.tolist()):
+        if s >= 0:
+            want[s // 16, s % 16] = key[i]
+    write_kv_triton(key, None, cache, None, slots)
+    assert torch.equal(cache, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("lead", [(2,), (3, 2)], ids=["one-layer", "all-layers"])
 def test_gather_scatter_kernels_match_reference(lead: tuple[int, ...], dtype) -> None:
     gen = torch.Generator().manual_seed(len(lead))

@@ -92,6 +92,25 @@ def test_pools_of_different_kv_dtypes_or_scales_do_not_pair() -> None:
     assert _layout("int8", (0.1,) * 4).mismatch(_layout("int8", (0.1 * (1 + 1e-6),) * 4)) is None
 
 
+def test_tensor_parallel_pools_compare_the_scales_of_the_heads_they_share() -> None:
+    # One layer, 2 KV heads: a whole pool (K 0.1 0.2, V 0.3 0.4) and the TP rank holding head 1.
+    whole = _layout("int8", (0.1, 0.2, 0.3, 0.4))
+
+    def rank1(scales: tuple[float, ...]) -> KVLayout:
+        return KVLayout(
+            model="m", num_layers=1, num_kv_heads=1, head_dim=8, block_size=16, dtype="int8",
+            kv_scales=scales, kv_head_start=1, total_kv_heads=2, tp_size=2, tp_rank=1,
+        )  # fmt: skip
+
+    assert whole.mismatch(rank1((0.2, 0.4))) is None
+    assert rank1((0.2, 0.4)).mismatch(whole) is None
+    msg = whole.mismatch(rank1((0.2, 0.5)))
+    assert msg is not None and "0.4" in msg and "0.5" in msg
+    # Rank 0 of another split (head 0) shares no head with rank 1: nothing to compare.
+    other = rank1((0.9, 0.9)).model_copy(update={"kv_head_start": 0, "tp_rank": 0})
+    assert other.mismatch(rank1((0.2, 0.4))) is None
+
+
 def test_a_prefill_engine_refuses_a_target_of_another_kv_dtype(tiny_model_dir: Path) -> None:
     from pdserve.kvtransfer import tp_plan
     from pdserve.kvtransfer.connector import PrefillKVConnector

@@ -2,8 +2,9 @@
 (its own process) streams the latent KV blocks (one head of ``kv_lora_rank +
 qk_rope_head_dim`` per token) into a decode engine over shared memory and over
 torch.distributed; each decode engine's greedy tokens equal one engine doing the whole
-request, and what landed is the latent's bytes. A native (latent) pool and a transformers
-(per-head K/V) pool of the same checkpoint refuse to pair."""
+request, and what landed is the latent's bytes, once (the pool's one plane is read as keys
+and values). A native (latent) pool and a transformers (per-head K/V) pool of the same
+checkpoint refuse to pair, and so do a one-plane and a two-plane latent pool."""
 
 from __future__ import annotations
 
@@ -51,8 +52,9 @@ def test_latent_handoff_gives_single_engine_tokens(tiny_model_dir: Path, tmp_pat
             results = hand_off(parent, engine, receiver, requests, _params(), transport)
             layout = receiver.layout
             for num_blocks, result in results.values():
-                # Whole blocks of one latent head per layer: K and V halves of the slot.
-                assert result.bytes == num_blocks * layout.num_layers * layout.block_bytes()
+                # Whole blocks of one latent head per layer, in one plane, float32.
+                latent_block = layout.block_size * LATENT * 4
+                assert result.bytes == num_blocks * layout.num_layers * latent_block
             assert decode_all(engine) == want, transport
             assert_no_leak(engine)
             assert receiver.pending() == []
@@ -79,4 +81,9 @@ def test_latent_and_per_head_pools_of_one_checkpoint_do_not_pair(
     # What the connector checks before it opens a send to a target with this layout.
     with pytest.raises(KVLayoutMismatchError, match=r"MLA latent KV"):
         tp_plan.send_slice(mine, theirs)
+    # A pool that kept the latent twice (K and V planes) means other bytes per block.
+    assert mine.num_planes == 1
+    two_planes = mine.model_copy(update={"num_planes": 2})
+    with pytest.raises(KVLayoutMismatchError, match=r"num_planes: local=1 peer=2"):
+        tp_plan.send_slice(mine, two_planes)
     connector.close()

@@ -5,8 +5,10 @@
 // weight should cost half the time of a bf16 one; torch._int_mm and _weight_int8pack_mm read
 // int8 weights at decode sizes no faster than oneDNN's packed bf16 matmul reads twice the
 // bytes (measurements in docs/quantization.md). This kernel makes one pass over the packed
-// bytes. From a few dozen rows on, AMX (oneDNN, torch._int_mm) computes faster than VNNI
-// and the callers (kernels/cpu/quant_linear.py) use it instead.
+// bytes. Where the CPU has AMX-INT8, linear_int8_amx.cpp runs the same product on tiles
+// (from about 8 rows VPDPBUSD's arithmetic, not the bytes, sets this kernel's time);
+// without AMX, from 16 plane rows on oneDNN's int8 matmul computes faster and the callers
+// (kernels/cpu/quant_linear.py) use it instead.
 //
 // Activations: each row of x is split into P int8 planes with their own scales,
 // x ~ sum_p s_p q_p: s_0 = absmax / 127 and q_0 = round(x / s_0) (half to even, clamped to
@@ -34,23 +36,11 @@
 
 #include <omp.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && \
-    defined(__AVX512VL__) && defined(__AVX512VNNI__)
-#include <immintrin.h>
-#define PDSERVE_HAVE_INT8 1
-#else
-#define PDSERVE_HAVE_INT8 0
-#endif
+#include "int8_rows.h"
 
 namespace {
 
-constexpr int64_t kPanel = 16;
-constexpr int64_t kUnit = 2 * kPanel;  // output columns of one register tile
-constexpr float kTiny = 1e-12f;        // quant_reference._TINY: the smallest scale
-constexpr int64_t kMaxPlanes = 3;
-
-inline int64_t quads_of(int64_t K) { return (K + 3) / 4; }
-inline int64_t panels_of(int64_t N) { return (N + kUnit - 1) / kUnit * 2; }
+using namespace pdserve::int8;
 
 #if PDSERVE_HAVE_INT8
 
@@ -58,54 +48,6 @@ inline int32_t load_i32(const uint8_t* p) {
   int32_t v;
   std::memcpy(&v, p, sizeof v);
   return v;
-}
-
-inline __mmask16 lanes(int64_t n) {
-  return static_cast<__mmask16>(n >= 16 ? 0xffff : (1u << std::max<int64_t>(n, 0)) - 1);
-}
-
-inline void store16(uint16_t* out, __m512 v, int64_t cols) {
-  _mm256_mask_storeu_epi16(out, lanes(cols), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
-}
-inline void store16(float* out, __m512 v, int64_t cols) {
-  _mm512_mask_storeu_ps(out, lanes(cols), v);
-}
-
-inline __m512 load16(const float* x, int64_t n) { return _mm512_maskz_loadu_ps(lanes(n), x); }
-inline __m512 load16(const uint16_t* x, int64_t n) {
-  const __m256i h = _mm256_maskz_loadu_epi16(lanes(n), x);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-// Row x -> P plane rows of xq (row stride ldq >= K, the padding = offset) and their scales.
-template <typename TX>
-void quantize_row(const TX* x, int64_t K, int64_t P, int32_t offset, uint8_t* xq, int64_t ldq,
-                  float* scale) {
-  __m512 amax = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 16) {
-    amax = _mm512_max_ps(amax, _mm512_abs_ps(load16(x + k, K - k)));
-  }
-  float s[kMaxPlanes];
-  s[0] = std::max(_mm512_reduce_max_ps(amax) / 127.0f, kTiny);
-  for (int64_t p = 1; p < P; ++p) s[p] = s[p - 1] / 254.0f;
-  const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
-  const __m512i off = _mm512_set1_epi32(offset);
-  for (int64_t k = 0; k < K; k += 16) {
-    __m512 v = load16(x + k, K - k);
-    for (int64_t p = 0; p < P; ++p) {
-      const __m512 vs = _mm512_set1_ps(s[p]);
-      __m512 q = _mm512_roundscale_ps(_mm512_div_ps(v, vs),
-                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      q = _mm512_min_ps(_mm512_max_ps(q, lo), hi);
-      v = _mm512_sub_ps(v, _mm512_mul_ps(q, vs));
-      const __m512i u = _mm512_add_epi32(_mm512_cvtps_epi32(q), off);
-      _mm_mask_storeu_epi8(xq + p * ldq + k, lanes(K - k), _mm512_cvtepi32_epi8(u));
-    }
-  }
-  for (int64_t p = 0; p < P; ++p) {
-    for (int64_t k = K; k < ldq; ++k) xq[p * ldq + k] = static_cast<uint8_t>(offset);
-    scale[p] = s[p];
-  }
 }
 
 // Accumulators are named variables, not an array: GCC keeps an array tile in memory.
@@ -260,7 +202,7 @@ extern "C" int pdserve_linear_int8_supported() { return PDSERVE_HAVE_INT8; }
 // Bytes of the packed form of an [N, K] int8 weight, ints of its weight sums, and bytes of
 // one plane row of quantized activations.
 extern "C" int64_t pdserve_int8_packed_bytes(int64_t N, int64_t K) {
-  return panels_of(N) * quads_of(K) * 4 * kPanel;
+  return panels_of(N) * quads_of(K) * 4 * kPanel + kPackSlack;
 }
 extern "C" int64_t pdserve_int8_wsum_len(int64_t N) { return panels_of(N) * kPanel; }
 extern "C" int64_t pdserve_int8_row_bytes(int64_t K) { return quads_of(K) * 4; }
@@ -284,6 +226,7 @@ extern "C" void pdserve_pack_int8(const int8_t* q, int64_t ldq, int64_t N, int64
       wsum[n] = sum;
     }
   }
+  std::memset(packed + panels * quads * 4 * kPanel, 0, kPackSlack);
 }
 
 template <typename T>
