@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ from pdserve.engine.kv_cache_manager import KVCacheManager, cdiv
 from pdserve.engine.loader import ModelConfig, load_model_config
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.window_kv import WindowKV, plan_window_layout
+from pdserve.engine.window_kv import WindowKV, WindowLayout, plan_window_layout
 
 # The released checkpoints' config.json (architecture fields only).
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -89,24 +90,43 @@ def _config(model: str) -> ModelConfig:
         return load_model_config(tmp)
 
 
-def handoff_bytes(model: str, prompt_tokens: int, block_size: int = 16) -> dict[str, Any]:
-    """The bytes (bf16) one P/D hand-off of a ``prompt_tokens`` prompt moves with the window
-    pool on both sides (full layers: every block; window layers: the blocks the decode
-    side's reservation holds, by the engine's own ``allocate_slots``) and with every layer
-    whole (one pool)."""
+@dataclass(frozen=True)
+class _Sequence:
+    cfg: ModelConfig
+    layout: WindowLayout
+    window: WindowKV
+    kv: KVCacheManager
+    request: Request
+
+
+def _one_sequence(
+    model: str, tokens: int, chunk: int, max_len: int, block_size: int, prefix_caching: bool
+) -> _Sequence:
+    """One ``tokens``-token request over pools planned for it alone, as the engine plans
+    them for ``chunk``-token steps."""
     cfg = _config(model)
     layout = plan_window_layout(
         cfg.kv_layers,
         block_size,
         max_num_seqs=1,
-        max_num_batched_tokens=prompt_tokens,
-        max_model_len=prompt_tokens + 1,
+        max_num_batched_tokens=chunk,
+        max_model_len=max_len,
     )
     if layout is None:
         raise ValueError(f"{model}: no mix of window and full-attention layers")
-    window = WindowKV(layout.window, block_size, layout.num_blocks, False)
-    kv = KVCacheManager(cdiv(prompt_tokens, block_size), block_size, False, window)
-    request = Request("seq", list(range(prompt_tokens)), SamplingParams(max_tokens=1), 0.0)
+    window = WindowKV(layout.window, block_size, layout.num_blocks, prefix_caching)
+    kv = KVCacheManager(cdiv(tokens, block_size), block_size, prefix_caching, window)
+    request = Request("seq", list(range(tokens)), SamplingParams(max_tokens=1), 0.0)
+    return _Sequence(cfg, layout, window, kv, request)
+
+
+def handoff_bytes(model: str, prompt_tokens: int, block_size: int = 16) -> dict[str, Any]:
+    """The bytes (bf16) one P/D hand-off of a ``prompt_tokens`` prompt moves with the window
+    pool on both sides (full layers: every block; window layers: the blocks the decode
+    side's reservation holds, by the engine's own ``allocate_slots``) and with every layer
+    whole (one pool)."""
+    seq = _one_sequence(model, prompt_tokens, prompt_tokens, prompt_tokens + 1, block_size, False)
+    cfg, layout, window, kv, request = seq.cfg, seq.layout, seq.window, seq.kv, seq.request
     # What a decode engine reserves for a remote prefill (Scheduler.reserve_remote_prefill).
     if kv.allocate_slots(request, prompt_tokens, window_start=prompt_tokens) is None:
         raise AssertionError("the planned pools cannot hold the prompt")
@@ -130,19 +150,8 @@ def handoff_bytes(model: str, prompt_tokens: int, block_size: int = 16) -> dict[
 
 
 def run(model: str, tokens: int, chunk: int, block_size: int) -> dict[str, Any]:
-    cfg = _config(model)
-    layout = plan_window_layout(
-        cfg.kv_layers,
-        block_size,
-        max_num_seqs=1,
-        max_num_batched_tokens=chunk,
-        max_model_len=tokens,
-    )
-    if layout is None:
-        raise ValueError(f"{model}: no mix of window and full-attention layers")
-    window = WindowKV(layout.window, block_size, layout.num_blocks, True)
-    kv = KVCacheManager(cdiv(tokens, block_size), block_size, True, window)
-    request = Request("seq", list(range(tokens)), SamplingParams(max_tokens=1), 0.0)
+    seq = _one_sequence(model, tokens, chunk, tokens, block_size, True)
+    cfg, layout, window, kv, request = seq.cfg, seq.layout, seq.window, seq.kv, seq.request
     prompt = tokens // 2
     most = 0
     while request.num_computed_tokens < tokens:
