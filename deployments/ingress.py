@@ -12,7 +12,8 @@ limits; /health and /metrics can stay open) and bodies past ``api.max_body_bytes
 The request header ``x-pdserve-priority`` (gRPC: metadata of that name) is ``interactive``
 (default) or ``batch``: admission control on the decode replica sheds batch first and lets
 it queue longer. The ingress's own overload control is its ``FrontDoor``
-(``admission/front_door.py``), asked once per request before its body is read.
+(``admission/front_door.py``), asked once per request before its body is read (over HTTP
+by ``DoorGate``, before FastAPI routes the request).
 Serve bounds the ingress (``app.ingress_bounds``): past what the decode pool admits, Serve's
 proxy answers 429 itself; a full Serve queue for the decode pool is a 429 here too.
 gRPC: ``pdserve.v1.PDServe.Generate`` (server streaming) and ``.Complete`` (unary) from
