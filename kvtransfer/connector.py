@@ -182,9 +182,11 @@ class PrefillKVConnector(NoExternalLoads):
         *,
         layers: tuple[int, ...],
         window: int,
+        kv_scales: torch.Tensor | None = None,
     ) -> None:
-        """The engine's window pool (``WindowKVConnector``), streamed by a connector of its
-        own under the identity ``window_identity(model_name, window)``."""
+        """The engine's window pool (``WindowKVConnector``; an int8 / float8 pool's
+        ``[L_window, 2, H]`` scales), streamed by a connector of its own under the identity
+        ``window_identity(model_name, window)``."""
         if not self.moves_window_pool:
             raise ValueError("a window pool needs PrefillKVConnector(window_pool=True)")
         if self._window is not None:
@@ -199,7 +201,9 @@ class PrefillKVConnector(NoExternalLoads):
             for i in range(total)
         ]
         self._window = PrefillKVConnector(self.config, observer=self.observer)
-        self._window.register_kv_caches(window_kv_cache, window_identity(model_name, window))
+        self._window.register_kv_caches(
+            window_kv_cache, window_identity(model_name, window), kv_scales=kv_scales
+        )
 
     def begin_step(self, sends: list[PendingSend]) -> None:
         if self._window is not None:
