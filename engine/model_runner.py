@@ -197,11 +197,7 @@ class ModelRunner:
         parallelism each rank's window pool holds its own KV heads, as its ``kv_cache``
         does; an int8 / float8 pool's scales stay indexed by decoder layer."""
         config = self.config
-        if (
-            not config.window_kv_pool
-            or not isinstance(self.model, LlamaForCausalLM)
-            or not moves_window_pool(self.kv_connector)
-        ):
+        if not config.window_kv_pool or not moves_window_pool(self.kv_connector):
             return None
         return plan_window_layout(
             self.model_config.kv_layers,
@@ -499,14 +495,8 @@ class ModelRunner:
         ):
             logits = graphs.run(batch.input_ids, batch.positions, batch.meta)
             return batch, logits.index_select(0, batch.sample_rows)
-        if self.window_layout is not None:
-            assert isinstance(self.model, LlamaForCausalLM)
-            caches = self.layer_kv_caches()
-            hidden = self.model(batch.input_ids, batch.positions, caches, batch.meta, connector)
-        else:
-            hidden = self.model(
-                batch.input_ids, batch.positions, self.kv_cache, batch.meta, connector
-            )
+        caches = self.layer_kv_caches()
+        hidden = self.model(batch.input_ids, batch.positions, caches, batch.meta, connector)
         logits = self.model.compute_logits(hidden[batch.sample_rows]).float()
         return batch, logits
 
