@@ -194,6 +194,9 @@ class PrefillKVConnector(NoExternalLoads):
             raise ValueError("a window pool needs PrefillKVConnector(window_pool=True)")
         if self._window is not None:
             raise RuntimeError("a window pool is already registered with this connector")
+        identity = window_identity(model_name, window)
+        if layout is not None and layout.model != identity:
+            raise ValueError(f"layout: model {layout.model!r}, expected {identity!r}")
         total = self.sender.layout.num_layers + len(layers)
         members = set(layers)
         if len(members) != len(layers) or not members <= set(range(total)):
@@ -204,9 +207,6 @@ class PrefillKVConnector(NoExternalLoads):
             for i in range(total)
         ]
         self._window = PrefillKVConnector(self.config, observer=self.observer)
-        identity = window_identity(model_name, window)
-        if layout is not None and layout.model != identity:
-            raise ValueError(f"layout: model {layout.model!r}, expected {identity!r}")
         self._window.register_kv_caches(
             window_kv_cache, identity, layout=layout, kv_scales=kv_scales
         )
