@@ -14,6 +14,7 @@ import sys
 
 os.environ.pop("TRITON_INTERPRET", None)  # before any kernel module defines its kernels
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
@@ -23,6 +24,7 @@ from pdserve.kernels.triton import (  # noqa: E402
     decode,
     kv,
     mla_decode,
+    mla_prefill,
     moe,
     norm,
     prefill,
@@ -30,6 +32,7 @@ from pdserve.kernels.triton import (  # noqa: E402
 )
 
 TARGET = GPUTarget("cuda", 90, 32)
+TORCH_CUDA = torch.device("cuda")  # only read for its type: no GPU is touched
 # Shared memory per block on an H100/H200 (227 KB).
 MAX_SHARED = 232448
 
@@ -127,6 +130,21 @@ def _cases():  # type: ignore[no-untyped-def]
         yield (f"MLA decode kernel, {cache} latent", mla_decode._mla_decode_kernel,
                {**mla_types, "cache_ptr": cache, "out_ptr": "*fp32"},
                {**mla_consts, "SPLITS": 4, "QUANT": True}, 4)  # fmt: skip
+    # The MLA prefill kernel at the same widths: the launcher's tiles for 128 heads (64 x 1
+    # token), 32 heads (32 x 2) and 16 heads (16 x 4); int8 / float8 latents at 64 x 1.
+    prefill_mla_types = {**mla_types, "cu_seqlens_q_ptr": "*i32", "out_ptr": bf16}
+    prefill_mla_consts = {**mla_consts, "BLOCK_N": mla_prefill.BLOCK_N}
+    for heads in (128, 32, 16):
+        block_h, block_q, warps = mla_prefill.tile_config(heads, TORCH_CUDA)
+        yield (f"MLA prefill kernel {block_h} heads x {block_q} tokens, {warps} warps",
+               mla_prefill._mla_prefill_kernel, prefill_mla_types,
+               {**prefill_mla_consts, "BLOCK_H": block_h, "BLOCK_Q": block_q}, warps)  # fmt: skip
+    block_h, block_q, warps = mla_prefill.tile_config(128, TORCH_CUDA)
+    for cache in ("*i8", "*fp8e4nv"):
+        yield (f"MLA prefill kernel, {cache} latent", mla_prefill._mla_prefill_kernel,
+               {**prefill_mla_types, "cache_ptr": cache},
+               {**prefill_mla_consts, "BLOCK_H": block_h, "BLOCK_Q": block_q, "QUANT": True},
+               warps)  # fmt: skip
     no_variants = {"HAS_SOFTCAP": False, "HAS_WINDOW": False, "HAS_SINKS": False}
     yield (
         "prefill MLA latent head",
