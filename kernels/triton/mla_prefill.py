@@ -37,8 +37,9 @@ _LOG2E = 1.4426950408889634
 # counts (bf16, L 512: 32 KiB per pipeline stage).
 BLOCK_N = 32
 # Rows (tokens x heads) per program on a GPU: the float32 accumulator [rows, L] lives in
-# registers (128 KiB at 64 rows of 512, spread over 8 warps).
-GPU_ROWS = 64
+# registers (128 KiB at 64 rows of 512, spread over 8 warps). A float32 query and latent
+# take 32 rows: 64 would leave almost no shared memory spare (tests/kernels/aot_compile.py).
+GPU_ROWS = {2: 64, 4: 32}  # by element size
 
 
 @triton.jit
@@ -163,18 +164,19 @@ def _mla_prefill_kernel(
     )
 
 
-def tile_config(num_heads: int, device: torch.device) -> tuple[int, int, int]:
+def tile_config(num_heads: int, dtype: torch.dtype, device: torch.device) -> tuple[int, int, int]:
     """(heads per block, query tokens per block, num_warps) the launcher picks.
 
-    On a GPU a program holds ``GPU_ROWS`` rows: as many heads as there are (up to all 64 of
-    the rows; one token each at DeepSeek-V3's 128 heads, so the single query rows of decode
-    sequences in a mixed batch waste nothing), the rest as tokens. The interpreter takes the
-    same 64 rows as 16 heads x 4 tokens, so a partial head block and several tokens per
-    program are both exercised."""
+    On a GPU a program holds ``GPU_ROWS`` rows: as many heads as there are up to all the
+    rows (one token each at DeepSeek-V3's 128 heads, so the single query rows of decode
+    sequences in a mixed batch waste nothing), the rest as tokens. The interpreter takes 64
+    rows as 16 heads x 4 tokens, so a partial head block and several tokens per program are
+    both exercised."""
     if device.type != "cuda":
         return 16, 4, 4
-    block_h = min(GPU_ROWS, max(16, triton.next_power_of_2(num_heads)))
-    return block_h, GPU_ROWS // block_h, 8
+    rows = GPU_ROWS[dtype.itemsize]
+    block_h = min(rows, max(16, triton.next_power_of_2(num_heads)))
+    return block_h, rows // block_h, 8
 
 
 def paged_mla_prefill_triton(
@@ -202,7 +204,7 @@ def paged_mla_prefill_triton(
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out
-    block_h, block_q, num_warps = tile or tile_config(num_heads, q.device)
+    block_h, block_q, num_warps = tile or tile_config(num_heads, q.dtype, q.device)
     if block_h * block_q < 16:
         raise ValueError(f"tile: {block_h} heads x {block_q} tokens, under a tl.dot's 16 rows")
     num_tiles = num_tokens // block_q + num_seqs

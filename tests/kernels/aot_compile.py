@@ -131,20 +131,28 @@ def _cases():  # type: ignore[no-untyped-def]
                {**mla_types, "cache_ptr": cache, "out_ptr": "*fp32"},
                {**mla_consts, "SPLITS": 4, "QUANT": True}, 4)  # fmt: skip
     # The MLA prefill kernel at the same widths: the launcher's tiles for 128 heads (64 x 1
-    # token), 32 heads (32 x 2) and 16 heads (16 x 4); int8 / float8 latents at 64 x 1.
+    # token), 32 heads (32 x 2) and 16 heads (16 x 4); int8 / float8 latents at 64 x 1; a
+    # float32 query and latent at 128 heads (32 x 1).
     prefill_mla_types = {**mla_types, "cu_seqlens_q_ptr": "*i32", "out_ptr": bf16}
     prefill_mla_consts = {**mla_consts, "BLOCK_N": mla_prefill.BLOCK_N}
+
+    def prefill_mla_tile(heads: int, dtype: torch.dtype) -> tuple[dict[str, object], int]:
+        block_h, block_q, warps = mla_prefill.tile_config(heads, dtype, TORCH_CUDA)
+        return {**prefill_mla_consts, "BLOCK_H": block_h, "BLOCK_Q": block_q}, warps
+
     for heads in (128, 32, 16):
-        block_h, block_q, warps = mla_prefill.tile_config(heads, TORCH_CUDA)
-        yield (f"MLA prefill kernel {block_h} heads x {block_q} tokens, {warps} warps",
-               mla_prefill._mla_prefill_kernel, prefill_mla_types,
-               {**prefill_mla_consts, "BLOCK_H": block_h, "BLOCK_Q": block_q}, warps)  # fmt: skip
-    block_h, block_q, warps = mla_prefill.tile_config(128, TORCH_CUDA)
+        consts, warps = prefill_mla_tile(heads, torch.bfloat16)
+        yield (f"MLA prefill kernel {consts['BLOCK_H']} heads x {consts['BLOCK_Q']} tokens",
+               mla_prefill._mla_prefill_kernel, prefill_mla_types, consts, warps)  # fmt: skip
+    consts, warps = prefill_mla_tile(128, torch.bfloat16)
     for cache in ("*i8", "*fp8e4nv"):
         yield (f"MLA prefill kernel, {cache} latent", mla_prefill._mla_prefill_kernel,
-               {**prefill_mla_types, "cache_ptr": cache},
-               {**prefill_mla_consts, "BLOCK_H": block_h, "BLOCK_Q": block_q, "QUANT": True},
+               {**prefill_mla_types, "cache_ptr": cache}, {**consts, "QUANT": True},
                warps)  # fmt: skip
+    consts, warps = prefill_mla_tile(128, torch.float32)
+    fp32 = dict.fromkeys(("q_ptr", "cache_ptr", "out_ptr"), "*fp32")
+    yield ("MLA prefill kernel, float32", mla_prefill._mla_prefill_kernel,
+           {**prefill_mla_types, **fp32}, {**consts, "DOT_PRECISION": "ieee"}, warps)  # fmt: skip
     no_variants = {"HAS_SOFTCAP": False, "HAS_WINDOW": False, "HAS_SINKS": False}
     yield (
         "prefill MLA latent head",
