@@ -4,13 +4,17 @@ The interpreter checks what the kernels compute but not that they compile: type 
 ``tl.dot`` shapes, loop-carried types and shared-memory use are only checked by the real
 compiler. ``triton.compile`` with an explicit target runs the whole pipeline down to a cubin
 (ptxas ships in the triton wheel), no driver needed. Usage:
-``python -m tests.kernels.aot_compile`` (exit 1 and the error if a kernel fails to compile).
+``python -m tests.kernels.aot_compile`` (exit 1 and the error if a kernel fails to compile);
+``--registers`` adds ptxas's registers and spills per kernel.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)  # before any kernel module defines its kernels
 
@@ -37,8 +41,8 @@ TORCH_CUDA = torch.device("cuda")  # only read for its type: no GPU is touched
 MAX_SHARED = 232448
 
 
-def _compile(kernel, types: dict[str, str], consts: dict, num_warps: int) -> int:  # type: ignore[no-untyped-def]
-    """Compile with unlisted arguments as i32 scalars; returns shared memory bytes."""
+def _compile(kernel, types: dict[str, str], consts: dict, num_warps: int):  # type: ignore[no-untyped-def]
+    """Compile with unlisted arguments as i32 scalars; returns the compiled kernel."""
     signature = {name: types.get(name, "i32") for name in kernel.arg_names}
     signature.update(dict.fromkeys(consts, "constexpr"))
     compiled = triton.compile(
@@ -46,7 +50,19 @@ def _compile(kernel, types: dict[str, str], consts: dict, num_warps: int) -> int
         target=TARGET,
         options={"num_warps": num_warps},
     )
-    return int(compiled.metadata.shared)
+    return compiled
+
+
+def _registers(ptx: str) -> str:
+    """ptxas's report of registers and spills for one kernel's PTX."""
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "kernel.ptx"
+        src.write_text(ptx)
+        cmd = [str(ptxas), "-v", "--gpu-name", "sm_90a", str(src), "-o", os.devnull]
+        result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    lines = [line.split(":", 1)[-1].strip() for line in result.stderr.splitlines()]
+    return "; ".join(line for line in lines if "registers" in line or "spill" in line)
 
 
 def _cases():  # type: ignore[no-untyped-def]
@@ -274,20 +290,23 @@ def _cases():  # type: ignore[no-untyped-def]
         )
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
     failed = 0
     for name, kernel, types, consts, warps in _cases():
         try:
-            shared = _compile(kernel, types, consts, warps)
+            compiled = _compile(kernel, types, consts, warps)
         except Exception as exc:  # report every kernel, not just the first failure
             print(f"FAIL {name}: {type(exc).__name__}: {exc}")
             failed += 1
             continue
+        shared = int(compiled.metadata.shared)
         status = "ok" if shared <= MAX_SHARED else "FAIL (shared memory)"
         failed += status != "ok"
         print(f"{status} {name}: {shared} B shared")
+        if "--registers" in argv:
+            print(f"   {_registers(compiled.asm['ptx'])}")
     return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
