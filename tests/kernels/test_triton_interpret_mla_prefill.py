@@ -21,8 +21,8 @@ from tests.kernels.cases import interpreter_or_skip
 LATENT, ROPE = 32, 16
 # (new tokens, context incl. them): a whole prompt, chunks after a cached prefix (ending
 # mid-block and on a block edge), a decode token, a one-token prompt.
-Q_LENS = [37, 21, 1, 40, 1]
-CTX_LENS = [37, 70, 90, 64, 1]
+Q_LENS = [19, 21, 1, 12, 1]
+CTX_LENS = [19, 70, 90, 64, 1]
 
 
 def _case(seed: int, heads: int, dtype: torch.dtype, block_size: int = 16):  # type: ignore[no-untyped-def]
@@ -63,12 +63,14 @@ def test_reference_is_causal_attention_over_the_slots() -> None:
 @pytest.mark.parametrize("heads", [16, 20])
 def test_kernel_matches_reference(heads: int, dtype: torch.dtype) -> None:
     interpreter_or_skip()
-    from pdserve.kernels.triton.mla_prefill import paged_mla_prefill_triton
+    from pdserve.kernels.triton.mla_prefill import paged_mla_prefill_triton, tile_config
 
     batch = _case(heads, heads, dtype, block_size=16 if dtype == torch.float32 else 32)
     want = R.paged_mla_prefill_ref(*_args(batch))
-    # The interpreter's default (16 heads x 4 tokens) and the GPU's at these head counts.
-    for tile in (None, (32, 2, 8)):
+    # The interpreter's default (16 heads x 4 tokens), the GPU's at 20 heads (32 x 2) and at
+    # DeepSeek-V3's 128 heads (bf16: 64 x 1, one token per program; float32: 32 x 1).
+    v3_tile = tile_config(128, dtype, torch.device("cuda"))
+    for tile in (None, (32, 2, 8), v3_tile):
         got = paged_mla_prefill_triton(*_args(batch), tile=tile)
         assert got.shape == want.shape and got.dtype == dtype
         assert max_abs_error(got, want) <= ATTN_TOL[dtype], f"tile={tile}"
