@@ -6,8 +6,8 @@ token in a mixed batch) attend causally over the sequence's paged one-head cache
 by ``q_latent . c + q_pe . k_pe`` and the value is the latent ``c`` itself.
 
 Grid: query tiles x ``ceil(H / BLOCK_H)`` head blocks, flattened to one axis (a long
-prompt's tiles outnumber a second axis's 65,535). A program takes ``BLOCK_Q`` consecutive new tokens
-of one sequence times a block of ``BLOCK_H`` query heads, flattened to
+prompt's tiles outnumber a second axis's 65,535). A program takes ``BLOCK_Q`` consecutive
+new tokens of one sequence times a block of ``BLOCK_H`` query heads, flattened to
 ``BLOCK_Q * BLOCK_H`` rows, and loads each latent tile once for all of them (as keys, with
 the rope part as a separate, narrow tile, and again as values). The head blocks of one
 query tile are neighbours in launch order, so they read the same context while it is in
@@ -39,7 +39,8 @@ BLOCK_N = 32
 # Rows (tokens x heads) per program on a GPU: the float32 accumulator [rows, L] lives in
 # registers (128 KiB at 64 rows of 512, spread over 8 warps). A float32 query and latent
 # take 32 rows: 64 would leave almost no shared memory spare (tests/kernels/aot_compile.py).
-GPU_ROWS = {2: 64, 4: 32}  # by element size
+GPU_ROWS = 64
+GPU_ROWS_FLOAT32 = 32
 
 
 @triton.jit
@@ -174,7 +175,7 @@ def tile_config(num_heads: int, dtype: torch.dtype, device: torch.device) -> tup
     both exercised."""
     if device.type != "cuda":
         return 16, 4, 4
-    rows = GPU_ROWS[dtype.itemsize]
+    rows = GPU_ROWS if dtype.itemsize <= 2 else GPU_ROWS_FLOAT32
     block_h = min(rows, max(16, triton.next_power_of_2(num_heads)))
     return block_h, rows // block_h, 8
 
