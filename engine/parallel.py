@@ -88,13 +88,14 @@ def check_model(cfg: ModelConfig, size: int) -> None:
 
 def _check_mla(cfg: ModelConfig, size: int) -> None:
     """Multi-head latent attention splits its query heads; its one latent KV head is on
-    every rank, and the MoE layers are replicated, so only the heads and the dense MLPs'
-    intermediate columns must divide."""
+    every rank (never split), so the heads, the dense MLPs' and the experts' intermediate
+    columns must divide."""
     shard = TPShard(0, size)
     shard.split(cfg.num_heads, f"{cfg.architecture}: num_attention_heads")
-    dense = cfg.moe is None or len(cfg.moe.sparse_layers) < cfg.num_layers
-    if dense:
+    if cfg.moe is None or len(cfg.moe.sparse_layers) < cfg.num_layers:  # dense layers
         shard.split(cfg.intermediate_size, f"{cfg.architecture}: intermediate_size")
+    if cfg.moe is not None:
+        shard.split(cfg.moe.intermediate_size, f"{cfg.architecture}: moe_intermediate_size")
 
 
 class TPGroup:

@@ -22,8 +22,8 @@ Tensor parallelism splits the attention heads (``q_b_proj`` / ``q_proj`` and ``k
 by heads, ``o_proj`` by its input columns, then an all-reduce), the dense MLPs and the
 vocabulary as the Llama class does; the latent projection (``q_a_proj``,
 ``kv_a_proj_with_mqa`` and their norms) is replicated, so every rank computes and caches the
-same latent (one KV head: rank 0's copy is canonical), and the MoE layers (routed and shared
-experts) are replicated.
+same latent (one KV head: rank 0's copy is canonical). The routers are replicated; every
+expert, routed or shared, is split by its intermediate columns as the Llama family's MoE.
 """
 
 from __future__ import annotations
@@ -201,12 +201,17 @@ def _deinterleave(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> same, contig
 class DeepseekMoE(nn.Module):
     """DeepSeek's router (V3: sigmoid-scored, grouped, with a score-correction bias; V2:
     softmax-scored, greedy or group-limited), the routed experts stacked with the shared
-    ones after them (``w13 [E + S, 2I, H]``, ``w2 [E + S, H, I]``)."""
+    ones after them (``w13 [E + S, 2I, H]``, ``w2 [E + S, H, I]``). Under tensor
+    parallelism each rank holds every expert's share of the intermediate columns (``I`` is
+    the rank's), as the Llama family's MoE is split, and the output is all-reduced."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         mla, moe = _mla(cfg), cfg.moe
         assert moe is not None
+        self.tp = tp
+        self.expert_size = moe.intermediate_size  # one expert's columns in the checkpoint
+        self.columns = tp.shard.split(moe.intermediate_size, "moe_intermediate_size")
         self.num_experts = moe.num_experts
         self.num_shared = mla.num_shared_experts
         self.router = ops.RouterConfig(
@@ -225,7 +230,7 @@ class DeepseekMoE(nn.Module):
         self.e_score_correction_bias = (
             nn.Parameter(torch.zeros(moe.num_experts)) if mla.correction_bias else None
         )
-        experts, inter = moe.num_experts + self.num_shared, moe.intermediate_size
+        experts, inter = moe.num_experts + self.num_shared, len(self.columns)
         self.w13 = nn.Parameter(torch.empty(experts, 2 * inter, cfg.hidden_size))
         self.w2 = nn.Parameter(torch.empty(experts, cfg.hidden_size, inter))
 
@@ -236,12 +241,11 @@ class DeepseekMoE(nn.Module):
         )
         if self.num_shared:
             weights, ids = ops.add_shared_experts(weights, ids, self.num_experts, self.num_shared)
-        return ops.fused_moe(x, self.w13, self.w2, weights, ids)
+        return self.tp.all_reduce(ops.fused_moe(x, self.w13, self.w2, weights, ids))
 
     def load(self, rest: str, source: Any, name: str) -> str:
         """One checkpoint tensor under ``mlp.`` (``gate.*``, ``experts.<j>.*``,
         ``shared_experts.*``); returns the parameter filled."""
-        inter = self.w2.shape[2]
         parts = rest.split(".")
         if rest == "gate.weight":
             self.gate.weight.data.copy_(_tensor(source, self.gate.weight.shape, name))
@@ -254,21 +258,22 @@ class DeepseekMoE(nn.Module):
             expert = int(parts[1])
             if not 0 <= expert < self.num_experts:
                 raise ValueError(f"checkpoint tensor {name!r}: expert {expert} out of range")
-            return self._load_projection(expert, parts[2], _full(source), name)
+            return self._load_projection(expert, parts[2], source, 0, name)
         if parts[0] == "shared_experts" and len(parts) == 3 and parts[2] == "weight":
             # S shared experts are one MLP of S * I columns: expert E + j takes the j-th I.
-            tensor = _full(source)
             for j in range(self.num_shared):
-                cols = slice(j * inter, (j + 1) * inter)
-                part = tensor[:, cols] if parts[1] == "down_proj" else tensor[cols]
-                filled = self._load_projection(self.num_experts + j, parts[1], part, name)
+                offset = j * self.expert_size
+                filled = self._load_projection(self.num_experts + j, parts[1], source, offset, name)
             return filled
         raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
 
     def _load_projection(
-        self, expert: int, projection: str, tensor: torch.Tensor, name: str
+        self, expert: int, projection: str, source: Any, offset: int, name: str
     ) -> str:
+        """This rank's columns of one expert's projection, the expert's columns starting at
+        ``offset`` of ``source`` (rows of gate/up, columns of down)."""
         inter = self.w2.shape[2]
+        cols = slice(offset + self.columns.start, offset + self.columns.stop)
         if projection == "gate_proj":
             dest, param = self.w13.data[expert, :inter], "w13"
         elif projection == "up_proj":
@@ -277,7 +282,8 @@ class DeepseekMoE(nn.Module):
             dest, param = self.w2.data[expert], "w2"
         else:
             raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-        dest.copy_(_tensor(tensor, dest.shape, name))
+        index = (slice(None), cols) if projection == "down_proj" else (cols,)
+        dest.copy_(_tensor(_read(source, index, name), dest.shape, name))
         return param
 
 
@@ -341,7 +347,7 @@ class DeepseekDecoderLayer(DecoderLayer):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp: MLP | DeepseekMoE  # type: ignore[assignment]
         if cfg.moe is not None and layer_idx in cfg.moe.sparse_layers:
-            self.mlp = DeepseekMoE(cfg)  # replicated: every rank routes every token
+            self.mlp = DeepseekMoE(cfg, tp)
         else:
             self.mlp = MLP(cfg, layer_idx, tp)
 

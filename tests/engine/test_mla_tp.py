@@ -1,7 +1,8 @@
 """The native DeepSeek class under tensor parallelism (CPU, gloo between real processes).
 
 At TP=2 the query heads, ``kv_b_proj``'s per-head up-projections and ``o_proj`` are split,
-the latent projection is replicated and every rank caches the same one-head latent. Tiny
+the latent projection is replicated and every rank caches the same one-head latent; the
+dense MLP and every expert (routed and shared) are split by intermediate columns. Tiny
 random DeepSeek-V3 / V2 models built by transformers give transformers' float32 greedy
 tokens and logprobs under the default budget and under a 32-token chunked-prefill budget
 with a pool small enough to force preemption; an int8 latent cache gives the tokens of the
@@ -32,7 +33,7 @@ NUM_NEW = 16
 # As ``small_pool_config``: a 32-token budget and a pool that forces preemption.
 SMALL_POOL = {"num_kv_blocks": 40, "max_model_len": 640, "max_num_batched_tokens": 32}
 # (tiny spec, config overrides, schedule): V3 with q LoRA, interleaved rope and a dense first
-# layer (its MLP split like the Llama family's); V2 with plain q and shared experts.
+# layer; V2 with plain q, two shared experts and biased attention (o_proj's bias added once).
 CASES = [
     ("deepseek-v3", {}, "default"),
     ("deepseek-v3", {}, "small-pool"),
@@ -57,8 +58,9 @@ def test_tp2_matches_transformers(
         cfg = engine.runner.model_config
         assert cfg.mla is not None and engine.runner.tp.size == 2
         # Rank 0 holds half the query heads and the whole one-head latent slot.
-        attn = engine.runner.runner.model.model.layers[0].self_attn
-        assert attn.num_heads == cfg.num_heads // 2
+        layers = engine.runner.runner.model.model.layers
+        assert layers[0].self_attn.num_heads == cfg.num_heads // 2
+        assert cfg.moe is not None and layers[-1].mlp.w2.shape[-1] == cfg.moe.intermediate_size // 2
         assert tuple(engine.kv_cache.shape[1:2]) + tuple(engine.kv_cache.shape[-2:]) == (
             1,
             1,
