@@ -102,3 +102,18 @@ def test_heads_that_do_not_split_are_refused(tiny_model_dir: Path, tmp_path: Pat
         r"tensor_parallel_size \(3\)",
     ):
         LLMEngine(config)
+
+
+def test_transformers_path_refusal_points_to_the_native_class(tmp_path: Path) -> None:
+    """The transformers path cannot apply DeepSeek's plan (``mla_kv_a_proj``); its refusal
+    names the native class, which runs it, from config.json alone."""
+    from tests.engine.tiny_hf_models import tiny_config
+
+    config = tiny_config("deepseek-v3")
+    config.architectures = ["DeepseekV3ForCausalLM"]
+    config.save_pretrained(tmp_path)
+    engine_config = EngineConfig(
+        model=str(tmp_path), device="cpu", tensor_parallel_size=2, model_impl="transformers"
+    )
+    with pytest.raises(ValueError, match=r"mla_kv_a_proj.*use model_impl 'native'"):
+        LLMEngine(engine_config)
