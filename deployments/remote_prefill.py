@@ -5,6 +5,9 @@
 prompt's KV blocks in the engine (whose scheduler tells the connector where the KV goes),
 opens the transfer through the connector, calls the prefill pool, waits for the KV, hands it
 to the engine with the first token, and falls back to a local recompute on any failure.
+An engine that keeps its window layers' KV in a pool of their own (``window_handoff``) is
+reserved for the first decoded token's window there, and that pool gets a target of its own
+(``PrefillRequest.window_kv_targets``).
 ``DecodeServer`` uses it for every request its policy sends to the prefill pool. The
 invariant it keeps: when it returns (or is cancelled) no prefill peer is still writing into
 the request's blocks, and the engine request is either decoding, recomputing locally, or
