@@ -118,6 +118,29 @@ def test_a_window_model_hands_off_only_the_window_and_matches(replicas: Replicas
         assert report.idle, report
 
 
+def test_a_follow_up_turn_takes_the_decode_sides_prefix_and_matches(r: Replicas) -> None:
+    """Turn 2 extends turn 1 and its answer: the decode replica's prefix cache holds turn 1's
+    full-layer blocks but only the window-layer blocks of its last window and of the tokens
+    it decoded, so its hit is shortened to what both pools hold; the rest comes from the
+    prefill replica and the tokens still equal one engine's."""
+    turn1 = long_prompt(67, 100)
+    first = asyncio.run(collect(r.decode, request("t1", turn1, MAX_TOKENS)))
+    assert first[0].prefill_location == "remote"
+    turn2 = turn1 + tokens(first) + long_prompt(68, 60)  # 172 tokens: 11 blocks
+    before = r.decode.counters().kv_bytes_received
+    second = asyncio.run(collect(r.decode, request("t2", turn2, MAX_TOKENS)))
+    assert second[0].prefill_location == "remote"
+    assert tokens(second) == expected(r, turn2)
+    # The decode side's hit: 6 blocks (turn 1's 111 computed tokens), whose window (tokens
+    # 65..95, blocks 4 and 5) it holds. The full layer gets blocks 6..10, the window layer
+    # blocks 8..10 (the first decoded token's window: (172 - 31) // 16 = 8).
+    pool = r.decode.engine.kv_cache
+    block_bytes = pool[0, :, 0].numel() * pool.element_size()
+    moved = r.decode.counters().kv_bytes_received - before
+    assert moved == (5 + 3) * block_bytes
+    assert integrity(r.decode).idle and integrity(r.prefill).idle
+
+
 def test_a_failed_remote_prefill_is_recomputed_with_the_window_pool(r: Replicas) -> None:
     r.client.fail = RuntimeError("ActorDiedError: the prefill replica died")
     try:
