@@ -8,8 +8,8 @@ has no blocks of the window layers outside the window to send, and a decode repl
 has no room for them. The serving layer therefore decides once, from the application config
 (``window_handoff``), so that both pools' connectors say the same; each engine then keeps the
 pool where its model has window layers and nothing else rules it out (an int8 / fp8 KV
-cache, the transformers path, ``window_kv_pool: false``: both pools' engines agree on those
-too, as they share the model and the KV dtype).
+cache, the transformers path, ``EngineConfig.window_kv_pool`` off: both pools' engines
+agree on those too, as they share the model and the KV dtype).
 
 A peer that still disagrees (a replica of another pdserve version during a rolling upgrade,
 an engine built with other settings) is refused per request with ``WindowPairingError``
