@@ -19,7 +19,7 @@ from pdserve.deployments.decode_server import DecodeServer
 from pdserve.deployments.engine_factory import EngineHooks, default_engine_factory
 from pdserve.deployments.messages import PrefillRequest, SamplingOptions
 from pdserve.deployments.prefill_server import PrefillServer
-from pdserve.deployments.window_handoff import WindowPairingError
+from pdserve.deployments.window_handoff import WindowPairingError, window_handoff
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
@@ -193,3 +193,17 @@ def test_the_prefill_replica_names_the_mismatch(r: Replicas) -> None:
 def r(replicas: Replicas) -> Replicas:
     replicas.client.reset()
     return replicas
+
+
+@pytest.mark.parametrize(
+    ("prefill_tp", "decode_tp", "paired"), [(1, 1, True), (2, 1, False), (1, 2, False)]
+)
+def test_both_pools_pair_window_pools_only_without_tensor_parallelism(
+    prefill_tp: int, decode_tp: int, paired: bool
+) -> None:
+    """One decision for both pools: a tensor-parallel pool moves one pool of every layer,
+    so neither side keeps a window pool then (they would never pair)."""
+    cfg = config(
+        prefill={"tensor_parallel_size": prefill_tp}, decode={"tensor_parallel_size": decode_tp}
+    )
+    assert window_handoff(cfg) is paired
