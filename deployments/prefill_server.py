@@ -40,7 +40,11 @@ from pdserve.deployments.replica import (
     runtime_report,
     transfer_host,
 )
-from pdserve.deployments.tp_kv import PrefillAgentFactory, TPPrefillConnector
+from pdserve.deployments.tp_kv import (
+    PrefillAgentFactory,
+    TPPrefillConnector,
+    replica_kv_bytes_per_token,
+)
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.connector import PrefillKVConnector
 from pdserve.kvtransfer.types import KVTransferError
@@ -100,6 +104,16 @@ class PrefillServer:
         self.kv_bytes_per_token = (
             self.layout.block_bytes() * self.layout.num_layers // max(self.layout.block_size, 1)
         )
+        # A window pool (not in the sender's layout): its layers hand off only the blocks
+        # of the first decoded token's window, which the router's estimate counts.
+        window_pool = getattr(self.engine, "window_kv_cache", None)
+        self.window_kv_bytes_per_token = (
+            replica_kv_bytes_per_token(window_pool, self.engine.model_config.num_kv_heads)
+            if window_pool is not None
+            else 0
+        )
+        self.kv_bytes_per_token += self.window_kv_bytes_per_token
+        self.kv_window: int = getattr(self.engine, "kv_window", 0)
         self.max_num_seqs = self.cfg.prefill.engine.max_num_seqs
         self._arrivals = RateMeter()
 
@@ -175,6 +189,8 @@ class PrefillServer:
             kv_bytes_per_token=self.kv_bytes_per_token,
             prompt_tokens_per_s=self._arrivals.rate(),
             kv_events=kv_events.publish(self._kv_events),
+            window_kv_bytes_per_token=self.window_kv_bytes_per_token,
+            kv_window=self.kv_window,
         ).model_dump()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
