@@ -170,12 +170,13 @@ def rank_prefill_terms(
     n = prompt_tokens
     scored: list[tuple[float, int]] = []
     append = scored.append
-    for i, (r, t) in enumerate(replicas):
-        queued, rate, bytes_per_token, bandwidth, window_bytes = t[:5]
+    for i, (r, (queued, rate, bytes_per_token, bandwidth, window_bytes, window, bs)) in enumerate(
+        replicas
+    ):
         inflight = get(r.replica_id, 0)
         ahead = inflight if inflight > queued else queued  # max(), without the call
         if window_bytes:
-            moved = handoff_bytes(n, n, bytes_per_token, window_bytes, t.kv_window, t.block_size)
+            moved = handoff_bytes(n, n, bytes_per_token, window_bytes, window, bs)
         else:
             moved = n * bytes_per_token
         append(((ahead + n) / rate + moved / bandwidth, i))
