@@ -40,7 +40,11 @@ from pdserve.deployments.replica import (
     runtime_report,
     transfer_host,
 )
-from pdserve.deployments.tp_kv import PrefillAgentFactory, TPPrefillConnector
+from pdserve.deployments.tp_kv import (
+    PrefillAgentFactory,
+    TPPrefillConnector,
+    replica_kv_bytes_per_token,
+)
 from pdserve.deployments.window_handoff import check_window_pairing, window_handoff
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.connector import PrefillKVConnector
@@ -104,12 +108,20 @@ class PrefillServer:
         # The engine registered its pool with the connector, which built the sender.
         self.sender = self.connector.sender
         self.layout = self.sender.layout
-        # A token's KV on every layer: the window pool's layers too, where there is one.
-        window = getattr(self.engine, "window_kv_cache", None)  # test engines may lack it
-        num_layers = self.layout.num_layers + (window.shape[0] if window is not None else 0)
         self.kv_bytes_per_token = (
-            self.layout.block_bytes() * num_layers // max(self.layout.block_size, 1)
+            self.layout.block_bytes() * self.layout.num_layers // max(self.layout.block_size, 1)
         )
+        # A window pool (not in the sender's layout): its layers hand off only the blocks
+        # of the first decoded token's window, which the router's estimate counts. A
+        # token's KV on every layer counts them too.
+        window_pool = getattr(self.engine, "window_kv_cache", None)  # test engines may lack it
+        self.window_kv_bytes_per_token = (
+            replica_kv_bytes_per_token(window_pool, self.engine.model_config.num_kv_heads)
+            if window_pool is not None
+            else 0
+        )
+        self.kv_bytes_per_token += self.window_kv_bytes_per_token
+        self.kv_window: int = getattr(self.engine, "kv_window", 0)
         self.max_num_seqs = self.cfg.prefill.engine.max_num_seqs
         self._arrivals = RateMeter()
 
@@ -194,6 +206,8 @@ class PrefillServer:
             kv_bytes_per_token=self.kv_bytes_per_token,
             prompt_tokens_per_s=self._arrivals.rate(),
             kv_events=kv_events.publish(self._kv_events),
+            window_kv_bytes_per_token=self.window_kv_bytes_per_token,
+            kv_window=self.kv_window,
         ).model_dump()
 
     def record_autoscaling_stats(self) -> dict[str, float]:

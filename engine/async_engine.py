@@ -120,15 +120,34 @@ class AsyncLLMEngine:
         return self.engine.block_size
 
     def drain_kv_events(self) -> KVEvents:
-        """The prefix cache's stored/evicted block hashes since the last call (never waits
-        for the engine thread: the log has its own lock)."""
-        return self.engine.kv_events.drain()
+        """The prefix cache's stored/evicted block hashes since the last call, the window
+        pool's too where there is one (never waits for the engine thread: the logs have
+        their own locks)."""
+        return self.engine.drain_kv_events()
 
     def cached_block_hashes(self) -> list[int]:
         """Every block hash the prefix cache holds now, for a KV-event snapshot. Read off
         the engine thread on purpose, like ``cached_prefix_tokens``: copying a dict's keys
         is one step under the GIL, and a slightly stale set only skews routing."""
         return self.engine.kv_cache_manager.pool.cached_hashes()
+
+    def cached_window_block_hashes(self) -> list[int]:
+        """The same for the window pool (empty without one)."""
+        window = self.engine.kv_cache_manager.window
+        return window.pool.cached_hashes() if window is not None else []
+
+    @property
+    def kv_window(self) -> int:
+        """The window (tokens) whose KV the window pool keeps per sequence; 0 without one."""
+        window = self.engine.kv_cache_manager.window
+        return window.window if window is not None else 0
+
+    @property
+    def window_hit_blocks(self) -> int:
+        """How many of a prefix hit's last blocks the window pool must hold for the hit to
+        be usable (``WindowKV.hit_blocks``); 0 without a window pool."""
+        window = self.engine.kv_cache_manager.window
+        return window.hit_blocks if window is not None else 0
 
     def cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
         """Prompt tokens whose KV the prefix cache holds right now (full blocks; the last

@@ -116,6 +116,13 @@ def test_a_window_model_hands_off_only_the_window_and_matches(replicas: Replicas
         report = integrity(server)
         assert report.num_window_total_blocks > 0, report
         assert report.idle, report
+    # What the prefill router prices a hand-off by: every layer per token, of which the
+    # window layers' share moves only for the first decoded token's window.
+    stats = r.prefill.record_routing_stats()
+    token_bytes = block_bytes // block
+    assert stats["window_kv_bytes_per_token"] == window_pool.shape[0] * token_bytes
+    assert stats["kv_bytes_per_token"] == (full_pool.shape[0] + window_pool.shape[0]) * token_bytes
+    assert stats["kv_window"] == WINDOW
 
 
 def test_a_follow_up_turn_takes_the_decode_sides_prefix_and_matches(r: Replicas) -> None:
