@@ -4,7 +4,9 @@ shared-memory KV hand-off. Prompts longer than the local-prefill limit (and than
 window) are prefilled on the prefill replica while a short one is prefilled locally, all at
 once; every stream's greedy tokens equal ``transformers.generate``, the decode replica
 received exactly the prompts' blocks of KV as the model's config sizes them (window layers:
-only the first decoded token's window; MLA: one latent plane), and both replicas end idle."""
+only the first decoded token's window; MLA: one latent plane), and both replicas end idle.
+A follow-up turn moves only the blocks the decode side's prefix cache lacks, and a failed
+remote prefill is recomputed on the decode side, both with transformers' tokens."""
 
 from __future__ import annotations
 
@@ -34,6 +36,8 @@ WHERE = {"long-90": "remote", "long-61": "remote", "short": "local"}
 # A conversation: turn 2 extends turn 1's prompt and answer by 40 tokens.
 TURN_1, TURN_2 = "turn-1", "turn-2"
 TURN_1_PROMPT = long_prompt(73, 70)
+FAILED = "failed-remote"
+FAILED_PROMPT = long_prompt(75, 80)
 
 
 def turn_2_prompt(answer: list[int]) -> list[int]:
@@ -61,6 +65,7 @@ class Served:
     hf_config: Any
     prefill: PrefillServer
     decode: DecodeServer
+    client: InProcessPrefill  # the decode replica's way to the prefill replica
     expected: dict[str, list[int]]  # transformers' greedy tokens per prompt
 
 
@@ -76,6 +81,7 @@ def served(
     expected = {rid: ref.generate(p, MAX_TOKENS) for rid, p in PROMPTS.items()}
     expected[TURN_1] = ref.generate(TURN_1_PROMPT, MAX_TOKENS)
     expected[TURN_2] = ref.generate(turn_2_prompt(expected[TURN_1]), MAX_TOKENS)
+    expected[FAILED] = ref.generate(FAILED_PROMPT, MAX_TOKENS)
     hf_config = ref.model.config
     del ref
     cfg = config(
@@ -83,8 +89,9 @@ def served(
         policy={"local_prefill_max_tokens": LOCAL_PREFILL_MAX},
     )
     prefill = PrefillServer(cfg, str(model_dir))
-    decode = DecodeServer(cfg, str(model_dir), prefill=InProcessPrefill(prefill))
-    yield Served(name, hf_config, prefill, decode, expected)
+    client = InProcessPrefill(prefill)
+    decode = DecodeServer(cfg, str(model_dir), prefill=client)
+    yield Served(name, hf_config, prefill, decode, client, expected)
     decode.shutdown()
     prefill.shutdown()
 
@@ -108,6 +115,12 @@ def handoff_bytes(hf: Any, block_size: int, prompt_len: int, hit_blocks: int = 0
     full_layers = types.count("full_attention")
     window_layers = types.count("sliding_attention")
     return ((blocks - hit_blocks) * full_layers + window_blocks * window_layers) * block_bytes
+
+
+def assert_idle(s: Served) -> None:
+    for server in (s.decode, s.prefill):
+        report = asyncio.run(server.check_integrity())
+        assert report.idle, (s.name, report)
 
 
 def test_remote_and_local_prefills_give_transformers_tokens(served: Served) -> None:
@@ -134,9 +147,7 @@ def test_remote_and_local_prefills_give_transformers_tokens(served: Served) -> N
     moved = s.decode.counters().kv_bytes_received - before
     remote = [len(PROMPTS[rid]) for rid, where in WHERE.items() if where == "remote"]
     assert moved == sum(handoff_bytes(hf, s.decode.block_size, n) for n in remote), s.name
-    for server in (s.decode, s.prefill):
-        report = asyncio.run(server.check_integrity())
-        assert report.idle, (s.name, report)
+    assert_idle(s)
 
 
 def test_a_follow_up_turn_moves_only_what_the_decode_side_lacks(served: Served) -> None:
@@ -155,6 +166,20 @@ def test_a_follow_up_turn_moves_only_what_the_decode_side_lacks(served: Served) 
     hit = (len(TURN_1_PROMPT) + MAX_TOKENS - 1) // s.decode.block_size
     moved = s.decode.counters().kv_bytes_received - before
     assert moved == handoff_bytes(s.hf_config, s.decode.block_size, len(turn_2), hit), s.name
-    for server in (s.decode, s.prefill):
-        report = asyncio.run(server.check_integrity())
-        assert report.idle, (s.name, report)
+    assert_idle(s)
+
+
+def test_a_failed_remote_prefill_is_recomputed_with_transformers_tokens(served: Served) -> None:
+    """The prefill replica dies mid-call: the decode replica prefills the prompt into its
+    own reservation (the latent pool, the window pool) and the tokens do not change."""
+    s = served
+    s.client.fail = RuntimeError("ActorDiedError: the prefill replica died")
+    try:
+        before = s.decode.counters().fallbacks
+        chunks = asyncio.run(collect(s.decode, request(FAILED, FAILED_PROMPT, MAX_TOKENS)))
+    finally:
+        s.client.fail = None
+    assert chunks[0].prefill_location == "fallback"
+    assert tokens(chunks) == s.expected[FAILED], s.name
+    assert s.decode.counters().fallbacks == before + 1
+    assert_idle(s)
