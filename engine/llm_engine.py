@@ -24,7 +24,7 @@ from pdserve.engine.kv_connector import (
     WindowKVConnector,
     moves_window_pool,
 )
-from pdserve.engine.kv_events import KVEventLog
+from pdserve.engine.kv_events import KVEventLog, KVEvents
 from pdserve.engine.output_processor import prior_streamed_text
 from pdserve.engine.outputs import RequestOutput, TokenLogprob
 from pdserve.engine.request import Request
@@ -197,6 +197,10 @@ class LLMEngine:
         # The prefix cache's stored/evicted block hashes, drained by the serving layer.
         self.kv_events = KVEventLog()
         self.kv_cache_manager.pool.events = self.kv_events
+        # The window pool's own: a router needs both to know which prefix hit is usable.
+        self.window_kv_events: KVEventLog | None = None
+        if window is not None:
+            self.window_kv_events = window.pool.events = KVEventLog()
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -474,6 +478,13 @@ class LLMEngine:
         """Whether step() should be called: tokens to compute, outputs to emit, or KV sends
         whose completion must be polled."""
         return self.scheduler.has_work() or bool(self.scheduler.sending)
+
+    def drain_kv_events(self) -> KVEvents:
+        """Both pools' prefix-cache events since the last call (each log has its lock)."""
+        events = self.kv_events.drain()
+        if self.window_kv_events is not None:
+            events = events.with_window(self.window_kv_events.drain())
+        return events
 
     def cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
         """Prompt tokens whose KV the prefix cache holds right now (full blocks; the last

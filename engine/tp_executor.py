@@ -188,7 +188,7 @@ class TPExecutor:
         return min([own, *(w.result(GROUP_TIMEOUT_S) for w in self.workers)])
 
     def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
-        layouts = self._all("allocate_kv_cache", num_blocks, self.model_config.model_name)
+        layouts = self._all("allocate_kv_cache", num_blocks, self.model_config.kv_identity)
         if any(layout != self.runner.window_layout for layout in layouts):
             raise RuntimeError(
                 f"the ranks planned different window pools: rank 0 {self.runner.window_layout}, "

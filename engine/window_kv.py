@@ -108,6 +108,12 @@ class WindowKV:
         null = self.pool.allocate(1)
         assert null == [NULL_BLOCK], null  # held for the pool's life: never handed out
 
+    @property
+    def hit_blocks(self) -> int:
+        """How many of a prefix hit's last blocks ``lookup`` needs: a hit of n blocks uses
+        window blocks [n - hit_blocks, n) (``first_needed_block(n * B)``), none before."""
+        return cdiv(self.window - 1, self.block_size)
+
     def first_needed_block(self, start: int) -> int:
         """Index of the oldest block a token at position ``start`` (or later) attends."""
         return max(0, (start - self.window + 1) // self.block_size)

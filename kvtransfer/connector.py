@@ -95,6 +95,18 @@ class PrefillKVConnector(NoExternalLoads):
             raise RuntimeError("no KV pool registered with the connector yet")
         return self._sender
 
+    @property
+    def has_window_pool(self) -> bool:
+        """Whether the engine registered a window pool: every request then needs a
+        ``window_target`` too."""
+        return self._window is not None
+
+    def open_handles(self) -> list[str]:
+        """Request ids with a send still open, over both pools (for leak checks)."""
+        window = self._window.open_handles() if self._window is not None else []
+        own = self._sender.open_handles() if self._sender is not None else []
+        return sorted(set(own) | set(window))
+
     # ---- serving-layer side
     def register_target(
         self,
