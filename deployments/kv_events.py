@@ -6,7 +6,13 @@ stats period, and publishes the last few each time (Serve hands a router only th
 report, so a router that missed one report still finds its batch in the next). A batch is a
 snapshot (the whole cache) every ``snapshot_every`` periods and whenever the engine's log
 overflowed or its cache was cleared, so a router that fell behind recovers within a bounded
-time. Never touches the engine's state beyond its two read-only calls.
+time. Never touches the engine's state beyond its read-only calls.
+
+An engine whose window layers keep a pool of their own publishes that pool's hashes too
+(``window_stored`` / ``window_removed``) and ``window_blocks``: a prefix hit of n blocks
+is usable there only while the window pool holds blocks [n - window_blocks, n), so a
+router that knew only the full pool's hashes would credit the replica with hits it
+recomputes.
 """
 
 from __future__ import annotations
@@ -30,7 +36,20 @@ class KVEventBatch(BaseModel):
     snapshot: bool = Field(
         default=False,
         description="True: ``stored`` is every hash the cache holds (replaces what a reader "
-        "knew); ``removed`` is then empty.",
+        "knew), ``window_stored`` every hash the window pool holds; the removed lists are "
+        "then empty.",
+    )
+    window_stored: tuple[int, ...] = Field(
+        default=(), description="Hashes of full blocks the window layers' pool cached."
+    )
+    window_removed: tuple[int, ...] = Field(
+        default=(), description="Hashes of blocks the window layers' pool evicted."
+    )
+    window_blocks: int = Field(
+        default=0,
+        ge=0,
+        description="How many of a prefix hit's last blocks the window pool must hold for "
+        "the replica to use the hit (0: no window pool, every full-pool hit is usable).",
     )
 
 
@@ -38,7 +57,8 @@ class KVEventPublisher:
     """Numbers a replica's KV events and keeps the last ``window`` batches to publish.
 
     ``drain`` returns the engine's events since the last call; ``snapshot`` every hash its
-    cache holds now."""
+    cache holds now, ``window_snapshot`` every hash its window pool holds (with
+    ``window_blocks``, the engine's ``window_hit_blocks``)."""
 
     def __init__(
         self,
@@ -47,13 +67,19 @@ class KVEventPublisher:
         *,
         window: int = 4,
         snapshot_every: int = 64,
+        window_snapshot: Callable[[], list[int]] | None = None,
+        window_blocks: int = 0,
     ) -> None:
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
         if snapshot_every < 1:
             raise ValueError(f"snapshot_every must be >= 1, got {snapshot_every}")
+        if window_blocks < 0:
+            raise ValueError(f"window_blocks must be >= 0, got {window_blocks}")
         self._drain = drain
         self._snapshot = snapshot
+        self._window_snapshot = window_snapshot
+        self._window_blocks = window_blocks
         self._snapshot_every = snapshot_every
         self._recent: deque[KVEventBatch] = deque(maxlen=window)
         self._seq = 0
@@ -63,9 +89,23 @@ class KVEventPublisher:
         events = self._drain()
         seq, self._seq = self._seq, self._seq + 1
         if events.lost or events.cleared or seq % self._snapshot_every == 0:
-            batch = KVEventBatch(seq=seq, stored=tuple(self._snapshot()), snapshot=True)
+            window = self._window_snapshot() if self._window_snapshot is not None else []
+            batch = KVEventBatch(
+                seq=seq,
+                stored=tuple(self._snapshot()),
+                snapshot=True,
+                window_stored=tuple(window),
+                window_blocks=self._window_blocks,
+            )
         else:
-            batch = KVEventBatch(seq=seq, stored=events.stored, removed=events.removed)
+            batch = KVEventBatch(
+                seq=seq,
+                stored=events.stored,
+                removed=events.removed,
+                window_stored=events.window_stored,
+                window_removed=events.window_removed,
+                window_blocks=self._window_blocks,
+            )
         self._recent.append(batch)
         return list(self._recent)
 
@@ -77,7 +117,13 @@ def publisher_for(engine: object) -> KVEventPublisher | None:
     snapshot = getattr(engine, "cached_block_hashes", None)
     if drain is None or snapshot is None:
         return None
-    return KVEventPublisher(drain, snapshot)
+    window_blocks = getattr(engine, "window_hit_blocks", 0)
+    window_snapshot = getattr(engine, "cached_window_block_hashes", None)
+    if not window_blocks or window_snapshot is None:
+        return KVEventPublisher(drain, snapshot)
+    return KVEventPublisher(
+        drain, snapshot, window_snapshot=window_snapshot, window_blocks=window_blocks
+    )
 
 
 def publish(publisher: KVEventPublisher | None) -> list[KVEventBatch]:

@@ -70,6 +70,8 @@ def replica_stats(
     kv_bytes_per_token: int,
     prompt_tokens_per_s: float,
     kv_events: list[KVEventBatch] | None = None,
+    window_kv_bytes_per_token: int = 0,
+    kv_window: int = 0,
 ) -> ReplicaStats:
     return ReplicaStats(
         role=role,
@@ -85,6 +87,8 @@ def replica_stats(
         max_num_seqs=max_num_seqs,
         block_size=stats.block_size,
         kv_bytes_per_token=kv_bytes_per_token,
+        window_kv_bytes_per_token=window_kv_bytes_per_token,
+        kv_window=kv_window,
         prompt_tokens_per_s=prompt_tokens_per_s,
         kv_events=kv_events or [],
     )

@@ -279,6 +279,12 @@ class PrefillRequest(_Message):
         description="Where the KV goes: one target per rank of the decode replica (its "
         "blocks in that rank's pool, the KV heads that rank holds), rank order.",
     )
+    window_kv_targets: tuple[KVTarget, ...] = Field(
+        default=(),
+        description="Where the window layers' KV goes when the decode replica keeps a "
+        "window pool (deployments/window_handoff.py): one target, its first_block the first "
+        "block the first decoded token's window reaches; empty when it keeps none.",
+    )
     trace_carrier: dict[str, str] = Field(default_factory=dict, description="W3C context.")
 
 
@@ -318,6 +324,14 @@ class ReplicaStats(_Message):
     max_num_seqs: int = 1
     block_size: int = 16
     kv_bytes_per_token: int = 0
+    window_kv_bytes_per_token: int = Field(
+        default=0,
+        ge=0,
+        description="The part of kv_bytes_per_token on window layers that keep only the last "
+        "kv_window tokens' blocks (a window pool): a hand-off moves those layers' blocks of "
+        "the first decoded token's window only. 0: none.",
+    )
+    kv_window: int = Field(default=0, ge=0, description="Those window layers' window (tokens).")
     prompt_tokens_per_s: float = 0.0
     kv_events: list[KVEventBatch] = Field(
         default_factory=list,

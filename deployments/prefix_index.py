@@ -11,6 +11,13 @@ router has for a replica that has not published events (yet). A match is the lar
 two. Nothing here is exact and nothing needs to be: a wrong guess costs a cache miss, never
 a wrong token (the engines look their caches up again).
 
+A replica whose window layers keep a pool of their own (its batches carry
+``window_blocks``) uses a hit of n blocks only while that pool holds blocks
+[n - window_blocks, n) too (``WindowKV.usable_hit``), so the match is shortened the same
+way, over the window pool's events. The routing history stands in for those as well, for
+the last ``window_blocks`` blocks of a prompt sent there (the window its prefill leaves
+cached; the window of a shorter prefix was released as the prefill passed it).
+
 Plain Python, so the simulator runs the very same index.
 """
 
@@ -42,6 +49,8 @@ class _ReplicaBlocks:
 
     def __init__(self) -> None:
         self.hashes: set[int] = set()
+        self.window_hashes: set[int] = set()
+        self.window_blocks = 0  # 0: no window pool
         self.seq = -1
 
 
@@ -63,8 +72,10 @@ class PrefixIndex:
         self.history_max_entries = history_max_entries
         self._clock = clock
         self._events: dict[Hashable, _ReplicaBlocks] = {}
-        # (replica, block hash) -> when this router last sent a prompt holding it there.
+        # (replica, block hash) -> when this router last sent a prompt holding it there;
+        # the window history: the same for the blocks that left their window cached.
         self._history: OrderedDict[tuple[Hashable, int], float] = OrderedDict()
+        self._window_history: OrderedDict[tuple[Hashable, int], float] = OrderedDict()
 
     # ---- input
     def apply(self, replica: Hashable, batches: Iterable[KVEventBatch]) -> None:
@@ -76,15 +87,30 @@ class PrefixIndex:
                 continue
             if batch.snapshot:
                 known.hashes = set(batch.stored)
+                known.window_hashes = set(batch.window_stored)
             else:
                 known.hashes.update(batch.stored)
                 known.hashes.difference_update(batch.removed)
+                known.window_hashes.update(batch.window_stored)
+                known.window_hashes.difference_update(batch.window_removed)
+            known.window_blocks = batch.window_blocks
             known.seq = batch.seq
 
     def routed(self, replica: Hashable, hashes: Sequence[int]) -> None:
         """This router sent a prompt with these block hashes to ``replica``."""
         now = self._clock()
-        history = self._history
+        self._remember(self._history, replica, hashes, now)
+        known = self._events.get(replica)
+        if known is not None and known.window_blocks and hashes:
+            self._remember(self._window_history, replica, hashes[-known.window_blocks :], now)
+
+    def _remember(
+        self,
+        history: OrderedDict[tuple[Hashable, int], float],
+        replica: Hashable,
+        hashes: Sequence[int],
+        now: float,
+    ) -> None:
         for h in hashes:
             key = (replica, h)
             history[key] = now
@@ -95,8 +121,9 @@ class PrefixIndex:
     def forget(self, replica: Hashable) -> None:
         """The replica is gone."""
         self._events.pop(replica, None)
-        for key in [k for k in self._history if k[0] == replica]:
-            del self._history[key]
+        for history in (self._history, self._window_history):
+            for key in [k for k in history if k[0] == replica]:
+                del history[key]
 
     # ---- queries
     def matched_blocks(self, replica: Hashable, hashes: Sequence[int]) -> int:
@@ -114,6 +141,24 @@ class PrefixIndex:
             if seen is None or seen < oldest:
                 break
             n += 1
+        if known is None or not known.window_blocks:
+            return n
+        return self._usable_hit(replica, known, hashes, n, oldest)
+
+    def _usable_hit(
+        self, replica: Hashable, known: _ReplicaBlocks, hashes: Sequence[int], n: int, oldest: float
+    ) -> int:
+        """The longest hit, at most ``n`` blocks, whose last ``window_blocks`` blocks the
+        window pool holds (events or window history), as the engine shortens it."""
+        held = known.window_hashes
+        history = self._window_history
+
+        def has(h: int) -> bool:
+            seen = history.get((replica, h))
+            return h in held or (seen is not None and seen >= oldest)
+
+        while n > 0 and not all(has(h) for h in hashes[max(0, n - known.window_blocks) : n]):
+            n -= 1
         return n
 
     def has_events(self, replica: Hashable) -> bool:

@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from pdserve.deployments.handoff_bytes import transfer_s
 from pdserve.deployments.messages import ReplicaStats
 from pdserve.deployments.metrics import RoutingDecisions
 from pdserve.deployments.prefix_index import PrefixIndex
@@ -118,16 +119,17 @@ def rank_prefill_prefix(
     inflight_tokens: Mapping[Any, int],
 ) -> tuple[list[list[Any]], RoutingReason]:
     """Singleton tiers, lowest predicted TTFT first: queue wait + the tokens this replica
-    lacks + the transfer of ``transfer_tokens`` (the blocks the decode side lacks)."""
+    lacks + the transfer of ``transfer_tokens`` (the blocks the decode side lacks; a window
+    pool's layers move only the window's, ``handoff_bytes.transfer_s``)."""
     if not replicas:
         return [], "no_fit"
     scored = []
     for i, (r, t) in enumerate(replicas):
         ahead = max(t.queued_tokens, inflight_tokens.get(r.replica_id, 0))
         cached = min(cached_tokens.get(r.replica_id, 0), prompt_tokens - 1)
-        transfer_s = transfer_tokens * t.kv_bytes_per_token / t.transfer_bytes_per_s
-        without = (ahead + prompt_tokens) / t.tokens_per_s + transfer_s
-        scored.append(((ahead + prompt_tokens - cached) / t.tokens_per_s + transfer_s, without, i))
+        moving = transfer_s(t, prompt_tokens, transfer_tokens)
+        without = (ahead + prompt_tokens) / t.tokens_per_s + moving
+        scored.append(((ahead + prompt_tokens - cached) / t.tokens_per_s + moving, without, i))
     ranked = sorted(scored)
     by_load = min(scored, key=lambda s: (s[1], s[2]))
     reason: RoutingReason = "prefix" if ranked[0][2] != by_load[2] else "load"

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple, Protocol
 from pydantic import ValidationError
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from pdserve.deployments.handoff_bytes import handoff_bytes, transfer_s
 from pdserve.deployments.messages import GenerateRequest, PrefillRequest, ReplicaStats
 from pdserve.deployments.prefix_index import prompt_block_hashes
 from pdserve.deployments.prefix_routing import (
@@ -77,15 +78,31 @@ class PrefillTerms(NamedTuple):
 
     queued_tokens: int
     tokens_per_s: float
-    kv_bytes_per_token: int
+    kv_bytes_per_token: int  # of the layers that hand off every token (all, without a window pool)
     transfer_bytes_per_s: float
+    # A window pool: its layers hand off only the first decoded token's window (handoff_bytes).
+    window_kv_bytes_per_token: int = 0
+    kv_window: int = 0
+    block_size: int = 16
 
 
 def prefill_terms(stats: ReplicaStats | None, p: PrefillRouterParams) -> PrefillTerms:
+    """A configured ``kv_bytes_per_token`` counts every token on every layer; otherwise the
+    replica's report splits its window layers off (``ReplicaStats.window_kv_bytes_per_token``)."""
     queued = stats.queued_prefill_tokens if stats else 0
     rate = (stats.prefill_tokens_per_s if stats else 0.0) or p.default_prefill_tokens_per_s
-    bytes_per_token = p.kv_bytes_per_token or (stats.kv_bytes_per_token if stats else 0)
-    return PrefillTerms(queued, rate, bytes_per_token, p.transfer_bytes_per_s)
+    if p.kv_bytes_per_token or stats is None:
+        return PrefillTerms(queued, rate, p.kv_bytes_per_token, p.transfer_bytes_per_s)
+    window_bytes = stats.window_kv_bytes_per_token if stats.kv_window else 0
+    return PrefillTerms(
+        queued,
+        rate,
+        max(0, stats.kv_bytes_per_token - window_bytes),
+        p.transfer_bytes_per_s,
+        window_bytes,
+        stats.kv_window,
+        stats.block_size,
+    )
 
 
 def predict_prefill_ttft_s(
@@ -99,8 +116,7 @@ def predict_from_terms(t: PrefillTerms, inflight_tokens: int, prompt_tokens: int
     """``predict_prefill_ttft_s`` from a report's ``PrefillTerms`` (``rank_prefill_terms``
     has the same arithmetic inline, for speed; the tests hold the two equal)."""
     queued = max(t.queued_tokens, inflight_tokens)
-    transfer_s = prompt_tokens * t.kv_bytes_per_token / t.transfer_bytes_per_s
-    return (queued + prompt_tokens) / t.tokens_per_s + transfer_s
+    return (queued + prompt_tokens) / t.tokens_per_s + transfer_s(t, prompt_tokens, prompt_tokens)
 
 
 def decode_load_score(
@@ -154,10 +170,16 @@ def rank_prefill_terms(
     n = prompt_tokens
     scored: list[tuple[float, int]] = []
     append = scored.append
-    for i, (r, (queued, rate, bytes_per_token, bandwidth)) in enumerate(replicas):
+    for i, (r, (queued, rate, bytes_per_token, bandwidth, window_bytes, window, bs)) in enumerate(
+        replicas
+    ):
         inflight = get(r.replica_id, 0)
         ahead = inflight if inflight > queued else queued  # max(), without the call
-        append(((ahead + n) / rate + n * bytes_per_token / bandwidth, i))
+        if window_bytes:
+            moved = handoff_bytes(n, n, bytes_per_token, window_bytes, window, bs)
+        else:
+            moved = n * bytes_per_token
+        append(((ahead + n) / rate + moved / bandwidth, i))
     scored.sort()
     return [[replicas[i][0]] for _, i in scored]
 

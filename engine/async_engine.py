@@ -120,15 +120,34 @@ class AsyncLLMEngine:
         return self.engine.block_size
 
     def drain_kv_events(self) -> KVEvents:
-        """The prefix cache's stored/evicted block hashes since the last call (never waits
-        for the engine thread: the log has its own lock)."""
-        return self.engine.kv_events.drain()
+        """The prefix cache's stored/evicted block hashes since the last call, the window
+        pool's too where there is one (never waits for the engine thread: the logs have
+        their own locks)."""
+        return self.engine.drain_kv_events()
 
     def cached_block_hashes(self) -> list[int]:
         """Every block hash the prefix cache holds now, for a KV-event snapshot. Read off
         the engine thread on purpose, like ``cached_prefix_tokens``: copying a dict's keys
         is one step under the GIL, and a slightly stale set only skews routing."""
         return self.engine.kv_cache_manager.pool.cached_hashes()
+
+    def cached_window_block_hashes(self) -> list[int]:
+        """The same for the window pool (empty without one)."""
+        window = self.engine.kv_cache_manager.window
+        return window.pool.cached_hashes() if window is not None else []
+
+    @property
+    def kv_window(self) -> int:
+        """The window (tokens) whose KV the window pool keeps per sequence; 0 without one."""
+        window = self.engine.kv_cache_manager.window
+        return window.window if window is not None else 0
+
+    @property
+    def window_hit_blocks(self) -> int:
+        """How many of a prefix hit's last blocks the window pool must hold for the hit to
+        be usable (``WindowKV.hit_blocks``); 0 without a window pool."""
+        window = self.engine.kv_cache_manager.window
+        return window.hit_blocks if window is not None else 0
 
     def cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
         """Prompt tokens whose KV the prefix cache holds right now (full blocks; the last
@@ -203,19 +222,29 @@ class AsyncLLMEngine:
         params: SamplingParams | None = None,
         *,
         arrival_time: float | None = None,
+        receives_window_pool: bool = False,
     ) -> list[int] | None:
-        """Decode role: reserve blocks (None if no room). Read its outputs with stream()."""
+        """Decode role: reserve blocks (None if no room). Read its outputs with stream().
+        ``receives_window_pool``: as ``LLMEngine.reserve_remote_prefill``."""
         stream = self._new_stream()
 
         def reserve() -> list[int] | None:
             blocks = self.engine.reserve_remote_prefill(
-                request_id, prompt_token_ids, params, arrival_time=arrival_time
+                request_id,
+                prompt_token_ids,
+                params,
+                arrival_time=arrival_time,
+                receives_window_pool=receives_window_pool,
             )
             if blocks is not None:
                 self._streams[request_id] = stream
             return blocks
 
         return await self._call(reserve)
+
+    async def remote_window_blocks(self, request_id: str) -> tuple[int, list[int]]:
+        """A reserved remote prefill's window pool blocks (``LLMEngine.remote_window_blocks``)."""
+        return await self._call(lambda: self.engine.remote_window_blocks(request_id))
 
     async def complete_remote_prefill(
         self,

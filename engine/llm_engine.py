@@ -24,7 +24,7 @@ from pdserve.engine.kv_connector import (
     WindowKVConnector,
     moves_window_pool,
 )
-from pdserve.engine.kv_events import KVEventLog
+from pdserve.engine.kv_events import KVEventLog, KVEvents
 from pdserve.engine.output_processor import prior_streamed_text
 from pdserve.engine.outputs import RequestOutput, TokenLogprob
 from pdserve.engine.request import Request
@@ -151,8 +151,16 @@ class LLMEngine:
         warm_up = getattr(model_runner, "warm_up", None)  # optional: fakes have none
         if warm_up is not None:  # GPU: compile every kernel variant before serving
             warm_up()
-        # int8 / float8 pools: [L, 2, Hkv] scales the hand-off compares (engine/kv_scales.py).
-        self.kv_scales: torch.Tensor | None = getattr(model_runner, "kv_scales", None)
+        # int8 / float8 pools: the [L_pool, 2, Hkv] scales of kv_cache's layers, which the
+        # hand-off compares (engine/kv_scales.py), and the window pool's (below).
+        split = getattr(model_runner, "pool_kv_scales", None)
+        self.kv_scales: torch.Tensor | None
+        self.window_kv_scales: torch.Tensor | None
+        if split is not None:
+            self.kv_scales, self.window_kv_scales = split()
+        else:  # a runner without a window pool
+            self.kv_scales = getattr(model_runner, "kv_scales", None)
+            self.window_kv_scales = None
         if kv_connector is not None and self.kv_scales is not None:
             cast(QuantizedKVConnector, kv_connector).register_kv_caches(
                 self.kv_cache, self.model_config.kv_identity, kv_scales=self.kv_scales
@@ -171,11 +179,17 @@ class LLMEngine:
             )
             window_pool = getattr(model_runner, "window_kv_cache", None)
             if kv_connector is not None and window_pool is not None:  # moves_window_pool
+                # A quantized window pool's scales ride along (only then: a float pool's
+                # connector need not take them).
+                scaled = (
+                    {} if self.window_kv_scales is None else {"kv_scales": self.window_kv_scales}
+                )
                 cast(WindowKVConnector, kv_connector).register_window_kv_caches(
                     window_pool,
                     self.model_config.kv_identity,
                     layers=self.window_layout.layers,
                     window=self.window_layout.window,
+                    **scaled,
                 )
         self.kv_cache_manager = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching, window
@@ -183,6 +197,10 @@ class LLMEngine:
         # The prefix cache's stored/evicted block hashes, drained by the serving layer.
         self.kv_events = KVEventLog()
         self.kv_cache_manager.pool.events = self.kv_events
+        # The window pool's own: a router needs both to know which prefix hit is usable.
+        self.window_kv_events: KVEventLog | None = None
+        if window is not None:
+            self.window_kv_events = window.pool.events = KVEventLog()
         self.scheduler = Scheduler(
             self.kv_cache_manager,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -460,6 +478,13 @@ class LLMEngine:
         """Whether step() should be called: tokens to compute, outputs to emit, or KV sends
         whose completion must be polled."""
         return self.scheduler.has_work() or bool(self.scheduler.sending)
+
+    def drain_kv_events(self) -> KVEvents:
+        """Both pools' prefix-cache events since the last call (each log has its lock)."""
+        events = self.kv_events.drain()
+        if self.window_kv_events is not None:
+            events = events.with_window(self.window_kv_events.drain())
+        return events
 
     def cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
         """Prompt tokens whose KV the prefix cache holds right now (full blocks; the last

@@ -42,6 +42,11 @@ class WindowLayout:
         if self.window < 1 or not self.layers or self.num_blocks < 2:
             raise ValueError(f"WindowLayout: invalid {self}")
 
+    def full_layers(self, num_layers: int) -> tuple[int, ...]:
+        """The decoder layers of the full pool (the others), ascending."""
+        members = set(self.layers)
+        return tuple(i for i in range(num_layers) if i not in members)
+
 
 def plan_window_layout(
     kv_layers: Sequence[KVLayerSpec],
@@ -102,6 +107,12 @@ class WindowKV:
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         null = self.pool.allocate(1)
         assert null == [NULL_BLOCK], null  # held for the pool's life: never handed out
+
+    @property
+    def hit_blocks(self) -> int:
+        """How many of a prefix hit's last blocks ``lookup`` needs: a hit of n blocks uses
+        window blocks [n - hit_blocks, n) (``first_needed_block(n * B)``), none before."""
+        return cdiv(self.window - 1, self.block_size)
 
     def first_needed_block(self, start: int) -> int:
         """Index of the oldest block a token at position ``start`` (or later) attends."""

@@ -9,8 +9,8 @@ into pdserve's own class (``model_impl`` auto must pick it):
 greedy tokens must equal ``transformers.generate`` and logprobs be within 1e-4 of
 transformers' log-softmax, for prompts of 1 to 600 tokens joining at different steps,
 under the default budget and under a 32-token chunked-prefill budget with a pool small
-enough to force preemption. The pool holds one latent head per token in one plane, and
-tensor parallelism is refused with a clear error.
+enough to force preemption. The pool holds one latent head per token in one plane (tensor
+parallelism: ``test_mla_tp.py``).
 """
 
 from __future__ import annotations
@@ -107,13 +107,6 @@ def test_chunked_prefill_and_preemption_match_transformers(hf_model) -> None:
     engine = LLMEngine(small_pool_config(model_dir))
     _check(engine, ref, PREEMPT_ARRIVALS)
     assert engine.stats().num_preemptions > 0, "the pool was meant to force preemption"
-
-
-def test_tensor_parallel_is_refused(tiny_model_dir: Path, tmp_path: Path) -> None:
-    model_dir = build_tiny_model("deepseek-v3", tmp_path, tiny_model_dir)
-    config = EngineConfig(model=str(model_dir), device="cpu", tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="latent attention .* tensor parallelism"):
-        LLMEngine(config)
 
 
 @pytest.mark.parametrize(
