@@ -11,7 +11,7 @@ torch or a clock (callers pass times in).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
 
 from pdserve.deployments.admission.rules import (
@@ -68,6 +68,9 @@ class FirstTokenScore:
 @dataclass
 class _Admitted:
     prediction: TTFTPrediction
+    ahead: QueueAhead
+    uncached: int
+    location: PrefillLocation
     admitted_at: float
     arrival: float
     awaiting_first_token: bool = True
@@ -102,6 +105,8 @@ class DecodeAdmission:
         self.calibration = Calibration()
         self.pending = PendingPrefills()
         self._admitted: dict[str, _Admitted] = {}
+        # The rates of the latest prediction per prefill location (what the next one uses).
+        self._latest: dict[PrefillLocation, QueueAhead] = {}
         self.scores: deque[FirstTokenScore] = deque(maxlen=history)
 
     @classmethod
@@ -158,13 +163,16 @@ class DecodeAdmission:
         """Predict ``req``'s TTFT and decide; an admitted request enters the books until
         ``finished``."""
         ahead = self.queue_ahead(req, signals, now)
+        self._latest[req.location] = ahead
         uncached = uncached_tokens(req.prompt_tokens, req.cached_tokens, req.location)
         prediction = predict_ttft(ahead, uncached, self.calibration.value)
         verdict = decide(prediction, req.priority, self.rules, self.pending.num_open)
         if verdict.action == "admit":
             self.pending.admitted(req.request_id, req.location, uncached)
             arrival = req.arrival_time if req.arrival_time is not None else now
-            self._admitted[req.request_id] = _Admitted(prediction, now, arrival)
+            self._admitted[req.request_id] = _Admitted(
+                prediction, ahead, uncached, req.location, now, arrival
+            )
         return verdict
 
     def taken_in(self, request_id: str) -> None:
@@ -185,12 +193,25 @@ class DecodeAdmission:
             # Only a prediction with a queue ahead calibrates: a lone request's error is
             # its fixed costs (the step it waited for, its trip through the event loop),
             # which a factor would multiply by the depth of every later queue.
-            self.calibration.observe(
-                prediction.remaining_s / prediction.calibration, now - entry.admitted_at
-            )
+            self.calibration.observe(self._at_latest_rates(entry), now - entry.admitted_at)
         score = FirstTokenScore(prediction.total_s, now - entry.arrival)
         self.scores.append(score)
         return score
+
+    def _at_latest_rates(self, entry: _Admitted) -> float:
+        """The uncalibrated remaining time of an admitted request's queue, priced at the
+        rates the next prediction uses. The measured rates follow a change of the CPU's
+        share (another engine on the same cores starting or stopping) a few steps late;
+        a factor learned against the rates of admission would count the change a second
+        time once they have caught up, so it learns only what they still miss."""
+        latest = self._latest.get(entry.location, entry.ahead)
+        ahead = replace(
+            entry.ahead,
+            step_s=latest.step_s,
+            prefill_tokens_per_s=latest.prefill_tokens_per_s,
+            prefill_overhead_s=latest.prefill_overhead_s,
+        )
+        return predict_ttft(ahead, entry.uncached).remaining_s
 
     def finished(self, request_id: str) -> None:
         """An admitted request ended (finished, failed or cancelled)."""

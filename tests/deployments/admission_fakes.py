@@ -44,6 +44,13 @@ class _Seq:
     arrival: float
 
 
+@dataclass(frozen=True)
+class PlannedStep:
+    chunks: list[tuple[_Seq, int]]  # prompt chunks: (sequence, tokens)
+    decoding: list[_Seq]
+    seconds: float  # on a CPU of its own
+
+
 class ModelReplica:
     """A colocated decode replica: FCFS chunked prefill, one token per running sequence
     per step, the meters and snapshot its engine keeps, the admission its server runs."""
@@ -95,6 +102,12 @@ class ModelReplica:
 
     def step(self) -> list[str]:
         """One engine step; returns the requests it finished."""
+        planned = self.plan()
+        self.now += planned.seconds
+        return self.complete(planned, planned.seconds)
+
+    def plan(self) -> PlannedStep:
+        """The next step's chunks and its time on an idle CPU (the engine's schedule)."""
         decoding = [s for s in self.seqs if s.uncomputed == 0]
         budget, chunks = BUDGET - len(decoding), []
         for s in self.seqs:
@@ -106,7 +119,13 @@ class ModelReplica:
         seconds = DECODE_STEP_S + prefill * PREFILL_S_PER_TOKEN
         if prefill and self.cold:
             seconds, self.cold = COLD_STEP_S, False
-        self.now += seconds
+        return PlannedStep(chunks, decoding, seconds)
+
+    def complete(self, planned: PlannedStep, seconds: float) -> list[str]:
+        """A planned step ends at ``self.now`` after ``seconds`` of wall time: the meters,
+        first tokens and finished requests; returns the requests it finished."""
+        chunks, decoding = planned.chunks, planned.decoding
+        prefill = sum(n for _, n in chunks)
         if prefill:
             self.prefill_meter.update(prefill, seconds)
         else:
