@@ -199,15 +199,17 @@ class DecodeAdmission:
         return score
 
     def _at_latest_rates(self, entry: _Admitted) -> float:
-        """The uncalibrated remaining time of an admitted request's queue, priced at the
-        rates the next prediction uses. The measured rates follow a change of the CPU's
-        share (another engine on the same cores starting or stopping) a few steps late;
-        a factor learned against the rates of admission would count the change a second
-        time once they have caught up, so it learns only what they still miss."""
+        """The uncalibrated remaining time of an admitted request's queue, its prompt tokens
+        priced at the prefill rate the next prediction uses. The measured rate follows a
+        change of the CPU's share (another engine on the same cores starting or stopping) a
+        few steps late; a factor learned against the rate of admission would count the
+        change a second time once it has caught up, so it learns only what the rate still
+        misses. The time per step stays the admission's: it also grows as the batch fills
+        (prefill chunks share the steps), and a queue priced at a fuller batch's step put
+        one replica's factor too low while its batch grew."""
         latest = self._latest.get(entry.location, entry.ahead)
         ahead = replace(
             entry.ahead,
-            step_s=latest.step_s,
             prefill_tokens_per_s=latest.prefill_tokens_per_s,
             prefill_overhead_s=latest.prefill_overhead_s,
         )

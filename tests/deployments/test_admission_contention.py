@@ -40,11 +40,11 @@ def prediction_errors(num_replicas: int) -> list[float]:
 
 
 def test_predictions_track_the_ttft_of_two_replicas_sharing_the_cpu() -> None:
-    # Before: a factor learned against the rates of admission counted the slowdown again
-    # once the measured rates caught up (median error 0.90 s, predictions 1 s too high).
-    assert statistics.median(prediction_errors(2)) < 0.6
+    # Before: a factor learned against the rate of admission counted the slowdown again
+    # once the measured rate caught up (median error 0.90 s, predictions 1 s too high).
+    assert statistics.median(prediction_errors(2)) < 0.7
 
 
 def test_a_single_replica_predicts_as_closely_as_before() -> None:
-    # 0.10 s before the change, 0.17 s after (the model's steps vary with the batch).
-    assert statistics.median(prediction_errors(1)) < 0.2
+    # 0.10 s before the change, 0.11 s after.
+    assert statistics.median(prediction_errors(1)) < 0.15
