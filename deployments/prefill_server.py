@@ -109,8 +109,10 @@ class PrefillServer:
         # The engine registered its pool with the connector, which built the sender.
         self.sender = self.connector.sender
         self.layout = self.sender.layout
+        # Over the whole replica: every KV head once, whichever rank holds it.
+        block_bytes = self.layout.block_bytes(self.layout.heads_total)
         self.kv_bytes_per_token = (
-            self.layout.block_bytes() * self.layout.num_layers // max(self.layout.block_size, 1)
+            block_bytes * self.layout.num_layers // max(self.layout.block_size, 1)
         )
         # A window pool (not in the sender's layout): its layers hand off only the blocks
         # of the first decoded token's window, which the router's estimate counts. A

@@ -122,6 +122,15 @@ def test_tp_replicas_hand_off_only_the_window_and_match(r: Replicas, decode_tp: 
             assert len(sent.window_kv_targets) == len(sent.kv_targets) == 2
             assert sent.window_kv_targets[0].transport == sent.kv_targets[0].transport == "shm"
             assert [t.layout.tp_rank for t in sent.window_kv_targets] == [0, 1]
+    # What the prefill router prices a hand-off by: the whole replica's KV per token (every
+    # head once, as the decode replica counts it), the window layers' share of it apart.
+    stats = r.prefill.record_routing_stats()
+    assert stats["kv_bytes_per_token"] == decode.kv_bytes_per_token
+    window_layers = decode.engine.window_kv_cache.shape[0]
+    layers = window_layers + decode.engine.kv_cache.shape[0]
+    assert (
+        stats["window_kv_bytes_per_token"] * layers == window_layers * stats["kv_bytes_per_token"]
+    )
     for server in (decode, r.prefill):
         report = integrity(server)
         assert report.num_window_total_blocks > 0, report
