@@ -38,9 +38,10 @@ MAX_TOKENS = 10
 @dataclass
 class Replicas:
     prefill: PrefillServer  # TP=2
+    single_prefill: PrefillServer  # TP=1
     decode: DecodeServer  # TP=2
-    single_decode: DecodeServer  # TP=1, paired with the same prefill replica
-    client: InProcessPrefill  # ``decode``'s
+    single_decode: DecodeServer  # TP=1, paired with ``prefill``
+    client: InProcessPrefill  # ``decode``'s (calls ``prefill`` unless a test swaps it)
     reference: LLMEngine  # one engine, window pool on
 
 
@@ -55,12 +56,14 @@ def replicas(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     client = InProcessPrefill(prefill)
     servers: list[Any] = [prefill]
     try:
+        single_prefill = PrefillServer(config(model={"path": model_dir}, prefill=engine), model_dir)
+        servers.append(single_prefill)
         decode = DecodeServer(cfg, model_dir, prefill=client)
         servers.append(decode)
         single_decode = DecodeServer(single_cfg, model_dir, prefill=InProcessPrefill(prefill))
         servers.append(single_decode)
         reference = LLMEngine.from_pretrained(model_dir, num_kv_blocks=64, device="cpu")
-        yield Replicas(prefill, decode, single_decode, client, reference)
+        yield Replicas(prefill, single_prefill, decode, single_decode, client, reference)
     finally:
         for server in reversed(servers):
             server.shutdown()
@@ -92,13 +95,18 @@ def windowed_bytes(server: DecodeServer, prompts: list[list[int]]) -> int:
     return total
 
 
-@pytest.mark.parametrize("decode_tp", [2, 1])
-def test_tp_replicas_hand_off_only_the_window_and_match(r: Replicas, decode_tp: int) -> None:
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 2), (2, 1), (1, 2)], ids=str)
+def test_tp_replicas_hand_off_only_the_window_and_match(
+    r: Replicas, prefill_tp: int, decode_tp: int
+) -> None:
     decode = r.decode if decode_tp == 2 else r.single_decode
+    prefill = r.prefill if prefill_tp == 2 else r.single_prefill
+    r.client.server = prefill  # ``decode``'s client (``single_decode`` calls ``r.prefill``)
+    seed = 10 * prefill_tp + decode_tp
     prompts = {
-        f"tp{decode_tp}-300": long_prompt(71 + decode_tp, 300),
-        f"tp{decode_tp}-70": long_prompt(73 + decode_tp, 70),
-        f"tp{decode_tp}-short": SHORT,
+        f"{seed}-300": long_prompt(seed, 300),
+        f"{seed}-70": long_prompt(seed + 1, 70),
+        f"{seed}-short": SHORT,
     }
     before = decode.counters()
 
@@ -107,7 +115,10 @@ def test_tp_replicas_hand_off_only_the_window_and_match(r: Replicas, decode_tp: 
             *(collect(decode, request(rid, p, MAX_TOKENS)) for rid, p in prompts.items())
         )
 
-    results = dict(zip(prompts, asyncio.run(run()), strict=True))
+    try:
+        results = dict(zip(prompts, asyncio.run(run()), strict=True))
+    finally:
+        r.client.server = r.prefill
     where = {rid: chunks[0].prefill_location for rid, chunks in results.items()}
     assert list(where.values()) == ["remote", "remote", "local"], where
     for rid, prompt in prompts.items():
@@ -124,14 +135,12 @@ def test_tp_replicas_hand_off_only_the_window_and_match(r: Replicas, decode_tp: 
             assert [t.layout.tp_rank for t in sent.window_kv_targets] == [0, 1]
     # What the prefill router prices a hand-off by: the whole replica's KV per token (every
     # head once, as the decode replica counts it), the window layers' share of it apart.
-    stats = r.prefill.record_routing_stats()
+    stats = prefill.record_routing_stats()
     assert stats["kv_bytes_per_token"] == decode.kv_bytes_per_token
     window_layers = decode.engine.window_kv_cache.shape[0]
-    layers = window_layers + decode.engine.kv_cache.shape[0]
-    assert (
-        stats["window_kv_bytes_per_token"] * layers == window_layers * stats["kv_bytes_per_token"]
-    )
-    for server in (decode, r.prefill):
+    layer_bytes = decode.kv_bytes_per_token // (window_layers + decode.engine.kv_cache.shape[0])
+    assert stats["window_kv_bytes_per_token"] == window_layers * layer_bytes
+    for server in (decode, prefill):
         report = integrity(server)
         assert report.num_window_total_blocks > 0, report
         assert report.idle, report
