@@ -90,9 +90,9 @@ def read_quantization_config(hf_config: dict[str, Any]) -> QuantScheme | None:
         return _compressed_tensors_scheme(qc)
     if method == "mxfp4":
         raise ValueError(
-            "quantization_config.quant_method 'mxfp4' (gpt-oss's MXFP4 expert weights) is not "
-            f"supported; supported: {', '.join(SUPPORTED_METHODS)}. Use a bfloat16 checkpoint "
-            "of the model (its experts dequantized)"
+            "quantization_config.quant_method 'mxfp4' is read only for gpt-oss's experts on "
+            "the native path (model_impl auto or native; engine/expert_quant.py); here "
+            f"supported: {', '.join(SUPPORTED_METHODS)}"
         )
     raise ValueError(
         f"quantization_config.quant_method {method!r} is not supported; supported: "
