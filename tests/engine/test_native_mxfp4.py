@@ -24,15 +24,16 @@ from pdserve.engine.expert_quant import dequantize_mxfp4
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.loader import load_model_config
 from pdserve.engine.testmodel_quant import quantize_mxfp4, write_quantized
-from tests.engine.checkpoint_edits import edited_checkpoint
+from tests.engine.quantized_checkpoints import (
+    check_default_schedule,
+    check_small_pool,
+    check_two_ranks,
+    edited_checkpoint,
+)
 from tests.engine.tiny_hf_models import build_tiny_model
 from tests.engine.transformers_reference import (
-    ARRIVALS,
-    PREEMPT_ARRIVALS,
     Reference,
     assert_bf16_first_tokens_agree,
-    check_native_engine,
-    small_pool_config,
 )
 
 NUM_NEW = 16
@@ -98,25 +99,15 @@ def test_config_reads_mxfp4_experts_and_float_linears(mxfp4) -> None:
 
 
 def test_default_schedule_matches_transformers(mxfp4) -> None:
-    model_dir, ref = mxfp4
-    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32"))
-    check_native_engine(engine, ref, ARRIVALS, NUM_NEW)
+    check_default_schedule(*mxfp4, NUM_NEW)
 
 
 def test_chunked_prefill_and_preemption_match_transformers(mxfp4) -> None:
-    model_dir, ref = mxfp4
-    engine = LLMEngine(small_pool_config(model_dir))
-    check_native_engine(engine, ref, PREEMPT_ARRIVALS, NUM_NEW)
-    assert engine.stats().num_preemptions > 0, "the pool was meant to force preemption"
+    check_small_pool(*mxfp4, NUM_NEW)
 
 
 def test_experts_split_over_two_ranks_match_transformers(mxfp4) -> None:
-    model_dir, ref = mxfp4
-    engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", tensor_parallel_size=2))
-    try:
-        check_native_engine(engine, ref, ARRIVALS[:4], NUM_NEW)
-    finally:
-        engine.shutdown()
+    check_two_ranks(*mxfp4, NUM_NEW)
 
 
 def test_bfloat16_engine_holds_transformers_experts_and_agrees(mxfp4) -> None:

@@ -1,0 +1,121 @@
+"""Block-quantized fp8 MoE checkpoints (``quant_method: fp8`` with ``weight_block_size``,
+as Qwen3-30B-A3B-FP8 ships) on the native path.
+
+A tiny random Qwen3-MoE built by transformers is written in that format (every attention
+and expert projection an e4m3 ``weight`` with a ``weight_scale_inv`` per 32x32 block, so
+the experts' scales are 1x2 and 2x1 grids; the router stays float). The native engine holds
+the experts dequantized and runs the attention on the dense fp8 path. transformers cannot
+load the fp8 checkpoint on this machine (its FineGrainedFP8 loader needs accelerate, even
+to dequantize on a CPU), so the oracle is transformers on the float checkpoint of exactly
+the dequantized weights (``kernels.quant_reference``): greedy tokens equal and logprobs
+within 1e-4 in float32 on both schedules and over two tensor-parallel ranks. An expert
+weight without its scales, or with scales of the wrong grid, is refused naming the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.loader import load_model_config
+from pdserve.engine.testmodel_quant import write_quantized
+from pdserve.kernels import quant_reference as R
+from tests.engine.quantized_checkpoints import (
+    check_default_schedule,
+    check_small_pool,
+    check_two_ranks,
+    edited_checkpoint,
+)
+from tests.engine.tiny_hf_models import build_tiny_model
+from tests.engine.transformers_reference import (
+    Reference,
+    load_reference,
+)
+
+NUM_NEW = 16
+BLOCK = 32
+EXPERT = "model.layers.0.mlp.experts.1.down_proj.weight"
+
+
+def _dequantized_copy(model_dir: Path, out: Path) -> Path:
+    """The float checkpoint holding exactly the fp8 checkpoint's dequantized weights."""
+
+    def dequantize(t: dict[str, torch.Tensor]) -> None:
+        for name in [n for n in t if n.endswith(".weight_scale_inv")]:
+            weight = name.removesuffix("_scale_inv")
+            q, block_scale = t[weight], t.pop(name)
+            rows = block_scale.repeat_interleave(BLOCK, 0)[: q.shape[0]]
+            t[weight] = R.dequantize_weight(q, rows)
+
+    out = edited_checkpoint(model_dir, out, dequantize)
+    config = json.loads((out / "config.json").read_text())
+    del config["quantization_config"]
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.fixture(scope="module")
+def fp8_moe(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, Reference]:
+    root = tmp_path_factory.mktemp("qwen3-moe-fp8")
+    float_dir = build_tiny_model("qwen3-moe", root / "float", tiny_model_dir)
+    model_dir = write_quantized("FP8_HF_BLOCK", float_dir, root / "fp8", fp8_block=BLOCK)
+    return model_dir, load_reference(_dequantized_copy(model_dir, root / "dequantized"))
+
+
+def test_config_reads_fp8_block_experts_and_linears(fp8_moe) -> None:
+    cfg = load_model_config(fp8_moe[0])
+    assert cfg.impl == "native" and cfg.moe is not None
+    assert cfg.moe.quantized is not None and cfg.moe.quantized.method == "fp8"
+    assert cfg.moe.quantized.block == (BLOCK, BLOCK)
+    assert cfg.quantization is not None and cfg.quantization.block == (BLOCK, BLOCK)
+
+
+def test_default_schedule_matches_transformers(fp8_moe) -> None:
+    check_default_schedule(*fp8_moe, NUM_NEW)
+
+
+def test_chunked_prefill_and_preemption_match_transformers(fp8_moe) -> None:
+    check_small_pool(*fp8_moe, NUM_NEW)
+
+
+def test_experts_split_over_two_ranks_match_transformers(fp8_moe) -> None:
+    check_two_ranks(*fp8_moe, NUM_NEW)
+
+
+def _drop_scale(t: dict[str, torch.Tensor]) -> None:
+    del t[EXPERT + "_scale_inv"]
+
+
+def _wrong_grid(t: dict[str, torch.Tensor]) -> None:
+    t[EXPERT + "_scale_inv"] = t[EXPERT + "_scale_inv"].repeat(1, 2)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (_drop_scale, f"{EXPERT}' has no 'weight_scale_inv'"),
+        (_wrong_grid, f"{EXPERT}': weight_scale_inv \\(2, 2\\), expected \\(2, 1\\)"),
+    ],
+)
+def test_malformed_expert_is_refused_naming_the_tensor(
+    fp8_moe, tmp_path: Path, edit, message: str
+) -> None:
+    bad = edited_checkpoint(fp8_moe[0], tmp_path / "bad", edit)
+    with pytest.raises(ValueError, match=message):
+        LLMEngine(EngineConfig(model=str(bad)))
+
+
+def test_fp8_experts_without_block_size_are_refused(fp8_moe, tmp_path: Path) -> None:
+    bad = edited_checkpoint(fp8_moe[0], tmp_path / "bad", lambda t: None)
+    config = json.loads((bad / "config.json").read_text())
+    del config["quantization_config"]["weight_block_size"]
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="fp8 experts are read with a weight_block_size"):
+        load_model_config(bad)
