@@ -21,11 +21,16 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from torch import nn
 
 MXFP4_BLOCK = 32  # values per e8m0 scale
 _E8M0_BIAS = 127
 # e2m1: sign bit, two exponent bits, one mantissa bit; index = the 4-bit code.
-_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+_E2M1 = torch.tensor(
+    (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+)
+# A packed byte's two values, the low nibble first: one lookup per byte.
+_BYTE_PAIRS = torch.stack((_E2M1[torch.arange(256) & 0x0F], _E2M1[torch.arange(256) >> 4]), -1)
 
 
 @dataclass(frozen=True)
@@ -36,9 +41,9 @@ class ExpertQuant:
     block: tuple[int, int] | None = None  # fp8: scale block (rows, cols)
 
     def describe(self) -> str:
-        if self.method == "mxfp4":
-            return "mxfp4 experts (dequantized at load)"
-        return f"fp8 {self.block} block experts (dequantized at load)"
+        if self.block is None:
+            return self.method
+        return f"{self.method} {self.block[0]}x{self.block[1]} blocks"
 
 
 def read_expert_quant(hf_config: dict[str, Any], arch: str) -> ExpertQuant | None:
@@ -88,11 +93,11 @@ def dequantize_mxfp4(
             f"checkpoint tensor {name!r}: scales {tuple(scales.shape)} do not match blocks "
             f"{tuple(blocks.shape)} (one scale per block of 32)"
         )
-    lut = torch.tensor(_E2M1, dtype=torch.float32)
-    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).long()  # low nibble first
-    values = lut[codes].flatten(-2)  # [..., rows, G, 32]
-    exponents = scales.to(torch.int32) - _E8M0_BIAS
-    out = torch.ldexp(values, exponents.unsqueeze(-1))
+    # bfloat16 and float32 hold every e2m1 value times a power of two exactly: work in them.
+    work = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
+    values = nn.functional.embedding(blocks.int(), _BYTE_PAIRS.to(work))  # [..., G, 16, 2]
+    scale = torch.exp2(scales.to(work) - _E8M0_BIAS)  # [..., rows, G]
+    out = values.flatten(-2).mul_(scale.unsqueeze(-1))  # [..., rows, G, 32]
     return out.flatten(-2).to(dtype)
 
 
@@ -116,6 +121,10 @@ def dequantize_fp8_blocks(
             f"checkpoint tensor {name!r}: weight_scale_inv {tuple(scale_inv.shape)}, expected "
             f"{want} for a {tuple(weight.shape)} weight in {block[0]}x{block[1]} blocks"
         )
+    if rows % block[0] == 0 and cols % block[1] == 0:  # whole blocks: a broadcast multiply
+        tiles = weight.to(torch.float32).view(want[0], block[0], want[1], block[1])
+        tiles.mul_(scale_inv.float()[:, None, :, None])
+        return tiles.view(rows, cols).to(dtype)
     full = scale_inv.float().repeat_interleave(block[0], 0)[:rows]
     full = full.repeat_interleave(block[1], 1)[:, :cols]
     return (weight.float() * full).to(dtype)

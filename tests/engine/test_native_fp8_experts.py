@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.expert_quant import dequantize_fp8_blocks
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.loader import load_model_config
 from pdserve.engine.testmodel_quant import write_quantized
@@ -69,12 +70,31 @@ def fp8_moe(
     return model_dir, load_reference(_dequantized_copy(model_dir, root / "dequantized"))
 
 
+@pytest.mark.parametrize("shape", [(64, 96), (40, 72)])  # whole blocks, and cut blocks
+def test_dequantizer_equals_the_reference(shape: tuple[int, int]) -> None:
+    w = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    q, block_scale = R.quantize_weight_blocks(w, BLOCK)
+    # every value times the scale of the block it falls in (the last blocks cut short)
+    tiles = block_scale.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
+    want = q.float() * tiles[: shape[0], : shape[1]]
+    assert (want - w).abs().max() <= 0.07 * w.abs().max()  # e4m3: 3 mantissa bits
+    for dtype in (torch.float32, torch.bfloat16):
+        got = dequantize_fp8_blocks(q, block_scale, (BLOCK, BLOCK), dtype, "t")
+        assert got.dtype == dtype and torch.equal(got, want.to(dtype))
+
+
 def test_config_reads_fp8_block_experts_and_linears(fp8_moe) -> None:
     cfg = load_model_config(fp8_moe[0])
     assert cfg.impl == "native" and cfg.moe is not None
     assert cfg.moe.quantized is not None and cfg.moe.quantized.method == "fp8"
     assert cfg.moe.quantized.block == (BLOCK, BLOCK)
     assert cfg.quantization is not None and cfg.quantization.block == (BLOCK, BLOCK)
+
+
+def test_reports_show_the_experts_held_dequantized(fp8_moe) -> None:
+    engine = LLMEngine(EngineConfig(model=str(fp8_moe[0]), dtype="float32"))
+    weights, _ = engine.dtypes()
+    assert weights == "fp8 a8 fp8; experts fp8 32x32 blocks dequantized to float32"
 
 
 def test_default_schedule_matches_transformers(fp8_moe) -> None:

@@ -120,6 +120,7 @@ def test_bfloat16_engine_holds_transformers_experts_and_agrees(mxfp4) -> None:
         gate_up = theirs.mlp.experts.gate_up_proj  # [E, H, 2I], gate and up interleaved
         assert torch.equal(ours.mlp.w13, torch.cat([gate_up[..., 0::2], gate_up[..., 1::2]], -1).mT)
         assert torch.equal(ours.mlp.w2, theirs.mlp.experts.down_proj.mT)
+    assert engine.dtypes()[0] == "bfloat16; experts mxfp4 dequantized to bfloat16"
     assert_bf16_first_tokens_agree(str(model_dir), ref)
 
 
