@@ -47,6 +47,13 @@ _PARTNER = {"blocks": "scales", "scales": "blocks", "weight": "weight_scale_inv"
             "weight_scale_inv": "weight"}  # fmt: skip
 
 
+def _is_one_byte(source: Any) -> bool:
+    """Whether a tensor or lazy safetensors slice holds one-byte (fp8) values."""
+    if isinstance(source, torch.Tensor):
+        return source.element_size() == 1
+    return str(source.get_dtype()) in ("F8_E4M3", "F8_E5M2", "U8", "I8")
+
+
 class Router(nn.Module):
     """The router's ``[E, H]`` weight (``gate.weight`` in the checkpoint). Not an
     ``nn.Linear``, so the CPU linear packing leaves it alone: the logits are computed in
@@ -108,9 +115,10 @@ class SparseMoeBlock(nn.Module):
         if not 0 <= expert < self.w13.shape[0]:
             raise ValueError(f"checkpoint tensor {name!r}: expert {expert} out of range")
         param, half = _EXPERT_PROJECTIONS[projection]
-        tensor = source[:]  # one expert's projection: small, read whole
-        if kind == "weight_scale_inv" or tensor.element_size() == 1:
-            pair = self._pair(f"{expert}.{projection}", kind, name, tensor)
+        tensor = source  # a float weight: only this rank's rows or columns are read below
+        if kind == "weight_scale_inv" or _is_one_byte(source):
+            # fp8: read whole, dequantized with its block scales, then sliced
+            pair = self._pair(f"{expert}.{projection}", kind, name, source[:])
             if pair is None:
                 return param, 0
             (weight_name, weight), (_, scale) = pair["weight"], pair["weight_scale_inv"]
