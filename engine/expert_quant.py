@@ -17,6 +17,7 @@ tensors; it never decides which rank holds which columns.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -128,3 +129,41 @@ def dequantize_fp8_blocks(
     full = scale_inv.float().repeat_interleave(block[0], 0)[:rows]
     full = full.repeat_interleave(block[1], 1)[:, :cols]
     return (weight.float() * full).to(dtype)
+
+
+def dequantize_fp8_weights(
+    weights: Iterable[tuple[str, Any]], block: tuple[int, int]
+) -> Iterator[tuple[str, Any]]:
+    """A checkpoint's tensors with every fp8 ``<m>.weight`` and its ``<m>.weight_scale_inv``
+    replaced by the float32 ``<m>.weight`` they stand for (for a native class with no fp8
+    linears: DeepSeek-V2/V3); everything else passes through as it came. A half whose
+    partner never comes is an error naming it."""
+    pending: dict[str, tuple[str, torch.Tensor]] = {}
+    for name, source in weights:
+        module, _, kind = name.rpartition(".")
+        if kind == "weight_scale_inv" or (kind == "weight" and is_one_byte(source)):
+            other = pending.pop(module, None)
+            if other is None:
+                pending[module] = (name, source[:])
+                continue
+            halves = {kind: (name, source[:]), other[0].rpartition(".")[2]: other}
+            if len(halves) != 2:
+                raise ValueError(f"checkpoint tensors {other[0]!r} and {name!r} repeat one half")
+            weight_name, weight = halves["weight"]
+            scale = halves["weight_scale_inv"][1]
+            yield (
+                weight_name,
+                dequantize_fp8_blocks(weight, scale, block, torch.float32, weight_name),
+            )
+        else:
+            yield name, source
+    for name, _ in pending.values():
+        partner = "weight_scale_inv" if name.endswith(".weight") else "weight"
+        raise ValueError(f"checkpoint tensor {name!r} has no {partner!r} beside it")
+
+
+def is_one_byte(source: Any) -> bool:
+    """Whether a tensor or lazy safetensors slice holds one-byte (fp8) values."""
+    if isinstance(source, torch.Tensor):
+        return source.element_size() == 1
+    return str(source.get_dtype()) in ("F8_E4M3", "F8_E5M2")

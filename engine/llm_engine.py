@@ -544,9 +544,11 @@ class LLMEngine:
             weights = self.config.quantization
         else:
             weights = dtype
-        moe = self.model_config.moe
+        moe, fp8_block = self.model_config.moe, self.model_config.dequantized_fp8_block
         if moe is not None and moe.quantized is not None:  # held in the model's dtype
             weights = f"{weights}; experts {moe.quantized.describe()} dequantized to {dtype}"
+        elif fp8_block is not None:
+            weights = f"{weights}; fp8 {fp8_block[0]}x{fp8_block[1]} blocks dequantized"
         return weights, kv_dtype_label(self.kv_cache.dtype)
 
     def stats(self) -> EngineStats:

@@ -115,6 +115,9 @@ class ModelConfig:
     mla: MLAConfig | None = None
     # A learned logit per query head in every softmax's denominator (gpt-oss).
     attention_sinks: bool = False
+    # An fp8 block checkpoint (scale block rows, cols) read by a class without fp8 linears
+    # (DeepSeek-V2/V3): every fp8 weight is dequantized as it loads; None: not such a one.
+    dequantized_fp8_block: tuple[int, int] | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property

@@ -19,6 +19,7 @@ import torch
 
 from pdserve.engine import memory_profile
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.expert_quant import dequantize_fp8_weights
 from pdserve.engine.grammar import GrammarBackend
 from pdserve.engine.kv_connector import KVConnector, moves_window_pool
 from pdserve.engine.kv_scales import kv_cache_torch_dtype, resolve_kv_scales
@@ -224,8 +225,11 @@ class ModelRunner:
         model = model.to_empty(device=self.device)
         if cfg.tie_word_embeddings:  # to_empty() unties shared parameters
             model.lm_head.weight = model.model.embed_tokens.weight
+        weights = iter_weight_slices(self.config.model)
+        if cfg.dequantized_fp8_block is not None:
+            weights = dequantize_fp8_weights(weights, cfg.dequantized_fp8_block)
         with torch.no_grad():
-            model.load_weights(iter_weight_slices(self.config.model))
+            model.load_weights(weights)
             # Quantized linears: the checkpoint's packed for their kernels, or a float
             # checkpoint's quantized now (EngineConfig.quantization).
             pack_quantized(model, cfg.dtype)

@@ -31,7 +31,8 @@ from pdserve.kernels.ops import quant_reference as ref
 
 COMPRESSED_TENSORS_SCHEMES = ("W8A8", "W8A16", "FP8_DYNAMIC", "FP8_BLOCK")
 SCHEMES = (*COMPRESSED_TENSORS_SCHEMES, "FP8_HF_BLOCK", "MXFP4")
-_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+            "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")  # fmt: skip
 _E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pdserve.engine.expert_quant import dequantize_fp8_blocks, dequantize_mxfp4
+from pdserve.engine.expert_quant import dequantize_fp8_blocks, dequantize_mxfp4, is_one_byte
 from pdserve.engine.loader import ModelConfig
 from pdserve.engine.parallel import TPGroup
 from pdserve.kernels import ops
@@ -45,13 +45,6 @@ _EXPERT_PROJECTIONS: dict[str, tuple[str, int | None]] = {
 # A quantized tensor's two halves: MXFP4 blocks and scales, an fp8 weight and its scales.
 _PARTNER = {"blocks": "scales", "scales": "blocks", "weight": "weight_scale_inv",
             "weight_scale_inv": "weight"}  # fmt: skip
-
-
-def _is_one_byte(source: Any) -> bool:
-    """Whether a tensor or lazy safetensors slice holds one-byte (fp8) values."""
-    if isinstance(source, torch.Tensor):
-        return source.element_size() == 1
-    return str(source.get_dtype()) in ("F8_E4M3", "F8_E5M2", "U8", "I8")
 
 
 class Router(nn.Module):
@@ -116,7 +109,7 @@ class SparseMoeBlock(nn.Module):
             raise ValueError(f"checkpoint tensor {name!r}: expert {expert} out of range")
         param, half = _EXPERT_PROJECTIONS[projection]
         tensor = source  # a float weight: only this rank's rows or columns are read below
-        if kind == "weight_scale_inv" or _is_one_byte(source):
+        if kind == "weight_scale_inv" or is_one_byte(source):
             # fp8: read whole, dequantized with its block scales, then sliced
             pair = self._pair(f"{expert}.{projection}", kind, name, source[:])
             if pair is None:

@@ -4,6 +4,7 @@ runs each quantized model must pass against its transformers reference."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +32,29 @@ def edited_checkpoint(
     tensors = load_file(str(out / "model.safetensors"))
     edit(tensors)
     save_file(tensors, str(out / "model.safetensors"))
+    return out
+
+
+def block_dequantized(q: torch.Tensor, block_scale: torch.Tensor, block: int) -> torch.Tensor:
+    """Every fp8 value times the scale of the ``block`` x ``block`` tile it falls in (the
+    last tiles cut short), float32."""
+    tiles = block_scale.float().repeat_interleave(block, 0).repeat_interleave(block, 1)
+    return q.float() * tiles[: q.shape[0], : q.shape[1]]
+
+
+def dequantized_copy(model_dir: Path, out: Path, block: int) -> Path:
+    """The float checkpoint holding exactly an fp8 block checkpoint's dequantized weights,
+    as transformers' oracle for it."""
+
+    def dequantize(t: dict[str, torch.Tensor]) -> None:
+        for name in [n for n in t if n.endswith(".weight_scale_inv")]:
+            weight = name.removesuffix("_scale_inv")
+            t[weight] = block_dequantized(t[weight], t.pop(name), block)
+
+    out = edited_checkpoint(model_dir, out, dequantize)
+    config = json.loads((out / "config.json").read_text())
+    del config["quantization_config"]
+    (out / "config.json").write_text(json.dumps(config))
     return out
 
 

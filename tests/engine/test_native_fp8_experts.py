@@ -7,7 +7,7 @@ the experts' scales are 1x2 and 2x1 grids; the router stays float). The native e
 the experts dequantized and runs the attention on the dense fp8 path. transformers cannot
 load the fp8 checkpoint on this machine (its FineGrainedFP8 loader needs accelerate, even
 to dequantize on a CPU), so the oracle is transformers on the float checkpoint of exactly
-the dequantized weights (``kernels.quant_reference``): greedy tokens equal and logprobs
+the dequantized weights: greedy tokens equal and logprobs
 within 1e-4 in float32 on both schedules and over two tensor-parallel ranks. An expert
 weight without its scales, or with scales of the wrong grid, is refused naming the tensor.
 """
@@ -27,9 +27,11 @@ from pdserve.engine.loader import load_model_config
 from pdserve.engine.testmodel_quant import write_quantized
 from pdserve.kernels import quant_reference as R
 from tests.engine.quantized_checkpoints import (
+    block_dequantized,
     check_default_schedule,
     check_small_pool,
     check_two_ranks,
+    dequantized_copy,
     edited_checkpoint,
 )
 from tests.engine.tiny_hf_models import build_tiny_model
@@ -43,23 +45,6 @@ BLOCK = 32
 EXPERT = "model.layers.0.mlp.experts.1.down_proj.weight"
 
 
-def _dequantized_copy(model_dir: Path, out: Path) -> Path:
-    """The float checkpoint holding exactly the fp8 checkpoint's dequantized weights."""
-
-    def dequantize(t: dict[str, torch.Tensor]) -> None:
-        for name in [n for n in t if n.endswith(".weight_scale_inv")]:
-            weight = name.removesuffix("_scale_inv")
-            q, block_scale = t[weight], t.pop(name)
-            rows = block_scale.repeat_interleave(BLOCK, 0)[: q.shape[0]]
-            t[weight] = R.dequantize_weight(q, rows)
-
-    out = edited_checkpoint(model_dir, out, dequantize)
-    config = json.loads((out / "config.json").read_text())
-    del config["quantization_config"]
-    (out / "config.json").write_text(json.dumps(config))
-    return out
-
-
 @pytest.fixture(scope="module")
 def fp8_moe(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
@@ -67,16 +52,14 @@ def fp8_moe(
     root = tmp_path_factory.mktemp("qwen3-moe-fp8")
     float_dir = build_tiny_model("qwen3-moe", root / "float", tiny_model_dir)
     model_dir = write_quantized("FP8_HF_BLOCK", float_dir, root / "fp8", fp8_block=BLOCK)
-    return model_dir, load_reference(_dequantized_copy(model_dir, root / "dequantized"))
+    return model_dir, load_reference(dequantized_copy(model_dir, root / "dequantized", BLOCK))
 
 
 @pytest.mark.parametrize("shape", [(64, 96), (40, 72)])  # whole blocks, and cut blocks
 def test_dequantizer_equals_the_reference(shape: tuple[int, int]) -> None:
     w = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
     q, block_scale = R.quantize_weight_blocks(w, BLOCK)
-    # every value times the scale of the block it falls in (the last blocks cut short)
-    tiles = block_scale.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
-    want = q.float() * tiles[: shape[0], : shape[1]]
+    want = block_dequantized(q, block_scale, BLOCK)
     assert (want - w).abs().max() <= 0.07 * w.abs().max()  # e4m3: 3 mantissa bits
     for dtype in (torch.float32, torch.bfloat16):
         got = dequantize_fp8_blocks(q, block_scale, (BLOCK, BLOCK), dtype, "t")
@@ -139,3 +122,36 @@ def test_fp8_experts_without_block_size_are_refused(fp8_moe, tmp_path: Path) -> 
     (bad / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="fp8 experts are read with a weight_block_size"):
         load_model_config(bad)
+
+
+@pytest.fixture(scope="module")
+def fp8_deepseek(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, Reference]:
+    """A tiny DeepSeek-V3 in the released checkpoint's format: every linear of attention
+    (q/kv LoRA, kv_b, o), dense MLP, shared and routed experts fp8 in 32x32 blocks (cut
+    short where a dimension is not a multiple), router float."""
+    root = tmp_path_factory.mktemp("deepseek-v3-fp8")
+    float_dir = build_tiny_model("deepseek-v3", root / "float", tiny_model_dir)
+    model_dir = write_quantized("FP8_HF_BLOCK", float_dir, root / "fp8", fp8_block=BLOCK)
+    return model_dir, load_reference(dequantized_copy(model_dir, root / "dequantized", BLOCK))
+
+
+def test_deepseek_v3_fp8_matches_transformers_on_both_schedules(fp8_deepseek) -> None:
+    check_default_schedule(*fp8_deepseek, NUM_NEW)
+    check_small_pool(*fp8_deepseek, NUM_NEW)
+
+
+def test_deepseek_v3_fp8_is_reported_dequantized_and_named_when_malformed(
+    fp8_deepseek, tmp_path: Path
+) -> None:
+    engine = LLMEngine(EngineConfig(model=str(fp8_deepseek[0]), dtype="float32"))
+    assert engine.dtypes()[0] == "float32; fp8 32x32 blocks dequantized"
+    kv_b = "model.layers.1.self_attn.kv_b_proj.weight"
+
+    def drop(t: dict[str, torch.Tensor]) -> None:
+        del t[kv_b + "_scale_inv"]
+
+    bad = edited_checkpoint(fp8_deepseek[0], tmp_path / "bad", drop)
+    with pytest.raises(ValueError, match=f"{kv_b}' has no 'weight_scale_inv'"):
+        LLMEngine(EngineConfig(model=str(bad)))
