@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.expert_quant import dequantize_fp8_blocks
+from pdserve.engine.expert_quant import dequantize_fp8_blocks, dequantize_fp8_weights
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.loader import load_model_config
 from pdserve.engine.testmodel_quant import write_quantized
@@ -64,6 +64,20 @@ def test_dequantizer_equals_the_reference(shape: tuple[int, int]) -> None:
     for dtype in (torch.float32, torch.bfloat16):
         got = dequantize_fp8_blocks(q, block_scale, (BLOCK, BLOCK), dtype, "t")
         assert got.dtype == dtype and torch.equal(got, want.to(dtype))
+
+
+def test_checkpoint_dequantization_pairs_halves_in_either_order() -> None:
+    g = torch.Generator().manual_seed(2)
+    q, scale = R.quantize_weight_blocks(torch.randn(40, 72, generator=g), BLOCK)
+    norm = torch.ones(8)
+    want = block_dequantized(q, scale, BLOCK)
+    for order in ((0, 1, 2), (1, 2, 0), (2, 0, 1)):
+        tensors = [("a.weight", q), ("a.weight_scale_inv", scale), ("n.weight", norm)]
+        out = dict(dequantize_fp8_weights([tensors[i] for i in order], (BLOCK, BLOCK)))
+        assert sorted(out) == ["a.weight", "n.weight"] and out["n.weight"] is norm
+        assert torch.equal(out["a.weight"], want)
+    with pytest.raises(ValueError, match="'a.weight_scale_inv' has no 'weight'"):
+        list(dequantize_fp8_weights([("a.weight_scale_inv", scale)], (BLOCK, BLOCK)))
 
 
 def test_config_reads_fp8_block_experts_and_linears(fp8_moe) -> None:
