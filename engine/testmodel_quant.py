@@ -163,6 +163,8 @@ def _write_mxfp4(src: Path, out: Path) -> None:
             written[name + "_blocks"], written[name + "_scales"] = blocks, scales
         else:
             written[name] = t
+    if not any(name.endswith("_blocks") for name in written):
+        raise ValueError(f"MXFP4 writes gpt-oss checkpoints; {src} has no stacked experts")
     save_file(written, str(out / "model.safetensors"))
     not_converted = ["model.layers.*.self_attn", "model.layers.*.mlp.router",
                      "model.embed_tokens", "lm_head"]  # fmt: skip

@@ -165,3 +165,11 @@ def test_mxfp4_tensors_without_the_mxfp4_config_are_refused(mxfp4, tmp_path: Pat
 def test_transformers_path_refuses_mxfp4_naming_the_method(mxfp4) -> None:
     with pytest.raises(ValueError, match="quant_method 'mxfp4' is read only for gpt-oss"):
         load_model_config(mxfp4[0], "transformers")
+
+
+def test_mxfp4_writer_refuses_a_model_without_stacked_experts(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    with pytest.raises(ValueError, match="has no stacked experts"):
+        write_quantized("MXFP4", tiny_model_dir, tmp_path / "llama-mxfp4")
+    assert not (tmp_path / "llama-mxfp4").exists()
