@@ -201,8 +201,9 @@ def main() -> None:
     parser.add_argument("scheme", choices=SCHEMES)
     parser.add_argument("src", help="float model directory")
     parser.add_argument("out", help="directory to write (must not exist)")
+    parser.add_argument("--fp8-block", type=int, default=128, help="FP8_HF_BLOCK's block")
     args = parser.parse_args()
-    print(write_quantized(args.scheme, args.src, args.out))
+    print(write_quantized(args.scheme, args.src, args.out, args.fp8_block))
 
 
 if __name__ == "__main__":
