@@ -409,9 +409,11 @@ class LlamaForCausalLM(nn.Module):
                         continue  # the shape is the module's; activations are dynamic
                     raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
                 dest = params[target].data[rows]
+                weight = params.get(target.rpartition(".")[0] + ".weight")
                 tensor = read_quant_tensor(
-                    kind, source, src_rows, src_cols, dest, cfg.quantization, name
-                )
+                    kind, source, src_rows, src_cols, dest, cfg.quantization, name,
+                    in_features=None if weight is None else weight.shape[1],
+                )  # fmt: skip
                 if tensor is None:
                     continue
                 if dest.shape != tensor.shape:

@@ -98,6 +98,17 @@ def test_default_schedule_matches_transformers(fp8_moe) -> None:
     check_default_schedule(*fp8_moe, NUM_NEW)
 
 
+def test_blocks_cut_short_by_the_width_match_transformers(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """48x48 blocks over 64- and 32-wide inputs: every linear's last block is cut short,
+    in attention (the dense fp8 path) and in the experts."""
+    float_dir = build_tiny_model("qwen3-moe", tmp_path / "float", tiny_model_dir)
+    model_dir = write_quantized("FP8_HF_BLOCK", float_dir, tmp_path / "fp8", fp8_block=48)
+    ref = load_reference(dequantized_copy(model_dir, tmp_path / "dequantized", 48))
+    check_default_schedule(model_dir, ref, NUM_NEW)
+
+
 def test_chunked_prefill_and_preemption_match_transformers(fp8_moe) -> None:
     check_small_pool(*fp8_moe, NUM_NEW)
 
