@@ -44,7 +44,13 @@ from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.engine.staging import StepStaging
 from pdserve.engine.window_kv import NULL_BLOCK, WindowLayout, plan_window_layout
 from pdserve.kernels import ops
-from pdserve.kernels.ops import DeviceRuntime, RuntimeSettings, make_runtime, pack_linears
+from pdserve.kernels.ops import (
+    DeviceRuntime,
+    RuntimeSettings,
+    make_runtime,
+    pack_linears,
+    pack_moe_experts,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -236,6 +242,7 @@ class ModelRunner:
         # CPU: oneDNN-packed bf16 weights (native bf16), or bf16-held weights of a bf16
         # checkpoint served in float32 (AVX2); elsewhere the nn.Linear layers stay.
         pack_linears(model)
+        pack_moe_experts(model)  # the same for the stacked MoE experts (bf16 on CPU)
         return model.eval()
 
     # ---- KV cache -------------------------------------------------------------------------

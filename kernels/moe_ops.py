@@ -27,10 +27,18 @@ from typing import Literal
 
 import torch
 
-from pdserve.kernels.cpu.moe import fused_moe_cpu
+from pdserve.kernels.cpu.moe import PackedExperts, fused_moe_cpu, pack_moe_experts
 from pdserve.kernels.moe_reference import ClampedSwiGLU, fused_moe_ref
 
-__all__ = ["ClampedSwiGLU", "RouterConfig", "add_shared_experts", "fused_moe", "select_experts"]
+__all__ = [
+    "ClampedSwiGLU",
+    "PackedExperts",
+    "RouterConfig",
+    "add_shared_experts",
+    "fused_moe",
+    "pack_moe_experts",
+    "select_experts",
+]
 
 
 @dataclass(frozen=True)
@@ -129,9 +137,11 @@ def fused_moe(
     b13: torch.Tensor | None = None,  # [E, 2I]: each expert's gate bias, then its up bias
     b2: torch.Tensor | None = None,  # [E, H]
     activation: ClampedSwiGLU | None = None,  # None: SiLU-and-mul
+    packed: PackedExperts | None = None,  # CPU: w13 / w2 prepacked (``pack_moe_experts``)
 ) -> torch.Tensor:  # [T, H] in x's dtype
     """``sum_k w[t, k] * (down_e(act(gate_up_e(x_t) + b13_e)) + b2_e)``, ``e = ids[t, k]``:
-    each expert's GEMMs once per call over all the tokens routed to it."""
+    each expert's GEMMs once per call over all the tokens routed to it. With ``packed``
+    the GEMMs run on it and ``w13`` / ``w2`` give only their shapes and dtype."""
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError("x must be [T, H], w13 [E, 2I, H] and w2 [E, H, I]")
     e, two_i, h = w13.shape
@@ -151,8 +161,17 @@ def fused_moe(
             raise ValueError(
                 f"{name}: expected {list(shape)} in {x.dtype}, got {list(bias.shape)} {bias.dtype}"
             )
+    if packed is not None and (
+        packed.shape != tuple(w13.shape) or packed.dtype != x.dtype or x.device.type != "cpu"
+    ):
+        raise ValueError(
+            f"packed experts {packed.shape} {packed.dtype} serve CPU input of w13's shape "
+            f"{tuple(w13.shape)}; got {x.dtype} on {x.device}"
+        )
     if x.shape[0] == 0:
         return torch.zeros_like(x)
+    if packed is not None:
+        return fused_moe_cpu(x, w13, w2, topk_weights, topk_ids, b13, b2, activation, packed)
     args = (x, w13, w2, topk_weights, topk_ids, b13, b2, activation)
     if x.device.type == "cpu":
         return fused_moe_cpu(*args)

@@ -77,10 +77,12 @@ class SparseMoeBlock(nn.Module):
         # holds it, the others zeros: it is added once to the all-reduced sum).
         self.b13 = nn.Parameter(torch.empty(e, 2 * inter)) if moe.biases else None
         self.b2 = nn.Parameter(torch.empty(e, h)) if moe.biases else None
+        self.packed_experts: ops.PackedExperts | None = None  # set by ops.pack_moe_experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         weights, ids = ops.select_experts(self.gate(x), self.router)
-        out = ops.fused_moe(x, self.w13, self.w2, weights, ids, self.b13, self.b2, self.activation)
+        args = (x, self.w13, self.w2, weights, ids, self.b13, self.b2, self.activation)
+        out = ops.fused_moe(*args, packed=self.packed_experts)
         return self.tp.all_reduce(out)
 
     def load_expert(self, expert: int, projection: str, source: Any, name: str) -> str:

@@ -26,6 +26,7 @@ from tests.engine.transformers_reference import (
     PREEMPT_ARRIVALS,
     Reference,
     assert_bf16_first_tokens_agree,
+    assert_experts_packed,
     check_native_engine,
     small_pool_config,
     tiny_model_and_reference,
@@ -97,10 +98,11 @@ def test_experts_split_over_two_ranks_match_transformers(
 
 
 def test_bfloat16_engine_runs_and_agrees_with_float32(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """bf16 on CPU packs the dense linears; the router stays a float32 matmul and the
-    experts run the bf16 grouped GEMM. Sharp tiny logits: the first greedy token agrees."""
+    """bf16 on CPU packs the dense linears and the experts (oneDNN); the router stays a
+    float32 matmul. Sharp tiny logits: the first greedy token agrees."""
     from transformers import AutoModelForCausalLM
 
     model_dir = build_tiny_model("qwen3-moe", tmp_path, tiny_model_dir)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    assert_bf16_first_tokens_agree(str(model_dir), Reference(hf, hf.config.vocab_size))
+    engine = assert_bf16_first_tokens_agree(str(model_dir), Reference(hf, hf.config.vocab_size))
+    assert_experts_packed(engine)
