@@ -12,6 +12,10 @@ For each dtype and batch (tokens in the step), times on identical inputs:
     packed here in float32 too, for comparison);
   - ``fused unpacked``: ``kernels.ops.fused_moe`` on the stacked weights (tokens sorted by
     expert, each expert's GEMMs once over its tokens; the Triton kernel on CUDA);
+  - ``fused int8 w8a8`` / ``fused int8 w-only`` (CPU only): the experts quantized to int8 per
+    channel (``QuantizedExperts``, what at-load ``quantization: int8`` /
+    ``int8-weight-only`` runs on a CPU), each segment on the int8 linear kernels; their
+    error includes the int8 rounding;
   - ``per-expert loop``: transformers' own eager experts forward (a mask and a gather per
     expert, as Mixtral / Qwen3-MoE modelling code runs it);
   - ``transformers grouped_mm``: transformers' default experts implementation where torch
@@ -125,6 +129,11 @@ def _bench_case(
         packed = ops.PackedExperts.pack(w13, w2)
         impls["fused packed"] = lambda: ops.fused_moe(x, w13, w2, weights, ids, packed=packed)
     impls["fused unpacked"] = lambda: ops.fused_moe(x, w13, w2, weights, ids)
+    if device.type == "cpu":
+        w8a8 = ops.quantize_experts(w13, w2, "w8a8")
+        w8 = ops.quantize_experts(w13, w2, "weight-only")
+        impls["fused int8 w8a8"] = lambda: ops.fused_moe(x, w13, w2, weights, ids, packed=w8a8)
+        impls["fused int8 w-only"] = lambda: ops.fused_moe(x, w13, w2, weights, ids, packed=w8)
     impls["per-expert loop"] = hf("eager")
     if hasattr(torch, "_grouped_mm"):
         impls["transformers grouped_mm"] = hf("grouped_mm")

@@ -242,7 +242,9 @@ class ModelRunner:
         # CPU: oneDNN-packed bf16 weights (native bf16), or bf16-held weights of a bf16
         # checkpoint served in float32 (AVX2); elsewhere the nn.Linear layers stay.
         pack_linears(model)
-        pack_moe_experts(model)  # the same for the stacked MoE experts (bf16 on CPU)
+        # The stacked MoE experts on CPU: int8 under at-load int8 quantization, else packed
+        # as the linears are (bf16).
+        pack_moe_experts(model, self.config.quantization)
         return model.eval()
 
     # ---- KV cache -------------------------------------------------------------------------

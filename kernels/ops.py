@@ -34,10 +34,13 @@ from pdserve.kernels.kv_quant import is_quantized_kv, kv_qmax
 from pdserve.kernels.moe_ops import (
     ClampedSwiGLU,
     PackedExperts,
+    PreparedExperts,
+    QuantizedExperts,
     RouterConfig,
     add_shared_experts,
     fused_moe,
     pack_moe_experts,
+    quantize_experts,
     select_experts,
 )
 from pdserve.kernels.quant_ops import Activations, is_quantized_linear, make_quantized_linear
@@ -49,6 +52,8 @@ __all__ = [
     "DeviceRuntime",
     "ClampedSwiGLU",
     "PackedExperts",
+    "PreparedExperts",
+    "QuantizedExperts",
     "RouterConfig",
     "add_shared_experts",
     "RuntimeInfo",
@@ -64,6 +69,7 @@ __all__ = [
     "make_runtime",
     "pack_linears",
     "pack_moe_experts",
+    "quantize_experts",
     "paged_attention",
     "paged_decode_attention",
     "paged_mla_decode",

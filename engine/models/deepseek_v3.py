@@ -233,7 +233,7 @@ class DeepseekMoE(nn.Module):
         experts, inter = moe.num_experts + self.num_shared, len(self.columns)
         self.w13 = nn.Parameter(torch.empty(experts, 2 * inter, cfg.hidden_size))
         self.w2 = nn.Parameter(torch.empty(experts, cfg.hidden_size, inter))
-        self.packed_experts: ops.PackedExperts | None = None  # set by ops.pack_moe_experts
+        self.packed_experts: ops.PreparedExperts | None = None  # set by ops.pack_moe_experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         bias = self.e_score_correction_bias

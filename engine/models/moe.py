@@ -77,7 +77,7 @@ class SparseMoeBlock(nn.Module):
         # holds it, the others zeros: it is added once to the all-reduced sum).
         self.b13 = nn.Parameter(torch.empty(e, 2 * inter)) if moe.biases else None
         self.b2 = nn.Parameter(torch.empty(e, h)) if moe.biases else None
-        self.packed_experts: ops.PackedExperts | None = None  # set by ops.pack_moe_experts
+        self.packed_experts: ops.PreparedExperts | None = None  # set by ops.pack_moe_experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         weights, ids = ops.select_experts(self.gate(x), self.router)

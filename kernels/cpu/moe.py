@@ -8,31 +8,30 @@ token's experts is one batched matmul in float32, so the result does not depend 
 order the experts ran in. Matches ``kernels/moe_reference.fused_moe_ref``, expert biases
 and the gpt-oss activation included.
 
-The expert GEMMs run on one of two weight forms:
+The expert GEMMs run on one of three weight forms:
   - the stacked ``w13 [E, 2I, H]`` / ``w2 [E, H, I]`` tensors, through torch's native fp32 /
     bf16 ``mm`` (which reorders each expert's weight for oneDNN on every call in bf16);
   - ``PackedExperts``: each expert's two weights reordered once, at load, into oneDNN's
     prepacked layout and run by ``mkldnn._linear_pointwise`` (the ops ``PackedLinear`` uses
-    for the dense linears), the bias fused. ``pack_moe_experts`` does this for a loaded
+    for the dense linears), the bias fused. ``moe_ops.pack_moe_experts`` does this for a loaded
     model where ``can_pack`` says so (bfloat16 on a CPU with native bf16; float32 packs too
-    but measured slower than torch's own matmul at decode sizes, docs/models.md).
+    but measured slower than torch's own matmul at decode sizes, docs/models.md);
+  - ``QuantizedExperts``: each expert's two weights quantized to int8 per output channel and
+    held by the int8 linear kernels (``kernels/cpu/quant_linear.py``), for a model quantized
+    at load (``kernels.moe_ops.quantize_experts``); the bias is added after each segment.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from pdserve.kernels.cpu.batched import silu_and_mul_cpu
-from pdserve.kernels.cpu.linear import can_pack
 from pdserve.kernels.moe_reference import ClampedSwiGLU, moe_activation_ref
 
-__all__ = ["PackedExperts", "fused_moe_cpu", "pack_moe_experts", "sort_by_expert"]
-
-logger = logging.getLogger(__name__)
+__all__ = ["PackedExperts", "QuantizedExperts", "fused_moe_cpu", "sort_by_expert"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +68,17 @@ class PackedExperts:
         )
 
 
+@dataclass(frozen=True)
+class QuantizedExperts:
+    """Each expert's gate/up (``[2I, H]``) and down (``[H, I]``) projection as an int8
+    kernel module without bias (inference only); built by ``moe_ops.quantize_experts``."""
+
+    w13: tuple[nn.Module, ...]  # E modules [.., H] -> [.., 2I]
+    w2: tuple[nn.Module, ...]  # E modules [.., I] -> [.., H]
+    shape: tuple[int, int, int]  # (E, 2I, H) of the stacked w13 it was quantized from
+    dtype: torch.dtype  # the activations' dtype
+
+
 def sort_by_expert(
     topk_ids: torch.Tensor,  # [T, K] int64
     num_experts: int,
@@ -82,7 +92,9 @@ def sort_by_expert(
 
 def _grouped_mm(
     a: torch.Tensor,  # [R, K]: rows sorted by expert
-    w: torch.Tensor | tuple[torch.Tensor, ...],  # [E, N, K] stacked, or E packed [N, K]
+    w: torch.Tensor
+    | tuple[torch.Tensor, ...]
+    | tuple[nn.Module, ...],  # stacked [E, N, K] / E packed / E int8 modules
     n_out: int,  # N
     counts: list[int],  # [E] rows of each expert, in order
     bias: torch.Tensor | None,  # [E, N]
@@ -93,13 +105,18 @@ def _grouped_mm(
         if not n:
             continue
         rows = slice(start, start + n)
-        if isinstance(w, tuple):
+        if isinstance(w, torch.Tensor):  # stacked [E, N, K]
+            if bias is None:
+                torch.mm(a[rows], w[e].t(), out=out[rows])
+            else:
+                torch.addmm(bias[e], a[rows], w[e].t(), out=out[rows])
+        elif isinstance(expert := w[e], nn.Module):  # QuantizedExperts
+            out[rows] = expert(a[rows])
+            if bias is not None:
+                out[rows] += bias[e]
+        else:  # PackedExperts
             b = None if bias is None else bias[e]
             out[rows] = torch.ops.mkldnn._linear_pointwise(a[rows], w[e], b, "none", [], "")
-        elif bias is None:
-            torch.mm(a[rows], w[e].t(), out=out[rows])
-        else:
-            torch.addmm(bias[e], a[rows], w[e].t(), out=out[rows])
         start += n
     return out
 
@@ -113,7 +130,7 @@ def fused_moe_cpu(
     b13: torch.Tensor | None = None,  # [E, 2I]
     b2: torch.Tensor | None = None,  # [E, H]
     activation: ClampedSwiGLU | None = None,  # None: SiLU-and-mul
-    packed: PackedExperts | None = None,  # the same weights, prepacked: run on these
+    packed: PackedExperts | QuantizedExperts | None = None,  # the same weights: run on these
 ) -> torch.Tensor:  # [T, H] in x's dtype
     """``sum_k w[t, k] * expert_{ids[t, k]}(x_t)`` (shapes checked by ``kernels.moe_ops``)."""
     t, k = topk_ids.shape
@@ -130,30 +147,3 @@ def fused_moe_cpu(
     y = torch.empty_like(y_sorted).index_copy_(0, order, y_sorted)  # back to (token, slot)
     out = torch.bmm(topk_weights.float().unsqueeze(1), y.view(t, k, -1).float())
     return out.squeeze(1).to(x.dtype)
-
-
-def pack_moe_experts(model: nn.Module) -> int:
-    """Pack the stacked experts of every module of ``model`` that declares a
-    ``packed_experts`` attribute (None) next to its ``w13`` / ``w2`` parameters, where
-    ``can_pack`` says so for their dtype and device; returns how many were packed.
-
-    The module then holds ``PackedExperts`` and passes it to ``fused_moe``; its ``w13`` /
-    ``w2`` become meta-device parameters of the same shape and dtype (the shapes stay
-    readable, the unpacked copy is freed, and a read of its values fails loudly)."""
-    count = 0
-    for module in model.modules():
-        if vars(module).get("packed_experts", "absent") is not None:  # not one, or packed
-            continue
-        w13, w2 = getattr(module, "w13", None), getattr(module, "w2", None)
-        if not (isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor)):
-            continue
-        if not can_pack(w13.dtype, w13.device):
-            continue
-        setattr(module, "packed_experts", PackedExperts.pack(w13, w2))  # noqa: B010
-        for name, param in (("w13", w13), ("w2", w2)):
-            ghost = torch.empty(param.shape, dtype=param.dtype, device="meta")
-            setattr(module, name, nn.Parameter(ghost, requires_grad=False))
-        count += 1
-    if count:
-        logger.info("packed the experts of %d MoE layers for oneDNN", count)
-    return count

@@ -1,5 +1,6 @@
-"""The fused MoE's CPU path on experts prepacked for oneDNN (``PackedExperts``) against the
-per-expert reference, and ``pack_moe_experts`` packing a module in place."""
+"""The fused MoE's CPU path on experts prepacked for oneDNN (``PackedExperts``) or quantized
+to int8 (``QuantizedExperts``) against the per-expert reference, and ``pack_moe_experts``
+preparing a module in place."""
 
 from __future__ import annotations
 
@@ -7,8 +8,15 @@ import pytest
 import torch
 from torch import nn
 
+from pdserve.kernels import quant_reference
 from pdserve.kernels.cpu.linear import can_pack
-from pdserve.kernels.moe_ops import PackedExperts, fused_moe, pack_moe_experts
+from pdserve.kernels.moe_ops import (
+    PackedExperts,
+    QuantizedExperts,
+    fused_moe,
+    pack_moe_experts,
+    quantize_experts,
+)
 from pdserve.kernels.moe_reference import fused_moe_ref
 from tests.kernels.moe_cases import assert_moe_close, make_moe_problem
 
@@ -86,3 +94,49 @@ def test_pack_moe_experts_packs_bf16_blocks_in_place_and_frees_the_stacked_weigh
     assert block.w13.shape == p.w13.shape and block.w13.dtype == torch.bfloat16
     torch.testing.assert_close(block(p.x, p.topk_weights, p.topk_ids), want, atol=0, rtol=0)
     assert pack_moe_experts(model) == 0  # packing twice does nothing
+
+
+def _dequantized(w: torch.Tensor) -> torch.Tensor:
+    """The stacked weights as per-channel int8 rounds them."""
+    out = []
+    for j in range(w.shape[0]):
+        q, scale = quant_reference.quantize_weight(w[j], torch.int8)
+        out.append(quant_reference.dequantize_weight(q, scale, w.dtype))
+    return torch.stack(out)
+
+
+# Relative to the largest output, against the reference on the int8-rounded weights: W8A8
+# also rounds every activation row to int8 (twice: into gate/up and into down).
+INT8_TOL = {"w8a8": 3e-2, "weight-only": 1e-4}
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("int8", ["w8a8", "weight-only"])
+@pytest.mark.parametrize("gpt_oss", [False, True], ids=["silu", "bias+clamped-swiglu"])
+def test_int8_experts_match_the_reference_on_their_rounded_weights(
+    tokens, dtype, int8, gpt_oss
+) -> None:
+    p = make_moe_problem(
+        tokens, 64, 48, 16, 4, dtype, seed=tokens, skew=tokens == 32, gpt_oss=gpt_oss
+    )
+    experts = quantize_experts(p.w13, p.w2, int8)
+    out = fused_moe(*p.args(), **p.extras(), packed=experts)
+    want = fused_moe_ref(
+        p.x, _dequantized(p.w13), _dequantized(p.w2), p.topk_weights, p.topk_ids, **p.extras()
+    )
+    assert out.dtype == dtype and out.shape == want.shape
+    err = (out.float() - want.float()).abs().max().item() / want.float().abs().max().item()
+    tol = max(INT8_TOL[int8], 2e-2 if dtype == torch.bfloat16 else 0.0)
+    assert err <= tol, f"relative error {err:.2e} > {tol:.0e}"
+
+
+def test_pack_moe_experts_quantizes_under_at_load_int8_and_packs_under_fp8() -> None:
+    p = make_moe_problem(8, 64, 32, 8, 2, torch.float32, seed=4)
+    model = _Experts(p.w13, p.w2)
+    assert pack_moe_experts(model, "int8") == 1
+    assert isinstance(model.packed_experts, QuantizedExperts) and model.w13.is_meta
+    want = fused_moe(*p.args(), packed=quantize_experts(p.w13, p.w2, "w8a8"))
+    torch.testing.assert_close(model(p.x, p.topk_weights, p.topk_ids), want, atol=0, rtol=0)
+    # fp8 at load leaves the experts float: float32 ones stay stacked.
+    assert pack_moe_experts(_Experts(p.w13, p.w2), "fp8") == 0
