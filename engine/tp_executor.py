@@ -166,6 +166,10 @@ class TPExecutor:
         in the same calibration pass), None for a float pool."""
         return self.runner.kv_scales
 
+    def pool_kv_scales(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Rank 0's scales split by pool (``ModelRunner.pool_kv_scales``)."""
+        return self.runner.pool_kv_scales()
+
     def rank_kv_scales(self) -> list[torch.Tensor | None]:
         """Every rank's KV scales (CPU), rank order."""
         own = self.runner.kv_scales

@@ -6,9 +6,8 @@ Each token caches one "head" of ``kv_lora_rank + qk_rope_head_dim`` values: the 
 latent ``c`` and the roped key ``k_pe``. Attention never expands them into per-head keys
 and values: ``q_nope`` is absorbed through each head's ``W_UK`` (``q_nope @ W_UK`` has
 ``kv_lora_rank`` columns), concatenated with the roped ``q_pe`` and scored against the
-cached ``[c, k_pe]`` (one KV head; prefill by the ordinary paged MQA kernel, decode by the
-MLA decode kernel), so ``q_nope . (W_UK c) + q_pe . k_pe`` is exactly the expanded model's
-score. The value of a
+cached ``[c, k_pe]`` (one KV head; the MLA prefill and decode kernels), so
+``q_nope . (W_UK c) + q_pe . k_pe`` is exactly the expanded model's score. The value of a
 slot is the same ``[c, k_pe]``: the pool holds one plane (``ModelConfig.kv_planes``),
 passed to the kernels as both the key and the value cache (see docs/models.md for the
 bytes); the first ``kv_lora_rank`` columns of the attention output are each head's weighted
@@ -148,46 +147,20 @@ class MLAttention(nn.Module):
         cache = kv_cache[0]  # the one plane: each slot's latent is its key and its value
         scale = None if meta.kv_scales is None else meta.kv_scales[self.layer_idx, 0]
         ops.write_kv(slot, None, cache, None, meta.slot_mapping, scale)
-        if meta.decode_only:  # [T, H, L]: every head in one call, the latent read once
+        if meta.decode_only:  # [T, H, L]: every head in one call
             out = ops.paged_mla_decode(
                 query, cache, meta.block_tables, meta.seq_lens, mla.softmax_scale,
                 mla.kv_lora_rank, scale,
             )  # fmt: skip
-        else:
-            chunk = _head_chunk(query)
-            parts = [
-                _prefill(query[:, h : h + chunk], cache, meta, mla.softmax_scale, scale)
-                for h in range(0, self.num_heads, chunk)
-            ]
-            out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        else:  # [T, H, L]: a mixed batch's new tokens, causal over the paged context
+            out = ops.paged_mla_prefill(
+                query, cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
+                mla.softmax_scale, mla.kv_lora_rank, scale,
+            )  # fmt: skip
         # Each head's weighted latent through its W_UV: [H, T, L] @ [H, L, v] -> [T, H, v].
-        o_latent = out[..., : mla.kv_lora_rank].transpose(0, 1)
+        o_latent = out.transpose(0, 1)
         o = torch.bmm(o_latent, self.w_uv.transpose(1, 2)).transpose(0, 1)
         return self.tp.all_reduce(self.o_proj(o.reshape(t, self.num_heads * mla.v_head_dim)))
-
-
-# On CUDA, query heads per prefill attention call: the Triton prefill kernel holds a tile of
-# every query head sharing a KV head, and 128 heads of a 576-wide latent need more shared
-# memory than an sm_90 block has (see docs/models.md, "MLA"); 16 fit. Decode has its own
-# kernel (``ops.paged_mla_decode``), which blocks the heads itself.
-CUDA_HEADS_PER_CALL = 16
-
-
-def _head_chunk(query: torch.Tensor) -> int:
-    return CUDA_HEADS_PER_CALL if query.device.type == "cuda" else query.shape[1]
-
-
-def _prefill(
-    query: torch.Tensor,  # [T, h, L + rope]: some or all of the query heads
-    cache: torch.Tensor,  # [N, B, 1, L + rope]: read as keys and as values
-    meta: AttentionMetadata,
-    softmax_scale: float,
-    kv_scale: torch.Tensor | None,  # [1] float32: an int8 / float8 cache's
-) -> torch.Tensor:  # [T, h, L + rope]
-    return ops.paged_attention(
-        query.contiguous(), cache, cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
-        softmax_scale, k_scale=kv_scale, v_scale=kv_scale,
-    )  # fmt: skip
 
 
 def _deinterleave(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> same, contiguous

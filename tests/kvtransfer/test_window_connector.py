@@ -55,6 +55,25 @@ def test_window_targets_are_required_exactly_with_a_window_pool() -> None:
     plain.close()
 
 
+def test_a_window_pool_registered_with_a_layout_keeps_its_identity_and_scales() -> None:
+    """A tensor-parallel rank passes its window pool's layout: it must carry the window
+    identity; a quantized window pool's scales (its layers' rows) are the layout's."""
+    pool = torch.zeros(2, 2, 8, 4, 1, 8, dtype=torch.int8)
+    scales = torch.tensor([[[0.5], [0.25]], [[0.125], [1.0]]])  # [L_window=2, K/V, H=1]
+    connector = PrefillKVConnector(window_pool=True)
+    connector.register_kv_caches(torch.zeros(1, 2, 8, 4, 1, 8, dtype=torch.int8), "m")
+    with pytest.raises(ValueError, match="expected"):
+        connector.register_window_kv_caches(
+            pool, "m", layers=(0, 2), window=8, layout=pool_layout(pool, "m")
+        )
+    layout = pool_layout(pool, window_identity("m", 8), kv_scales=scales)
+    connector.register_window_kv_caches(pool, "m", layers=(0, 2), window=8, layout=layout)
+    window = connector._window
+    assert window is not None and window.sender.layout == layout
+    assert window.sender.layout.kv_scales == (0.5, 0.25, 0.125, 1.0)
+    connector.close()
+
+
 def test_decode_connector_fills_a_window_pool_only_when_asked() -> None:
     """The decode side's connector: a window pool needs ``window_pool=True``; its receiver
     then expects the window blocks under the window identity, and ``pending`` / ``cancel``
