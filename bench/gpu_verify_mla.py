@@ -1,7 +1,8 @@
 """The native DeepSeek-V3 class (MLA over a latent KV cache) on the device: greedy tokens of
 the engine (fp32, CUDA) equal transformers' for a small random DeepSeek-V3 built by
 transformers, with 32 query heads (decode on the MLA decode kernel, two head blocks;
-prefill in two of the class's 16-head calls on CUDA), yarn rope and grouped routing,
+prefill and the mixed steps on the MLA prefill kernel, one 32-head block of 2 tokens per
+program), yarn rope and grouped routing,
 under chunked prefill and under a pool small enough to preempt. Part of ``gpu_verify``'s
 engine step."""
 

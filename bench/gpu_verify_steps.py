@@ -355,19 +355,24 @@ def prefill_process(conn: Connection, model_dir: str, device: str) -> None:
 def prefill_batch(
     engine: Any,
     connector: Any,
-    batch: list[tuple[str, list[int], int, str | list[str] | tuple[str, str]]],
+    batch: list[tuple[str, list[int], int, Any]],
 ) -> list[tuple[str, int | None, str | None]]:
     """Prefill ``[(rid, prompt, max_tokens, target_json)]`` with the KV targets registered
     (one target, a list of them: one per rank of a tensor-parallel decode replica, or a
-    tuple (target, window pool's target)), step until every send ended; ``[(rid, first
-    token, transfer result json)]``."""
+    tuple (target, window pool's target), each of those one target or a list per rank),
+    step until every send ended; ``[(rid, first token, transfer result json)]``."""
     from pdserve.engine.sampling_params import SamplingParams
     from pdserve.kvtransfer import KVTarget
 
     firsts: dict[str, int] = {}
     for rid, prompt, max_tokens, target_json in batch:
         if isinstance(target_json, tuple):
-            full, window = (KVTarget.model_validate_json(t) for t in target_json)
+            full, window = (
+                KVTarget.model_validate_json(t)
+                if isinstance(t, str)
+                else tuple(KVTarget.model_validate_json(x) for x in t)
+                for t in target_json
+            )
             connector.register_target(rid, full, window_target=window)
         elif isinstance(target_json, str):
             connector.register_target(rid, KVTarget.model_validate_json(target_json))

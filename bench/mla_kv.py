@@ -11,7 +11,11 @@ path's pool ``[L, P, N, B, Hkv, D]`` from it (P = ``kv_planes``: 2 expanded, 1 l
 The wire bytes of one hand-off are the sender's layout (``kvtransfer.blocks.pool_layout``
 of that pool shape) times the prompt's blocks and layers: what ``TransferResult.bytes``
 reports (tests/kvtransfer/test_mla_handoff.py checks that equality on a real transfer).
-Prints a table and writes JSON.
+Between tensor-parallel replicas (``--prefill-tp``, ``--decode-tp``) the wire bytes are
+summed over the rank pairs ``kvtransfer.tp_plan.plan`` moves: the expanded K/V's heads
+once each, the latent (one head on every rank) once per decode rank
+(tests/deployments/test_tp_handoff.py checks that count on real TP transfers). Prints the
+tables and writes JSON.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import Any
 import torch
 
 from pdserve.engine.loader import load_model_config
+from pdserve.kvtransfer import tp_plan
 from pdserve.kvtransfer.blocks import pool_layout
 
 # The released checkpoint's config.json (architecture fields only).
@@ -127,7 +132,22 @@ def path_bytes(
         "bytes_per_token": per_token,
         "handoff_blocks": blocks,
         "handoff_bytes": blocks * cfg.num_layers * layout.block_bytes(),
+        "tp_handoff_bytes": {
+            f"{a}->{b}": tp_wire_bytes(layout, a, b) * blocks * cfg.num_layers for a, b in TP_PAIRS
+        },
     }
+
+
+def tp_wire_bytes(layout: Any, prefill_tp: int, decode_tp: int) -> int:
+    """Bytes of one block of one layer that a prefill replica of ``prefill_tp`` ranks sends
+    a decode replica of ``decode_tp`` ranks (every pair ``tp_plan.plan`` moves)."""
+    prefill = [tp_plan.rank_layout(layout, prefill_tp, r) for r in range(prefill_tp)]
+    decode = [tp_plan.rank_layout(layout, decode_tp, r) for r in range(decode_tp)]
+    return sum(layout.block_bytes(s.num_heads) for s in tp_plan.plan(prefill, decode).values())
+
+
+# (prefill TP, decode TP): DeepSeek-V3 is served at TP=8.
+TP_PAIRS = [(1, 1), (8, 1), (8, 2), (8, 8)]
 
 
 def main() -> None:
@@ -162,6 +182,11 @@ def main() -> None:
             f"{name:<40} {geometry:>14} {per_token:>12,} "
             f"{row['handoff_bytes'] / 2**20:>13.1f} {ratio:>6.1f}x"
         )
+    print(f"\nhand-off of {args.prompt_tokens} prompt tokens between TP replicas, MiB on the wire")
+    print(f"{'prefill TP -> decode TP':<24} {'expanded K/V':>13} {'latent':>9} {'ratio':>7}")
+    for pair, wire in latent["tp_handoff_bytes"].items():
+        full = expanded["tp_handoff_bytes"][pair]
+        print(f"{pair:<24} {full / 2**20:>13.1f} {wire / 2**20:>9.1f} {full / wire:>6.1f}x")
     result = {
         "config": "DeepSeek-V3",
         "dtype": args.dtype,

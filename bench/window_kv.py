@@ -2,7 +2,8 @@
 with the window layers in a pool of their own (engine/window_kv.py).
 
     python -P -m pdserve.bench.window_kv [--model gemma3-1b|gpt-oss-20b] [--tokens 4096]
-                                         [--chunk 512] [--block-size 16] [--out FILE.json]
+                                         [--chunk 512] [--block-size 16]
+                                         [--kv-cache-dtype auto|int8|fp8_e4m3] [--out FILE.json]
 
 Writes the released config.json of the model (architecture fields only, no weights) to a
 temporary directory and reads it as the engine does (``load_model_config``: each layer's
@@ -10,8 +11,10 @@ window), plans the window pool the model runner would allocate (``plan_window_la
 and drives the engine's own KV cache manager through one sequence of ``--tokens`` tokens:
 the first half a prompt in ``--chunk``-token chunks (chunked prefill), the rest decoded
 one token a step. Counts the blocks the sequence holds in each pool after every step (the
-window pool's null block not counted) and the KV bytes of the sequence (bf16) with and
-without the window pool. Prints a table and writes JSON.
+window pool's null block not counted) and the KV bytes of the sequence (bf16, or the
+``--kv-cache-dtype`` an engine would keep: one byte an element for int8 / fp8, whose
+per-layer scales are a fixed few bytes a layer) with and without the window pool. Prints a
+table and writes JSON.
 """
 
 from __future__ import annotations
@@ -81,7 +84,6 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "torch_dtype": "bfloat16",
     },
 }
-BF16_BYTES = 2
 
 
 def _config(model: str) -> ModelConfig:
@@ -120,18 +122,31 @@ def _one_sequence(
     return _Sequence(cfg, layout, window, kv, request)
 
 
-def handoff_bytes(model: str, prompt_tokens: int, block_size: int = 16) -> dict[str, Any]:
-    """The bytes (bf16) one P/D hand-off of a ``prompt_tokens`` prompt moves with the window
-    pool on both sides (full layers: every block; window layers: the blocks the decode
-    side's reservation holds, by the engine's own ``allocate_slots``) and with every layer
-    whole (one pool)."""
+def kv_element_bytes(kv_cache_dtype: str) -> int:
+    """Bytes of one KV element of a bf16 model's pool under ``EngineConfig.kv_cache_dtype``."""
+    import torch
+
+    from pdserve.engine.kv_scales import kv_cache_torch_dtype
+
+    dtype = kv_cache_torch_dtype(kv_cache_dtype, torch.bfloat16)
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def handoff_bytes(
+    model: str, prompt_tokens: int, block_size: int = 16, kv_cache_dtype: str = "auto"
+) -> dict[str, Any]:
+    """The bytes (bf16, or ``kv_cache_dtype``) one P/D hand-off of a ``prompt_tokens`` prompt
+    moves with the window pool on both sides (full layers: every block; window layers: the
+    blocks the decode side's reservation holds, by the engine's own ``allocate_slots``) and
+    with every layer whole (one pool)."""
     seq = _one_sequence(model, prompt_tokens, prompt_tokens, prompt_tokens + 1, block_size, False)
     cfg, layout, window, kv, request = seq.cfg, seq.layout, seq.window, seq.kv, seq.request
     # What a decode engine reserves for a remote prefill (Scheduler.reserve_remote_prefill).
     if kv.allocate_slots(request, prompt_tokens, window_start=prompt_tokens) is None:
         raise AssertionError("the planned pools cannot hold the prompt")
     blocks, window_blocks = len(request.block_ids), window.num_held(request)
-    layer_block = 2 * block_size * cfg.num_kv_heads * cfg.head_dim * BF16_BYTES
+    elem = kv_element_bytes(kv_cache_dtype)
+    layer_block = 2 * block_size * cfg.num_kv_heads * cfg.head_dim * elem
     num_window, num_full = len(layout.layers), cfg.num_layers - len(layout.layers)
     every_block = cfg.num_layers * blocks * layer_block
     windowed = (num_full * blocks + num_window * window_blocks) * layer_block
@@ -139,6 +154,7 @@ def handoff_bytes(model: str, prompt_tokens: int, block_size: int = 16) -> dict[
         "model": model,
         "prompt_tokens": prompt_tokens,
         "block_size": block_size,
+        "kv_cache_dtype": kv_cache_dtype,
         "window": layout.window,
         "window_layers": num_window,
         "full_layers": num_full,
@@ -149,7 +165,9 @@ def handoff_bytes(model: str, prompt_tokens: int, block_size: int = 16) -> dict[
     }
 
 
-def run(model: str, tokens: int, chunk: int, block_size: int) -> dict[str, Any]:
+def run(
+    model: str, tokens: int, chunk: int, block_size: int, kv_cache_dtype: str = "auto"
+) -> dict[str, Any]:
     seq = _one_sequence(model, tokens, chunk, tokens, block_size, True)
     cfg, layout, window, kv, request = seq.cfg, seq.layout, seq.window, seq.kv, seq.request
     prompt = tokens // 2
@@ -163,7 +181,8 @@ def run(model: str, tokens: int, chunk: int, block_size: int) -> dict[str, Any]:
         kv.cache_full_blocks(request)
         most = max(most, window.num_held(request))
     full_blocks = len(request.block_ids)
-    layer_block = 2 * block_size * cfg.num_kv_heads * cfg.head_dim * BF16_BYTES
+    elem = kv_element_bytes(kv_cache_dtype)
+    layer_block = 2 * block_size * cfg.num_kv_heads * cfg.head_dim * elem
     num_window, num_full = len(layout.layers), cfg.num_layers - len(layout.layers)
     without = cfg.num_layers * full_blocks * layer_block
     with_pool = (num_full * full_blocks + num_window * most) * layer_block
@@ -173,6 +192,7 @@ def run(model: str, tokens: int, chunk: int, block_size: int) -> dict[str, Any]:
         "tokens": tokens,
         "chunk": chunk,
         "block_size": block_size,
+        "kv_cache_dtype": kv_cache_dtype,
         "window": layout.window,
         "window_layers": num_window,
         "full_layers": num_full,
@@ -192,9 +212,11 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--chunk", type=int, default=512)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "int8", "fp8_e4m3"], default="auto")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    r = run(args.model, args.tokens, args.chunk, args.block_size)
+    r = run(args.model, args.tokens, args.chunk, args.block_size, args.kv_cache_dtype)
+    label = "bf16" if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
     mib = 2**20
     print(
         f"{r['model']}: one {r['tokens']}-token sequence (prefill chunks of {r['chunk']}, "
@@ -212,7 +234,7 @@ def main() -> None:
     )
     without, peak, end = (r[f"sequence_kv_bytes_{k}"] for k in ("without", "with_peak", "with_end"))
     print(
-        f"sequence KV (bf16): {without / mib:.1f} MiB with every layer kept whole; with the "
+        f"sequence KV ({label}): {without / mib:.1f} MiB with every layer kept whole; with the "
         f"window pool {peak / mib:.1f} MiB at its peak ({without / peak:.2f}x less), "
         f"{end / mib:.1f} MiB at the end ({without / end:.2f}x less)"
     )

@@ -82,6 +82,7 @@ from pdserve.deployments.tp_kv import (
     TPDecodeConnector,
     replica_kv_bytes_per_token,
 )
+from pdserve.deployments.window_handoff import window_handoff
 from pdserve.engine.outputs import RequestOutput
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.decode_connector import DecodeKVConnector
@@ -153,6 +154,9 @@ class DecodeServer:
                 transfer,
                 observer=self.transfer_observer,
                 segment_for=allocator.segment_for if allocator is not None else None,
+                # A window model's engine then keeps (and receives) only its window layers'
+                # window, paired with the prefill pool's (deployments/window_handoff.py).
+                window_pool=window_handoff(self.cfg),
             )
             connector = TPDecodeConnector(local) if tp else local
         factory = engine_factory or default_engine_factory
@@ -481,6 +485,8 @@ class DecodeServer:
             num_total_blocks=stats.num_total_blocks,
             pending_transfers=self.remote.pending() if self.remote is not None else [],
             num_streams=self._open_streams,
+            num_window_free_blocks=stats.num_window_free_blocks,
+            num_window_total_blocks=stats.num_window_total_blocks,
             **runtime_report(self.engine),
         )
 

@@ -45,6 +45,7 @@ from pdserve.deployments.tp_kv import (
     TPPrefillConnector,
     replica_kv_bytes_per_token,
 )
+from pdserve.deployments.window_handoff import check_window_pairing, window_handoff
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.connector import PrefillKVConnector
 from pdserve.kvtransfer.types import KVTransferError
@@ -79,10 +80,16 @@ class PrefillServer:
         transfer = KVTransferConfig(
             transport=t.kind, host=transfer_host(t.host), connect_timeout_s=t.connect_timeout_s
         )
-        local = PrefillKVConnector(transfer, observer=TransferMetricsObserver(self.metrics))
+        local = PrefillKVConnector(
+            transfer,
+            observer=TransferMetricsObserver(self.metrics),
+            # A window model's engine then keeps (and sends) only its window layers' window.
+            window_pool=window_handoff(self.cfg),
+        )
         # Tensor parallel: every rank sends the KV heads it holds; rank 0's connector hands
         # the targets to the others' and merges their results.
         tp = self.cfg.prefill.tensor_parallel_size > 1
+        self._local = local  # rank 0's own connector (the window pool's, if any)
         self.connector: PrefillKVConnector | TPPrefillConnector = (
             TPPrefillConnector(local) if tp else local
         )
@@ -105,8 +112,9 @@ class PrefillServer:
             self.layout.block_bytes() * self.layout.num_layers // max(self.layout.block_size, 1)
         )
         # A window pool (not in the sender's layout): its layers hand off only the blocks
-        # of the first decoded token's window, which the router's estimate counts.
-        window_pool = getattr(self.engine, "window_kv_cache", None)
+        # of the first decoded token's window, which the router's estimate counts. A
+        # token's KV on every layer counts them too.
+        window_pool = getattr(self.engine, "window_kv_cache", None)  # test engines may lack it
         self.window_kv_bytes_per_token = (
             replica_kv_bytes_per_token(window_pool, self.engine.model_config.num_kv_heads)
             if window_pool is not None
@@ -138,7 +146,16 @@ class PrefillServer:
         }
         with tracing.span("prefill", self.model_name, carrier=req.trace_carrier, attributes=attrs):
             targets = req.kv_targets  # one per rank of the decode replica
-            self.connector.register_target(rid, targets[0] if len(targets) == 1 else targets)
+            windowed = self._local.has_window_pool  # never under tensor parallelism
+            check_window_pairing(
+                prefill_has_window_pool=windowed, num_window_targets=len(req.window_kv_targets)
+            )
+            target = targets[0] if len(targets) == 1 else targets
+            if windowed:
+                window_target = req.window_kv_targets[0]
+                self._local.register_target(rid, target, window_target=window_target)
+            else:
+                self.connector.register_target(rid, target)
             last = None
             try:
                 async for out in self.engine.generate(
@@ -210,7 +227,9 @@ class PrefillServer:
             num_unfinished=stats.num_running + stats.num_waiting + stats.num_sending_kv,
             num_free_blocks=stats.num_free_blocks,
             num_total_blocks=stats.num_total_blocks,
-            pending_transfers=self.sender.open_handles(),
+            pending_transfers=self._local.open_handles(),  # both pools' sends
+            num_window_free_blocks=stats.num_window_free_blocks,
+            num_window_total_blocks=stats.num_window_total_blocks,
             **runtime_report(self.engine),
         )
 

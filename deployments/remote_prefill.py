@@ -5,6 +5,9 @@
 prompt's KV blocks in the engine (whose scheduler tells the connector where the KV goes),
 opens the transfer through the connector, calls the prefill pool, waits for the KV, hands it
 to the engine with the first token, and falls back to a local recompute on any failure.
+An engine that keeps its window layers' KV in a pool of their own (``window_handoff``) is
+reserved for the first decoded token's window there, and that pool gets a target of its own
+(``PrefillRequest.window_kv_targets``).
 ``DecodeServer`` uses it for every request its policy sends to the prefill pool. The
 invariant it keeps: when it returns (or is cancelled) no prefill peer is still writing into
 the request's blocks, and the engine request is either decoding, recomputing locally, or
@@ -101,9 +104,15 @@ class RemotePrefill:
         """The request's engine outputs, its prompt prefilled remotely (or locally when
         the pool has no room, or after a failure)."""
         rid, ids = req.request_id, req.prompt_token_ids
+        windowed = self._receives_window_pool()
         self.connector.register_load(rid)
         try:
-            blocks = await self.engine.reserve_remote_prefill(rid, ids, params)
+            if windowed:  # the engine reserves only the first decoded token's window there
+                blocks = await self.engine.reserve_remote_prefill(
+                    rid, ids, params, receives_window_pool=True
+                )
+            else:
+                blocks = await self.engine.reserve_remote_prefill(rid, ids, params)
         finally:
             self.connector.unregister_load(rid)  # the scheduler took it over, or never will
         if blocks is None:
@@ -124,11 +133,13 @@ class RemotePrefill:
         deadline = time.time() + self.estimate.compute_s(len(ids)) + self.timeout_s
         try:
             targets = self.connector.expect(rid, deadline)
+            window_targets = await self._expect_window(rid, deadline) if windowed else ()
         except BaseException:
+            await asyncio.to_thread(self.connector.cancel, rid)
             await self.engine.abort(rid)
             raise
         self._count_skipped(targets)
-        handoff = asyncio.create_task(self._handoff(req, targets))
+        handoff = asyncio.create_task(self._handoff(req, targets, window_targets))
         stream = self.engine.stream(rid)
         try:
             async for out in stream:
@@ -143,7 +154,24 @@ class RemotePrefill:
             await asyncio.to_thread(self.connector.cancel, rid)
             await stream.aclose()
 
-    async def _handoff(self, req: GenerateRequest, targets: tuple[KVTarget, ...]) -> None:
+    def _receives_window_pool(self) -> bool:
+        """Whether the engine keeps a window pool its connector fills (never under tensor
+        parallelism: ``window_handoff``)."""
+        return isinstance(self.connector, DecodeKVConnector) and self.connector.receives_window_pool
+
+    async def _expect_window(self, rid: str, deadline: float) -> tuple[KVTarget, ...]:
+        """The window pool's target of a reserved request: the blocks of the first decoded
+        token's window (past any prefix hit), the only window-layer KV the decode needs."""
+        assert isinstance(self.connector, DecodeKVConnector)
+        first, blocks = await self.engine.remote_window_blocks(rid)
+        return (self.connector.expect_window(rid, first, blocks, deadline),)
+
+    async def _handoff(
+        self,
+        req: GenerateRequest,
+        targets: tuple[KVTarget, ...],
+        window_targets: tuple[KVTarget, ...] = (),
+    ) -> None:
         """Run the remote prefill and hand its KV to the engine, or fall back to local."""
         rid, n = req.request_id, len(req.prompt_token_ids)
         deadline = targets[0].deadline  # the same on every rank
@@ -159,6 +187,7 @@ class RemotePrefill:
                                 prompt_token_ids=req.prompt_token_ids,
                                 sampling=req.sampling,
                                 kv_targets=targets,
+                                window_kv_targets=window_targets,
                                 trace_carrier=tracing.inject(),
                             )
                         ),

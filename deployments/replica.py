@@ -30,6 +30,13 @@ class IntegrityReport(BaseModel):
     num_free_blocks: int = Field(description="KV blocks free or evictable.")
     num_total_blocks: int
     pending_transfers: list[str] = Field(description="KV transfers still open.")
+    num_window_free_blocks: int = Field(
+        default=0, description="Window pool blocks free or evictable (0 = no window pool)."
+    )
+    num_window_total_blocks: int = Field(
+        default=0,
+        description="Blocks of the window layers' own pool (engine/window_kv.py); 0 = none.",
+    )
     num_streams: int = Field(default=0, description="Client streams still open (decode).")
     engine_cpus: list[int] = Field(
         default_factory=list, description="CPUs the engine thread is bound to; [] = unbound."
@@ -47,6 +54,7 @@ class IntegrityReport(BaseModel):
         return (
             self.num_unfinished == 0
             and self.num_free_blocks == self.num_total_blocks
+            and self.num_window_free_blocks == self.num_window_total_blocks
             and not self.pending_transfers
             and self.num_streams == 0
         )

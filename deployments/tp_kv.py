@@ -33,7 +33,7 @@ import torch
 from pdserve.engine.parallel import TPShard
 from pdserve.kvtransfer.blocks import pool_layout
 from pdserve.kvtransfer.config import KVTransferConfig
-from pdserve.kvtransfer.connector import PrefillKVConnector
+from pdserve.kvtransfer.connector import PrefillKVConnector, window_identity
 from pdserve.kvtransfer.decode_connector import DecodeKVConnector
 from pdserve.kvtransfer.receiver import KVReceiver
 from pdserve.kvtransfer.results import ResultMailbox, merge_results
@@ -79,6 +79,30 @@ def pool_rank_layout(pool: RankPool) -> KVLayout:
     return rank_layout(pool.kv_cache, pool.model_name, pool.shard, pool.kv_heads, pool.kv_scales)
 
 
+def _rank0_window_layout(
+    executor: TPExecutor,
+    window_kv_cache: torch.Tensor,
+    model_name: str,
+    window: int,
+    kv_scales: torch.Tensor | None,
+) -> KVLayout:
+    """``rank_layout`` of rank 0's window pool, under the window pool's identity."""
+    identity = window_identity(model_name, window)
+    heads = executor.model_config.num_kv_heads
+    return rank_layout(window_kv_cache, identity, executor.tp.shard, heads, kv_scales)
+
+
+def window_rank_layout(pool: RankPool) -> KVLayout | None:
+    """``rank_layout`` of a worker rank's window pool (None without one), under the window
+    pool's identity (``kvtransfer.connector.window_identity``)."""
+    if pool.window_kv_cache is None or pool.window_layout is None:
+        return None
+    identity = window_identity(pool.model_name, pool.window_layout.window)
+    return rank_layout(
+        pool.window_kv_cache, identity, pool.shard, pool.kv_heads, pool.window_kv_scales
+    )
+
+
 def replica_kv_bytes_per_token(
     kv_cache: torch.Tensor, kv_heads: int, window_kv_cache: torch.Tensor | None = None
 ) -> int:
@@ -102,6 +126,8 @@ class StepTargets:
 
     register: tuple[tuple[str, tuple[KVTarget, ...]], ...] = ()
     unregister: tuple[str, ...] = ()
+    # With window pools: the registered requests' window pool targets (one per decode rank).
+    window: tuple[tuple[str, tuple[KVTarget, ...]], ...] = ()
 
 
 class PrefillRankAgent:
@@ -115,8 +141,9 @@ class PrefillRankAgent:
             return
         for rid in meta.unregister:
             self.connector.unregister_target(rid)
+        window = dict(meta.window)
         for rid, targets in meta.register:
-            self.connector.register_target(rid, targets)
+            self.connector.register_target(rid, targets, window_target=window.get(rid))
 
     def step_report(self, finished: list[str]) -> list[tuple[str, TransferResult]]:
         report = []
@@ -137,8 +164,19 @@ class PrefillAgentFactory:
     transfer: KVTransferConfig
 
     def __call__(self, pool: RankPool) -> PrefillRankAgent:
-        connector = PrefillKVConnector(self.transfer)
+        # A rank keeps a window pool only where rank 0's connector moves one.
+        window_layout = window_rank_layout(pool)
+        connector = PrefillKVConnector(self.transfer, window_pool=window_layout is not None)
         connector.register_kv_caches(pool.kv_cache, pool.model_name, layout=pool_rank_layout(pool))
+        if window_layout is not None:
+            assert pool.window_kv_cache is not None and pool.window_layout is not None
+            connector.register_window_kv_caches(
+                pool.window_kv_cache,
+                pool.model_name,
+                layers=pool.window_layout.layers,
+                window=pool.window_layout.window,
+                layout=window_layout,
+            )
         return PrefillRankAgent(connector)
 
 
@@ -147,13 +185,19 @@ class TPPrefillConnector(NoExternalLoads):
     its scheduler half loads nothing).
 
     The serving layer uses it as it uses a ``PrefillKVConnector``: ``register_target`` (one
-    target per decode rank), ``unregister_target``, ``take_result``."""
+    target per decode rank; with window pools, ``window_target`` one per decode rank too),
+    ``unregister_target``, ``take_result``. With ``local`` built ``window_pool=True`` every
+    rank keeps its window pool and sends its window layers' blocks of the first decoded
+    token's window to the decode ranks' window pools (``engine.kv_connector.
+    WindowKVConnector``)."""
 
     def __init__(self, local: PrefillKVConnector) -> None:
         self.local = local
+        self.moves_window_pool = local.moves_window_pool
         self._executor: TPExecutor | None = None
         self._lock = threading.Lock()
         self._register: dict[str, tuple[KVTarget, ...]] = {}
+        self._window: dict[str, tuple[KVTarget, ...]] = {}
         self._unregister: list[str] = []
         self._parts: dict[str, list[TransferResult]] = {}  # each rank's, as they arrive
         self._results = ResultMailbox()  # merged over the ranks, for take_result()
@@ -174,8 +218,12 @@ class TPPrefillConnector(NoExternalLoads):
 
     def step_meta(self) -> StepTargets:
         with self._lock:
-            meta = StepTargets(tuple(self._register.items()), tuple(self._unregister))
-            self._register, self._unregister = {}, []
+            meta = StepTargets(
+                tuple(self._register.items()),
+                tuple(self._unregister),
+                tuple(self._window.items()),
+            )
+            self._register, self._unregister, self._window = {}, [], {}
         return meta
 
     def worker_reports(self, reports: list[Any]) -> None:
@@ -184,15 +232,25 @@ class TPPrefillConnector(NoExternalLoads):
                 self._parts.setdefault(rid, []).append(result)
 
     # ---- serving-layer side
-    def register_target(self, request_id: str, targets: KVTarget | tuple[KVTarget, ...]) -> None:
+    def register_target(
+        self,
+        request_id: str,
+        targets: KVTarget | tuple[KVTarget, ...],
+        *,
+        window_target: KVTarget | tuple[KVTarget, ...] | None = None,
+    ) -> None:
         targets = (targets,) if isinstance(targets, KVTarget) else tuple(targets)
-        self.local.register_target(request_id, targets)
+        self.local.register_target(request_id, targets, window_target=window_target)
         with self._lock:
             self._register[request_id] = targets
+            if window_target is not None:
+                window = (window_target,) if isinstance(window_target, KVTarget) else window_target
+                self._window[request_id] = tuple(window)
 
     def unregister_target(self, request_id: str) -> None:
         self.local.unregister_target(request_id)
         with self._lock:
+            self._window.pop(request_id, None)
             if self._register.pop(request_id, None) is None:
                 self._unregister.append(request_id)
 
@@ -209,6 +267,25 @@ class TPPrefillConnector(NoExternalLoads):
         heads = executor.model_config.num_kv_heads
         layout = rank_layout(kv_cache, model_name, executor.tp.shard, heads, kv_scales)
         self.local.register_kv_caches(kv_cache, model_name, layout=layout)
+
+    def register_window_kv_caches(
+        self,
+        window_kv_cache: torch.Tensor,
+        model_name: str,
+        *,
+        layers: tuple[int, ...],
+        window: int,
+        kv_scales: torch.Tensor | None = None,
+    ) -> None:
+        """Rank 0's window pool (``WindowKVConnector``), its heads under the window pool's
+        identity (the workers register theirs through ``PrefillAgentFactory``)."""
+        executor = self._executor
+        if executor is None:
+            raise RuntimeError("TPPrefillConnector: the executor did not attach")
+        layout = _rank0_window_layout(executor, window_kv_cache, model_name, window, kv_scales)
+        self.local.register_window_kv_caches(
+            window_kv_cache, model_name, layers=layers, window=window, layout=layout
+        )
 
     def begin_step(self, sends: list[PendingSend]) -> None:
         self.local.begin_step(sends)
@@ -242,12 +319,14 @@ class TPPrefillConnector(NoExternalLoads):
 
 
 class DecodeRankAgent:
-    """A worker rank's receiver (``RankKVAgent``); rank 0 calls it through the executor."""
+    """A worker rank's receiver (``RankKVAgent``) and, where the rank keeps a window pool,
+    that pool's receiver; rank 0 calls it through the executor."""
 
     connector = None
 
-    def __init__(self, receiver: KVReceiver) -> None:
+    def __init__(self, receiver: KVReceiver, window: KVReceiver | None = None) -> None:
         self.receiver = receiver
+        self.window = window
 
     def apply_step_meta(self, meta: Any) -> None:
         pass
@@ -260,17 +339,42 @@ class DecodeRankAgent:
     ) -> KVTarget:
         return self.receiver.expect(request_id, block_ids, deadline, first_block=first_block)
 
+    def expect_window(
+        self, request_id: str, block_ids: tuple[int, ...], deadline: float, first_block: int
+    ) -> KVTarget:
+        if self.window is None:
+            raise ValueError("this rank keeps no window pool")
+        return self.window.expect(request_id, block_ids, deadline, first_block=first_block)
+
     def wait(self, request_id: str, deadline: float) -> TransferResult:
-        return self.receiver.wait(request_id, deadline)
+        return _wait_both(self.receiver, self.window, request_id, deadline)
 
     def cancel(self, request_id: str) -> None:
         self.receiver.cancel(request_id)
+        if self.window is not None:
+            self.window.cancel(request_id)
 
     def pending(self) -> list[str]:
-        return self.receiver.pending()
+        return _pending_both(self.receiver, self.window)
 
     def close(self) -> None:
         self.receiver.close()
+        if self.window is not None:
+            self.window.close()
+
+
+def _wait_both(
+    receiver: KVReceiver, window: KVReceiver | None, request_id: str, deadline: float | None
+) -> TransferResult:
+    """The request's KV landed in the pool and, with a window pool, in that too (merged)."""
+    full = receiver.wait(request_id, deadline)
+    if window is None:
+        return full
+    return merge_results(request_id, [full, window.wait(request_id, deadline)])
+
+
+def _pending_both(receiver: KVReceiver, window: KVReceiver | None) -> list[str]:
+    return receiver.pending() + (window.pending() if window is not None else [])
 
 
 @dataclass(frozen=True)
@@ -282,7 +386,11 @@ class DecodeAgentFactory:
 
     def __call__(self, pool: RankPool) -> DecodeRankAgent:
         receiver = KVReceiver(pool.kv_cache, pool_rank_layout(pool), self.transfer)
-        return DecodeRankAgent(receiver)
+        window_layout = window_rank_layout(pool)
+        window = None
+        if pool.window_kv_cache is not None and window_layout is not None:
+            window = KVReceiver(pool.window_kv_cache, window_layout, self.transfer)
+        return DecodeRankAgent(receiver, window)
 
 
 class TPDecodeConnector(RemoteLoads):
@@ -291,13 +399,20 @@ class TPDecodeConnector(RemoteLoads):
     The serving layer uses it as it uses a ``DecodeKVConnector``: ``register_load``,
     ``expect`` (one target per rank, rank order), ``wait`` (every rank's KV landed),
     ``cancel`` (every rank fenced). The scheduler half (``RemoteLoads``) is this object's:
-    every rank holds the same block ids, so one plan serves them all."""
+    every rank holds the same block ids, so one plan serves them all.
+
+    ``window_pool=True`` (``engine.kv_connector.WindowKVConnector``): every rank keeps its
+    window layers' KV in a window pool with a receiver of its own; each request then also
+    needs ``expect_window`` (the engine's ``remote_window_blocks``), and ``wait`` / ``cancel``
+    / ``pending`` cover both pools."""
 
     saves_kv_layers = False
 
-    def __init__(self, local: DecodeKVConnector) -> None:
+    def __init__(self, local: DecodeKVConnector, *, window_pool: bool = False) -> None:
         super().__init__()
         self.local = local
+        self.moves_window_pool = window_pool
+        self._window: KVReceiver | None = None  # rank 0's window pool receiver
         self._executor: TPExecutor | None = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -328,15 +443,36 @@ class TPDecodeConnector(RemoteLoads):
     # ---- serving-layer side
     def expect(self, request_id: str, deadline: float | None = None) -> tuple[KVTarget, ...]:
         """Expect the request on every rank: one target per rank, rank order."""
-        executor, ranks = self._workers()
         first = self.local.expect_plan(request_id, self.require_plan(request_id), deadline)
+        return self._expect_on_workers(request_id, first, "expect")
+
+    def expect_window(
+        self,
+        request_id: str,
+        first_block: int,
+        block_ids: list[int] | tuple[int, ...],
+        deadline: float | None = None,
+    ) -> tuple[KVTarget, ...]:
+        """Expect the request's window layers' KV on every rank's window pool (``first_block``
+        and ``block_ids``: the engine's ``remote_window_blocks``): one target per rank."""
+        if self._window is None:
+            raise RuntimeError("TPDecodeConnector: no window pool registered")
+        first = self._window.expect(request_id, block_ids, deadline, first_block=first_block)
+        return self._expect_on_workers(request_id, first, "expect_window")
+
+    def _expect_on_workers(
+        self, request_id: str, first: KVTarget, method: str
+    ) -> tuple[KVTarget, ...]:
+        """Rank 0's target ``first`` and the workers' for the same blocks (their agents'
+        ``method``); every rank fenced again if one fails."""
+        executor, ranks = self._workers()
         targets = [first]
         try:
             for rank in ranks:
                 targets.append(
                     executor.agent_call(
                         rank,
-                        "expect",
+                        method,
                         request_id,
                         tuple(first.block_ids),
                         first.deadline,
@@ -362,7 +498,7 @@ class TPDecodeConnector(RemoteLoads):
         ]
         parts: list[TransferResult] = []
         try:
-            parts.append(self.local.wait(request_id, deadline))
+            parts.append(_wait_both(self.local.receiver, self._window, request_id, deadline))
             parts.extend(f.result() for f in futures)
         except Exception as exc:
             self.cancel(request_id)
@@ -375,6 +511,8 @@ class TPDecodeConnector(RemoteLoads):
 
     def cancel(self, request_id: str) -> None:
         self.local.cancel(request_id)
+        if self._window is not None:
+            self._window.cancel(request_id)
         executor = self._executor
         if executor is None:
             return
@@ -384,10 +522,14 @@ class TPDecodeConnector(RemoteLoads):
                 executor.agent_call(rank, "cancel", request_id)
 
     def pending(self) -> list[str]:
-        return self.local.pending()
+        if self._window is None:
+            return self.local.pending()
+        return _pending_both(self.local.receiver, self._window)
 
     def close(self) -> None:
         self.local.close()
+        if self._window is not None:
+            self._window.close()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
@@ -399,6 +541,27 @@ class TPDecodeConnector(RemoteLoads):
         heads = executor.model_config.num_kv_heads
         layout = rank_layout(kv_cache, model_name, executor.tp.shard, heads, kv_scales)
         self.local.register_kv_caches(kv_cache, model_name, layout=layout)
+
+    def register_window_kv_caches(
+        self,
+        window_kv_cache: torch.Tensor,
+        model_name: str,
+        *,
+        layers: tuple[int, ...],
+        window: int,
+        kv_scales: torch.Tensor | None = None,
+    ) -> None:
+        """Rank 0's window pool: a receiver of its own, its heads under the window pool's
+        identity (the workers' come from ``DecodeAgentFactory``)."""
+        if not self.moves_window_pool:
+            raise ValueError("a window pool needs TPDecodeConnector(..., window_pool=True)")
+        if self._window is not None:
+            raise RuntimeError("a window pool is already registered with this connector")
+        executor, _ = self._workers()
+        layout = _rank0_window_layout(executor, window_kv_cache, model_name, window, kv_scales)
+        self._window = KVReceiver(
+            window_kv_cache, layout, self.local.config, observer=self.local.observer
+        )
 
     def begin_step(self, sends: list[PendingSend]) -> None:
         self.local.begin_step(sends)

@@ -222,19 +222,29 @@ class AsyncLLMEngine:
         params: SamplingParams | None = None,
         *,
         arrival_time: float | None = None,
+        receives_window_pool: bool = False,
     ) -> list[int] | None:
-        """Decode role: reserve blocks (None if no room). Read its outputs with stream()."""
+        """Decode role: reserve blocks (None if no room). Read its outputs with stream().
+        ``receives_window_pool``: as ``LLMEngine.reserve_remote_prefill``."""
         stream = self._new_stream()
 
         def reserve() -> list[int] | None:
             blocks = self.engine.reserve_remote_prefill(
-                request_id, prompt_token_ids, params, arrival_time=arrival_time
+                request_id,
+                prompt_token_ids,
+                params,
+                arrival_time=arrival_time,
+                receives_window_pool=receives_window_pool,
             )
             if blocks is not None:
                 self._streams[request_id] = stream
             return blocks
 
         return await self._call(reserve)
+
+    async def remote_window_blocks(self, request_id: str) -> tuple[int, list[int]]:
+        """A reserved remote prefill's window pool blocks (``LLMEngine.remote_window_blocks``)."""
+        return await self._call(lambda: self.engine.remote_window_blocks(request_id))
 
     async def complete_remote_prefill(
         self,

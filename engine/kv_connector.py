@@ -162,7 +162,10 @@ class WindowKVConnector(Protocol):
     ) -> None:
         """The window pool ``[L_window, 2, N_w, B, Hkv, D]`` holding decoder layers
         ``layers`` (ascending; the others are ``kv_cache``'s, in order), which keep the
-        last ``window`` tokens. Called right after ``register_kv_caches``."""
+        last ``window`` tokens. Called right after ``register_kv_caches``; an int8 / float8
+        pool's ``[L_window, 2, Hkv]`` scales come as ``kv_scales=`` (as for
+        ``QuantizedKVConnector.register_kv_caches``, whose scales are then the full
+        layers' rows)."""
 
 
 def moves_window_pool(connector: object) -> bool:

@@ -111,14 +111,16 @@ def calibration_step(
 @torch.inference_mode()
 def calibrate_kv_scales(runner: ModelRunner, kv_dtype: torch.dtype) -> torch.Tensor:
     """``[L, P, Hkv]`` float32 scales (P the pool's planes) from one forward pass of the
-    calibration prompt into a throwaway float pool (the runner's pool, scales and connector
-    are restored)."""
+    calibration prompt into a throwaway float pool of every layer (the runner's pools,
+    window plan, scales and connector are restored)."""
     num_tokens = min(_CALIBRATION_TOKENS, runner.max_model_len)
     step, blocks = calibration_step(
         runner.model_config.vocab_size, num_tokens, runner.config.block_size
     )
     saved = runner.kv_cache, runner.kv_scales, runner.kv_connector
+    saved_window = runner.window_layout, runner.window_kv_cache
     runner.kv_scales, runner.kv_connector = None, None
+    runner.window_layout, runner.window_kv_cache = None, None  # one pool: L rows of scales
     shape = list(runner.kv_cache_shape(blocks))
     runner.kv_cache = torch.zeros(shape, dtype=runner.model_config.dtype, device=runner.device)
     try:
@@ -128,6 +130,7 @@ def calibrate_kv_scales(runner: ModelRunner, kv_dtype: torch.dtype) -> torch.Ten
         absmax = pool.float().abs().amax(dim=(2, 3, 5))
     finally:
         runner.kv_cache, runner.kv_scales, runner.kv_connector = saved
+        runner.window_layout, runner.window_kv_cache = saved_window
     return (absmax.clamp(min=1e-4) * _HEADROOM[kv_dtype] / kv_qmax(kv_dtype)).contiguous()
 
 

@@ -151,8 +151,16 @@ class LLMEngine:
         warm_up = getattr(model_runner, "warm_up", None)  # optional: fakes have none
         if warm_up is not None:  # GPU: compile every kernel variant before serving
             warm_up()
-        # int8 / float8 pools: [L, 2, Hkv] scales the hand-off compares (engine/kv_scales.py).
-        self.kv_scales: torch.Tensor | None = getattr(model_runner, "kv_scales", None)
+        # int8 / float8 pools: the [L_pool, 2, Hkv] scales of kv_cache's layers, which the
+        # hand-off compares (engine/kv_scales.py), and the window pool's (below).
+        split = getattr(model_runner, "pool_kv_scales", None)
+        self.kv_scales: torch.Tensor | None
+        self.window_kv_scales: torch.Tensor | None
+        if split is not None:
+            self.kv_scales, self.window_kv_scales = split()
+        else:  # a runner without a window pool
+            self.kv_scales = getattr(model_runner, "kv_scales", None)
+            self.window_kv_scales = None
         if kv_connector is not None and self.kv_scales is not None:
             cast(QuantizedKVConnector, kv_connector).register_kv_caches(
                 self.kv_cache, self.model_config.kv_identity, kv_scales=self.kv_scales
@@ -171,11 +179,17 @@ class LLMEngine:
             )
             window_pool = getattr(model_runner, "window_kv_cache", None)
             if kv_connector is not None and window_pool is not None:  # moves_window_pool
+                # A quantized window pool's scales ride along (only then: a float pool's
+                # connector need not take them).
+                scaled = (
+                    {} if self.window_kv_scales is None else {"kv_scales": self.window_kv_scales}
+                )
                 cast(WindowKVConnector, kv_connector).register_window_kv_caches(
                     window_pool,
                     self.model_config.kv_identity,
                     layers=self.window_layout.layers,
                     window=self.window_layout.window,
+                    **scaled,
                 )
         self.kv_cache_manager = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching, window

@@ -45,7 +45,13 @@ from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.engine.staging import StepStaging
 from pdserve.engine.window_kv import NULL_BLOCK, WindowLayout, plan_window_layout
 from pdserve.kernels import ops
-from pdserve.kernels.ops import DeviceRuntime, RuntimeSettings, make_runtime, pack_linears
+from pdserve.kernels.ops import (
+    DeviceRuntime,
+    RuntimeSettings,
+    make_runtime,
+    pack_linears,
+    pack_moe_experts,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -186,24 +192,19 @@ class ModelRunner:
         self.kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, dtype)
         self.kv_scales: torch.Tensor | None = None
         self.window_layout: WindowLayout | None = None  # decided below, once scales are
+        self.window_kv_cache: torch.Tensor | None = None
         self.kv_scales = resolve_kv_scales(self, self.kv_dtype)
         # Window layers' KV in a pool of their own (engine/window_kv.py), or None: every
         # layer in kv_cache. kv_cache then holds the full-attention layers only.
         self.window_layout = self._plan_window_layout()
-        self.window_kv_cache: torch.Tensor | None = None
 
     def _plan_window_layout(self) -> WindowLayout | None:
         """The window pool where the model mixes window and full layers and nothing needs
-        one pool of every layer (a KV connector that moves one pool, scaled KV). Under
-        tensor parallelism each rank's window pool holds its own KV heads, as its
-        ``kv_cache`` does."""
+        one pool of every layer (a KV connector that moves one pool). Under tensor
+        parallelism each rank's window pool holds its own KV heads, as its ``kv_cache``
+        does; an int8 / float8 pool's scales stay indexed by decoder layer."""
         config = self.config
-        if (
-            not config.window_kv_pool
-            or not isinstance(self.model, LlamaForCausalLM)
-            or not moves_window_pool(self.kv_connector)
-            or self.kv_scales is not None
-        ):
+        if not config.window_kv_pool or not moves_window_pool(self.kv_connector):
             return None
         return plan_window_layout(
             self.model_config.kv_layers,
@@ -240,6 +241,9 @@ class ModelRunner:
         # CPU: oneDNN-packed bf16 weights (native bf16), or bf16-held weights of a bf16
         # checkpoint served in float32 (AVX2); elsewhere the nn.Linear layers stay.
         pack_linears(model)
+        # The stacked MoE experts on CPU: int8 under at-load int8 quantization, else packed
+        # as the linears are (bf16).
+        pack_moe_experts(model, self.config.quantization)
         return model.eval()
 
     # ---- KV cache -------------------------------------------------------------------------
@@ -265,6 +269,15 @@ class ModelRunner:
         """This rank's pool: ``[L, P, N, B, Hkv_rank, D]`` (L: ``num_pool_layers``; P the
         model's ``kv_planes``, 2: keys and values, 1: an MLA latent that is both)."""
         return self._pool_shape(self.num_pool_layers, num_blocks)
+
+    def pool_kv_scales(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``kv_scales`` split by pool: the rows of ``kv_cache``'s layers and of the window
+        pool's (None without a window pool), what each pool is registered with."""
+        window, scales = self.window_layout, self.kv_scales
+        if window is None or scales is None:
+            return scales, None
+        full = window.full_layers(self.model_config.num_layers)
+        return scales[list(full)].contiguous(), scales[list(window.layers)].contiguous()
 
     def window_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """The window pool: ``[L_window, P, N_window, B, Hkv_rank, D]``."""
@@ -495,14 +508,8 @@ class ModelRunner:
         ):
             logits = graphs.run(batch.input_ids, batch.positions, batch.meta)
             return batch, logits.index_select(0, batch.sample_rows)
-        if self.window_layout is not None:
-            assert isinstance(self.model, LlamaForCausalLM)
-            caches = self.layer_kv_caches()
-            hidden = self.model(batch.input_ids, batch.positions, caches, batch.meta, connector)
-        else:
-            hidden = self.model(
-                batch.input_ids, batch.positions, self.kv_cache, batch.meta, connector
-            )
+        caches = self.layer_kv_caches()
+        hidden = self.model(batch.input_ids, batch.positions, caches, batch.meta, connector)
         logits = self.model.compute_logits(hidden[batch.sample_rows]).float()
         return batch, logits
 

@@ -69,12 +69,9 @@ class TPShard:
 
 def check_model(cfg: ModelConfig, size: int) -> None:
     """ValueError naming the dimension that does not split over ``size`` ranks."""
-    if size > 1 and cfg.mla is not None:
-        raise ValueError(
-            f"{cfg.architecture}: the native multi-head latent attention class does not run "
-            f"under tensor parallelism (tensor_parallel_size={size}); use "
-            "tensor_parallel_size=1, or model_impl='transformers'"
-        )
+    if cfg.mla is not None:
+        _check_mla(cfg, size)
+        return
     for rank in (0, size - 1):
         shard = TPShard(rank, size)
         shard.split(cfg.num_heads, "num_attention_heads")
@@ -87,6 +84,18 @@ def check_model(cfg: ModelConfig, size: int) -> None:
             f"num_attention_heads ({cfg.num_heads}) is not a multiple of "
             f"num_key_value_heads ({cfg.num_kv_heads})"
         )
+
+
+def _check_mla(cfg: ModelConfig, size: int) -> None:
+    """Multi-head latent attention splits its query heads; its one latent KV head is on
+    every rank (never split), so the heads, the dense MLPs' and the experts' intermediate
+    columns must divide."""
+    shard = TPShard(0, size)
+    shard.split(cfg.num_heads, f"{cfg.architecture}: num_attention_heads")
+    if cfg.moe is None or len(cfg.moe.sparse_layers) < cfg.num_layers:  # dense layers
+        shard.split(cfg.intermediate_size, f"{cfg.architecture}: intermediate_size")
+    if cfg.moe is not None:
+        shard.split(cfg.moe.intermediate_size, f"{cfg.architecture}: moe_intermediate_size")
 
 
 class TPGroup:

@@ -166,6 +166,10 @@ class TPExecutor:
         in the same calibration pass), None for a float pool."""
         return self.runner.kv_scales
 
+    def pool_kv_scales(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Rank 0's scales split by pool (``ModelRunner.pool_kv_scales``)."""
+        return self.runner.pool_kv_scales()
+
     def rank_kv_scales(self) -> list[torch.Tensor | None]:
         """Every rank's KV scales (CPU), rank order."""
         own = self.runner.kv_scales
@@ -184,7 +188,7 @@ class TPExecutor:
         return min([own, *(w.result(GROUP_TIMEOUT_S) for w in self.workers)])
 
     def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
-        layouts = self._all("allocate_kv_cache", num_blocks, self.model_config.model_name)
+        layouts = self._all("allocate_kv_cache", num_blocks, self.model_config.kv_identity)
         if any(layout != self.runner.window_layout for layout in layouts):
             raise RuntimeError(
                 f"the ranks planned different window pools: rank 0 {self.runner.window_layout}, "

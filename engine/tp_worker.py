@@ -83,6 +83,11 @@ class RankPool:
     shard: TPShard
     kv_heads: int  # KV heads of the whole model
     kv_scales: torch.Tensor | None = None  # an int8 / float8 pool's [L, 2, H] scales
+    # The window layers' own pool [L_window, 2, N_w, B, H, D] (engine/window_kv.py), its
+    # plan and scales; ``kv_cache`` and ``kv_scales`` then hold the other layers only.
+    window_kv_cache: torch.Tensor | None = None
+    window_layout: WindowLayout | None = None
+    window_kv_scales: torch.Tensor | None = None
 
 
 # A worker rank's pool -> the rank's agent
@@ -137,8 +142,16 @@ class TPWorker:
         cache = self.runner.allocate_kv_cache(num_blocks)
         if self.agent_factory is not None:
             cfg = self.runner.model_config
+            scales, window_scales = self.runner.pool_kv_scales()
             pool = RankPool(
-                cache, model_name, self.runner.tp.shard, cfg.num_kv_heads, self.runner.kv_scales
+                cache,
+                model_name,
+                self.runner.tp.shard,
+                cfg.num_kv_heads,
+                scales,
+                self.runner.window_kv_cache,
+                self.runner.window_layout,
+                window_scales,
             )
             self.agent = self.agent_factory(pool)
             connector = self.agent.connector

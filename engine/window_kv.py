@@ -42,6 +42,11 @@ class WindowLayout:
         if self.window < 1 or not self.layers or self.num_blocks < 2:
             raise ValueError(f"WindowLayout: invalid {self}")
 
+    def full_layers(self, num_layers: int) -> tuple[int, ...]:
+        """The decoder layers of the full pool (the others), ascending."""
+        members = set(self.layers)
+        return tuple(i for i in range(num_layers) if i not in members)
+
 
 def plan_window_layout(
     kv_layers: Sequence[KVLayerSpec],

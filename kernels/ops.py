@@ -33,9 +33,14 @@ from pdserve.kernels.cpu.runtime import MMAP_THRESHOLD, CpuRuntime, single_threa
 from pdserve.kernels.kv_quant import is_quantized_kv, kv_qmax
 from pdserve.kernels.moe_ops import (
     ClampedSwiGLU,
+    PackedExperts,
+    PreparedExperts,
+    QuantizedExperts,
     RouterConfig,
     add_shared_experts,
     fused_moe,
+    pack_moe_experts,
+    quantize_experts,
     select_experts,
 )
 from pdserve.kernels.quant_ops import Activations, is_quantized_linear, make_quantized_linear
@@ -46,6 +51,9 @@ __all__ = [
     "quant_reference",
     "DeviceRuntime",
     "ClampedSwiGLU",
+    "PackedExperts",
+    "PreparedExperts",
+    "QuantizedExperts",
     "RouterConfig",
     "add_shared_experts",
     "RuntimeInfo",
@@ -60,9 +68,12 @@ __all__ = [
     "linear_float32",
     "make_runtime",
     "pack_linears",
+    "pack_moe_experts",
+    "quantize_experts",
     "paged_attention",
     "paged_decode_attention",
     "paged_mla_decode",
+    "paged_mla_prefill",
     "prepare_copy_thread",
     "rms_norm",
     "scatter_blocks",
@@ -148,6 +159,31 @@ def _check_kv_scales(
     return True
 
 
+def _check_varlen(
+    cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor
+) -> None:
+    """Validate a varlen batch's index tensors against its number of sequences."""
+    num_seqs = seq_lens.shape[0]
+    if cu_seqlens_q.shape != (num_seqs + 1,):
+        raise ValueError(f"cu_seqlens_q: expected shape ({num_seqs + 1},)")
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables: expected [{num_seqs}, M]")
+
+
+def _check_latent_cache(
+    q: torch.Tensor, cache: torch.Tensor, kv_lora_rank: int, kv_scale: torch.Tensor | None
+) -> None:
+    """Validate an MLA call: one latent head per slot, wider than ``kv_lora_rank``."""
+    _check_cache(cache, cache)
+    _check_heads(q, cache)
+    if cache.shape[2] != 1 or not 0 < kv_lora_rank < q.shape[2]:
+        raise ValueError(
+            f"cache: expected one latent head wider than kv_lora_rank={kv_lora_rank}, got "
+            f"shape {tuple(cache.shape)}"
+        )
+    _check_kv_scales(cache, kv_scale, kv_scale)
+
+
 def write_kv(
     key: torch.Tensor,  # [T, Hkv, D]
     value: torch.Tensor | None,  # [T, Hkv, D]; None: a one-plane cache (keys only)
@@ -218,11 +254,7 @@ def paged_attention(
     _check_heads(q, k_cache)
     variants = _check_variants(q, sliding_window, softcap, sinks)
     quantized = _check_kv_scales(k_cache, k_scale, v_scale)
-    num_seqs = seq_lens.shape[0]
-    if cu_seqlens_q.shape != (num_seqs + 1,):
-        raise ValueError(f"cu_seqlens_q: expected shape ({num_seqs + 1},)")
-    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
-        raise ValueError(f"block_tables: expected [{num_seqs}, M]")
+    _check_varlen(cu_seqlens_q, seq_lens, block_tables)
     mod = _triton("prefill", q)
     if mod is not None:
         return mod.paged_attention_triton(
@@ -299,14 +331,7 @@ def paged_mla_decode(
     softmax-weighted latent (``reference.paged_mla_decode_ref``). CUDA: the MLA kernel
     (``triton/mla_decode.py``), a head block per program; elsewhere, or for widths it does
     not take, the MQA decode path with the cache as keys and values."""
-    _check_cache(cache, cache)
-    _check_heads(q, cache)
-    if cache.shape[2] != 1 or not 0 < kv_lora_rank < q.shape[2]:
-        raise ValueError(
-            f"cache: expected one latent head wider than kv_lora_rank={kv_lora_rank}, got "
-            f"shape {tuple(cache.shape)}"
-        )
-    _check_kv_scales(cache, kv_scale, kv_scale)
+    _check_latent_cache(q, cache, kv_lora_rank, kv_scale)
     if seq_lens.shape != (q.shape[0],):
         raise ValueError(f"seq_lens: expected shape ({q.shape[0]},)")
     if block_tables.dim() != 2 or block_tables.shape[0] != q.shape[0]:
@@ -319,6 +344,35 @@ def paged_mla_decode(
     out = paged_decode_attention(
         q, cache, cache, block_tables, seq_lens, scale, k_scale=kv_scale, v_scale=kv_scale
     )
+    return out[..., :kv_lora_rank]
+
+
+def paged_mla_prefill(
+    q: torch.Tensor,  # [T, H, L + R]: absorbed query, then roped query
+    cache: torch.Tensor,  # [N, B, 1, L + R]: latent, then rope key
+    cu_seqlens_q: torch.Tensor,  # [S+1] int32
+    seq_lens: torch.Tensor,  # [S] int32, context incl. the new tokens
+    block_tables: torch.Tensor,  # [S, M] int32
+    scale: float,
+    kv_lora_rank: int,
+    kv_scale: torch.Tensor | None = None,  # [1] float32: int8 / float8 caches only
+) -> torch.Tensor:  # [T, H, L]
+    """Multi-head latent attention for a mixed prefill/decode batch over a one-plane latent
+    cache: each new token's and head's softmax-weighted latent over its causal context
+    (``reference.paged_mla_prefill_ref``). CUDA: the MLA prefill kernel
+    (``triton/mla_prefill.py``), a head block per program; elsewhere, or for widths it does
+    not take, ``paged_attention`` with the cache as keys and values."""
+    _check_latent_cache(q, cache, kv_lora_rank, kv_scale)
+    _check_varlen(cu_seqlens_q, seq_lens, block_tables)
+    mod = _triton("mla_prefill", q)
+    if mod is not None and mod.supports(kv_lora_rank, q.shape[2] - kv_lora_rank):
+        return mod.paged_mla_prefill_triton(
+            q, cache, cu_seqlens_q, seq_lens, block_tables, scale, kv_lora_rank, kv_scale
+        )
+    out = paged_attention(
+        q, cache, cache, cu_seqlens_q, seq_lens, block_tables, scale,
+        k_scale=kv_scale, v_scale=kv_scale,
+    )  # fmt: skip
     return out[..., :kv_lora_rank]
 
 

@@ -28,6 +28,7 @@ __all__ = [
     "silu_and_mul_ref",
     "write_kv_ref",
     "paged_mla_decode_ref",
+    "paged_mla_prefill_ref",
 ]
 
 
@@ -146,6 +147,22 @@ def paged_mla_decode_ref(
     """MLA decode: every head scores the whole slot (``q . [c, k_pe]``) and takes the
     softmax-weighted latent ``c`` (the slot's first ``kv_lora_rank`` columns)."""
     out = paged_decode_attention_ref(q, cache, cache, block_tables, seq_lens, scale)
+    return out[..., :kv_lora_rank].contiguous()
+
+
+def paged_mla_prefill_ref(
+    q: torch.Tensor,  # [T, H, L + R]: absorbed query, then roped query
+    cache: torch.Tensor,  # [N, B, 1, L + R]: latent, then rope key
+    cu_seqlens_q: torch.Tensor,  # [S+1] int32
+    seq_lens: torch.Tensor,  # [S] int32, context incl. the new tokens
+    block_tables: torch.Tensor,  # [S, M] int32
+    scale: float,
+    kv_lora_rank: int,
+) -> torch.Tensor:  # [T, H, L]
+    """MLA prefill: each new token, per head, scores the slots of its causal context
+    (``q . [c, k_pe]``, as ``paged_attention_ref`` places the new tokens) and takes the
+    softmax-weighted latent ``c``."""
+    out = paged_attention_ref(q, cache, cache, cu_seqlens_q, seq_lens, block_tables, scale)
     return out[..., :kv_lora_rank].contiguous()
 
 

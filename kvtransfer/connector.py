@@ -95,17 +95,30 @@ class PrefillKVConnector(NoExternalLoads):
             raise RuntimeError("no KV pool registered with the connector yet")
         return self._sender
 
+    @property
+    def has_window_pool(self) -> bool:
+        """Whether the engine registered a window pool: every request then needs a
+        ``window_target`` too."""
+        return self._window is not None
+
+    def open_handles(self) -> list[str]:
+        """Request ids with a send still open, over both pools (for leak checks)."""
+        window = self._window.open_handles() if self._window is not None else []
+        own = self._sender.open_handles() if self._sender is not None else []
+        return sorted(set(own) | set(window))
+
     # ---- serving-layer side
     def register_target(
         self,
         request_id: str,
         target: KVTarget | Sequence[KVTarget],
         *,
-        window_target: KVTarget | None = None,
+        window_target: KVTarget | Sequence[KVTarget] | None = None,
     ) -> None:
         """Say where request ``request_id``'s KV goes (call before adding the request): one
         target, or one per rank of a tensor-parallel decode replica; with a window pool
-        registered, ``window_target`` (required then) is where its window blocks go."""
+        registered, ``window_target`` (required then: one, or one per decode rank) is where
+        its window blocks go."""
         if (window_target is None) != (self._window is None):
             raise ValueError(
                 "window_target: required exactly when the engine registered a window pool "
@@ -182,13 +195,20 @@ class PrefillKVConnector(NoExternalLoads):
         *,
         layers: tuple[int, ...],
         window: int,
+        kv_scales: torch.Tensor | None = None,
+        layout: KVLayout | None = None,
     ) -> None:
-        """The engine's window pool (``WindowKVConnector``), streamed by a connector of its
-        own under the identity ``window_identity(model_name, window)``."""
+        """The engine's window pool (``WindowKVConnector``; an int8 / float8 pool's
+        ``[L_window, 2, H]`` scales), streamed by a connector of its own under the identity
+        ``window_identity(model_name, window)``. A tensor-parallel rank passes ``layout``
+        (its heads of the window pool, under that identity)."""
         if not self.moves_window_pool:
             raise ValueError("a window pool needs PrefillKVConnector(window_pool=True)")
         if self._window is not None:
             raise RuntimeError("a window pool is already registered with this connector")
+        identity = window_identity(model_name, window)
+        if layout is not None and layout.model != identity:
+            raise ValueError(f"layout: model {layout.model!r}, expected {identity!r}")
         total = self.sender.layout.num_layers + len(layers)
         members = set(layers)
         if len(members) != len(layers) or not members <= set(range(total)):
@@ -199,7 +219,9 @@ class PrefillKVConnector(NoExternalLoads):
             for i in range(total)
         ]
         self._window = PrefillKVConnector(self.config, observer=self.observer)
-        self._window.register_kv_caches(window_kv_cache, window_identity(model_name, window))
+        self._window.register_kv_caches(
+            window_kv_cache, identity, layout=layout, kv_scales=kv_scales
+        )
 
     def begin_step(self, sends: list[PendingSend]) -> None:
         if self._window is not None:

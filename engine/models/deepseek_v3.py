@@ -6,9 +6,8 @@ Each token caches one "head" of ``kv_lora_rank + qk_rope_head_dim`` values: the 
 latent ``c`` and the roped key ``k_pe``. Attention never expands them into per-head keys
 and values: ``q_nope`` is absorbed through each head's ``W_UK`` (``q_nope @ W_UK`` has
 ``kv_lora_rank`` columns), concatenated with the roped ``q_pe`` and scored against the
-cached ``[c, k_pe]`` (one KV head; prefill by the ordinary paged MQA kernel, decode by the
-MLA decode kernel), so ``q_nope . (W_UK c) + q_pe . k_pe`` is exactly the expanded model's
-score. The value of a
+cached ``[c, k_pe]`` (one KV head; the MLA prefill and decode kernels), so
+``q_nope . (W_UK c) + q_pe . k_pe`` is exactly the expanded model's score. The value of a
 slot is the same ``[c, k_pe]``: the pool holds one plane (``ModelConfig.kv_planes``),
 passed to the kernels as both the key and the value cache (see docs/models.md for the
 bytes); the first ``kv_lora_rank`` columns of the attention output are each head's weighted
@@ -16,8 +15,14 @@ latent, taken through ``W_UV`` and ``o_proj``. The same form serves prefill and 
 
 The MoE layers reuse the fused experts: the shared experts are stacked after the routed
 ones and every token is sent to them with weight 1 (``ops.add_shared_experts``). This
-module never allocates the KV cache and never samples; tensor parallelism is refused at
-config time (``engine.parallel.check_model``).
+module never allocates the KV cache and never samples.
+
+Tensor parallelism splits the attention heads (``q_b_proj`` / ``q_proj`` and ``kv_b_proj``
+by heads, ``o_proj`` by its input columns, then an all-reduce), the dense MLPs and the
+vocabulary as the Llama class does; the latent projection (``q_a_proj``,
+``kv_a_proj_with_mqa`` and their norms) is replicated, so every rank computes and caches the
+same latent (one KV head: rank 0's copy is canonical). The routers are replicated; every
+expert, routed or shared, is split by its intermediate columns as the Llama family's MoE.
 """
 
 from __future__ import annotations
@@ -36,8 +41,9 @@ from pdserve.engine.models.llama import (
     AttentionMetadata,
     DecoderLayer,
     LlamaForCausalLM,
+    LlamaModel,
     RMSNorm,
-    VocabParallelEmbedding,
+    _read,
 )
 from pdserve.engine.models.moe import Router
 from pdserve.engine.parallel import SINGLE, TPGroup
@@ -53,14 +59,16 @@ def _mla(cfg: ModelConfig) -> MLAConfig:
 class MLAttention(nn.Module):
     """Absorbed multi-head latent attention over a one-head latent cache."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         mla = _mla(cfg)
         self.mla = mla
         self.layer_idx = layer_idx
-        self.num_heads = cfg.num_heads
+        self.tp = tp
+        self.heads = tp.shard.split(cfg.num_heads, "num_attention_heads")  # this rank's
+        self.num_heads = len(self.heads)
         self.qk_head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
-        h, q_out = cfg.hidden_size, cfg.num_heads * self.qk_head_dim
+        h, q_out = cfg.hidden_size, self.num_heads * self.qk_head_dim
         self.q_a_proj: nn.Linear | None = None
         self.q_a_layernorm: RMSNorm | None = None
         self.q_b_proj: nn.Linear | None = None
@@ -75,12 +83,30 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS)
         # kv_b_proj split per head into its key and value up-projections (plain parameters,
         # so the CPU linear packing leaves them as the batched matmuls read them).
-        self.w_uk = nn.Parameter(torch.empty(cfg.num_heads, mla.qk_nope_head_dim, mla.kv_lora_rank))
-        self.w_uv = nn.Parameter(torch.empty(cfg.num_heads, mla.v_head_dim, mla.kv_lora_rank))
-        self.o_proj = nn.Linear(cfg.num_heads * mla.v_head_dim, h, bias=cfg.o_bias)
+        self.w_uk = nn.Parameter(
+            torch.empty(self.num_heads, mla.qk_nope_head_dim, mla.kv_lora_rank)
+        )
+        self.w_uv = nn.Parameter(torch.empty(self.num_heads, mla.v_head_dim, mla.kv_lora_rank))
+        self.o_proj = nn.Linear(self.num_heads * mla.v_head_dim, h, bias=cfg.o_bias)
+
+    def shard_rows(self, module: str) -> tuple[slice, int] | None:
+        """The checkpoint tensor ``self_attn.<module>.weight``'s slice for this rank's heads
+        and the dimension it cuts (0 rows, 1 columns); None: the tensor is replicated."""
+        mla, heads = self.mla, self.heads
+        per_head = {
+            "q_proj": (self.qk_head_dim, 0),
+            "q_b_proj": (self.qk_head_dim, 0),
+            "kv_b_proj": (mla.qk_nope_head_dim + mla.v_head_dim, 0),
+            "o_proj": (mla.v_head_dim, 1),
+        }.get(module)
+        if per_head is None:
+            return None
+        width, dim = per_head
+        return slice(heads.start * width, heads.stop * width), dim
 
     def load_kv_b(self, weight: torch.Tensor) -> None:
-        """``kv_b_proj.weight`` ``[H * (nope + v), kv_lora_rank]`` into ``w_uk`` / ``w_uv``."""
+        """This rank's heads of ``kv_b_proj.weight`` (``[h * (nope + v), kv_lora_rank]``)
+        into ``w_uk`` / ``w_uv``."""
         mla = self.mla
         per_head = weight.view(self.num_heads, mla.qk_nope_head_dim + mla.v_head_dim, -1)
         self.w_uk.data.copy_(per_head[:, : mla.qk_nope_head_dim])
@@ -121,46 +147,20 @@ class MLAttention(nn.Module):
         cache = kv_cache[0]  # the one plane: each slot's latent is its key and its value
         scale = None if meta.kv_scales is None else meta.kv_scales[self.layer_idx, 0]
         ops.write_kv(slot, None, cache, None, meta.slot_mapping, scale)
-        if meta.decode_only:  # [T, H, L]: every head in one call, the latent read once
+        if meta.decode_only:  # [T, H, L]: every head in one call
             out = ops.paged_mla_decode(
                 query, cache, meta.block_tables, meta.seq_lens, mla.softmax_scale,
                 mla.kv_lora_rank, scale,
             )  # fmt: skip
-        else:
-            chunk = _head_chunk(query)
-            parts = [
-                _prefill(query[:, h : h + chunk], cache, meta, mla.softmax_scale, scale)
-                for h in range(0, self.num_heads, chunk)
-            ]
-            out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        else:  # [T, H, L]: a mixed batch's new tokens, causal over the paged context
+            out = ops.paged_mla_prefill(
+                query, cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
+                mla.softmax_scale, mla.kv_lora_rank, scale,
+            )  # fmt: skip
         # Each head's weighted latent through its W_UV: [H, T, L] @ [H, L, v] -> [T, H, v].
-        o_latent = out[..., : mla.kv_lora_rank].transpose(0, 1)
+        o_latent = out.transpose(0, 1)
         o = torch.bmm(o_latent, self.w_uv.transpose(1, 2)).transpose(0, 1)
-        return self.o_proj(o.reshape(t, self.num_heads * mla.v_head_dim))
-
-
-# On CUDA, query heads per prefill attention call: the Triton prefill kernel holds a tile of
-# every query head sharing a KV head, and 128 heads of a 576-wide latent need more shared
-# memory than an sm_90 block has (see docs/models.md, "MLA"); 16 fit. Decode has its own
-# kernel (``ops.paged_mla_decode``), which blocks the heads itself.
-CUDA_HEADS_PER_CALL = 16
-
-
-def _head_chunk(query: torch.Tensor) -> int:
-    return CUDA_HEADS_PER_CALL if query.device.type == "cuda" else query.shape[1]
-
-
-def _prefill(
-    query: torch.Tensor,  # [T, h, L + rope]: some or all of the query heads
-    cache: torch.Tensor,  # [N, B, 1, L + rope]: read as keys and as values
-    meta: AttentionMetadata,
-    softmax_scale: float,
-    kv_scale: torch.Tensor | None,  # [1] float32: an int8 / float8 cache's
-) -> torch.Tensor:  # [T, h, L + rope]
-    return ops.paged_attention(
-        query.contiguous(), cache, cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
-        softmax_scale, k_scale=kv_scale, v_scale=kv_scale,
-    )  # fmt: skip
+        return self.tp.all_reduce(self.o_proj(o.reshape(t, self.num_heads * mla.v_head_dim)))
 
 
 def _deinterleave(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> same, contiguous
@@ -174,12 +174,17 @@ def _deinterleave(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> same, contig
 class DeepseekMoE(nn.Module):
     """DeepSeek's router (V3: sigmoid-scored, grouped, with a score-correction bias; V2:
     softmax-scored, greedy or group-limited), the routed experts stacked with the shared
-    ones after them (``w13 [E + S, 2I, H]``, ``w2 [E + S, H, I]``)."""
+    ones after them (``w13 [E + S, 2I, H]``, ``w2 [E + S, H, I]``). Under tensor
+    parallelism each rank holds every expert's share of the intermediate columns (``I`` is
+    the rank's), as the Llama family's MoE is split, and the output is all-reduced."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         mla, moe = _mla(cfg), cfg.moe
         assert moe is not None
+        self.tp = tp
+        self.expert_size = moe.intermediate_size  # one expert's columns in the checkpoint
+        self.columns = tp.shard.split(moe.intermediate_size, "moe_intermediate_size")
         self.num_experts = moe.num_experts
         self.num_shared = mla.num_shared_experts
         self.router = ops.RouterConfig(
@@ -198,9 +203,10 @@ class DeepseekMoE(nn.Module):
         self.e_score_correction_bias = (
             nn.Parameter(torch.zeros(moe.num_experts)) if mla.correction_bias else None
         )
-        experts, inter = moe.num_experts + self.num_shared, moe.intermediate_size
+        experts, inter = moe.num_experts + self.num_shared, len(self.columns)
         self.w13 = nn.Parameter(torch.empty(experts, 2 * inter, cfg.hidden_size))
         self.w2 = nn.Parameter(torch.empty(experts, cfg.hidden_size, inter))
+        self.packed_experts: ops.PreparedExperts | None = None  # set by ops.pack_moe_experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         bias = self.e_score_correction_bias
@@ -209,12 +215,12 @@ class DeepseekMoE(nn.Module):
         )
         if self.num_shared:
             weights, ids = ops.add_shared_experts(weights, ids, self.num_experts, self.num_shared)
-        return ops.fused_moe(x, self.w13, self.w2, weights, ids)
+        out = ops.fused_moe(x, self.w13, self.w2, weights, ids, packed=self.packed_experts)
+        return self.tp.all_reduce(out)
 
     def load(self, rest: str, source: Any, name: str) -> str:
         """One checkpoint tensor under ``mlp.`` (``gate.*``, ``experts.<j>.*``,
         ``shared_experts.*``); returns the parameter filled."""
-        inter = self.w2.shape[2]
         parts = rest.split(".")
         if rest == "gate.weight":
             self.gate.weight.data.copy_(_tensor(source, self.gate.weight.shape, name))
@@ -227,21 +233,22 @@ class DeepseekMoE(nn.Module):
             expert = int(parts[1])
             if not 0 <= expert < self.num_experts:
                 raise ValueError(f"checkpoint tensor {name!r}: expert {expert} out of range")
-            return self._load_projection(expert, parts[2], _full(source), name)
+            return self._load_projection(expert, parts[2], source, 0, name)
         if parts[0] == "shared_experts" and len(parts) == 3 and parts[2] == "weight":
             # S shared experts are one MLP of S * I columns: expert E + j takes the j-th I.
-            tensor = _full(source)
             for j in range(self.num_shared):
-                cols = slice(j * inter, (j + 1) * inter)
-                part = tensor[:, cols] if parts[1] == "down_proj" else tensor[cols]
-                filled = self._load_projection(self.num_experts + j, parts[1], part, name)
+                offset = j * self.expert_size
+                filled = self._load_projection(self.num_experts + j, parts[1], source, offset, name)
             return filled
         raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
 
     def _load_projection(
-        self, expert: int, projection: str, tensor: torch.Tensor, name: str
+        self, expert: int, projection: str, source: Any, offset: int, name: str
     ) -> str:
+        """This rank's columns of one expert's projection, the expert's columns starting at
+        ``offset`` of ``source`` (rows of gate/up, columns of down)."""
         inter = self.w2.shape[2]
+        cols = slice(offset + self.columns.start, offset + self.columns.stop)
         if projection == "gate_proj":
             dest, param = self.w13.data[expert, :inter], "w13"
         elif projection == "up_proj":
@@ -250,7 +257,8 @@ class DeepseekMoE(nn.Module):
             dest, param = self.w2.data[expert], "w2"
         else:
             raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-        dest.copy_(_tensor(tensor, dest.shape, name))
+        index = (slice(None), cols) if projection == "down_proj" else (cols,)
+        dest.copy_(_tensor(_read(source, index, name), dest.shape, name))
         return param
 
 
@@ -307,43 +315,25 @@ def _tensor(source: Any, shape: torch.Size | tuple[int, ...], name: str) -> torc
 class DeepseekDecoderLayer(DecoderLayer):
     """The Llama layer's step (norms, attention, MLP) over MLA and the DeepSeek MoE."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TPGroup) -> None:
         nn.Module.__init__(self)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MLAttention(cfg, layer_idx)  # type: ignore[assignment]
+        self.self_attn = MLAttention(cfg, layer_idx, tp)  # type: ignore[assignment]
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp: MLP | DeepseekMoE  # type: ignore[assignment]
         if cfg.moe is not None and layer_idx in cfg.moe.sparse_layers:
-            self.mlp = DeepseekMoE(cfg)
+            self.mlp = DeepseekMoE(cfg, tp)
         else:
-            self.mlp = MLP(cfg, layer_idx, SINGLE)
-
-
-class DeepseekModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, SINGLE)
-        layers = (DeepseekDecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.mlp = MLP(cfg, layer_idx, tp)
 
 
 class DeepseekV3ForCausalLM(LlamaForCausalLM):
-    """DeepSeek-V3 (and V2) with a latent KV cache; the step (``forward``) and the logits are the
-    Llama class's, the layers, rope table and weight loading are its own."""
+    """DeepSeek-V3 (and V2) with a latent KV cache; the step (``forward``), the logits and
+    the vocabulary split are the Llama class's, the layers, rope table and weight loading
+    are its own."""
 
-    def __init__(self, cfg: ModelConfig, max_position: int, tp: TPGroup = SINGLE) -> None:
-        if tp.size > 1:
-            raise ValueError(f"{cfg.architecture}: the native MLA class runs on one rank only")
-        nn.Module.__init__(self)
-        self.config = cfg
-        self.tp = tp
-        self.model = DeepseekModel(cfg)  # type: ignore[assignment]
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.max_position = max_position
-        self._cos_sin: torch.Tensor | None = None
+    def build_decoder(self, cfg: ModelConfig, tp: TPGroup) -> LlamaModel:
+        return LlamaModel(cfg, tp, DeepseekDecoderLayer)
 
     def cos_sin_cache(self) -> torch.Tensor:
         device = self.model.embed_tokens.weight.device
@@ -360,13 +350,20 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         return self._cos_sin
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        """Copy checkpoint tensors (HF names) into the parameters; strict about names and
-        shapes. Layers past ``num_hidden_layers`` (the multi-token-prediction head of the
-        released checkpoint) are skipped: greedy decoding does not use them."""
+        """Copy this rank's share of the checkpoint tensors (HF names) into the parameters;
+        strict about names and shapes. Layers past ``num_hidden_layers`` (the
+        multi-token-prediction head of the released checkpoint) are skipped: greedy
+        decoding does not use them. A lazy safetensors slice is read only where this rank's
+        share lies (``_shard_index``)."""
         cfg = self.config
         params = dict(self.named_parameters())
         if cfg.tie_word_embeddings:
             params.pop("lm_head.weight", None)
+        vocab = self.tp.shard.vocab(cfg.vocab_size)
+        n_vocab = max(0, min(vocab.stop, cfg.vocab_size) - vocab.start)
+        for name in ("model.embed_tokens.weight", "lm_head.weight"):
+            if name in params:  # the last rank's padding rows: zeros, never a token
+                params[name].data[n_vocab:].zero_()
         # parameter -> loads still due (a fused gate/up takes two halves)
         left: dict[str, float] = {name: 1 for name in params}
         for name, p in params.items():
@@ -387,29 +384,59 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
                 shared = layer.mlp.num_shared if rest.startswith("shared_experts.") else 1
                 left[filled] -= shared
                 continue
-            target = name
+            index = self._shard_index(name)
             if name.endswith("self_attn.kv_b_proj.weight"):
                 attn = self.get_submodule(name.removesuffix(".kv_b_proj.weight"))
-                assert isinstance(attn, MLAttention)
-                attn.load_kv_b(_full(source))
+                assert isinstance(attn, MLAttention) and index is not None
+                attn.load_kv_b(_read(source, index, name))
                 left[name.replace("kv_b_proj.weight", "w_uk")] -= 1
                 left[name.replace("kv_b_proj.weight", "w_uv")] -= 1
                 continue
+            target, dest = name, None
             if sep and rest.endswith(("gate_proj.weight", "up_proj.weight")):
                 target = f"{prefix}.mlp.gate_up_proj.weight"
                 half = 0 if rest.startswith("gate_proj") else 1
                 dest = params[target].data.chunk(2, dim=0)[half]
-                dest.copy_(_tensor(source, dest.shape, name))
-                left[target] -= 0.5
-                continue
-            if target not in params:
+            elif target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {cfg.architecture}")
-            dest = params[target].data
-            dest.copy_(_tensor(source, dest.shape, name))
-            left[target] -= 1
+            elif name.endswith(("embed_tokens.weight", "lm_head.weight")):
+                dest = params[target].data[:n_vocab]
+            else:
+                dest = params[target].data
+            if index is None:  # a row-parallel bias: added once, by rank 0
+                dest.zero_()
+            else:
+                dest.copy_(_tensor(_read(source, index, name), dest.shape, name))
+            left[target] -= 0.5 if target.endswith("gate_up_proj.weight") else 1
         missing = sorted(n for n, count in left.items() if count > 0)
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}")
+
+    def _shard_index(self, name: str) -> tuple[slice, ...] | None:
+        """The part of checkpoint tensor ``name`` this rank holds (every row and column on
+        one rank); None: the rank holds zeros (``o_proj``'s bias on ranks > 0)."""
+        shard, every = self.tp.shard, slice(None)
+        module, kind = name.split(".")[-2:]
+        if module in ("embed_tokens", "lm_head"):
+            vocab = shard.vocab(self.config.vocab_size)
+            return (slice(vocab.start, min(vocab.stop, self.config.vocab_size)),)
+        if ".self_attn." in name:
+            attn = self.get_submodule(name.rsplit(".", 2)[0])
+            assert isinstance(attn, MLAttention)
+            cut = attn.shard_rows(module)
+            if cut is None or shard.size == 1:
+                return (every,)
+            rows, dim = cut
+            if dim == 0:
+                return (rows,)
+            if kind == "bias":  # row-parallel: added once, to the all-reduced sum
+                return (every,) if shard.rank == 0 else None
+            return (every, rows)
+        if ".mlp." in name and module in ("gate_proj", "up_proj", "down_proj"):
+            inter = shard.split(self.config.intermediate_size, "intermediate_size")
+            cols = slice(inter.start, inter.stop)
+            return (every, cols) if module == "down_proj" else (cols,)
+        return (every,)
 
     def _layer_module(self, prefix: str) -> DeepseekDecoderLayer | None:
         try:

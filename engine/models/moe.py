@@ -90,10 +90,12 @@ class SparseMoeBlock(nn.Module):
         self.quantized = moe.quantized
         # One half of a quantized pair until its partner loads: key -> (part, name, tensor).
         self._pending: dict[str, tuple[str, str, torch.Tensor]] = {}
+        self.packed_experts: ops.PreparedExperts | None = None  # set by ops.pack_moe_experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         weights, ids = ops.select_experts(self.gate(x), self.router)
-        out = ops.fused_moe(x, self.w13, self.w2, weights, ids, self.b13, self.b2, self.activation)
+        args = (x, self.w13, self.w2, weights, ids, self.b13, self.b2, self.activation)
+        out = ops.fused_moe(*args, packed=self.packed_experts)
         return self.tp.all_reduce(out)
 
     def load_expert(

@@ -16,6 +16,7 @@ This module never allocates the KV cache and never samples.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,9 +42,12 @@ _CONTEXT_KWARG = "pdserve_paged"
 class PagedStep:
     """What every attention call of one forward pass needs besides q, k and v."""
 
-    kv_cache: torch.Tensor  # [L, 2, N, B, Hkv, D]
+    # [L, 2, N, B, Hkv, D], or each layer's [2, N, B, Hkv, D] (window layers in a pool of
+    # their own, engine/window_kv.py: ``window_layers`` then names them)
+    kv_cache: torch.Tensor | Sequence[torch.Tensor]
     meta: AttentionMetadata
     kv_connector: KVConnector | None
+    window_layers: frozenset[int] = frozenset()
 
 
 def paged_attention_forward(
@@ -74,6 +78,16 @@ def paged_attention_forward(
     value_dim = v.shape[-1]
     cache = step.kv_cache[layer]
     k_cache, v_cache = cache[0], cache[1]
+    meta = step.meta
+    slots, tables = meta.slot_mapping, meta.block_tables
+    if layer in step.window_layers:  # the window pool's slots and table
+        if not sliding_window:
+            raise RuntimeError(
+                f"layer {layer}: kept in the window pool, but transformers attends it "
+                "without a sliding window"
+            )
+        assert meta.window_slot_mapping is not None and meta.window_block_tables is not None
+        slots, tables = meta.window_slot_mapping, meta.window_block_tables
     slot_dim = k_cache.shape[-1]
     # Narrower heads are zero-padded to the slot: padded query/key columns add nothing to
     # the logits, padded value columns give zero outputs that are cut off below.
@@ -82,24 +96,24 @@ def paged_attention_forward(
     if value_dim < slot_dim:
         v = F.pad(v, (0, slot_dim - value_dim))
     ks = vs = None
-    if step.meta.kv_scales is not None:
-        ks, vs = step.meta.kv_scales[layer]
-    ops.write_kv(k, v, k_cache, v_cache, step.meta.slot_mapping, ks, vs)
+    if meta.kv_scales is not None:
+        ks, vs = meta.kv_scales[layer]
+    ops.write_kv(k, v, k_cache, v_cache, slots, ks, vs)
     if step.kv_connector is not None:
-        # This layer's K/V are in the cache now: the connector may start sending them.
-        step.kv_connector.layer_computed(layer, step.kv_cache)
+        # This layer's K/V are in the cache now: the connector may start sending them
+        # (with a window pool, from the layer's own tensor: WindowKVConnector).
+        whole = step.kv_cache if isinstance(step.kv_cache, torch.Tensor) else cache
+        step.kv_connector.layer_computed(layer, whole)
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     window = int(sliding_window) if sliding_window else None
     cap = float(softcap) if softcap else None
-    meta = step.meta
     if meta.decode_only:
         out = ops.paged_decode_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window, cap, s_aux,
-            ks, vs,
+            q, k_cache, v_cache, tables, meta.seq_lens, scale, window, cap, s_aux, ks, vs,
         )  # fmt: skip
     else:
         out = ops.paged_attention(
-            q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, scale,
+            q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, tables, scale,
             window, cap, s_aux, ks, vs,
         )  # fmt: skip
     return out[None, :, :, :value_dim], None
@@ -133,6 +147,10 @@ class TransformersForCausalLM(nn.Module):
         self.final_softcap = getattr(hf_config, "final_logit_softcapping", None)
         self.logits_divisor = getattr(hf_config, "logits_scaling", None)  # Granite
         self.logit_scale = getattr(hf_model, "logit_scale", None)  # Cohere
+        # The layers a window pool holds (engine/window_kv.plan_window_layout's choice).
+        self.window_layers = frozenset(
+            i for i, spec in enumerate(cfg.kv_layers) if spec.sliding_window is not None
+        )
 
     # Looked up on each use, not held: a second reference would make pack_linears pack the
     # lm_head twice, and it replaces modules inside the transformers model.
@@ -178,13 +196,17 @@ class TransformersForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64
-        kv_cache: torch.Tensor,  # [L, 2, N, B, Hkv, D]
+        kv_cache: torch.Tensor | Sequence[torch.Tensor],  # [L, 2, N, B, Hkv, D]
         meta: AttentionMetadata,
         kv_connector: KVConnector | None = None,
     ) -> torch.Tensor:  # [T, hidden]: final-norm hidden states
         """Run the decoder over the flattened batch; writes every token's K/V into
-        ``kv_cache`` at its slot."""
-        step = PagedStep(kv_cache, meta, kv_connector)
+        ``kv_cache`` at its slot. ``kv_cache`` may also be each layer's ``[2, N, B, Hkv,
+        D]``: with the step's window slots and tables, the window layers use those."""
+        windowed = meta.window_block_tables is not None
+        step = PagedStep(
+            kv_cache, meta, kv_connector, self.window_layers if windowed else frozenset()
+        )
         out = self.base(
             input_ids=input_ids[None],
             position_ids=positions[None],

@@ -29,7 +29,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from pdserve.engine.loader import iter_weight_slices
+from pdserve.engine.loader import SUPPORTED_ARCHITECTURES, iter_weight_slices
 from pdserve.engine.models.llama import _read
 from pdserve.engine.models.weight_conversion import CheckpointConversion
 from pdserve.engine.parallel import TPGroup, TPShard
@@ -70,7 +70,7 @@ def check_plan(hf_config: Any, architecture: str, size: int) -> None:
         raise ValueError(
             f"architecture {architecture}: its tensor-parallel plan uses {', '.join(unknown)}, "
             f"which pdserve does not apply (it applies {', '.join(sorted(SUPPORTED_STYLES))}): "
-            "use tensor_parallel_size 1"
+            f"{_instead(architecture)}"
         )
     wanted = {"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "o_proj": "rowwise"}
     found = {key.rsplit(".", 1)[-1]: style for key, style in plan.items()}
@@ -78,7 +78,7 @@ def check_plan(hf_config: Any, architecture: str, size: int) -> None:
         raise ValueError(
             f"architecture {architecture}: its tensor-parallel plan does not split attention "
             "by heads (q/k/v_proj colwise, o_proj rowwise), so a rank's KV cache could not "
-            "hold only its own heads: use tensor_parallel_size 1"
+            f"hold only its own heads: {_instead(architecture)}"
         )
     heads = int(hf_config.num_attention_heads)
     kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
@@ -88,6 +88,13 @@ def check_plan(hf_config: Any, architecture: str, size: int) -> None:
                 f"architecture {architecture}: {what} ({n}) is not divisible by "
                 f"tensor_parallel_size ({size}); its plan splits whole heads"
             )
+
+
+def _instead(architecture: str) -> str:
+    """What to run instead of this path's tensor parallelism."""
+    if architecture in SUPPORTED_ARCHITECTURES:
+        return "use model_impl 'native' (pdserve's own class splits it), or tensor_parallel_size 1"
+    return "use tensor_parallel_size 1"
 
 
 class _ColumnParallel(nn.Module):

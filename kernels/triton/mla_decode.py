@@ -29,7 +29,7 @@ from pdserve.kernels.triton.decode import (
 )
 from pdserve.kernels.triton.paged import block_slots, online_softmax_step, split_result
 
-__all__ = ["paged_mla_decode_triton", "supports", "warm_up_mla"]
+__all__ = ["check_latent_launch", "paged_mla_decode_triton", "supports", "warm_up_mla"]
 
 _LOG2E = 1.4426950408889634
 # Query heads per program: one tl.dot M tile. The latent tile [BLOCK_N, L] is the shared
@@ -123,6 +123,31 @@ def supports(kv_lora_rank: int, rope: int) -> bool:
     return all(w >= 16 and not w & (w - 1) for w in (kv_lora_rank, rope))
 
 
+def check_latent_launch(
+    q: torch.Tensor,  # [*, H, L + R]
+    cache: torch.Tensor,  # [N, B, 1, L + R]
+    kv_lora_rank: int,
+    kv_scale: torch.Tensor | None,
+) -> tuple[int, bool]:
+    """Validate an MLA kernel launch (this module's or ``mla_prefill``'s); returns the rope
+    width and whether the cache is quantized."""
+    width = q.shape[-1]
+    rope = width - kv_lora_rank
+    if cache.shape[2] != 1 or cache.shape[3] != width:
+        raise ValueError(f"cache: expected [N, B, 1, {width}], got {tuple(cache.shape)}")
+    if not supports(kv_lora_rank, rope):
+        raise ValueError(
+            f"kv_lora_rank {kv_lora_rank} and rope width {rope}: the kernel needs powers of "
+            "two of at least 16"
+        )
+    if cache.stride(-1) != 1:
+        raise ValueError("cache: the slot axis must be contiguous")
+    quant = is_quantized_kv(cache.dtype)
+    if quant and kv_scale is None:
+        raise ValueError(f"kv_scale: a {cache.dtype} cache needs its scale")
+    return rope, quant
+
+
 def paged_mla_decode_triton(
     q: torch.Tensor,  # [S, H, L + R]
     cache: torch.Tensor,  # [N, B, 1, L + R]
@@ -138,21 +163,9 @@ def paged_mla_decode_triton(
     """MLA decode: each head's softmax-weighted latent (``num_splits`` overrides the
     heuristic, tests use it; ``block_h`` / ``num_warps`` are the tile the device check
     compares)."""
-    num_seqs, num_heads, width = q.shape
-    _, block_size, kv_heads, cache_width = cache.shape
-    rope = width - kv_lora_rank
-    if kv_heads != 1 or cache_width != width:
-        raise ValueError(f"cache: expected [N, B, 1, {width}], got {tuple(cache.shape)}")
-    if not supports(kv_lora_rank, rope):
-        raise ValueError(
-            f"kv_lora_rank {kv_lora_rank} and rope width {rope}: the kernel needs powers of "
-            "two of at least 16"
-        )
-    if cache.stride(-1) != 1:
-        raise ValueError("cache: the slot axis must be contiguous")
-    quant = is_quantized_kv(cache.dtype)
-    if quant and kv_scale is None:
-        raise ValueError(f"kv_scale: a {cache.dtype} cache needs its scale")
+    num_seqs, num_heads, _ = q.shape
+    rope, quant = check_latent_launch(q, cache, kv_lora_rank, kv_scale)
+    block_size = cache.shape[1]
     q = q if q.stride(-1) == 1 else q.contiguous()
     block_tables = block_tables.to(torch.int32).contiguous()
     seq_lens = seq_lens.to(torch.int32).contiguous()

@@ -1,7 +1,8 @@
 """What the Triton attention kernels share (``decode.py``, ``mla_decode.py``,
-``prefill.py``): the paged-KV tile read (``BLOCK_N`` consecutive context positions of one KV
-head, found through a sequence's block table) and the decode kernels' online-softmax step
-and split result. Inlined into each kernel by Triton; never launched on their own."""
+``prefill.py``, ``mla_prefill.py``): the paged-KV tile read (``BLOCK_N`` consecutive context
+positions of one KV head, found through a sequence's block table), the prefill kernels'
+query tile lookup, and the online-softmax step and split result. Inlined into each kernel
+by Triton; never launched on their own."""
 
 from __future__ import annotations
 
@@ -16,6 +17,27 @@ def block_slots(table, n, valid, BLOCK_SIZE: tl.constexpr):
     block = tl.load(table + n // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
     offset = (n % BLOCK_SIZE).to(tl.int64)
     return block, offset
+
+
+@triton.jit
+def query_tile(cu_seqlens_q_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
+    """Where varlen query tile ``tile`` lies: (sequence, its first new token's row, its
+    number of new tokens, the tile's index within the sequence). Sequence ``s`` owns tiles
+    ``[cu[s] // BLOCK_Q + s, cu[s+1] // BLOCK_Q + s + 1)``, which always covers its
+    ``ceil(q_len / BLOCK_Q)`` tiles; a tile at or past ``q_len`` has nothing to do."""
+    # Last sequence whose first tile index (cu[s] // BLOCK_Q + s) is <= tile.
+    lo = 0
+    hi = num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        first = tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid
+        if first <= tile:
+            lo = mid
+        else:
+            hi = mid - 1
+    q_start = tl.load(cu_seqlens_q_ptr + lo)
+    q_len = tl.load(cu_seqlens_q_ptr + lo + 1) - q_start
+    return lo, q_start, q_len, tile - (q_start // BLOCK_Q + lo)
 
 
 @triton.jit

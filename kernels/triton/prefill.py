@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.kv_quant import is_quantized_kv
-from pdserve.kernels.triton.paged import block_slots, load_tile
+from pdserve.kernels.triton.paged import block_slots, load_tile, query_tile
 
 __all__ = ["paged_attention_triton"]
 
@@ -145,20 +145,7 @@ def _prefill_kernel(
         softcap_in = softcap_in * k_scale
         v_scale = tl.load(v_scale_ptr + kv_head)
 
-    # Last sequence whose first tile index (cu[s] // BLOCK_Q + s) is <= tile.
-    lo = 0
-    hi = num_seqs - 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        first = tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid
-        if first <= tile:
-            lo = mid
-        else:
-            hi = mid - 1
-    seq = lo
-    q_start = tl.load(cu_seqlens_q_ptr + seq)
-    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-    local = tile - (q_start // BLOCK_Q + seq)
+    seq, q_start, q_len, local = query_tile(cu_seqlens_q_ptr, tile, num_seqs, BLOCK_Q)
     if local * BLOCK_Q >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -183,8 +170,7 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # Under @triton.jit ``seq`` is a Triton scalar, not the int mypy infers from ``lo = 0``.
-    table = block_tables_ptr + seq.to(tl.int64) * stride_bts  # type: ignore[attr-defined]
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bts
 
     # Keys before the tile's first query position are visible to every row: no mask needed
     # (without a window; with one, every tile from the first row's window start is masked).

@@ -30,3 +30,13 @@ def test_a_window_model_handoff_moves_the_window_blocks_only(model: str, window:
     assert r["bytes_windowed"] == layer_block * (
         r["full_layers"] * blocks + r["window_layers"] * (blocks - first)
     )
+
+
+def test_an_int8_cache_halves_the_bytes_and_keeps_the_blocks() -> None:
+    bf16 = run("gpt-oss-20b", tokens=4096, chunk=512, block_size=16)
+    int8 = run("gpt-oss-20b", tokens=4096, chunk=512, block_size=16, kv_cache_dtype="int8")
+    assert int8["window_layer_blocks_max"] == bf16["window_layer_blocks_max"]
+    for key in ("without", "with_peak", "with_end"):
+        assert 2 * int8[f"sequence_kv_bytes_{key}"] == bf16[f"sequence_kv_bytes_{key}"]
+    hand = handoff_bytes("gpt-oss-20b", 4000, kv_cache_dtype="int8")
+    assert 2 * hand["bytes_windowed"] == handoff_bytes("gpt-oss-20b", 4000)["bytes_windowed"]

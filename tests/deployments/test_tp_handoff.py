@@ -137,6 +137,29 @@ def test_transformers_path_kv_moves_between_tp_sizes(
     _hand_off(model_dir, expected, prefill_tp, decode_tp)
 
 
+# DeepSeek-V3 (multi-head latent attention): every prefill rank computes the same latent,
+# the canonical copy (rank 0's) moves to every decode rank.
+MLA_CASES = [(2, 1), (2, 2)]
+
+
+@pytest.mark.parametrize(
+    ("prefill_tp", "decode_tp"), MLA_CASES, ids=[f"{a}to{b}" for a, b in MLA_CASES]
+)
+def test_mla_latent_moves_between_tp_sizes(
+    prefill_tp: int, decode_tp: int, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The decode replica's tokens equal one engine's; the wire carries the one-plane
+    latent once per decode rank (``_hand_off``)."""
+    from tests.engine.tiny_hf_models import build_tiny_model
+
+    model_dir = build_tiny_model("deepseek-v3", tmp_path, tiny_model_dir)
+    single = LLMEngine(_config(model_dir, 1))
+    assert single.model_config.mla is not None and single.model_config.kv_planes == 1
+    outs = single.generate(PROMPTS, _params())
+    expected = {tuple(p): list(o.token_ids) for p, o in zip(PROMPTS, outs, strict=True)}
+    _hand_off(model_dir, expected, prefill_tp, decode_tp)
+
+
 def _hand_off(
     model_dir: Path,
     references: dict[tuple[int, ...], list[int]],
@@ -187,9 +210,12 @@ def _hand_off(
             # Every block of the prompt, every layer, K and V, each of the model's KV heads
             # exactly once per decode rank holding it: its 2 heads once, or at decode TP=4
             # each head twice (two ranks hold a copy of each and each needs its own).
+            # An MLA latent is one head in one plane, on every rank: rank 0's copy goes to
+            # each decode rank.
             blocks = -(-len(prompts[rid]) // 16)
             heads_on_wire = max(model.num_kv_heads, decode_tp)
-            want = blocks * model.num_layers * 2 * 16 * heads_on_wire * model.head_dim * elem
+            planes = model.kv_planes
+            want = blocks * model.num_layers * planes * 16 * heads_on_wire * model.head_dim * elem
             assert sent == want, (rid, sent, want)
             result = receiver.wait(rid)
             assert result.ok

@@ -107,7 +107,10 @@ def test_the_transformers_path_quantizes_its_cache_like_the_native_path(
         )
         assert engine.runner.model_config.impl == impl
         assert engine.kv_cache.dtype == KV_CACHE_DTYPES[kv]
-        runs[impl] = engine.kv_scales, [o.token_ids for o in engine.generate(_prompts(), GREEDY)]
+        runs[impl] = (
+            engine.runner.kv_scales,
+            [o.token_ids for o in engine.generate(_prompts(), GREEDY)],
+        )
     (native_scales, native), (hf_scales, hf) = runs["native"], runs["transformers"]
     assert native_scales is not None and hf_scales is not None
     # Measured: scales within 5e-7 relative (float32 summation order), every token equal.

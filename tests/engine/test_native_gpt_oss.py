@@ -29,6 +29,7 @@ from tests.engine.transformers_reference import (
     PREEMPT_ARRIVALS,
     Reference,
     assert_bf16_first_tokens_agree,
+    assert_experts_packed,
     check_native_engine,
 )
 
@@ -94,9 +95,9 @@ def test_heads_and_experts_split_over_two_ranks_match_transformers(gpt_oss) -> N
 
 
 def test_bfloat16_engine_runs_and_agrees_with_float32(gpt_oss) -> None:
-    """bf16 weights, sinks and expert biases; the router stays float32. Sharp tiny logits:
-    the first greedy token agrees with float32 transformers."""
-    assert_bf16_first_tokens_agree(str(gpt_oss[0]), gpt_oss[1])
+    """bf16 weights (experts prepacked), sinks and expert biases; the router stays
+    float32. Sharp tiny logits: the first greedy token agrees with float32 transformers."""
+    assert_experts_packed(assert_bf16_first_tokens_agree(str(gpt_oss[0]), gpt_oss[1]))
 
 
 @pytest.mark.parametrize(

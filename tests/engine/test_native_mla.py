@@ -9,8 +9,8 @@ into pdserve's own class (``model_impl`` auto must pick it):
 greedy tokens must equal ``transformers.generate`` and logprobs be within 1e-4 of
 transformers' log-softmax, for prompts of 1 to 600 tokens joining at different steps,
 under the default budget and under a 32-token chunked-prefill budget with a pool small
-enough to force preemption. The pool holds one latent head per token in one plane, and
-tensor parallelism is refused with a clear error.
+enough to force preemption. The pool holds one latent head per token in one plane (tensor
+parallelism: ``test_mla_tp.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from tests.engine.transformers_reference import (
     ARRIVALS,
     PREEMPT_ARRIVALS,
     Reference,
+    assert_experts_packed,
     check_native_engine,
     make_prompt,
     run,
@@ -109,13 +110,6 @@ def test_chunked_prefill_and_preemption_match_transformers(hf_model) -> None:
     assert engine.stats().num_preemptions > 0, "the pool was meant to force preemption"
 
 
-def test_tensor_parallel_is_refused(tiny_model_dir: Path, tmp_path: Path) -> None:
-    model_dir = build_tiny_model("deepseek-v3", tmp_path, tiny_model_dir)
-    config = EngineConfig(model=str(model_dir), device="cpu", tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="latent attention .* tensor parallelism"):
-        LLMEngine(config)
-
-
 @pytest.mark.parametrize(
     ("dtype", "kv_cache_dtype"), [("bfloat16", "auto"), ("float32", "int8")], ids=str
 )
@@ -140,6 +134,8 @@ def test_low_precision_engine_runs_and_agrees_with_transformers(
     final = run(engine, [(0, f"r{i}", p) for i, p in enumerate(prompts)], num_new=4)
     agree = sum(final[f"r{i}"].token_ids[0] == ref.generate(p)[0] for i, p in enumerate(prompts))
     assert agree >= len(prompts) - 1, f"only {agree} of {len(prompts)} first tokens agree"
+    if dtype == "bfloat16":  # routed and shared experts prepacked for oneDNN
+        assert_experts_packed(engine)
 
 
 def test_v2_unknown_routing_method_is_refused_natively(tmp_path: Path) -> None:

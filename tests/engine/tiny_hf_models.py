@@ -33,6 +33,7 @@ _MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 
 # name -> (config class in transformers, overrides of _COMMON)
 SPECS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", {}),
     "qwen3": ("Qwen3Config", {}),
     "qwen3-moe": ("Qwen3MoeConfig", {**_MOE, "decoder_sparse_step": 1}),
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),

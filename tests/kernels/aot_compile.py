@@ -4,16 +4,21 @@ The interpreter checks what the kernels compute but not that they compile: type 
 ``tl.dot`` shapes, loop-carried types and shared-memory use are only checked by the real
 compiler. ``triton.compile`` with an explicit target runs the whole pipeline down to a cubin
 (ptxas ships in the triton wheel), no driver needed. Usage:
-``python -m tests.kernels.aot_compile`` (exit 1 and the error if a kernel fails to compile).
+``python -m tests.kernels.aot_compile`` (exit 1 and the error if a kernel fails to compile);
+``--registers`` adds ptxas's registers and spills per kernel.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)  # before any kernel module defines its kernels
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
@@ -23,6 +28,7 @@ from pdserve.kernels.triton import (  # noqa: E402
     decode,
     kv,
     mla_decode,
+    mla_prefill,
     moe,
     norm,
     prefill,
@@ -30,12 +36,13 @@ from pdserve.kernels.triton import (  # noqa: E402
 )
 
 TARGET = GPUTarget("cuda", 90, 32)
+TORCH_CUDA = torch.device("cuda")  # only read for its type: no GPU is touched
 # Shared memory per block on an H100/H200 (227 KB).
 MAX_SHARED = 232448
 
 
-def _compile(kernel, types: dict[str, str], consts: dict, num_warps: int) -> int:  # type: ignore[no-untyped-def]
-    """Compile with unlisted arguments as i32 scalars; returns shared memory bytes."""
+def _compile(kernel, types: dict[str, str], consts: dict, num_warps: int):  # type: ignore[no-untyped-def]
+    """Compile with unlisted arguments as i32 scalars; returns the compiled kernel."""
     signature = {name: types.get(name, "i32") for name in kernel.arg_names}
     signature.update(dict.fromkeys(consts, "constexpr"))
     compiled = triton.compile(
@@ -43,7 +50,19 @@ def _compile(kernel, types: dict[str, str], consts: dict, num_warps: int) -> int
         target=TARGET,
         options={"num_warps": num_warps},
     )
-    return int(compiled.metadata.shared)
+    return compiled
+
+
+def _registers(ptx: str) -> str:
+    """ptxas's report of registers and spills for one kernel's PTX."""
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "kernel.ptx"
+        src.write_text(ptx)
+        cmd = [str(ptxas), "-v", "--gpu-name", "sm_90a", str(src), "-o", os.devnull]
+        result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    lines = [line.split(":", 1)[-1].strip() for line in result.stderr.splitlines()]
+    return "; ".join(line for line in lines if "registers" in line or "spill" in line)
 
 
 def _cases():  # type: ignore[no-untyped-def]
@@ -127,6 +146,29 @@ def _cases():  # type: ignore[no-untyped-def]
         yield (f"MLA decode kernel, {cache} latent", mla_decode._mla_decode_kernel,
                {**mla_types, "cache_ptr": cache, "out_ptr": "*fp32"},
                {**mla_consts, "SPLITS": 4, "QUANT": True}, 4)  # fmt: skip
+    # The MLA prefill kernel at the same widths: the launcher's tiles for 128 heads (64 x 1
+    # token), 32 heads (32 x 2) and 16 heads (16 x 4); int8 / float8 latents at 64 x 1; a
+    # float32 query and latent at 128 heads (32 x 1).
+    prefill_mla_types = {**mla_types, "cu_seqlens_q_ptr": "*i32", "out_ptr": bf16}
+    prefill_mla_consts = {**mla_consts, "BLOCK_N": mla_prefill.BLOCK_N}
+
+    def prefill_mla_tile(heads: int, dtype: torch.dtype) -> tuple[dict[str, object], int]:
+        block_h, block_q, warps = mla_prefill.tile_config(heads, dtype, TORCH_CUDA)
+        return {**prefill_mla_consts, "BLOCK_H": block_h, "BLOCK_Q": block_q}, warps
+
+    for heads in (128, 32, 16):
+        consts, warps = prefill_mla_tile(heads, torch.bfloat16)
+        yield (f"MLA prefill kernel {consts['BLOCK_H']} heads x {consts['BLOCK_Q']} tokens",
+               mla_prefill._mla_prefill_kernel, prefill_mla_types, consts, warps)  # fmt: skip
+    consts, warps = prefill_mla_tile(128, torch.bfloat16)
+    for cache in ("*i8", "*fp8e4nv"):
+        yield (f"MLA prefill kernel, {cache} latent", mla_prefill._mla_prefill_kernel,
+               {**prefill_mla_types, "cache_ptr": cache}, {**consts, "QUANT": True},
+               warps)  # fmt: skip
+    consts, warps = prefill_mla_tile(128, torch.float32)
+    fp32 = dict.fromkeys(("q_ptr", "cache_ptr", "out_ptr"), "*fp32")
+    yield ("MLA prefill kernel, float32", mla_prefill._mla_prefill_kernel,
+           {**prefill_mla_types, **fp32}, {**consts, "DOT_PRECISION": "ieee"}, warps)  # fmt: skip
     no_variants = {"HAS_SOFTCAP": False, "HAS_WINDOW": False, "HAS_SINKS": False}
     yield (
         "prefill MLA latent head",
@@ -248,20 +290,23 @@ def _cases():  # type: ignore[no-untyped-def]
         )
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
     failed = 0
     for name, kernel, types, consts, warps in _cases():
         try:
-            shared = _compile(kernel, types, consts, warps)
+            compiled = _compile(kernel, types, consts, warps)
         except Exception as exc:  # report every kernel, not just the first failure
             print(f"FAIL {name}: {type(exc).__name__}: {exc}")
             failed += 1
             continue
+        shared = int(compiled.metadata.shared)
         status = "ok" if shared <= MAX_SHARED else "FAIL (shared memory)"
         failed += status != "ok"
         print(f"{status} {name}: {shared} B shared")
+        if "--registers" in argv:
+            print(f"   {_registers(compiled.asm['ptx'])}")
     return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
 
 from pdserve.kernels.testing import (
@@ -18,6 +21,7 @@ __all__ = [
     "ELEMENTWISE_TOL",
     "PagedBatch",
     "assert_close",
+    "interpreter_or_skip",
     "make_batch",
     "quantized_case",
     "random_lengths",
@@ -25,6 +29,18 @@ __all__ = [
 
 # (atol, rtol) for elementwise kernels (norm, rotary); bfloat16 allows one rounding step.
 ELEMENTWISE_TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2)}
+
+
+def interpreter_or_skip() -> None:
+    """Skip a Triton kernel test unless it can run under the interpreter (on a CUDA machine
+    gpu_verify covers the compiled kernels)."""
+    from tests.kernels.conftest import TRITON_IMPORTED_TOO_EARLY
+
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CUDA machine: gpu_verify covers the compiled kernel")
+    if TRITON_IMPORTED_TOO_EARLY:
+        pytest.skip("triton was imported before TRITON_INTERPRET was set")
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:

@@ -128,10 +128,11 @@ def test_triton_kernels_match_reference(name: str, dtype: torch.dtype) -> None:
             assert_close(got, want, ATTN_TOL[dtype])
 
 
-def _freed_outside_window(batch, window: int):  # type: ignore[no-untyped-def]
+def _freed_outside_window(batch, window: int, poison: float = float("nan")):  # type: ignore[no-untyped-def]
     """The batch as a window pool holds it: every block wholly older than the window of a
     sequence's first query points at a zero null block (appended), and the blocks it held
-    before are poisoned with NaN (freed, whatever another sequence writes there)."""
+    before are poisoned with NaN (freed, whatever another sequence writes there; an int8
+    cache, which has no NaN, with ``poison``)."""
     bs = batch.k_cache.shape[1]
     null = batch.k_cache.shape[0]
     k = torch.cat([batch.k_cache, torch.zeros_like(batch.k_cache[:1])])
@@ -142,7 +143,7 @@ def _freed_outside_window(batch, window: int):  # type: ignore[no-untyped-def]
     for s, ctx in enumerate(batch.seq_lens.tolist()):
         first_query = ctx - (cu[s + 1] - cu[s])
         for j in range(max(0, first_query - window + 1) // bs):
-            k[tables[s, j]] = v[tables[s, j]] = float("nan")
+            k[tables[s, j]] = v[tables[s, j]] = poison
             tables[s, j] = null
             freed += 1
     assert freed > 0, "the batch was meant to have blocks outside the window"
@@ -172,4 +173,41 @@ def test_blocks_outside_the_window_are_never_read(decode: bool) -> None:
     assert_close(got, want, 2e-5)
     if decode:
         got = paged_decode_attention_triton(*nulled.decode_args(), sliding_window=window)
+        assert_close(got, want, 2e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+@pytest.mark.parametrize("decode", [False, True])
+def test_quantized_blocks_outside_the_window_are_never_read(decode: bool, kv_dtype) -> None:  # type: ignore[no-untyped-def]
+    """The same over an int8 / float8 window pool (its layer's scales): the CPU path, and
+    the Triton kernels under the interpreter, give the full table's output, the freed
+    blocks holding NaN (float8) or the type's largest value (int8)."""
+    from pdserve.kernels import kv_quant
+    from pdserve.kernels.testing import quantize_batch
+
+    batch, ks, vs = quantize_batch(_batch(17, 2, 8, torch.float32, decode), kv_dtype)
+    window = 7
+    k = kv_quant.dequantize_kv(batch.k_cache, ks, torch.float32)
+    v = kv_quant.dequantize_kv(batch.v_cache, vs, torch.float32)
+    a = batch.attention_args()
+    want = R.paged_attention_ref(a[0], k, v, *a[3:], window)
+    poison = 127.0 if kv_dtype == torch.int8 else float("nan")
+    nulled = _freed_outside_window(batch, window, poison)
+    scales = {"k_scale": ks, "v_scale": vs}
+    got = ops.paged_attention(*nulled.attention_args(), window, **scales)
+    assert_close(got, want, 2e-5)
+    if decode:
+        got = ops.paged_decode_attention(*nulled.decode_args(), window, **scales)
+        assert_close(got, want, 2e-5)
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    pytest.importorskip("triton")
+    from pdserve.kernels.triton.decode import paged_decode_attention_triton
+    from pdserve.kernels.triton.prefill import paged_attention_triton
+
+    args = nulled.attention_args()
+    got = paged_attention_triton(*args, block_m=16, sliding_window=window, **scales)
+    assert_close(got, want, 2e-5)
+    if decode:
+        got = paged_decode_attention_triton(*nulled.decode_args(), sliding_window=window, **scales)
         assert_close(got, want, 2e-5)

@@ -9,15 +9,13 @@ engine runs for DeepSeek-V3's 512 + 64 (compiled for sm_90 in ``aot_compile``).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from pdserve.kernels import kv_quant, ops
 from pdserve.kernels import reference as R
 from pdserve.kernels.testing import ATTN_TOL, make_batch, max_abs_error, quantize_batch
-from tests.kernels.conftest import TRITON_IMPORTED_TOO_EARLY
+from tests.kernels.cases import interpreter_or_skip
 
 LATENT, ROPE = 32, 16
 CONTEXTS = [1, 17, 130, 300]
@@ -53,18 +51,10 @@ def test_reference_is_the_expanded_attention() -> None:
         assert torch.allclose(want[s], probs @ slots[:, :LATENT], atol=1e-5)
 
 
-def _interpreter_or_skip() -> None:
-    pytest.importorskip("triton")
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("CUDA machine: gpu_verify covers the compiled kernel")
-    if TRITON_IMPORTED_TOO_EARLY:
-        pytest.skip("triton was imported before TRITON_INTERPRET was set")
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("heads", [16, 20])
 def test_kernel_matches_reference(heads: int, dtype: torch.dtype) -> None:
-    _interpreter_or_skip()
+    interpreter_or_skip()
     from pdserve.kernels.triton.mla_decode import paged_mla_decode_triton
 
     batch = _case(heads, heads, dtype, block_size=16 if dtype == torch.float32 else 32)
@@ -77,7 +67,7 @@ def test_kernel_matches_reference(heads: int, dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn], ids=str)
 def test_kernel_over_a_quantized_latent_matches_reference(kv_dtype: torch.dtype) -> None:
-    _interpreter_or_skip()
+    interpreter_or_skip()
     from pdserve.kernels.triton.mla_decode import paged_mla_decode_triton
 
     batch, scale, _ = quantize_batch(_case(7, 16, torch.float32), kv_dtype)

@@ -70,9 +70,8 @@ def decode_engine(
     assert engine.window_layout is not None, "not a model that mixes window and full layers"
     pool = engine.window_kv_cache
     identity = window_identity(engine.model_config.kv_identity, engine.window_layout.window)
-    window = KVReceiver(
-        pool, pool_layout(pool, identity), config, shm_segment=alloc.segment_for(pool)
-    )
+    layout = pool_layout(pool, identity, kv_scales=engine.window_kv_scales)
+    window = KVReceiver(pool, layout, config, shm_segment=alloc.segment_for(pool))
     return engine, WindowReceivers(receiver, window), alloc
 
 

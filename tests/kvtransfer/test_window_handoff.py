@@ -47,29 +47,37 @@ def test_window_model_handoff_gives_single_engine_tokens(
             assert receiver.pending() == []
 
 
-@pytest.mark.parametrize("budget", [None, 32], ids=["default", "chunked-32"])
+@pytest.mark.parametrize(
+    ("budget", "kv_dtype"),
+    [(None, "auto"), (32, "auto"), (None, "int8")],
+    ids=["default", "chunked-32", "int8-kv"],
+)
 def test_window_pool_handoff_sends_only_the_window(
-    tiny_model_dir: Path, tmp_path: Path, budget: int | None
+    tiny_model_dir: Path, tmp_path: Path, budget: int | None, kv_dtype: str
 ) -> None:
     """Both sides keep the window pool: the prefill side sends its window layers' blocks
     of the first decoded token's window only, into the decode side's window pool; tokens
     equal one engine's, the bytes are the windowed layout's, and a later prompt sharing a
     prefix of a handed-off one (whose early window-layer KV never came) still matches.
     With a 32-token budget the prefill side computes the prompts in chunks, releasing
-    window blocks between them while the earlier chunks' full-layer blocks are sent."""
+    window blocks between them while the earlier chunks' full-layer blocks are sent. With an
+    int8 KV cache each pool carries its own layers' scales, which both sides compare."""
     model_dir = build_tiny_model("gpt-oss", tmp_path, tiny_model_dir, swiglu_limit=1.5)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(4, 2048, (n,), generator=g).tolist() for n in (300, 9, 70)]
     later = prompts[0][:250] + [7, 8, 9]
-    single = LLMEngine.from_pretrained(model_dir, num_kv_blocks=BLOCKS, device="cpu")
+    single = LLMEngine.from_pretrained(
+        model_dir, num_kv_blocks=BLOCKS, device="cpu", kv_cache_dtype=kv_dtype
+    )
     outs = single.generate([*prompts, later], PARAMS)
     want = {f"r{i}": list(o.token_ids) for i, o in enumerate(outs[:-1])}
     window = 32
     with prefill_process_and_decoders(
         prefill_engine_main,
-        (str(model_dir), BLOCKS, "auto", True, budget),
+        (str(model_dir), BLOCKS, kv_dtype, True, budget),
         model_dir,
         BLOCKS,
+        kv_dtype,
         window_pool=True,
     ) as (parent, decoders):
         for transport, (engine, receivers, _) in decoders.items():
@@ -77,6 +85,10 @@ def test_window_pool_handoff_sends_only_the_window(
             requests = {f"r{i}": prompt for i, prompt in enumerate(prompts)}
             results = hand_off(parent, engine, receivers, requests, PARAMS, transport)
             full, windowed = receivers.full.layout, receivers.window.layout
+            if kv_dtype == "int8":  # [L_pool, 2, H] scales each: their own layers' rows
+                assert windowed.dtype == "int8" and windowed.kv_scales
+                assert len(full.kv_scales) == 2 * full.num_layers * full.num_kv_heads
+                assert len(windowed.kv_scales) == 2 * windowed.num_layers * windowed.num_kv_heads
             bs = full.block_size
             for rid, (num_blocks, result) in results.items():
                 n = len(requests[rid])
