@@ -12,7 +12,8 @@ limits; /health and /metrics can stay open) and bodies past ``api.max_body_bytes
 The request header ``x-pdserve-priority`` (gRPC: metadata of that name) is ``interactive``
 (default) or ``batch``: admission control on the decode replica sheds batch first and lets
 it queue longer. The ingress's own overload control is its ``FrontDoor``
-(``admission/front_door.py``), asked once per request before its body is read.
+(``admission/front_door.py``), asked once per request before its body is read (over HTTP
+by ``DoorGate``, before FastAPI routes the request).
 Serve bounds the ingress (``app.ingress_bounds``): past what the decode pool admits, Serve's
 proxy answers 429 itself; a full Serve queue for the decode pool is a 429 here too.
 gRPC: ``pdserve.v1.PDServe.Generate`` (server streaming) and ``.Complete`` (unary) from
@@ -49,12 +50,19 @@ from pdserve.deployments.admission.front_door import (
 from pdserve.deployments.admission.rules import Priority
 from pdserve.deployments.api_guard import APIGuard, read_body
 from pdserve.deployments.config import APIConfig, ObservabilityConfig
-from pdserve.deployments.decode_stream import DecodeStream, error_from_info
+from pdserve.deployments.decode_stream import DecodeStream
+from pdserve.deployments.door_gate import (
+    DOOR_PASS_SCOPE_KEY,
+    DoorGate,
+    HTTPDoor,
+    error_response,
+    overloaded_error,
+    request_priority,
+)
 from pdserve.deployments.grpc import pdserve_pb2 as pb2
 from pdserve.deployments.handle_warmup import start_warm_up
 from pdserve.deployments.ingress_telemetry import IngressTelemetry
 from pdserve.deployments.messages import (
-    ErrorInfo,
     GenerateChunk,
     GenerateRequest,
     TokenLogprob,
@@ -87,7 +95,6 @@ from pdserve.engine.loader import load_model_config, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-PRIORITY_HEADER = "x-pdserve-priority"
 READY_CACHE_S = 1.0
 RETRY_AFTER_S = 1.0
 TURNED_AWAY_TIMEOUT_S = 5.0
@@ -96,14 +103,12 @@ PDSERVE_VERSION = package_version("pdserve")
 
 app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
 install_openapi(app)
+# A flood's 429s before FastAPI routes them (the routes that pass the door).
+app.add_middleware(DoorGate, routes=("/v1/completions", "/v1/chat/completions"))
 
 
 async def _json(body: dict[str, Any]) -> Response:
     return JSONResponse(body)
-
-
-def error_response(err: OpenAIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status_code, headers=err.headers())
 
 
 @app.exception_handler(OpenAIError)
@@ -116,20 +121,6 @@ async def _http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
     # Unknown routes and wrong methods get the OpenAI error body too.
     kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
     return error_response(OpenAIError(str(err.detail), status_code=err.status_code, type=kind))
-
-
-def _priority(headers: Any) -> Priority:
-    """The request's priority class from its headers (or gRPC metadata as a mapping)."""
-    value = headers.get(PRIORITY_HEADER)
-    if value in (None, "", "interactive"):
-        return "interactive"
-    if value == "batch":
-        return "batch"
-    raise OpenAIError(
-        f"header {PRIORITY_HEADER} must be 'interactive' or 'batch', got {value!r}",
-        param=PRIORITY_HEADER,
-        code="invalid_value",
-    )
 
 
 def _sse(events: AsyncIterator[str], headers: dict[str, str]) -> StreamingResponse:
@@ -255,12 +246,6 @@ async def _prepend(
         yield chunk
 
 
-def _overloaded_info(shed: DoorShed) -> ErrorInfo:
-    return ErrorInfo(
-        code=429, type="rate_limit_error", message=shed.message, retry_after_s=shed.retry_after_s
-    )
-
-
 def _overloaded(request: GenerateRequest, shed: DoorShed) -> GenerateChunk:
     return GenerateChunk.overloaded(request, shed.message, retry_after_s=shed.retry_after_s)
 
@@ -368,6 +353,7 @@ class OpenAIIngress:
             enabled=observability.metrics_enabled,
         )
         self.door = FrontDoor(door or FrontDoorSettings(), metrics, self._report_turned_away)
+        self.http_door = HTTPDoor(self._guard, self.door, self._api_metrics)  # for DoorGate
         self._door_pass = _door_pass_var()
         self._warmups: set[asyncio.Task[bool]] = set()
         self._warm_decode()
@@ -400,14 +386,15 @@ class OpenAIIngress:
             logger.debug("turned-away report (%d requests) not delivered: %r", n, err)
 
     @contextlib.contextmanager
-    def _through_door(self, priority: Priority) -> Iterator[None]:
+    def _through_door(self, priority: Priority, passed: DoorPass | None = None) -> Iterator[None]:
         """The door check, once per request and before its body is read, parsed and
-        tokenized, so that a flood gets its 429s for the cost of reading headers. A request
-        let through holds its place under the stream bound while its body is read and its
-        stream opened in the block; a place its stream did not take is freed at the end."""
-        admitted = self.door.admit(priority)
+        tokenized, so that a flood gets its 429s for the cost of reading headers (``passed``:
+        ``DoorGate`` asked already, and this is its pass). A request let through holds its
+        place under the stream bound while its body is read and its stream opened in the
+        block; a place its stream did not take is freed at the end."""
+        admitted = self.door.admit(priority) if passed is None else passed
         if isinstance(admitted, DoorShed):
-            raise error_from_info(_overloaded_info(admitted))
+            raise overloaded_error(admitted)
         token = self._door_pass.set(admitted)
         try:
             yield
@@ -508,8 +495,9 @@ class OpenAIIngress:
         """Admit the caller (key, rate), run ``answer`` and count the response."""
         start = time.monotonic()
         try:
-            client = request.client.host if request.client else None
-            self._guard.caller(route, request.headers, client)
+            if DOOR_PASS_SCOPE_KEY not in request.scope:  # else DoorGate checked the caller
+                client = request.client.host if request.client else None
+                self._guard.caller(route, request.headers, client)
             response = await answer()
         except OpenAIError as err:
             response = error_response(err)
@@ -606,8 +594,8 @@ class OpenAIIngress:
         return await self._serve(request, "/v1/completions", lambda: self._completions(request))
 
     async def _completions(self, request: Request) -> Response:
-        priority = _priority(request.headers)
-        with self._through_door(priority):
+        priority = request_priority(request.headers)
+        with self._through_door(priority, request.scope.get(DOOR_PASS_SCOPE_KEY)):
             req = validate_request(CompletionRequest, await self._json_body(request))
             stream = await self.serving.start_choices(
                 req, priority=priority, trace_headers=request.headers
@@ -624,8 +612,8 @@ class OpenAIIngress:
         return await self._serve(request, "/v1/chat/completions", lambda: self._chat(request))
 
     async def _chat(self, request: Request) -> Response:
-        priority = _priority(request.headers)
-        with self._through_door(priority):
+        priority = request_priority(request.headers)
+        with self._through_door(priority, request.scope.get(DOOR_PASS_SCOPE_KEY)):
             req = validate_request(ChatCompletionRequest, await self._json_body(request))
             stream = await self.serving.start_choices(
                 req, priority=priority, trace_headers=request.headers
@@ -721,7 +709,7 @@ class OpenAIIngress:
     ) -> DecodeStream:
         try:
             metadata = _metadata(grpc_context)
-            priority = _priority(metadata)
+            priority = request_priority(metadata)
             with self._through_door(priority):
                 return await self.serving.start(
                     req,
