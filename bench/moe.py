@@ -7,8 +7,15 @@
                                    # a checkpoint with that expert shape
 
 For each dtype and batch (tokens in the step), times on identical inputs:
-  - ``pdserve fused``: ``kernels.ops.fused_moe`` (tokens sorted by expert, each expert's
-    GEMMs once over its tokens; the Triton kernel on CUDA);
+  - ``fused packed`` (CPU only): ``kernels.ops.fused_moe`` on the experts prepacked for
+    oneDNN (``PackedExperts``, what a loaded bf16 model runs on a CPU with native bf16;
+    packed here in float32 too, for comparison);
+  - ``fused unpacked``: ``kernels.ops.fused_moe`` on the stacked weights (tokens sorted by
+    expert, each expert's GEMMs once over its tokens; the Triton kernel on CUDA);
+  - ``fused int8 w8a8`` / ``fused int8 w-only`` (CPU only): the experts quantized to int8 per
+    channel (``QuantizedExperts``, what at-load ``quantization: int8`` /
+    ``int8-weight-only`` runs on a CPU), each segment on the int8 linear kernels; their
+    error includes the int8 rounding;
   - ``per-expert loop``: transformers' own eager experts forward (a mask and a gather per
     expert, as Mixtral / Qwen3-MoE modelling code runs it);
   - ``transformers grouped_mm``: transformers' default experts implementation where torch
@@ -117,10 +124,17 @@ def _bench_case(
 
         return call
 
-    impls: dict[str, Callable[[], torch.Tensor]] = {
-        "pdserve fused": lambda: ops.fused_moe(x, w13, w2, weights, ids),
-        "per-expert loop": hf("eager"),
-    }
+    impls: dict[str, Callable[[], torch.Tensor]] = {}
+    if device.type == "cpu" and torch.backends.mkldnn.is_available():
+        packed = ops.PackedExperts.pack(w13, w2)
+        impls["fused packed"] = lambda: ops.fused_moe(x, w13, w2, weights, ids, packed=packed)
+    impls["fused unpacked"] = lambda: ops.fused_moe(x, w13, w2, weights, ids)
+    if device.type == "cpu":
+        w8a8 = ops.quantize_experts(w13, w2, "w8a8")
+        w8 = ops.quantize_experts(w13, w2, "weight-only")
+        impls["fused int8 w8a8"] = lambda: ops.fused_moe(x, w13, w2, weights, ids, packed=w8a8)
+        impls["fused int8 w-only"] = lambda: ops.fused_moe(x, w13, w2, weights, ids, packed=w8)
+    impls["per-expert loop"] = hf("eager")
     if hasattr(torch, "_grouped_mm"):
         impls["transformers grouped_mm"] = hf("grouped_mm")
     want = fused_moe_ref(x, w13, w2, weights, ids)
@@ -140,7 +154,9 @@ def _bench_case(
         "experts_hit": int(ids.unique().numel()),
         "ms": ms,
         "rel_error": errors,
-        "speedup_vs_loop": ms["per-expert loop"] / ms["pdserve fused"],
+        "speedup_vs_loop": {
+            name: ms["per-expert loop"] / ms[name] for name in ms if name.startswith("fused")
+        },
     }
 
 

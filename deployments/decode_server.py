@@ -82,7 +82,6 @@ from pdserve.deployments.tp_kv import (
     TPDecodeConnector,
     replica_kv_bytes_per_token,
 )
-from pdserve.deployments.window_handoff import window_handoff
 from pdserve.engine.outputs import RequestOutput
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.decode_connector import DecodeKVConnector
@@ -155,10 +154,11 @@ class DecodeServer:
                 observer=self.transfer_observer,
                 segment_for=allocator.segment_for if allocator is not None else None,
                 # A window model's engine then keeps (and receives) only its window layers'
-                # window, paired with the prefill pool's (deployments/window_handoff.py).
-                window_pool=window_handoff(self.cfg),
+                # window (every rank its heads'), paired with the prefill pool's
+                # (deployments/window_handoff.py).
+                window_pool=True,
             )
-            connector = TPDecodeConnector(local) if tp else local
+            connector = TPDecodeConnector(local, window_pool=True) if tp else local
         factory = engine_factory or default_engine_factory
         self.engine = factory(
             engine_config(self.cfg, "decode", model_dir),

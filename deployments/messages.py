@@ -282,8 +282,9 @@ class PrefillRequest(_Message):
     window_kv_targets: tuple[KVTarget, ...] = Field(
         default=(),
         description="Where the window layers' KV goes when the decode replica keeps a "
-        "window pool (deployments/window_handoff.py): one target, its first_block the first "
-        "block the first decoded token's window reaches; empty when it keeps none.",
+        "window pool (deployments/window_handoff.py): one target per rank of the decode "
+        "replica, as kv_targets, their first_block the first block the first decoded token's "
+        "window reaches; empty when it keeps none.",
     )
     trace_carrier: dict[str, str] = Field(default_factory=dict, description="W3C context.")
 

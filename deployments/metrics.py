@@ -122,7 +122,8 @@ class ServingMetrics:
         )
         self.kv_transfer_skipped_bytes = self._counter(
             "kv_transfer_skipped_bytes",
-            "KV bytes a remote prefill did not move: the decode side held those blocks.",
+            "KV bytes a remote prefill did not move: the prefix blocks the decode side held, "
+            "and a window pool's blocks before the first decoded token's window.",
         )
         self.disagg_decisions = self._counter(
             "disagg_decisions", "Prefill placement decisions.", ("decision",)

@@ -45,7 +45,7 @@ from pdserve.deployments.tp_kv import (
     TPPrefillConnector,
     replica_kv_bytes_per_token,
 )
-from pdserve.deployments.window_handoff import check_window_pairing, window_handoff
+from pdserve.deployments.window_handoff import check_window_pairing
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.connector import PrefillKVConnector
 from pdserve.kvtransfer.types import KVTransferError
@@ -83,8 +83,9 @@ class PrefillServer:
         local = PrefillKVConnector(
             transfer,
             observer=TransferMetricsObserver(self.metrics),
-            # A window model's engine then keeps (and sends) only its window layers' window.
-            window_pool=window_handoff(self.cfg),
+            # A window model's engine then keeps (and sends) only its window layers' window
+            # (every rank its heads'), paired with the decode pool's (window_handoff.py).
+            window_pool=True,
         )
         # Tensor parallel: every rank sends the KV heads it holds; rank 0's connector hands
         # the targets to the others' and merges their results.
@@ -108,8 +109,10 @@ class PrefillServer:
         # The engine registered its pool with the connector, which built the sender.
         self.sender = self.connector.sender
         self.layout = self.sender.layout
+        # Over the whole replica: every KV head once, whichever rank holds it.
+        block_bytes = self.layout.block_bytes(self.layout.heads_total)
         self.kv_bytes_per_token = (
-            self.layout.block_bytes() * self.layout.num_layers // max(self.layout.block_size, 1)
+            block_bytes * self.layout.num_layers // max(self.layout.block_size, 1)
         )
         # A window pool (not in the sender's layout): its layers hand off only the blocks
         # of the first decoded token's window, which the router's estimate counts. A
@@ -146,14 +149,17 @@ class PrefillServer:
         }
         with tracing.span("prefill", self.model_name, carrier=req.trace_carrier, attributes=attrs):
             targets = req.kv_targets  # one per rank of the decode replica
-            windowed = self._local.has_window_pool  # never under tensor parallelism
+            windowed = self._local.has_window_pool  # rank 0's, as every rank's
             check_window_pairing(
-                prefill_has_window_pool=windowed, num_window_targets=len(req.window_kv_targets)
+                prefill_has_window_pool=windowed,
+                num_window_targets=len(req.window_kv_targets),
+                num_targets=len(targets),
             )
             target = targets[0] if len(targets) == 1 else targets
             if windowed:
-                window_target = req.window_kv_targets[0]
-                self._local.register_target(rid, target, window_target=window_target)
+                window = req.window_kv_targets  # one per decode rank, as ``targets``
+                window_target = window[0] if len(window) == 1 else window
+                self.connector.register_target(rid, target, window_target=window_target)
             else:
                 self.connector.register_target(rid, target)
             last = None

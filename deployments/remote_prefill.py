@@ -5,9 +5,9 @@
 prompt's KV blocks in the engine (whose scheduler tells the connector where the KV goes),
 opens the transfer through the connector, calls the prefill pool, waits for the KV, hands it
 to the engine with the first token, and falls back to a local recompute on any failure.
-An engine that keeps its window layers' KV in a pool of their own (``window_handoff``) is
+An engine that keeps its window layers' KV in a pool of their own (``window_handoff.py``) is
 reserved for the first decoded token's window there, and that pool gets a target of its own
-(``PrefillRequest.window_kv_targets``).
+per rank (``PrefillRequest.window_kv_targets``).
 ``DecodeServer`` uses it for every request its policy sends to the prefill pool. The
 invariant it keeps: when it returns (or is cancelled) no prefill peer is still writing into
 the request's blocks, and the engine request is either decoding, recomputing locally, or
@@ -67,6 +67,16 @@ class ServePrefillClient:
         except asyncio.CancelledError:
             response.cancel()
             raise
+
+
+def _skipped_bytes(targets: tuple[KVTarget, ...]) -> int:
+    """Bytes of one pool's blocks before its targets' ``first_block``: every layer of the
+    pool, each KV head once (the canonical holder of a head replicated across ranks)."""
+    if not targets or not targets[0].first_block:
+        return 0
+    canonical = [t for t in targets if t.layout.kv_head_replica == 0]
+    per_block = sum(t.layout.block_bytes() for t in canonical) * targets[0].layout.num_layers
+    return targets[0].first_block * per_block
 
 
 class RemotePrefill:
@@ -138,7 +148,7 @@ class RemotePrefill:
             await asyncio.to_thread(self.connector.cancel, rid)
             await self.engine.abort(rid)
             raise
-        self._count_skipped(targets)
+        self._count_skipped(targets, window_targets)
         handoff = asyncio.create_task(self._handoff(req, targets, window_targets))
         stream = self.engine.stream(rid)
         try:
@@ -155,15 +165,17 @@ class RemotePrefill:
             await stream.aclose()
 
     def _receives_window_pool(self) -> bool:
-        """Whether the engine keeps a window pool its connector fills (never under tensor
-        parallelism: ``window_handoff``)."""
-        return isinstance(self.connector, DecodeKVConnector) and self.connector.receives_window_pool
+        """Whether the engine keeps a window pool its connector fills (every rank's, under
+        tensor parallelism)."""
+        return self.connector.receives_window_pool
 
     async def _expect_window(self, rid: str, deadline: float) -> tuple[KVTarget, ...]:
-        """The window pool's target of a reserved request: the blocks of the first decoded
-        token's window (past any prefix hit), the only window-layer KV the decode needs."""
-        assert isinstance(self.connector, DecodeKVConnector)
+        """The window pool's targets of a reserved request (one per rank, as the full
+        pool's): the blocks of the first decoded token's window (past any prefix hit), the
+        only window-layer KV the decode needs."""
         first, blocks = await self.engine.remote_window_blocks(rid)
+        if isinstance(self.connector, TPDecodeConnector):
+            return self.connector.expect_window(rid, first, blocks, deadline)
         return (self.connector.expect_window(rid, first, blocks, deadline),)
 
     async def _handoff(
@@ -246,16 +258,19 @@ class RemotePrefill:
             logger.exception("local recompute of %s could not start; aborting it", rid)
             await self.engine.abort(rid)  # ends the stream instead of leaving it waiting
 
-    def _count_skipped(self, targets: tuple[KVTarget, ...]) -> None:
-        """Blocks (and their bytes, over every rank's heads) the hand-off need not move: the
-        prefix this replica's cache already holds."""
+    def _count_skipped(
+        self, targets: tuple[KVTarget, ...], window_targets: tuple[KVTarget, ...] = ()
+    ) -> None:
+        """What the hand-off need not move: the prefix blocks this replica's cache already
+        holds (on every layer), and with a window pool the window layers' blocks before the
+        first decoded token's window (``first_block`` of each pool's targets). Bytes count
+        every rank's heads once."""
         skipped = targets[0].first_block
+        skipped_bytes = _skipped_bytes(targets) + _skipped_bytes(window_targets)
         if skipped:
-            layers = targets[0].layout.num_layers
-            canonical = [t for t in targets if t.layout.kv_head_replica == 0]
-            per_block = sum(t.layout.block_bytes() for t in canonical) * layers
             self.metrics.kv_transfer_skipped_blocks.inc(skipped)
-            self.metrics.kv_transfer_skipped_bytes.inc(skipped * per_block)
+        if skipped_bytes:
+            self.metrics.kv_transfer_skipped_bytes.inc(skipped_bytes)
 
     # ------------------------------------------------------------------ bookkeeping
     def location(self, request_id: str, planned: str) -> str:

@@ -421,6 +421,12 @@ class TPDecodeConnector(RemoteLoads):
         """Rank 0's pool layout (its heads)."""
         return self.local.layout
 
+    @property
+    def receives_window_pool(self) -> bool:
+        """Whether the engine registered a window pool (every rank keeps one): its remote
+        prefills are reserved with ``receives_window_pool=True`` and need ``expect_window``."""
+        return self._window is not None
+
     def _workers(self) -> tuple[TPExecutor, range]:
         executor = self._executor
         if executor is None:
@@ -559,8 +565,14 @@ class TPDecodeConnector(RemoteLoads):
             raise RuntimeError("a window pool is already registered with this connector")
         executor, _ = self._workers()
         layout = _rank0_window_layout(executor, window_kv_cache, model_name, window, kv_scales)
+        # Rank 0's pools come from the replica's allocator: a shared-memory segment on a CPU,
+        # so its window receiver offers the full pool's transport.
         self._window = KVReceiver(
-            window_kv_cache, layout, self.local.config, observer=self.local.observer
+            window_kv_cache,
+            layout,
+            self.local.config,
+            shm_segment=self.local.shm_segment(window_kv_cache),
+            observer=self.local.observer,
         )
 
     def begin_step(self, sends: list[PendingSend]) -> None:

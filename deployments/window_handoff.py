@@ -1,15 +1,16 @@
-"""Whether a served P/D split pairs window pools, and the refusal of a peer that does not.
+"""Window pools across the served P/D split, and the refusal of a peer that lacks one.
 
 A model that mixes sliding-window and full-attention layers (gpt-oss, Gemma 2/3) keeps its
 window layers' KV in a pool of their own when its engine's KV connector moves that pool
 (``engine/window_kv.py``); the hand-off then sends the window layers only the first decoded
 token's window. Both replicas of a hand-off must agree: a prefill replica with a window pool
 has no blocks of the window layers outside the window to send, and a decode replica with one
-has no room for them. The serving layer therefore decides once, from the application config
-(``window_handoff``), so that both pools' connectors say the same; each engine then keeps the
-pool where its model has window layers and nothing else rules it out (an int8 / fp8 KV
-cache, the transformers path, ``EngineConfig.window_kv_pool`` off: both pools' engines
-agree on those too, as they share the model and the KV dtype).
+has no room for them. The serving layer therefore builds both pools' connectors to move a
+window pool (``window_pool=True``, single-rank and tensor-parallel alike); each engine then
+keeps the pool where its model has window layers and ``EngineConfig.window_kv_pool`` is on
+(both pools' engines share the model, so they agree). Under tensor parallelism every rank
+keeps its heads' window pool and the decode replica sends one window target per rank, as for
+the full pool.
 
 A peer that still disagrees (a replica of another pdserve version during a rolling upgrade,
 an engine built with other settings) is refused per request with ``WindowPairingError``
@@ -20,23 +21,17 @@ replica recomputes that prompt locally, as for any failed remote prefill (vLLM's
 
 from __future__ import annotations
 
-from pdserve.deployments.config import AppConfig
-
 
 class WindowPairingError(ValueError):
     """The prefill and decode replicas of a hand-off disagree about the window pool."""
 
 
-def window_handoff(cfg: AppConfig) -> bool:
-    """Whether the prefill and decode connectors move a window pool: only where both pools
-    run one rank per replica (the tensor-parallel connectors move one pool of every layer,
-    so a window pool on one side would never pair with the other)."""
-    return cfg.prefill.tensor_parallel_size == 1 and cfg.decode.tensor_parallel_size == 1
-
-
-def check_window_pairing(*, prefill_has_window_pool: bool, num_window_targets: int) -> None:
+def check_window_pairing(
+    *, prefill_has_window_pool: bool, num_window_targets: int, num_targets: int
+) -> None:
     """Refuse a request whose decode replica's window targets do not match this prefill
-    replica's pools (one window target exactly when this side keeps a window pool)."""
+    replica's pools: one window target per full-pool target (one per decode rank) exactly
+    when this side keeps a window pool."""
     if prefill_has_window_pool and num_window_targets == 0:
         raise WindowPairingError(
             "this prefill replica keeps its window layers' KV in a pool of their own and "
@@ -49,12 +44,12 @@ def check_window_pairing(*, prefill_has_window_pool: bool, num_window_targets: i
         raise WindowPairingError(
             f"the decode replica sent {num_window_targets} window-pool target(s), but this "
             "prefill replica keeps every layer's KV in one pool (its engine keeps no window "
-            "pool: tensor parallelism, or built with window_kv_pool=False); both pools "
+            "pool: built with window_kv_pool=False, or another pdserve version); both pools "
             "must keep a window pool or neither: the decode replica recomputes this prompt "
             "locally"
         )
-    if num_window_targets > 1:
+    if num_window_targets and num_window_targets != num_targets:
         raise WindowPairingError(
-            f"window_kv_targets: {num_window_targets} given; a window-pool hand-off has one "
-            "(tensor-parallel replicas move no window pool)"
+            f"window_kv_targets: {num_window_targets} given for {num_targets} kv_targets; a "
+            "window-pool hand-off has one per decode rank in each pool"
         )

@@ -93,9 +93,8 @@ class EngineConfig(BaseModel):
         description=(
             "Sliding-window layers of a model that mixes them with full-attention layers "
             "(gpt-oss, Gemma 2/3) keep only their window's KV, in a pool of their own. Off, "
-            "or with a KV connector, tensor parallelism or an int8/fp8 KV cache: they keep "
-            "the whole sequence's KV like the other layers (the layout the P/D hand-off "
-            "moves)."
+            "or with a KV connector that moves one pool (one built without window_pool): "
+            "they keep the whole sequence's KV like the other layers."
         ),
     )
     enable_prefix_caching: bool = Field(

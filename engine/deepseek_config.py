@@ -130,10 +130,18 @@ def _mla(cfg: dict[str, Any], scaling: dict[str, Any] | None, arch: str) -> MLAC
 
 def deepseek_model_config(model_dir: Path, cfg: dict[str, Any], arch: str) -> ModelConfig:
     """The native ``ModelConfig`` of a DeepSeek-V3 / V2 config.json (ValueError on what the
-    native class does not run: quantized checkpoints, rope types other than yarn, V2
+    native class does not run: quantized checkpoints other than fp8 blocks (those are read
+    dequantized), rope types other than yarn, V2
     routing methods other than greedy and group-limited greedy)."""
-    if read_quantization_config(cfg) is not None:
-        raise ValueError(f"quantized {arch} checkpoints are not supported natively yet")
+    scheme = read_quantization_config(cfg)
+    fp8_block = None
+    if scheme is not None:
+        if cfg["quantization_config"].get("quant_method") != "fp8" or scheme.block is None:
+            raise ValueError(
+                f"quantized {arch} checkpoints: only quant_method fp8 with weight_block_size "
+                "is read natively (every linear dequantized at load)"
+            )
+        fp8_block = scheme.block
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"hidden_act {act!r} is not supported; supported: silu")
@@ -181,5 +189,6 @@ def deepseek_model_config(model_dir: Path, cfg: dict[str, Any], arch: str) -> Mo
         kv_layers=(spec,) * layers,
         moe=moe,
         mla=mla,
+        dequantized_fp8_block=fp8_block,
         extra=cfg,
     )

@@ -546,7 +546,8 @@ class LLMEngine:
     # ------------------------------------------------------------------ state
     def dtypes(self) -> tuple[str, str]:
         """(weights, KV cache) as reports show them: 'bfloat16', 'int8 a8 int8' (a quantized
-        checkpoint or at-load quantization), and 'bfloat16' / 'int8' / 'fp8_e4m3'."""
+        checkpoint or at-load quantization), '...; experts mxfp4 dequantized to bfloat16'
+        (quantized experts), and 'bfloat16' / 'int8' / 'fp8_e4m3'."""
         from pdserve.engine.kv_scales import kv_dtype_label
 
         dtype = str(self.model_config.dtype).removeprefix("torch.")
@@ -557,6 +558,11 @@ class LLMEngine:
             weights = self.config.quantization
         else:
             weights = dtype
+        moe, fp8_block = self.model_config.moe, self.model_config.dequantized_fp8_block
+        if moe is not None and moe.quantized is not None:  # held in the model's dtype
+            weights = f"{weights}; experts {moe.quantized.describe()} dequantized to {dtype}"
+        elif fp8_block is not None:
+            weights = f"{weights}; fp8 {fp8_block[0]}x{fp8_block[1]} blocks dequantized"
         return weights, kv_dtype_label(self.kv_cache.dtype)
 
     def stats(self) -> EngineStats:

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pdserve.engine.expert_quant import ExpertQuant, read_expert_quant
 from pdserve.engine.gemma_config import GEMMA_ARCHITECTURES, GemmaConfig
 from pdserve.engine.kv_layout import KVLayerSpec
 from pdserve.engine.quantization import QuantScheme, read_quantization_config
@@ -61,6 +62,9 @@ class MoEConfig:
     biases: bool = False
     # The experts' activation; None: SiLU-and-mul.
     activation: ClampedSwiGLU | None = None
+    # How the checkpoint stores the experts (MXFP4, fp8 blocks); None: float. They are
+    # held dequantized in the engine's dtype.
+    quantized: ExpertQuant | None = None
 
 
 @dataclass(frozen=True)
@@ -111,6 +115,9 @@ class ModelConfig:
     mla: MLAConfig | None = None
     # A learned logit per query head in every softmax's denominator (gpt-oss).
     attention_sinks: bool = False
+    # An fp8 block checkpoint (scale block rows, cols) read by a class without fp8 linears
+    # (DeepSeek-V2/V3): every fp8 weight is dequantized as it loads; None: not such a one.
+    dequantized_fp8_block: tuple[int, int] | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -226,8 +233,12 @@ def load_model_config(model_dir: str | Path, impl: str = "auto") -> ModelConfig:
         kv_layers = _per_layer_windows(cfg, kv_heads, head_dim, sliding)
         sliding = None
     moe = _moe_config(cfg, arch)
-    if moe is not None and read_quantization_config(cfg) is not None:
-        raise ValueError(f"quantized {arch} checkpoints are not supported natively yet")
+    expert_quant = read_expert_quant(cfg, arch) if moe is not None else None
+    if moe is not None:
+        moe = replace(moe, quantized=expert_quant)
+    # MXFP4 covers only the experts; the other linears of such a checkpoint are float.
+    mxfp4 = expert_quant is not None and expert_quant.method == "mxfp4"
+    quantization = None if mxfp4 else read_quantization_config(cfg)
 
     eos, bos, ckpt_dtype = _generation_fields(model_dir, cfg)
     return ModelConfig(
@@ -252,7 +263,7 @@ def load_model_config(model_dir: str | Path, impl: str = "auto") -> ModelConfig:
         eos_token_ids=eos,
         bos_token_id=bos,
         checkpoint_dtype=ckpt_dtype,
-        quantization=read_quantization_config(cfg),
+        quantization=quantization,
         qk_norm=arch in _QK_NORM_ARCHITECTURES,
         moe=moe,
         kv_layers=kv_layers,

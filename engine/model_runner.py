@@ -19,6 +19,7 @@ import torch
 
 from pdserve.engine import memory_profile
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.expert_quant import dequantize_fp8_weights
 from pdserve.engine.grammar import GrammarBackend
 from pdserve.engine.kv_connector import KVConnector, moves_window_pool
 from pdserve.engine.kv_scales import kv_cache_torch_dtype, resolve_kv_scales
@@ -44,7 +45,13 @@ from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve.engine.staging import StepStaging
 from pdserve.engine.window_kv import NULL_BLOCK, WindowLayout, plan_window_layout
 from pdserve.kernels import ops
-from pdserve.kernels.ops import DeviceRuntime, RuntimeSettings, make_runtime, pack_linears
+from pdserve.kernels.ops import (
+    DeviceRuntime,
+    RuntimeSettings,
+    make_runtime,
+    pack_linears,
+    pack_moe_experts,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -219,8 +226,11 @@ class ModelRunner:
         model = model.to_empty(device=self.device)
         if cfg.tie_word_embeddings:  # to_empty() unties shared parameters
             model.lm_head.weight = model.model.embed_tokens.weight
+        weights = iter_weight_slices(self.config.model)
+        if cfg.dequantized_fp8_block is not None:
+            weights = dequantize_fp8_weights(weights, cfg.dequantized_fp8_block)
         with torch.no_grad():
-            model.load_weights(iter_weight_slices(self.config.model))
+            model.load_weights(weights)
             # Quantized linears: the checkpoint's packed for their kernels, or a float
             # checkpoint's quantized now (EngineConfig.quantization).
             pack_quantized(model, cfg.dtype)
@@ -231,6 +241,9 @@ class ModelRunner:
         # CPU: oneDNN-packed bf16 weights (native bf16), or bf16-held weights of a bf16
         # checkpoint served in float32 (AVX2); elsewhere the nn.Linear layers stay.
         pack_linears(model)
+        # The stacked MoE experts on CPU: int8 under at-load int8 quantization, else packed
+        # as the linears are (bf16).
+        pack_moe_experts(model, self.config.quantization)
         return model.eval()
 
     # ---- KV cache -------------------------------------------------------------------------

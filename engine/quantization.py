@@ -17,6 +17,7 @@ picks a kernel itself: ``kernels.quant_ops`` does, after the weights are loaded.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -50,8 +51,12 @@ class QuantScheme:
         return torch.int8 if self.weight_dtype == "int8" else ref.FP8_DTYPE
 
     def num_groups(self, in_features: int) -> int:
-        cols = self.block[1] if self.block else self.group_size
-        return 1 if cols is None else -(-in_features // cols)
+        """Scale groups per row in the common layout, all of one width. A block that the
+        input width cuts short is held as groups of ``gcd(block, in_features)`` columns
+        (200 columns in 128-blocks: 25 groups of 8), so every group lies in one block."""
+        if self.block is not None:
+            return in_features // math.gcd(self.block[1], in_features)
+        return 1 if self.group_size is None else -(-in_features // self.group_size)
 
     def quantizes(self, module_name: str) -> bool:
         for pattern in self.ignore:
@@ -90,9 +95,9 @@ def read_quantization_config(hf_config: dict[str, Any]) -> QuantScheme | None:
         return _compressed_tensors_scheme(qc)
     if method == "mxfp4":
         raise ValueError(
-            "quantization_config.quant_method 'mxfp4' (gpt-oss's MXFP4 expert weights) is not "
-            f"supported; supported: {', '.join(SUPPORTED_METHODS)}. Use a bfloat16 checkpoint "
-            "of the model (its experts dequantized)"
+            "quantization_config.quant_method 'mxfp4' is read only for gpt-oss's experts on "
+            "the native path (model_impl auto or native; engine/expert_quant.py); here "
+            f"supported: {', '.join(SUPPORTED_METHODS)}"
         )
     raise ValueError(
         f"quantization_config.quant_method {method!r} is not supported; supported: "
@@ -214,9 +219,11 @@ def read_quant_tensor(
     dest: torch.Tensor,  # the destination rows
     scheme: QuantScheme,
     name: str,
+    in_features: int | None = None,  # the layer's (this rank's) input width
 ) -> torch.Tensor | None:
     """A quantized layer's checkpoint tensor in the common layout, ready to copy into
-    ``dest``; None for tensors that carry nothing the kernels need."""
+    ``dest``; None for tensors that carry nothing the kernels need. Block scales need
+    ``in_features`` when the width may cut the last block short."""
     if kind in ("weight_shape", "input_scale"):
         return None  # the shape is the module's; activations are quantized dynamically
     if kind == "weight_zero_point":
@@ -227,7 +234,8 @@ def read_quant_tensor(
         packed = torch.as_tensor(source[rows])  # [n, K / 4] int32
         return _unpack_int8(packed)[:, cols][:, : dest.shape[1]]
     if kind in ("weight_scale", "weight_scale_inv"):
-        return _scale_rows(_read_all(source).float(), rows, cols, dest, scheme, name)
+        scale = _read_all(source).float()
+        return _scale_rows(scale, rows, cols, dest, scheme, name, in_features)
     raise ValueError(f"checkpoint tensor {name!r}: unknown kind {kind!r}")
 
 
@@ -247,9 +255,15 @@ def _unpack_int8(packed: torch.Tensor) -> torch.Tensor:
 
 def _scale_rows(
     scale: torch.Tensor, rows: slice, cols: slice, dest: torch.Tensor, scheme: QuantScheme,
-    name: str,
+    name: str, in_features: int | None,
 ) -> torch.Tensor:  # fmt: skip
     n_dest, g_dest = dest.shape
+    # Block columns -> equal groups (QuantScheme.num_groups): each block's scale repeated
+    # over the groups it holds; the last block's extra copies fall off at g_dest.
+    per_block, blocks = 1, g_dest
+    if scheme.block is not None and in_features is not None:
+        per_block = scheme.block[1] // math.gcd(scheme.block[1], in_features)
+        blocks = -(-in_features // scheme.block[1])
     if scale.numel() == 1:  # per tensor: the same scale on every row
         return scale.reshape(1, 1).expand(n_dest, g_dest)
     if scale.dim() == 1:
@@ -266,7 +280,9 @@ def _scale_rows(
                 f"{name}: this rank's columns start at {cols.start}, inside a scale group "
                 f"of {width}; choose a tensor_parallel_size that splits on group boundaries"
             )
-        scale = scale[:, (cols.start or 0) // width :][:, :g_dest]
+        scale = scale[:, (cols.start or 0) // width :][:, :blocks]
+    if per_block > 1:
+        scale = scale.repeat_interleave(per_block, dim=1)[:, :g_dest]
     if tuple(scale.shape) != (n_dest, g_dest):
         raise ValueError(
             f"checkpoint tensor {name!r}: scales reshape to {tuple(scale.shape)}, expected "

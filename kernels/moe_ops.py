@@ -17,20 +17,45 @@ token also to experts stacked after the routed ones, with weight 1 (a shared MLP
 ``n * I`` columns is ``n`` experts of ``I`` columns, its down projection summing them).
 The experts may carry biases and gpt-oss's clamped SwiGLU (``ClampedSwiGLU``) in place of
 SiLU-and-mul. Routing is a few small torch ops over ``[T, E]`` on every device. Nothing here
-keeps state.
+keeps state. On a CPU the stacked experts are prepared once after loading
+(``pack_moe_experts``): packed for oneDNN in bf16, or quantized to int8 under at-load int8
+quantization (``quantize_experts``); ``fused_moe`` then runs on those (``packed=``).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from torch import nn
 
-from pdserve.kernels.cpu.moe import fused_moe_cpu
+from pdserve.kernels import quant_reference
+from pdserve.kernels.cpu.linear import can_pack
+from pdserve.kernels.cpu.moe import PackedExperts, QuantizedExperts, fused_moe_cpu
 from pdserve.kernels.moe_reference import ClampedSwiGLU, fused_moe_ref
+from pdserve.kernels.quant_ops import Activations, make_quantized_linear
 
-__all__ = ["ClampedSwiGLU", "RouterConfig", "add_shared_experts", "fused_moe", "select_experts"]
+__all__ = [
+    "ClampedSwiGLU",
+    "PackedExperts",
+    "PreparedExperts",
+    "QuantizedExperts",
+    "RouterConfig",
+    "add_shared_experts",
+    "fused_moe",
+    "pack_moe_experts",
+    "quantize_experts",
+    "select_experts",
+]
+
+logger = logging.getLogger(__name__)
+
+Int8Experts = Literal["w8a8", "weight-only"]
+PreparedExperts = PackedExperts | QuantizedExperts  # what pack_moe_experts leaves a block
+# The engine's at-load quantization -> how the experts are quantized (fp8: left float).
+_AT_LOAD_INT8: dict[str, Int8Experts] = {"int8": "w8a8", "int8-weight-only": "weight-only"}
 
 
 @dataclass(frozen=True)
@@ -129,9 +154,12 @@ def fused_moe(
     b13: torch.Tensor | None = None,  # [E, 2I]: each expert's gate bias, then its up bias
     b2: torch.Tensor | None = None,  # [E, H]
     activation: ClampedSwiGLU | None = None,  # None: SiLU-and-mul
+    # CPU: w13 / w2 prepacked or quantized to int8 (``pack_moe_experts``)
+    packed: PreparedExperts | None = None,
 ) -> torch.Tensor:  # [T, H] in x's dtype
     """``sum_k w[t, k] * (down_e(act(gate_up_e(x_t) + b13_e)) + b2_e)``, ``e = ids[t, k]``:
-    each expert's GEMMs once per call over all the tokens routed to it."""
+    each expert's GEMMs once per call over all the tokens routed to it. With ``packed``
+    the GEMMs run on it and ``w13`` / ``w2`` give only their shapes and dtype."""
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError("x must be [T, H], w13 [E, 2I, H] and w2 [E, H, I]")
     e, two_i, h = w13.shape
@@ -151,8 +179,17 @@ def fused_moe(
             raise ValueError(
                 f"{name}: expected {list(shape)} in {x.dtype}, got {list(bias.shape)} {bias.dtype}"
             )
+    if packed is not None and (
+        packed.shape != tuple(w13.shape) or packed.dtype != x.dtype or x.device.type != "cpu"
+    ):
+        raise ValueError(
+            f"packed experts {packed.shape} {packed.dtype} serve CPU input of w13's shape "
+            f"{tuple(w13.shape)}; got {x.dtype} on {x.device}"
+        )
     if x.shape[0] == 0:
         return torch.zeros_like(x)
+    if packed is not None:
+        return fused_moe_cpu(x, w13, w2, topk_weights, topk_ids, b13, b2, activation, packed)
     args = (x, w13, w2, topk_weights, topk_ids, b13, b2, activation)
     if x.device.type == "cpu":
         return fused_moe_cpu(*args)
@@ -163,3 +200,65 @@ def fused_moe(
             return fused_moe_ref(*args)
         return fused_moe_triton(*args)
     return fused_moe_ref(*args)
+
+
+def quantize_experts(
+    w13: torch.Tensor,  # [E, 2I, H] float, CPU
+    w2: torch.Tensor,  # [E, H, I]
+    int8: Int8Experts,  # W8A8 (activations quantized per token) or int8 weights only
+) -> QuantizedExperts:
+    """Each expert's weights quantized to int8 per output channel (round to nearest,
+    absmax scales, as at-load quantization does for the dense linears) into the CPU's
+    int8 kernel modules; their input is ``w13``'s dtype."""
+    if w13.device.type != "cpu":
+        raise ValueError(f"quantize_experts: CPU weights only, got {w13.device}")
+    activations: Activations = "int8" if int8 == "w8a8" else None
+
+    def modules(w: torch.Tensor) -> tuple[nn.Module, ...]:
+        out = []
+        for j in range(w.shape[0]):
+            q, scale = quant_reference.quantize_weight(w[j].detach(), torch.int8)
+            out.append(make_quantized_linear(q, scale, None, activations, w.dtype))
+        return tuple(out)
+
+    e, two_i, h = w13.shape
+    return QuantizedExperts(modules(w13), modules(w2), (e, two_i, h), w13.dtype)
+
+
+def pack_moe_experts(model: nn.Module, quantization: str | None = None) -> int:
+    """Prepare the stacked experts of every module of ``model`` that declares a
+    ``packed_experts`` attribute (None) next to its ``w13`` / ``w2`` parameters, on the
+    CPU: quantized to int8 (``quantize_experts``) when ``quantization`` (the engine's
+    at-load method) is ``int8`` (W8A8) or ``int8-weight-only``, else packed for oneDNN
+    where ``can_pack`` says so for their dtype. Returns how many were.
+
+    The module then holds the ``PackedExperts`` / ``QuantizedExperts`` and passes it to
+    ``fused_moe``; its ``w13`` / ``w2`` become meta-device parameters of the same shape and
+    dtype (the shapes stay readable, the float copy is freed, and a read of its values
+    fails loudly)."""
+    int8 = _AT_LOAD_INT8.get(quantization or "")
+    count = 0
+    for module in model.modules():
+        if vars(module).get("packed_experts", "absent") is not None:  # not one, or done
+            continue
+        w13, w2 = getattr(module, "w13", None), getattr(module, "w2", None)
+        if not (isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor)):
+            continue
+        if w13.device.type != "cpu":
+            continue
+        packed: PreparedExperts
+        if int8 is not None:
+            packed = quantize_experts(w13, w2, int8)
+        elif can_pack(w13.dtype, w13.device):
+            packed = PackedExperts.pack(w13, w2)
+        else:
+            continue
+        setattr(module, "packed_experts", packed)  # noqa: B010
+        for name, param in (("w13", w13), ("w2", w2)):
+            ghost = torch.empty(param.shape, dtype=param.dtype, device="meta")
+            setattr(module, name, nn.Parameter(ghost, requires_grad=False))
+        count += 1
+    if count:
+        kind = f"int8 ({int8})" if int8 else "oneDNN-packed"
+        logger.info("prepared the experts of %d MoE layers as %s", count, kind)
+    return count

@@ -33,9 +33,14 @@ from pdserve.kernels.cpu.runtime import MMAP_THRESHOLD, CpuRuntime, single_threa
 from pdserve.kernels.kv_quant import is_quantized_kv, kv_qmax
 from pdserve.kernels.moe_ops import (
     ClampedSwiGLU,
+    PackedExperts,
+    PreparedExperts,
+    QuantizedExperts,
     RouterConfig,
     add_shared_experts,
     fused_moe,
+    pack_moe_experts,
+    quantize_experts,
     select_experts,
 )
 from pdserve.kernels.quant_ops import Activations, is_quantized_linear, make_quantized_linear
@@ -46,6 +51,9 @@ __all__ = [
     "quant_reference",
     "DeviceRuntime",
     "ClampedSwiGLU",
+    "PackedExperts",
+    "PreparedExperts",
+    "QuantizedExperts",
     "RouterConfig",
     "add_shared_experts",
     "RuntimeInfo",
@@ -60,6 +68,8 @@ __all__ = [
     "linear_float32",
     "make_runtime",
     "pack_linears",
+    "pack_moe_experts",
+    "quantize_experts",
     "paged_attention",
     "paged_decode_attention",
     "paged_mla_decode",

@@ -83,6 +83,11 @@ class DecodeKVConnector(RemoteLoads):
         """The registered pool's layout (this rank's heads under tensor parallelism)."""
         return self.receiver.layout
 
+    def shm_segment(self, pool: torch.Tensor) -> ShmSegment | None:
+        """The shared-memory segment holding ``pool`` (None without ``segment_for``, or
+        where the allocator did not place it in one)."""
+        return self._segment_for(pool) if self._segment_for is not None else None
+
     @property
     def receives_window_pool(self) -> bool:
         """Whether the engine registered a window pool: its remote prefills are reserved
@@ -162,7 +167,7 @@ class DecodeKVConnector(RemoteLoads):
         if self._receiver is not None:
             raise RuntimeError("a KV pool is already registered with this connector")
         layout = registered_layout(kv_cache, model_name, layout, kv_scales=kv_scales)
-        segment = self._segment_for(kv_cache) if self._segment_for is not None else None
+        segment = self.shm_segment(kv_cache)
         self._receiver = KVReceiver(
             kv_cache, layout, self.config, shm_segment=segment, observer=self.observer
         )
@@ -182,7 +187,7 @@ class DecodeKVConnector(RemoteLoads):
         if self._window is not None:
             raise RuntimeError("a window pool is already registered with this connector")
         layout = registered_layout(window_kv_cache, window_identity(model_name, window), None)
-        segment = self._segment_for(window_kv_cache) if self._segment_for is not None else None
+        segment = self.shm_segment(window_kv_cache)
         self._window = KVReceiver(
             window_kv_cache, layout, self.config, shm_segment=segment, observer=self.observer
         )

@@ -206,6 +206,7 @@ class DeepseekMoE(nn.Module):
         experts, inter = moe.num_experts + self.num_shared, len(self.columns)
         self.w13 = nn.Parameter(torch.empty(experts, 2 * inter, cfg.hidden_size))
         self.w2 = nn.Parameter(torch.empty(experts, cfg.hidden_size, inter))
+        self.packed_experts: ops.PreparedExperts | None = None  # set by ops.pack_moe_experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         bias = self.e_score_correction_bias
@@ -214,7 +215,8 @@ class DeepseekMoE(nn.Module):
         )
         if self.num_shared:
             weights, ids = ops.add_shared_experts(weights, ids, self.num_experts, self.num_shared)
-        return self.tp.all_reduce(ops.fused_moe(x, self.w13, self.w2, weights, ids))
+        out = ops.fused_moe(x, self.w13, self.w2, weights, ids, packed=self.packed_experts)
+        return self.tp.all_reduce(out)
 
     def load(self, rest: str, source: Any, name: str) -> str:
         """One checkpoint tensor under ``mlp.`` (``gate.*``, ``experts.<j>.*``,

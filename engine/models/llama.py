@@ -409,9 +409,11 @@ class LlamaForCausalLM(nn.Module):
                         continue  # the shape is the module's; activations are dynamic
                     raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
                 dest = params[target].data[rows]
+                weight = params.get(target.rpartition(".")[0] + ".weight")
                 tensor = read_quant_tensor(
-                    kind, source, src_rows, src_cols, dest, cfg.quantization, name
-                )
+                    kind, source, src_rows, src_cols, dest, cfg.quantization, name,
+                    in_features=None if weight is None else weight.shape[1],
+                )  # fmt: skip
                 if tensor is None:
                     continue
                 if dest.shape != tensor.shape:
@@ -444,12 +446,16 @@ class LlamaForCausalLM(nn.Module):
                     )
                 dest.copy_(tensor)
             expected[target] -= dest.shape[0]
+        for block in self.modules():
+            if isinstance(block, SparseMoeBlock):
+                block.check_loaded()
         missing = sorted(n for n, left in expected.items() if left > 0)
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}")
 
     def _load_expert(self, name: str, source: Any) -> tuple[str, int]:
-        """``model.layers.<i>.mlp.experts.<j>.<projection>.weight`` (one expert) or
+        """``model.layers.<i>.mlp.experts.<j>.<projection>.weight`` (one expert; an fp8 one
+        also ``.weight_scale_inv``) or
         ``model.layers.<i>.mlp.experts.<tensor>`` (all experts stacked, gpt-oss) into layer
         i's stacked experts; returns the parameter filled and how many loads that counts."""
         block, _, rest = name.partition(".experts.")
@@ -458,13 +464,14 @@ class LlamaForCausalLM(nn.Module):
             module = self.get_submodule(block)
         except AttributeError:
             module = None
-        per_expert = len(parts) == 3 and parts[2] == "weight"
+        per_expert = len(parts) == 3 and parts[2] in ("weight", "weight_scale_inv")
         if not isinstance(module, SparseMoeBlock) or not (per_expert or len(parts) == 1):
             raise ValueError(
                 f"checkpoint tensor {name!r} has no place in {self.config.architecture}"
             )
         if per_expert:
-            return f"{block}.{module.load_expert(int(parts[0]), parts[1], source, name)}", 1
+            param, filled = module.load_expert(int(parts[0]), parts[1], source, name, parts[2])
+            return f"{block}.{param}", filled
         param, filled = module.load_stacked(parts[0], source, name)
         return f"{block}.{param}", filled
 

@@ -36,12 +36,14 @@ class InProcessPrefill:
 
     def reset(self) -> None:
         self.calls = 0
+        self.requests: list[Any] = []  # every PrefillRequest sent, in order
         self.fail: BaseException | None = None
         self.delay_s = 0.0
         self.cancelled = 0
 
     async def prefill(self, request: Any) -> Any:
         self.calls += 1
+        self.requests.append(request)
         try:
             if self.delay_s:
                 await asyncio.sleep(self.delay_s)

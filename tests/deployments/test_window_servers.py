@@ -19,16 +19,20 @@ from pdserve.deployments.decode_server import DecodeServer
 from pdserve.deployments.engine_factory import EngineHooks, default_engine_factory
 from pdserve.deployments.messages import PrefillRequest, SamplingOptions
 from pdserve.deployments.prefill_server import PrefillServer
-from pdserve.deployments.window_handoff import WindowPairingError, window_handoff
+from pdserve.deployments.window_handoff import WindowPairingError
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
 from tests.deployments.in_process import collect, config, long_prompt, request, tokens
 from tests.deployments.serving_fakes import InProcessPrefill, make_kv_target
-from tests.engine.tiny_hf_models import build_tiny_model
+from tests.deployments.window_servers import (
+    WINDOW,
+    check_failed_prefill_is_recomputed,
+    greedy_tokens,
+    integrity,
+    tiny_window_model,
+)
 
 MAX_TOKENS = 12
-WINDOW = 32
 
 
 def no_window_pool(config: EngineConfig, hooks: EngineHooks) -> Any:
@@ -49,11 +53,7 @@ class Replicas:
 
 @pytest.fixture(scope="module")
 def replicas(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Replicas]:
-    model_dir = str(
-        build_tiny_model(
-            "gpt-oss", tmp_path_factory.mktemp("gpt-oss"), tiny_model_dir, swiglu_limit=1.5
-        )
-    )
+    model_dir = tiny_window_model(tiny_model_dir, tmp_path_factory)
     cfg = config(
         model={"path": model_dir},
         prefill={"engine": {"num_kv_blocks": 96, "max_num_seqs": 4}},
@@ -73,12 +73,7 @@ def replicas(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 def expected(r: Replicas, prompt: list[int]) -> list[int]:
-    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    return list(r.reference.generate([prompt], greedy)[0].token_ids)
-
-
-def integrity(server: Any) -> Any:
-    return asyncio.run(server.check_integrity())
+    return greedy_tokens(r.reference, prompt, MAX_TOKENS)
 
 
 def test_a_window_model_hands_off_only_the_window_and_matches(replicas: Replicas) -> None:
@@ -125,14 +120,37 @@ def test_a_window_model_hands_off_only_the_window_and_matches(replicas: Replicas
     assert stats["kv_window"] == WINDOW
 
 
-def test_a_follow_up_turn_takes_the_decode_sides_prefix_and_matches(r: Replicas) -> None:
+class Tally:
+    """Stands in for a metrics counter: the sum of what was counted."""
+
+    def __init__(self) -> None:
+        self.total = 0
+
+    def inc(self, value: float = 1) -> None:
+        self.total += int(value)
+
+
+def test_a_follow_up_turn_takes_the_decode_sides_prefix_and_matches(
+    r: Replicas, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Turn 2 extends turn 1 and its answer: the decode replica's prefix cache holds turn 1's
     full-layer blocks but only the window-layer blocks of its last window and of the tokens
     it decoded, so its hit is shortened to what both pools hold; the rest comes from the
-    prefill replica and the tokens still equal one engine's."""
+    prefill replica and the tokens still equal one engine's. The skipped-KV metrics count
+    what did not move: the hit's blocks on every layer, and the window layers' blocks
+    before the first decoded token's window."""
+    skipped_blocks, skipped_bytes = Tally(), Tally()
+    monkeypatch.setattr(r.decode.metrics, "kv_transfer_skipped_blocks", skipped_blocks)
+    monkeypatch.setattr(r.decode.metrics, "kv_transfer_skipped_bytes", skipped_bytes)
+    pool, window_pool = r.decode.engine.kv_cache, r.decode.engine.window_kv_cache
+    assert window_pool is not None
+    block_bytes = pool[0, :, 0].numel() * pool.element_size()
     turn1 = long_prompt(67, 100)
     first = asyncio.run(collect(r.decode, request("t1", turn1, MAX_TOKENS)))
     assert first[0].prefill_location == "remote"
+    # No hit; the window layer skips blocks 0..3 ((100 - 31) // 16 = 4).
+    turn1_skipped = 4 * window_pool.shape[0] * block_bytes
+    assert (skipped_blocks.total, skipped_bytes.total) == (0, turn1_skipped)
     turn2 = turn1 + tokens(first) + long_prompt(68, 60)  # 172 tokens: 11 blocks
     before = r.decode.counters().kv_bytes_received
     second = asyncio.run(collect(r.decode, request("t2", turn2, MAX_TOKENS)))
@@ -141,25 +159,19 @@ def test_a_follow_up_turn_takes_the_decode_sides_prefix_and_matches(r: Replicas)
     # The decode side's hit: 6 blocks (turn 1's 111 computed tokens), whose window (tokens
     # 65..95, blocks 4 and 5) it holds. The full layer gets blocks 6..10, the window layer
     # blocks 8..10 (the first decoded token's window: (172 - 31) // 16 = 8).
-    pool = r.decode.engine.kv_cache
-    block_bytes = pool[0, :, 0].numel() * pool.element_size()
     moved = r.decode.counters().kv_bytes_received - before
     assert moved == (5 + 3) * block_bytes
+    # Turn 2 skips the hit's 6 blocks on the full layer and 8 on the window layer.
+    turn2_skipped = (6 * pool.shape[0] + 8 * window_pool.shape[0]) * block_bytes
+    assert skipped_blocks.total == 6
+    assert skipped_bytes.total == turn1_skipped + turn2_skipped
     assert integrity(r.decode).idle and integrity(r.prefill).idle
 
 
 def test_a_failed_remote_prefill_is_recomputed_with_the_window_pool(r: Replicas) -> None:
-    r.client.fail = RuntimeError("ActorDiedError: the prefill replica died")
-    try:
-        prompt = long_prompt(63, 150)
-        before = r.decode.counters().fallbacks
-        chunks = asyncio.run(collect(r.decode, request("w-fail", prompt, MAX_TOKENS)))
-    finally:
-        r.client.fail = None
-    assert chunks[0].prefill_location == "fallback"
-    assert tokens(chunks) == expected(r, prompt)
-    assert r.decode.counters().fallbacks == before + 1
-    assert integrity(r.decode).idle
+    check_failed_prefill_is_recomputed(
+        r.decode, r.client, r.reference, "w-fail", long_prompt(63, 150), MAX_TOKENS
+    )
 
 
 @pytest.mark.parametrize("side", ["decode keeps none", "prefill keeps none"])
@@ -200,17 +212,3 @@ def test_the_prefill_replica_names_the_mismatch(r: Replicas) -> None:
 def r(replicas: Replicas) -> Replicas:
     replicas.client.reset()
     return replicas
-
-
-@pytest.mark.parametrize(
-    ("prefill_tp", "decode_tp", "paired"), [(1, 1, True), (2, 1, False), (1, 2, False)]
-)
-def test_both_pools_pair_window_pools_only_without_tensor_parallelism(
-    prefill_tp: int, decode_tp: int, paired: bool
-) -> None:
-    """One decision for both pools: a tensor-parallel pool moves one pool of every layer,
-    so neither side keeps a window pool then (they would never pair)."""
-    cfg = config(
-        prefill={"tensor_parallel_size": prefill_tp}, decode={"tensor_parallel_size": decode_tp}
-    )
-    assert window_handoff(cfg) is paired

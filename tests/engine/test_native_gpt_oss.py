@@ -8,8 +8,8 @@ equal ``transformers.generate`` and logprobs be within 1e-4 of transformers' log
 prompts of 1 to 600 tokens (far past the window) joining at different steps, under the
 default budget and under a 32-token chunked-prefill budget with a pool small enough to
 force preemption and recompute, and with heads and experts split over two tensor-parallel
-ranks. A bfloat16 engine agrees on the first tokens. An MXFP4 checkpoint is refused, naming
-the method, and so are ``layer_types`` the class cannot attend.
+ranks. A bfloat16 engine agrees on the first tokens. ``layer_types`` the class cannot
+attend are refused. (MXFP4 checkpoints: ``test_native_mxfp4.py``.)
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from tests.engine.transformers_reference import (
     PREEMPT_ARRIVALS,
     Reference,
     assert_bf16_first_tokens_agree,
+    assert_experts_packed,
     check_native_engine,
 )
 
@@ -93,20 +94,10 @@ def test_heads_and_experts_split_over_two_ranks_match_transformers(gpt_oss) -> N
         engine.shutdown()
 
 
-def test_mxfp4_checkpoint_is_refused_naming_the_method(gpt_oss, tmp_path: Path) -> None:
-    model_dir = gpt_oss[0]
-    config = json.loads((model_dir / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4"}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    for impl in ("auto", "native"):
-        with pytest.raises(ValueError, match="quant_method 'mxfp4'"):
-            load_model_config(tmp_path, impl)
-
-
 def test_bfloat16_engine_runs_and_agrees_with_float32(gpt_oss) -> None:
-    """bf16 weights, sinks and expert biases; the router stays float32. Sharp tiny logits:
-    the first greedy token agrees with float32 transformers."""
-    assert_bf16_first_tokens_agree(str(gpt_oss[0]), gpt_oss[1])
+    """bf16 weights (experts prepacked), sinks and expert biases; the router stays
+    float32. Sharp tiny logits: the first greedy token agrees with float32 transformers."""
+    assert_experts_packed(assert_bf16_first_tokens_agree(str(gpt_oss[0]), gpt_oss[1]))
 
 
 @pytest.mark.parametrize(

@@ -28,6 +28,7 @@ from tests.engine.transformers_reference import (
     ARRIVALS,
     PREEMPT_ARRIVALS,
     Reference,
+    assert_experts_packed,
     check_native_engine,
     make_prompt,
     run,
@@ -133,6 +134,8 @@ def test_low_precision_engine_runs_and_agrees_with_transformers(
     final = run(engine, [(0, f"r{i}", p) for i, p in enumerate(prompts)], num_new=4)
     agree = sum(final[f"r{i}"].token_ids[0] == ref.generate(p)[0] for i, p in enumerate(prompts))
     assert agree >= len(prompts) - 1, f"only {agree} of {len(prompts)} first tokens agree"
+    if dtype == "bfloat16":  # routed and shared experts prepacked for oneDNN
+        assert_experts_packed(engine)
 
 
 def test_v2_unknown_routing_method_is_refused_natively(tmp_path: Path) -> None:

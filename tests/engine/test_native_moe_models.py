@@ -20,12 +20,15 @@ import torch
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.kernels.ops import QuantizedExperts
 from tests.engine.tiny_hf_models import build_tiny_model
 from tests.engine.transformers_reference import (
     ARRIVALS,
     PREEMPT_ARRIVALS,
     Reference,
     assert_bf16_first_tokens_agree,
+    assert_experts_packed,
+    assert_first_tokens_agree,
     check_native_engine,
     small_pool_config,
     tiny_model_and_reference,
@@ -97,10 +100,31 @@ def test_experts_split_over_two_ranks_match_transformers(
 
 
 def test_bfloat16_engine_runs_and_agrees_with_float32(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """bf16 on CPU packs the dense linears; the router stays a float32 matmul and the
-    experts run the bf16 grouped GEMM. Sharp tiny logits: the first greedy token agrees."""
+    """bf16 on CPU packs the dense linears and the experts (oneDNN); the router stays a
+    float32 matmul. Sharp tiny logits: the first greedy token agrees."""
     from transformers import AutoModelForCausalLM
 
     model_dir = build_tiny_model("qwen3-moe", tmp_path, tiny_model_dir)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    assert_bf16_first_tokens_agree(str(model_dir), Reference(hf, hf.config.vocab_size))
+    engine = assert_bf16_first_tokens_agree(str(model_dir), Reference(hf, hf.config.vocab_size))
+    assert_experts_packed(engine)
+
+
+@pytest.mark.parametrize("method", ["int8", "int8-weight-only"])
+def test_at_load_int8_quantizes_the_experts_too(
+    method: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """At-load int8 on CPU runs every expert on the int8 kernels (the dense linears were
+    already); the first greedy tokens still agree with float32 transformers."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = build_tiny_model("qwen3-moe", tmp_path, tiny_model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    engine = LLMEngine(EngineConfig(model=str(model_dir), quantization=method))
+    try:
+        blocks = [m for m in engine.runner.model.modules() if hasattr(m, "packed_experts")]
+        assert blocks and all(isinstance(b.packed_experts, QuantizedExperts) for b in blocks)
+        assert all(b.w13.is_meta and b.w2.is_meta for b in blocks)  # the float copy freed
+        assert_first_tokens_agree(engine, Reference(hf, hf.config.vocab_size))
+    finally:
+        engine.shutdown()

@@ -211,8 +211,23 @@ def check_native_engine(
     check_schedule(engine, ref, schedule, num_new, "native")
 
 
-def assert_bf16_first_tokens_agree(model_dir: str, ref: Reference) -> None:
-    """``assert_first_tokens_agree`` for a bfloat16 engine of ``model_dir``."""
+def assert_bf16_first_tokens_agree(model_dir: str, ref: Reference) -> LLMEngine:
+    """``assert_first_tokens_agree`` for a bfloat16 engine of ``model_dir``; returns the
+    engine (for checks of what it loaded)."""
     engine = LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16"))
     assert engine.runner.model_config.dtype == torch.bfloat16
     assert_first_tokens_agree(engine, ref)
+    return engine
+
+
+def assert_experts_packed(engine: LLMEngine) -> None:
+    """Every MoE block of a bf16 CPU engine runs on oneDNN-prepacked experts where the CPU
+    packs bf16 (``pack_moe_experts``), its stacked copy freed; else none is packed."""
+    from pdserve.kernels.cpu.linear import can_pack
+
+    blocks = [m for m in engine.runner.model.modules() if hasattr(m, "packed_experts")]
+    assert blocks, "the model has no MoE block"
+    packs = can_pack(torch.bfloat16, torch.device("cpu"))
+    for block in blocks:
+        assert (block.packed_experts is not None) == packs
+        assert block.w13.is_meta == packs
