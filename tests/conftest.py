@@ -61,3 +61,27 @@ def test_model(model_cache_dir: Path) -> Callable[[str], Path]:
 def tiny_model_dir(test_model: Callable[[str], Path]) -> Path:
     """The tiny Llama (GQA, float32, ~1M params) with its locally trained tokenizer."""
     return test_model("tiny")
+
+
+# The session's exit status, kept for ``pytest_unconfigure``.
+_session_status: list[int] = []
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    _session_status.append(int(exitstatus))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """End the test process once every plugin is done: run the exit handlers (shared-memory
+    segments, Ray), then leave without the interpreter's final teardown. In one of two full
+    runs of the suite that teardown died with SIGSEGV after every test had passed (cause not
+    found: a native library's objects freed after the library); the run's outcome is the
+    session's status, which this returns as the process's. ``PDSERVE_TEST_FULL_TEARDOWN=1``
+    keeps the ordinary exit, to look for the cause."""
+    if not _session_status or os.environ.get("PDSERVE_TEST_FULL_TEARDOWN") == "1":
+        return
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(_session_status[-1])
