@@ -74,11 +74,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config: pytest.Config) -> None:
     """End the test process once every plugin is done: run the exit handlers (shared-memory
-    segments, Ray), then leave without the interpreter's final teardown. In one of two full
-    runs of the suite that teardown died with SIGSEGV after every test had passed (cause not
-    found: a native library's objects freed after the library); the run's outcome is the
-    session's status, which this returns as the process's. ``PDSERVE_TEST_FULL_TEARDOWN=1``
-    keeps the ordinary exit, to look for the cause."""
+    segments, Ray), then leave with the session's status, without the interpreter's final
+    teardown, which can die with SIGSEGV after the tests (docs/decisions.md, decision 8).
+    ``PDSERVE_TEST_FULL_TEARDOWN=1`` keeps the ordinary exit."""
     if not _session_status or os.environ.get("PDSERVE_TEST_FULL_TEARDOWN") == "1":
         return
     atexit._run_exitfuncs()
