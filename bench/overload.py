@@ -47,6 +47,7 @@ from pdserve.bench.serving_systems import PdserveServer
 
 REPO = Path(__file__).resolve().parents[1]
 REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=300.0)
+SERVE_BACKPRESSURE = "Request dropped due to backpressure"  # Serve's queue bound's message
 
 
 @dataclass
@@ -68,8 +69,9 @@ class Outcome:
     finished: bool = False  # [DONE] after a finish_reason
     finish_reason: str | None = None
     error: str | None = None
-    # Who refused it: "pdserve" (the OpenAI error body: admission control) or "proxy"
-    # (Serve's proxy past the ingress's bounds, plain text).
+    # Who refused it: "pdserve" (admission control) or "proxy" (Serve's own queue bound
+    # past the ingress's bounds: its "Request dropped due to backpressure", as plain text
+    # or, through pdserve's EdgeGate, in the OpenAI error body).
     refused_by: str | None = None
     shed_reason: str | None = None  # admission control's reason, from its message
     shed_message: str | None = None  # the refusal's message (its drain time, its replica's)
@@ -131,7 +133,8 @@ async def send(
                 raw = await r.read()
                 try:
                     message = str(json.loads(raw)["error"]["message"])
-                    out.refused_by = "pdserve"
+                    by_serve = message.startswith(SERVE_BACKPRESSURE)
+                    out.refused_by = "proxy" if by_serve else "pdserve"
                     out.shed_message = message[:300]
                     if message.startswith("overloaded ("):
                         out.shed_reason = message[len("overloaded (") :].split(")")[0]

@@ -91,6 +91,17 @@ def _node_env(token_path: Path, node: NodeSpec, direct_ingress: bool = False) ->
     )
     for name in DIRECT_INGRESS_ENV:
         env.pop(name, None)  # the spec decides, not the caller's environment
+    env.update(serve_env(direct_ingress))
+    return env
+
+
+def serve_env(direct_ingress: bool) -> dict[str, str]:
+    """Serve's settings in the environment of every Ray process: pdserve's ``EdgeGate`` on
+    Serve's HTTP servers (its proxies, a direct-ingress ingress replica:
+    ``deployments/door_gate.py``), and ``DIRECT_INGRESS_ENV`` when asked."""
+    from pdserve.deployments.door_gate import EDGE_CALLBACK
+
+    env = {"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": EDGE_CALLBACK}
     if direct_ingress:
         env.update(DIRECT_INGRESS_ENV)
     return env

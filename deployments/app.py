@@ -65,13 +65,17 @@ def build_application(
         return decode
 
     from pdserve.deployments.admission.front_door import FrontDoorSettings
+    from pdserve.deployments.door_gate import INGRESS_REPLICA_ENV
     from pdserve.deployments.ingress import OpenAIIngress
 
     ready = [DECODE_DEPLOYMENT] + ([PREFILL_DEPLOYMENT] if prefill is not None else [])
     return serve.deployment(
         name=INGRESS_DEPLOYMENT,
         num_replicas=cfg.ingress_replicas,
-        ray_actor_options={"num_cpus": cfg.ingress_num_cpus},
+        ray_actor_options={
+            "num_cpus": cfg.ingress_num_cpus,
+            "runtime_env": {"env_vars": dict(INGRESS_REPLICA_ENV)},
+        },
         graceful_shutdown_timeout_s=cfg.graceful_shutdown_timeout_s,
         **ingress_bounds(cfg),
     )(OpenAIIngress).bind(

@@ -9,17 +9,31 @@ through goes on to the app with its ``DoorPass`` in the ASGI scope under
 ``DOOR_PASS_SCOPE_KEY``, released when the app is done with the request. Other routes and
 methods pass untouched. It never reads a body and holds no state of its own: the door and
 the guard are the replica's.
+
+``EdgeGate`` is the same check one step earlier, as Serve's HTTP callback
+(``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`` = ``EDGE_CALLBACK``): ahead of Serve's own
+request handling on the HTTP server of a direct-ingress ingress replica, where a flood's 429
+then costs no more than the HTTP server's parsing. It asks the door only where the door
+lives on the server's own thread (the ingress runs its code on Serve's loop); elsewhere (a
+Serve proxy, an ingress whose code runs on a thread of its own) it leaves the check to
+``DoorGate``. On every server it runs on, it gives Serve's own plain-text error responses
+(its queue bound's "Request dropped due to backpressure", a draining replica's 503) the
+OpenAI error body.
 """
 
 from __future__ import annotations
 
+import json
+import threading
 import time
 from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-from starlette.datastructures import Headers
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.middleware import Middleware
 from starlette.responses import JSONResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.deployments.admission.front_door import DoorPass, DoorShed, FrontDoor
 from pdserve.deployments.admission.rules import Priority
@@ -28,6 +42,23 @@ from pdserve.deployments.openai_protocol import OpenAIError
 
 PRIORITY_HEADER = "x-pdserve-priority"
 DOOR_PASS_SCOPE_KEY = "pdserve.door_pass"
+GENERATE_ROUTES = ("/v1/completions", "/v1/chat/completions")
+# On the door's 429: its reason. A proxy's EdgeGate closes on it (``EdgeLatch``).
+SHED_HEADER = "x-pdserve-shed"
+# On a request a proxy's EdgeGate forwards: the refusals it answered for the door since the
+# last one it forwarded, per priority ("interactive=12,batch=3"). Taken from no one else.
+EDGE_SHED_HEADER = "x-pdserve-edge-shed"
+# How long a door's 429 closes a proxy's EdgeGate for requests like it (at most: a stream
+# that ends through the proxy opens it at once).
+EDGE_HOLD_S = 0.1
+# Serve's HTTP callback: set in the environment of the processes that run Serve's HTTP servers.
+EDGE_CALLBACK = "pdserve.deployments.door_gate:serve_http_middlewares"
+# The ingress replica's environment: its code on Serve's own event loop, where EdgeGate may
+# ask its door (docs/decisions.md, decision 9), and EdgeGate on its HTTP server.
+INGRESS_REPLICA_ENV = {
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+    "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": EDGE_CALLBACK,
+}
 
 
 def request_priority(headers: Mapping[str, str]) -> Priority:
@@ -71,21 +102,31 @@ class HTTPDoor:
         self.guard = guard
         self.door = door
         self._requests = requests
+        # The door is not thread-safe: only code on this thread may ask it (``EdgeGate``).
+        self.thread = threading.get_ident()
 
     def gate(self, route: str, headers: Headers, client: str | None) -> DoorPass | JSONResponse:
         """The door's pass for the route handler, or the refusal to answer (counted under
         ``route`` as the handler's responses are)."""
         start = time.monotonic()
+        shed: DoorShed | None = None
+        if (report := headers.get(EDGE_SHED_HEADER)) is not None:  # whoever this caller is
+            for slo_class, n in parse_edge_report(report).items():
+                self.door.edge_refused(slo_class, n)
         try:
             self.guard.caller(route, headers, client)
             admitted = self.door.admit(request_priority(headers))
             if isinstance(admitted, DoorPass):
                 return admitted
+            shed = admitted
             err = overloaded_error(admitted)
         except OpenAIError as refused:
             err = refused
         self._requests.record_request(route, err.status_code, time.monotonic() - start)
-        return error_response(err)
+        response = error_response(err)
+        if shed is not None:
+            response.headers[SHED_HEADER] = shed.reason
+        return response
 
     def release(self, door_pass: DoorPass) -> None:
         self.door.release(door_pass)
@@ -133,14 +174,269 @@ class DoorGate:
         if route not in self._routes:
             await self.app(scope, receive, send)
             return
-        door = self._http_door()
-        client = scope.get("client")
-        verdict = door.gate(route, Headers(scope=scope), client[0] if client else None)
-        if not isinstance(verdict, DoorPass):
-            await verdict(scope, receive, send)
+        if DOOR_PASS_SCOPE_KEY in scope:  # EdgeGate asked the door already
+            await self.app(scope, receive, send)
             return
-        passed: dict[str, Any] = {**scope, DOOR_PASS_SCOPE_KEY: verdict}
-        try:
-            await self.app(passed, receive, send)
-        finally:
-            door.release(verdict)
+        await through_door(self._http_door(), route, self.app, scope, receive, send)
+
+
+async def through_door(
+    door: HTTPDoor, route: str, app: ASGIApp, scope: Scope, receive: Receive, send: Send
+) -> None:
+    """Answer the door's refusal, or run ``app`` with the door's pass in the scope (released
+    when ``app`` is done: the route handler's stream has taken it over by then)."""
+    client = scope.get("client")
+    verdict = door.gate(route, Headers(scope=scope), client[0] if client else None)
+    if not isinstance(verdict, DoorPass):
+        await verdict(scope, receive, send)
+        return
+    passed: dict[str, Any] = {**scope, DOOR_PASS_SCOPE_KEY: verdict}
+    try:
+        await app(passed, receive, send)
+    finally:
+        door.release(verdict)
+
+
+def serve_http_middlewares() -> list[Middleware]:
+    """Serve's HTTP callback (``EDGE_CALLBACK``): the middlewares of its HTTP servers."""
+    return [Middleware(EdgeGate, routes=GENERATE_ROUTES)]
+
+
+def same_thread_http_door() -> HTTPDoor | None:
+    """The ingress replica's ``HTTPDoor`` where this thread may ask it; None in a process
+    that is not a replica (Serve's proxy), before the replica's code is up, in a replica that
+    is not pdserve's ingress, and where the ingress runs its code on a thread of its own."""
+    from ray import serve
+    from ray.serve.exceptions import RayServeException
+
+    try:
+        servable = serve.get_replica_context().servable_object
+    except RayServeException:
+        return None
+    door = getattr(servable, "http_door", None)
+    if not isinstance(door, HTTPDoor) or door.thread != threading.get_ident():
+        return None
+    return door
+
+
+def parse_edge_report(value: str) -> dict[Priority, int]:
+    """``EDGE_SHED_HEADER``'s counts; what does not parse is dropped (best effort)."""
+    counts: dict[Priority, int] = {}
+    for item in value.split(","):
+        name, _, n = item.partition("=")
+        name = name.strip()
+        if name in ("interactive", "batch") and n.strip().isdigit():
+            slo_class: Priority = "interactive" if name == "interactive" else "batch"
+            counts[slo_class] = counts.get(slo_class, 0) + int(n)
+    return counts
+
+
+LatchKey = tuple[bytes, bytes, bytes]  # priority header, Authorization, X-Api-Key
+
+
+@dataclass(frozen=True)
+class _Refusal:
+    start: Message
+    body: bytes
+    priority: Priority
+    until: float
+
+
+class EdgeLatch:
+    """What a Serve proxy's EdgeGate knows of the ingress's door, from the door's own
+    refusals: a 429 that carries ``SHED_HEADER`` closes the latch for requests with the same
+    priority and credentials for ``hold_s``, and a guarded response that completes through
+    this proxy (a stream ended: a place at the door freed) opens every key. While closed, the
+    proxy answers the door's last refusal itself, and counts it; the counts ride on the next
+    request it forwards (``EDGE_SHED_HEADER``), so that the door's shed metrics and its
+    turned-away demand see them. Keyed by credentials too, so that a wrong key still gets
+    the ingress's 401, never a 429 learned from another caller's request."""
+
+    def __init__(
+        self, hold_s: float = EDGE_HOLD_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.hold_s = hold_s
+        self._clock = clock
+        self._closed: dict[LatchKey, _Refusal] = {}
+        self._unreported: dict[Priority, int] = {}
+
+    def refusal(self, key: LatchKey) -> _Refusal | None:
+        """The refusal to answer a request with this key now, counted; None: forward it."""
+        closed = self._closed.get(key)
+        if closed is None:
+            return None
+        if self._clock() >= closed.until:
+            del self._closed[key]
+            return None
+        self._unreported[closed.priority] = self._unreported.get(closed.priority, 0) + 1
+        return closed
+
+    def close(self, key: LatchKey, priority: Priority, start: Message, body: bytes) -> None:
+        if len(self._closed) >= MAX_LATCH_KEYS:
+            self._closed.clear()  # many callers' keys: start afresh, never grow unbounded
+        headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"x-request-id"]
+        until = self._clock() + self.hold_s
+        self._closed[key] = _Refusal({**start, "headers": headers}, body, priority, until)
+
+    def open(self) -> None:
+        self._closed.clear()
+
+    def take_report(self) -> str | None:
+        """``EDGE_SHED_HEADER``'s value for the next forwarded request (None: nothing to say)."""
+        if not self._unreported:
+            return None
+        report = ",".join(f"{name}={n}" for name, n in self._unreported.items())
+        self._unreported = {}
+        return report
+
+
+MAX_LATCH_KEYS = 1024
+
+
+class EdgeGate:
+    """The door check on Serve's HTTP server, ahead of Serve's request handling (see the
+    module's docstring), and the OpenAI error body on Serve's own plain-text errors. Where
+    the door is not on this thread (a Serve proxy), an ``EdgeLatch`` answers for it."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        routes: Collection[str],
+        http_door: Callable[[], HTTPDoor | None] = same_thread_http_door,
+        latch: EdgeLatch | None = None,
+    ) -> None:
+        self.app = app
+        self._routes = frozenset(routes)
+        self._http_door = http_door
+        self.latch = latch if latch is not None else EdgeLatch()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        send = openai_error_bodies(send)
+        route = route_path(scope)
+        if scope["method"] != "POST" or route not in self._routes:
+            await self.app(scope, receive, send)
+            return
+        report, headers, key = None, [], (b"", b"", b"")
+        door = self._http_door()
+        if door is None:
+            key = _latch_key(scope)
+            refusal = self.latch.refusal(key)
+            if refusal is not None:
+                await send(refusal.start)
+                await send({"type": "http.response.body", "body": refusal.body})
+                return
+            report = self.latch.take_report()
+        headers = [(k, v) for k, v in scope["headers"] if k != EDGE_SHED_HEADER.encode()]
+        if report is not None:
+            headers.append((EDGE_SHED_HEADER.encode(), report.encode()))
+        scope = {**scope, "headers": headers}
+        if door is not None:
+            await through_door(door, route, self.app, scope, receive, send)
+            return
+        await self.app(scope, receive, self._watch(send, key))
+
+    def _watch(self, send: Send, key: LatchKey) -> Send:
+        """``send``, closing the latch on the door's 429 and opening it when a response
+        completes."""
+        refusal: Message | None = None
+        body = bytearray()
+
+        async def wrapped(message: Message) -> None:
+            nonlocal refusal
+            await send(message)
+            if message["type"] == "http.response.start":
+                if message["status"] == 429 and _header(message, SHED_HEADER.encode()):
+                    refusal = message
+                return
+            if message["type"] != "http.response.body":
+                return
+            if refusal is not None:
+                body.extend(message.get("body", b""))
+            if message.get("more_body", False):
+                return
+            if refusal is None:
+                self.latch.open()
+                return
+            priority: Priority = "batch" if key[0] == b"batch" else "interactive"
+            self.latch.close(key, priority, refusal, bytes(body))
+
+        return wrapped
+
+
+def _latch_key(scope: Scope) -> LatchKey:
+    priority = authorization = api_key = b""
+    for name, value in scope["headers"]:
+        if name == PRIORITY_HEADER.encode():
+            priority = value
+        elif name == b"authorization":
+            authorization = value
+        elif name == b"x-api-key":
+            api_key = value
+    return priority or b"interactive", authorization, api_key
+
+
+def _header(message: Message, name: bytes) -> bytes | None:
+    for key, value in message.get("headers", []):
+        if key.lower() == name:
+            return bytes(value)
+    return None
+
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    429: "rate_limit_error",
+}
+
+
+def _error_type(status: int) -> str:
+    default = "server_error" if status >= 500 else "invalid_request_error"
+    return _ERROR_TYPES.get(status, default)
+
+
+def openai_error_bodies(send: Send) -> Send:
+    """``send``, with an error response in plain text (Serve's own: its queue bound's 429,
+    a draining replica's 503, an unknown route prefix's 404) turned into the OpenAI error
+    body with the same status and headers (Retry-After kept). Other responses pass as
+    they are, streamed ones included."""
+    held: Message | None = None
+    text = bytearray()
+
+    async def wrapped(message: Message) -> None:
+        nonlocal held
+        if held is None:
+            if message["type"] == "http.response.start" and _plain_error(message):
+                held = message
+                return
+            await send(message)
+            return
+        text.extend(message.get("body", b""))
+        if message.get("more_body", False):
+            return
+        status = held["status"]
+        err = OpenAIError(
+            text.decode("utf-8", "replace").strip() or f"HTTP {status}",
+            status_code=status,
+            type=_error_type(status),
+            code=str(status),
+        )
+        body = json.dumps(err.body()).encode()
+        headers = MutableHeaders(raw=list(held.get("headers", [])))
+        headers["content-type"] = "application/json"
+        headers["content-length"] = str(len(body))
+        await send({**held, "headers": headers.raw})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    return wrapped
+
+
+def _plain_error(start: Message) -> bool:
+    if start["status"] < 400:
+        return False
+    content_type = _header(start, b"content-type")
+    return content_type is not None and content_type.startswith(b"text/plain")

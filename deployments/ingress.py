@@ -53,6 +53,7 @@ from pdserve.deployments.config import APIConfig, ObservabilityConfig
 from pdserve.deployments.decode_stream import DecodeStream
 from pdserve.deployments.door_gate import (
     DOOR_PASS_SCOPE_KEY,
+    GENERATE_ROUTES,
     DoorGate,
     HTTPDoor,
     error_response,
@@ -104,7 +105,7 @@ PDSERVE_VERSION = package_version("pdserve")
 app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
 install_openapi(app)
 # A flood's 429s before FastAPI routes them (the routes that pass the door).
-app.add_middleware(DoorGate, routes=("/v1/completions", "/v1/chat/completions"))
+app.add_middleware(DoorGate, routes=GENERATE_ROUTES)
 
 
 async def _json(body: dict[str, Any]) -> Response:

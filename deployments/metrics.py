@@ -169,8 +169,8 @@ class ServingMetrics:
         if limit is not None:
             self.stream_limit.set(limit)
 
-    def record_shed(self, reason: str, priority: str) -> None:
-        self.requests_shed.inc(1.0, {"reason": reason, "priority": priority})
+    def record_shed(self, reason: str, priority: str, n: int = 1) -> None:
+        self.requests_shed.inc(float(n), {"reason": reason, "priority": priority})
 
     def record_admitted_past_slo(self, reason: str, priority: str) -> None:
         self.requests_admitted_past_slo.inc(1.0, {"reason": reason, "priority": priority})

@@ -105,7 +105,7 @@ class LoopLagSignal(Protocol):
 
 
 class DoorMetrics(Protocol):
-    def record_shed(self, reason: str, slo_class: str) -> None: ...
+    def record_shed(self, reason: str, slo_class: str, n: int = 1) -> None: ...
 
     def record_streams(self, num_open: int, limit: float | None) -> None: ...
 
@@ -219,6 +219,14 @@ class FrontDoor:
             f"{priority} request may wait; the queue drains in {wait_s:.1f}s"
         )
         return DoorShed(reason, message, wait_s)
+
+    def edge_refused(self, priority: Priority, n: int) -> None:
+        """A Serve proxy answered ``n`` requests of this class with this door's last refusal
+        (``door_gate.EdgeLatch``): counted as sheds (``proxy_edge``) and as turned-away
+        demand, like the door's own capacity sheds."""
+        if n > 0:
+            self._metrics.record_shed("proxy_edge", priority, n)
+            self.turned_away.add(n)
 
     def body_wait(self, seconds: float) -> None:
         """Serve's proxy took ``seconds`` to hand over a request body's first chunk."""

@@ -148,6 +148,7 @@ def test_direct_ingress_flag_reaches_every_node_and_only_when_asked(
     tmp_path: Path, monkeypatch
 ) -> None:
     from pdserve.cluster.local import DIRECT_INGRESS_ENV, _node_env
+    from pdserve.deployments.door_gate import EDGE_CALLBACK
 
     args = cli.build_parser().parse_args(["up", "--direct-ingress", "--prefill-cpus", "1"])
     spec = cli._cluster_spec(args)
@@ -158,6 +159,10 @@ def test_direct_ingress_flag_reaches_every_node_and_only_when_asked(
         env = _node_env(tmp_path / "t", node, direct_ingress=True)
         assert {k: env[k] for k in DIRECT_INGRESS_ENV} == DIRECT_INGRESS_ENV
         assert "RAY_SERVE_ENABLE_DIRECT_INGRESS" not in _node_env(tmp_path / "t", node)
+        # Serve's HTTP servers run pdserve's EdgeGate, with direct ingress or without.
+        for direct in (True, False):
+            env = _node_env(tmp_path / "t", node, direct_ingress=direct)
+            assert env["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] == EDGE_CALLBACK
 
 
 def test_front_door_binds_cluster_address_unless_configured() -> None:

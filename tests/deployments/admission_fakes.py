@@ -202,11 +202,25 @@ class DoorRecord:
     sheds: list[str] = field(default_factory=list)
     reported: list[int] = field(default_factory=list)
 
-    def record_shed(self, reason: str, slo_class: str) -> None:
-        self.sheds.append(reason)
+    def record_shed(self, reason: str, slo_class: str, n: int = 1) -> None:
+        self.sheds.extend([reason] * n)
 
     def record_streams(self, num_open: int, limit: float | None) -> None:
         pass
+
+
+def one_stream_door(record: DoorRecord) -> FrontDoor:
+    """A door whose stream bound starts at one (of at most four), with a 2 s TTFT SLO, no
+    loop lag, and ``record`` as its metrics and turned-away reports."""
+    from pdserve.deployments.admission.stream_limit import StreamLimit
+
+    return FrontDoor(
+        FrontDoorSettings(ttft_slo_s=2.0, max_streams=4),
+        record,
+        record.reported.append,
+        streams=StreamLimit(target_s=2.0, high=4, initial=1),
+        loop_lag=FakeLoopLag(),
+    )
 
 
 class DoorAndReplica:

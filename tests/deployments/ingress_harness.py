@@ -79,13 +79,14 @@ def running_app(
 ) -> Iterator[ServeApp]:
     """The app, with ``api`` as its ``APIConfig`` (keys, limits; None = defaults) and
     ``overrides`` replacing top-level ``AppConfig`` fields (e.g. ``slo``, ``policy``).
-    ``direct_ingress``: Ray's processes start with the environment ``pdserve up
-    --direct-ingress`` gives its nodes, and the URLs are the ingress replica's own."""
+    Ray's processes start with the Serve settings ``pdserve up`` gives its nodes (with
+    ``direct_ingress``: ``pdserve up --direct-ingress``'s, and the URLs are the ingress
+    replica's own)."""
     import ray.serve  # noqa: F401  (Serve reads its settings at import: this driver keeps its own)
 
-    from pdserve.cluster.local import DIRECT_INGRESS_ENV
+    from pdserve.cluster.local import serve_env
 
-    env = dict(DIRECT_INGRESS_ENV) if direct_ingress else {}
+    env = serve_env(direct_ingress)
     # Ray's processes inherit the environment at ray.init.
     with _environ(env), _running_app(api, overrides, direct_ingress) as app:
         yield app

@@ -112,8 +112,9 @@ def test_direct_ingress_sheds_a_flood_and_serves_grpc_without_a_proxy() -> None:
 
 def test_past_the_ingress_bound_serves_proxy_refuses_with_429_at_once() -> None:
     """With the ingress full (its Serve bound, derived from the decode pool), Serve's proxy
-    answers the rest of a flood 429 + Retry-After itself; the admitted stream and every
-    request the ingress took finish, nothing fails and nothing is left held."""
+    answers the rest of a flood 429 + Retry-After itself: its queue bound's refusals and the
+    door's last refusal (``EdgeLatch``), each with the OpenAI error body. The admitted stream
+    and every request the ingress took finish, nothing fails and nothing is left held."""
     bounded = {**OVERRIDES, "ingress_max_ongoing_requests": 4, "ingress_max_queued_requests": 2}
     with running_app(overrides=bounded) as app:
         admitted, flood = asyncio.run(flood_while_streaming(app.http_url))
@@ -121,9 +122,14 @@ def test_past_the_ingress_bound_serves_proxy_refuses_with_429_at_once() -> None:
         assert admitted["status"] == 200 and admitted["done"] and admitted["tokens"] == 64
         statuses = [r["status"] for r in flood]
         assert all(s in (200, 429) for s in statuses), statuses
-        refused = [r for r in flood if "text" in r]  # not pdserve's OpenAI body: the proxy's
+        refused = [r for r in flood if r["status"] == 429]
         assert len(refused) >= 40, statuses  # 80 at once against 4 slots and a queue of 2
-        assert all(r["status"] == 429 and int(r["retry_after"]) >= 1 for r in refused)
+        for r in refused:
+            assert int(r["retry_after"]) >= 1 and "text" not in r, r  # no plain text
+            error = r["body"]["error"]
+            assert error["type"] == "rate_limit_error" and error["code"] == "429", error
+            serve_bound = error["message"].startswith("Request dropped due to backpressure")
+            assert serve_bound or error["message"].startswith("overloaded ("), error
         for r in flood:
             if r["status"] == 200:
                 assert r["done"] and r["tokens"] == 32

@@ -240,3 +240,17 @@ def test_the_ingress_is_bounded_by_the_decode_pool_and_the_proxy_refuses_with_42
     given = {**cfg, "ingress_max_ongoing_requests": 50, "ingress_max_queued_requests": 5}
     config = ingress_config(given)
     assert (config.max_ongoing_requests, config.max_queued_requests) == (50, 5)
+
+
+def test_the_ingress_runs_its_code_on_serves_loop_with_the_edge_gate() -> None:
+    """The ingress replica's environment: its code on Serve's own event loop (so that the
+    edge gate on Serve's HTTP server may ask its door) and the edge gate named; the engine
+    pools keep Serve's default (their calls block)."""
+    from pdserve.deployments.door_gate import INGRESS_REPLICA_ENV
+
+    deployments = {d.name: d for d in _deployments(build_app({"model": TINY}))}
+    ingress = deployments["OpenAIIngress"].ray_actor_options
+    assert ingress["runtime_env"] == {"env_vars": INGRESS_REPLICA_ENV}
+    assert INGRESS_REPLICA_ENV["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "0"
+    for name in ("DecodeServer", "PrefillServer"):
+        assert "runtime_env" not in deployments[name].ray_actor_options

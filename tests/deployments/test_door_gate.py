@@ -13,12 +13,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from pdserve.deployments.admission.front_door import DoorPass, FrontDoor, FrontDoorSettings
-from pdserve.deployments.admission.stream_limit import StreamLimit
+from pdserve.deployments.admission.front_door import DoorPass
 from pdserve.deployments.api_guard import APIGuard
 from pdserve.deployments.config import APIConfig
 from pdserve.deployments.door_gate import DOOR_PASS_SCOPE_KEY, DoorGate, HTTPDoor
-from tests.deployments.admission_fakes import DoorRecord, FakeLoopLag
+from tests.deployments.admission_fakes import DoorRecord, one_stream_door
 
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 
@@ -38,13 +37,7 @@ class _Setup:
 
     def __init__(self, api: dict[str, Any] | None = None) -> None:
         self.record = DoorRecord()
-        self.door = FrontDoor(
-            FrontDoorSettings(ttft_slo_s=2.0, max_streams=4),
-            self.record,
-            self.record.reported.append,
-            streams=StreamLimit(target_s=2.0, high=4, initial=1),
-            loop_lag=FakeLoopLag(),
-        )
+        self.door = one_stream_door(self.record)
         self.counted = _Counted()
         self.http_door = HTTPDoor(APIGuard(APIConfig(**(api or {}))), self.door, self.counted)
         self.reached: list[tuple[str, bool, int]] = []  # path, held a pass, passes held

@@ -217,6 +217,19 @@ def test_haproxy_front_door_switches_every_ray_pod_to_serves_haproxy_mode() -> N
     assert flags(rayservice()) == {"head": [], "prefill": [], "decode": []}
 
 
+def test_every_ray_pod_runs_the_edge_gate_on_serves_http_servers() -> None:
+    """Serve reads its HTTP callback where a proxy or a direct-ingress replica starts: every
+    pod names pdserve's, and the name imports."""
+    from pdserve.deployments.door_gate import EDGE_CALLBACK, serve_http_middlewares
+
+    for values in ({}, {"frontDoor": "haproxy"}):
+        for name, pod in pod_specs(rayservice(values)).items():
+            env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+            assert env["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] == EDGE_CALLBACK, name
+    module, _, function = EDGE_CALLBACK.partition(":")
+    assert getattr(importlib.import_module(module), function) is serve_http_middlewares
+
+
 def test_values_schema_is_generated_from_app_config() -> None:
     from pdserve.cluster.helm_schema import SCHEMA_FILE, render_schema
 

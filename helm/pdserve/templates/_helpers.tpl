@@ -124,10 +124,13 @@ model cache from values.modelStorage and the drain timeout from values.drain.
   containerPort: {{ .Values.ports.metrics }}
 {{- end }}
 
-{{/* Environment of every Ray container: replicas never reach the Hub themselves. */}}
+{{/* Environment of every Ray container: replicas never reach the Hub themselves; Serve's
+HTTP servers (proxies, direct-ingress replicas) run pdserve's EdgeGate. */}}
 {{- define "pdserve.rayEnv" -}}
 - name: HF_HUB_OFFLINE
   value: "1"
+- name: RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH
+  value: "pdserve.deployments.door_gate:serve_http_middlewares"
 {{- if eq .Values.frontDoor "haproxy" }}
 - name: RAY_SERVE_ENABLE_HA_PROXY
   value: "1"
