@@ -600,6 +600,8 @@ def run_phase_set(
         "idle_after": all(_idle(i) for i in integrity),
         "median_abs_ttft_prediction_error_s": statistics.median(errors) if errors else None,
         "prediction_samples": len(errors),
+        # (predicted, observed) TTFT of each admitted request the decode replicas scored.
+        "ttft_prediction_pairs": [[p, a] for rep in admission for p, a in rep["samples"]],
         "requests": [asdict(o) for o in outcomes],
     }
     write_plot(

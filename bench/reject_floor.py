@@ -110,11 +110,11 @@ def serve_ray(max_ongoing: int, max_queued: int) -> None:
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-async def raw_burst(url_host: str, port: int, n: int) -> list[tuple[int, float]]:
+async def raw_burst(url_host: str, port: int, n: int, model: str) -> list[tuple[int, float]]:
     """The cheapest client asyncio allows: ``n`` connections opened at once, one
     pre-encoded POST each; (status, seconds from the write to the status line) per request.
     What it saves against ``drive`` (aiohttp) is the client's own share of the latency."""
-    body = json.dumps({"model": "floor", "prompt": "x" * 320, "max_tokens": 16}).encode()
+    body = json.dumps({"model": model, "prompt": "x" * 320, "max_tokens": 16}).encode()
     head = (
         f"POST /v1/completions HTTP/1.1\r\nHost: {url_host}:{port}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
@@ -143,15 +143,15 @@ def measure(args: argparse.Namespace, target: str, host: str, port: int) -> dict
         drive(url, args.model, ["x" * 320], phases, 16, 0.0, 0, args.requests, lag)
     )
     time.sleep(args.settle_s)
-    raw = asyncio.run(raw_burst(host, port, args.requests))
+    raw = asyncio.run(raw_burst(host, port, args.requests, args.model))
     return {
         "target": target,
         "loadavg_before": loadavg,
         "summary": summarize(outcomes, 2.0),
         "raw_client": {
             "statuses": dict(collections.Counter(status for status, _ in raw)),
-            "reject_p50_s": pct([t for _, t in raw], 0.5),
-            "reject_p99_s": pct([t for _, t in raw], 0.99),
+            "reject_p50_s": pct([t for status, t in raw if status == 429], 0.5),
+            "reject_p99_s": pct([t for status, t in raw if status == 429], 0.99),
         },
         "client_loop_lag": {
             "p99_s": pct([v for _, v in lag], 0.99),

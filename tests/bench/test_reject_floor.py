@@ -25,7 +25,7 @@ def test_the_bare_server_refuses_every_request_of_a_raw_burst_with_429() -> None
             if server.started:
                 break
             threading.Event().wait(0.05)
-        answers = asyncio.run(raw_burst("127.0.0.1", port, 20))
+        answers = asyncio.run(raw_burst("127.0.0.1", port, 20, "floor"))
         assert [status for status, _ in answers] == [429] * 20
         assert all(took > 0 for _, took in answers)
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "x"})
