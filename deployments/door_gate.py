@@ -245,12 +245,12 @@ class _Refusal:
 class EdgeLatch:
     """What a Serve proxy's EdgeGate knows of the ingress's door, from the door's own
     refusals: a 429 that carries ``SHED_HEADER`` closes the latch for requests with the same
-    priority and credentials for ``hold_s``, and a guarded response that completes through
-    this proxy (a stream ended: a place at the door freed) opens every key. While closed, the
-    proxy answers the door's last refusal itself, and counts it; the counts ride on the next
-    request it forwards (``EDGE_SHED_HEADER``), so that the door's shed metrics and its
-    turned-away demand see them. Keyed by credentials too, so that a wrong key still gets
-    the ingress's 401, never a 429 learned from another caller's request."""
+    priority and credentials for ``hold_s``, and a served (2xx) response that completes
+    through this proxy (a stream ended: a place at the door freed) opens every key. While
+    closed, the proxy answers the door's last refusal itself, and counts it; the counts ride
+    on the next request it forwards (``EDGE_SHED_HEADER``), so that the door's shed metrics
+    and its turned-away demand see them. Keyed by credentials too, so that a wrong key still
+    gets the ingress's 401, never a 429 learned from another caller's request."""
 
     def __init__(
         self, hold_s: float = EDGE_HOLD_S, clock: Callable[[], float] = time.monotonic
@@ -339,29 +339,30 @@ class EdgeGate:
         await self.app(scope, receive, self._watch(send, key))
 
     def _watch(self, send: Send, key: LatchKey) -> Send:
-        """``send``, closing the latch on the door's 429 and opening it when a response
-        completes."""
-        refusal: Message | None = None
+        """``send``, closing the latch on the door's 429 and opening it when a served
+        response (2xx) completes."""
+        start: Message | None = None
+        refused = False
         body = bytearray()
 
         async def wrapped(message: Message) -> None:
-            nonlocal refusal
+            nonlocal start, refused
             await send(message)
             if message["type"] == "http.response.start":
-                if message["status"] == 429 and _header(message, SHED_HEADER.encode()):
-                    refusal = message
+                start = message
+                refused = message["status"] == 429 and bool(_header(message, SHED_HEADER.encode()))
                 return
-            if message["type"] != "http.response.body":
+            if message["type"] != "http.response.body" or start is None:
                 return
-            if refusal is not None:
+            if refused:
                 body.extend(message.get("body", b""))
             if message.get("more_body", False):
                 return
-            if refusal is None:
+            if refused:
+                priority: Priority = "batch" if key[0] == b"batch" else "interactive"
+                self.latch.close(key, priority, start, bytes(body))
+            elif 200 <= start["status"] < 300:
                 self.latch.open()
-                return
-            priority: Priority = "batch" if key[0] == b"batch" else "interactive"
-            self.latch.close(key, priority, refusal, bytes(body))
 
         return wrapped
 

@@ -264,3 +264,16 @@ def test_other_responses_pass_as_they_are() -> None:
     error = {"error": {"message": "bad", "type": "invalid_request_error"}}
     as_json = asyncio.run(collect(JSONResponse(error, status_code=400)))
     assert json.loads(as_json[1]["body"]) == error
+
+
+def test_an_error_that_completes_does_not_open_the_latch() -> None:
+    """Only a served response frees a place at the door: a 401 completing through the proxy
+    leaves the latch closed for the keyed callers."""
+    p = _Proxy(api={"api_keys": ["sk-edge-a"]})
+    p.ingress.door.opened("interactive")
+    a = {"authorization": "Bearer sk-edge-a"}
+    assert p.post(headers=a).status_code == 429
+    assert p.post(headers={"authorization": "Bearer sk-edge-wrong"}).status_code == 401
+    sheds = list(p.ingress.record.sheds)
+    assert p.post(headers=a).status_code == 429
+    assert p.ingress.record.sheds == sheds  # answered by the proxy, not the door
