@@ -4,16 +4,32 @@ from __future__ import annotations
 
 import socket
 
+# Ports Ray's own processes bind by default whatever the cluster asks for (the autoscaler's
+# and the dashboard's metrics, the dashboard agent, the GCS, the dashboard, Ray Client,
+# Serve's HTTP and gRPC): one of these handed out before Ray starts is taken by Ray a
+# moment later, and the service it was for fails to bind (seen once: Serve's proxy on
+# 44217, the autoscaler's metrics port).
+RAY_DEFAULT_PORTS = frozenset({44217, 44227, 52365, 6379, 8265, 10001, 8000, 9000})
+
 
 def free_port(host: str) -> int:
     """A port the OS just handed out on ``host``; free again when this returns.
 
     Ray and Serve need the number up front (workers join the GCS at it, the CLI prints the
-    endpoint), so the port is picked here and bound by the service a moment later.
+    endpoint), so the port is picked here and bound by the service a moment later. Never
+    one of ``RAY_DEFAULT_PORTS``.
     """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    return _os_port(socket.AF_INET, (host, 0))
+
+
+def _os_port(family: socket.AddressFamily, address: tuple) -> int:
+    for _ in range(64):
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.bind(address)
+            port = int(sock.getsockname()[1])
+        if port not in RAY_DEFAULT_PORTS:
+            return port
+    raise RuntimeError(f"the OS gave only Ray's default ports on {address[0]} in 64 tries")
 
 
 class PortAllocator:
@@ -44,11 +60,7 @@ def free_port_all_interfaces() -> int:
     has no host option for it), so a port that is only free on 127.0.0.2 can still collide.
     """
     try:
-        sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
-        address: tuple = ("::", 0)
+        socket.socket(socket.AF_INET6, socket.SOCK_STREAM).close()
     except OSError:  # no IPv6: the IPv4 wildcard is what a bind to [::] falls back to
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        address = ("0.0.0.0", 0)
-    with sock:
-        sock.bind(address)
-        return int(sock.getsockname()[1])
+        return _os_port(socket.AF_INET, ("0.0.0.0", 0))
+    return _os_port(socket.AF_INET6, ("::", 0))

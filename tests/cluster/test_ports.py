@@ -27,3 +27,31 @@ def test_wildcard_port_is_free_on_loopback_too() -> None:
     port = free_port_all_interfaces()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", port))
+
+
+def test_rays_own_default_ports_are_never_handed_out(monkeypatch) -> None:
+    """Ray binds its autoscaler's metrics port (44217) and others whatever the cluster
+    asks: a port the OS hands out that is one of them is skipped."""
+    from pdserve.cluster import ports
+
+    given = iter([44217, 44227, 5005])
+
+    class _Socket:
+        def __init__(self, *args: object) -> None:
+            self.port = 0
+
+        def __enter__(self) -> _Socket:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        def bind(self, address: tuple) -> None:
+            self.port = next(given)
+
+        def getsockname(self) -> tuple[str, int]:
+            return ("127.0.0.2", self.port)
+
+    monkeypatch.setattr(ports.socket, "socket", _Socket)
+    assert ports.free_port("127.0.0.2") == 5005
+    assert {44217, 44227} <= ports.RAY_DEFAULT_PORTS
