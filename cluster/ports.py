@@ -7,8 +7,7 @@ import socket
 # Ports Ray's own processes bind by default whatever the cluster asks for (the autoscaler's
 # and the dashboard's metrics, the dashboard agent, the GCS, the dashboard, Ray Client,
 # Serve's HTTP and gRPC): one of these handed out before Ray starts is taken by Ray a
-# moment later, and the service it was for fails to bind (seen once: Serve's proxy on
-# 44217, the autoscaler's metrics port).
+# moment later, and the service it was for fails to bind.
 RAY_DEFAULT_PORTS = frozenset({44217, 44227, 52365, 6379, 8265, 10001, 8000, 9000})
 
 
