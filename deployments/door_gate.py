@@ -48,6 +48,7 @@ SHED_HEADER = "x-pdserve-shed"
 # On a request a proxy's EdgeGate forwards: the refusals it answered for the door since the
 # last one it forwarded, per priority ("interactive=12,batch=3"). Taken from no one else.
 EDGE_SHED_HEADER = "x-pdserve-edge-shed"
+_EDGE_SHED_KEY = EDGE_SHED_HEADER.encode()
 # How long a door's 429 closes a proxy's EdgeGate for requests like it (at most: a stream
 # that ends through the proxy opens it at once).
 EDGE_HOLD_S = 0.1
@@ -231,7 +232,7 @@ def parse_edge_report(value: str) -> dict[Priority, int]:
     return counts
 
 
-LatchKey = tuple[bytes, bytes, bytes]  # priority header, Authorization, X-Api-Key
+LatchKey = tuple[str, str, str]  # priority header, Authorization, X-Api-Key
 
 
 @dataclass(frozen=True)
@@ -319,19 +320,19 @@ class EdgeGate:
         if scope["method"] != "POST" or route not in self._routes:
             await self.app(scope, receive, send)
             return
-        report, headers, key = None, [], (b"", b"", b"")
+        report, key = None, ("", "", "")
         door = self._http_door()
         if door is None:
-            key = _latch_key(scope)
+            key = _latch_key(Headers(scope=scope))
             refusal = self.latch.refusal(key)
             if refusal is not None:
                 await send(refusal.start)
                 await send({"type": "http.response.body", "body": refusal.body})
                 return
             report = self.latch.take_report()
-        headers = [(k, v) for k, v in scope["headers"] if k != EDGE_SHED_HEADER.encode()]
+        headers = [(k, v) for k, v in scope["headers"] if k != _EDGE_SHED_KEY]
         if report is not None:
-            headers.append((EDGE_SHED_HEADER.encode(), report.encode()))
+            headers.append((_EDGE_SHED_KEY, report.encode()))
         scope = {**scope, "headers": headers}
         if door is not None:
             await through_door(door, route, self.app, scope, receive, send)
@@ -350,7 +351,7 @@ class EdgeGate:
             await send(message)
             if message["type"] == "http.response.start":
                 start = message
-                refused = message["status"] == 429 and bool(_header(message, SHED_HEADER.encode()))
+                refused = message["status"] == 429 and SHED_HEADER in _headers(message)
                 return
             if message["type"] != "http.response.body" or start is None:
                 return
@@ -359,7 +360,7 @@ class EdgeGate:
             if message.get("more_body", False):
                 return
             if refused:
-                priority: Priority = "batch" if key[0] == b"batch" else "interactive"
+                priority: Priority = "batch" if key[0] == "batch" else "interactive"
                 self.latch.close(key, priority, start, bytes(body))
             elif 200 <= start["status"] < 300:
                 self.latch.open()
@@ -367,23 +368,13 @@ class EdgeGate:
         return wrapped
 
 
-def _latch_key(scope: Scope) -> LatchKey:
-    priority = authorization = api_key = b""
-    for name, value in scope["headers"]:
-        if name == PRIORITY_HEADER.encode():
-            priority = value
-        elif name == b"authorization":
-            authorization = value
-        elif name == b"x-api-key":
-            api_key = value
-    return priority or b"interactive", authorization, api_key
+def _latch_key(headers: Headers) -> LatchKey:
+    priority = headers.get(PRIORITY_HEADER) or "interactive"
+    return priority, headers.get("authorization", ""), headers.get("x-api-key", "")
 
 
-def _header(message: Message, name: bytes) -> bytes | None:
-    for key, value in message.get("headers", []):
-        if key.lower() == name:
-            return bytes(value)
-    return None
+def _headers(message: Message) -> Headers:
+    return Headers(raw=message.get("headers", []))
 
 
 _ERROR_TYPES = {
@@ -439,5 +430,4 @@ def openai_error_bodies(send: Send) -> Send:
 def _plain_error(start: Message) -> bool:
     if start["status"] < 400:
         return False
-    content_type = _header(start, b"content-type")
-    return content_type is not None and content_type.startswith(b"text/plain")
+    return _headers(start).get("content-type", "").startswith("text/plain")

@@ -193,7 +193,7 @@ def test_other_429s_do_not_close_the_latch() -> None:
     assert p.post(headers=a).status_code == 200
     limited = p.post(headers=a)
     assert limited.status_code == 429 and SHED_HEADER not in limited.headers
-    assert p.latch.refusal((b"interactive", b"Bearer sk-edge-a", b"")) is None
+    assert p.latch.refusal(("interactive", "Bearer sk-edge-a", "")) is None
 
 
 def test_parse_edge_report() -> None:
