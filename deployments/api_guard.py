@@ -55,6 +55,11 @@ class APIGuard:
         # Compare fixed-length digests: compare_digest is constant-time only for equal lengths.
         self._digests = [_digest(key) for key in self.config.api_keys]
 
+    @property
+    def keyed(self) -> bool:
+        """Whether it checks API keys."""
+        return bool(self._digests)
+
     def caller(self, path: str, headers: Mapping[str, str], client: str | None) -> str | None:
         """The caller's identity for rate limiting (None on an open route).
 

@@ -7,8 +7,9 @@ caller's key and rate (``APIGuard``), the priority header, then ``FrontDoor.admi
 refusal is answered there with the OpenAI error body (and Retry-After); a request let
 through goes on to the app with its ``DoorPass`` in the ASGI scope under
 ``DOOR_PASS_SCOPE_KEY``, released when the app is done with the request. Other routes and
-methods pass untouched. It never reads a body and holds no state of its own: the door and
-the guard are the replica's.
+methods pass untouched, but every response states the door's bound (``STREAMS_HEADER``).
+It never reads a body and holds no state of its own: the door and the guard are the
+replica's.
 
 ``EdgeGate`` is the same check one step earlier, as Serve's HTTP callback
 (``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`` = ``EDGE_CALLBACK``): ahead of Serve's own
@@ -16,9 +17,11 @@ request handling on the HTTP server of a direct-ingress ingress replica, where a
 then costs no more than the HTTP server's parsing. It asks the door only where the door
 lives on the server's own thread (the ingress runs its code on Serve's loop); elsewhere (a
 Serve proxy, an ingress whose code runs on a thread of its own) it leaves the check to
-``DoorGate``. On every server it runs on, it gives Serve's own plain-text error responses
-(its queue bound's "Request dropped due to backpressure", a draining replica's 503) the
-OpenAI error body.
+``DoorGate``. In a Serve proxy it answers for a full door from the bound the door states on
+every response (``edge_bound.EdgeBound``; ``DoorGate`` states it) and repeats the door's
+last refusal for a moment (``EdgeLatch``). On every server it runs on, it gives Serve's own
+plain-text error responses (its queue bound's "Request dropped due to backpressure", a
+draining replica's 503) the OpenAI error body.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pdserve.deployments.admission.front_door import DoorPass, DoorShed, FrontDoor
 from pdserve.deployments.admission.rules import Priority
 from pdserve.deployments.api_guard import APIGuard
+from pdserve.deployments.edge_bound import STREAMS_HEADER, EdgeBound, streams_header
 from pdserve.deployments.openai_protocol import OpenAIError
 
 PRIORITY_HEADER = "x-pdserve-priority"
@@ -49,6 +53,7 @@ SHED_HEADER = "x-pdserve-shed"
 # last one it forwarded, per priority ("interactive=12,batch=3"). Taken from no one else.
 EDGE_SHED_HEADER = "x-pdserve-edge-shed"
 _EDGE_SHED_KEY = EDGE_SHED_HEADER.encode()
+_STREAMS_KEY = STREAMS_HEADER.encode()
 # How long a door's 429 closes a proxy's EdgeGate for requests like it (at most: a stream
 # that ends through the proxy opens it at once).
 EDGE_HOLD_S = 0.1
@@ -99,12 +104,23 @@ class HTTPDoor:
     """An ingress replica's checks of an HTTP generate request before its body is read:
     what ``DoorGate`` asks."""
 
-    def __init__(self, guard: APIGuard, door: FrontDoor, requests: RequestCounter) -> None:
+    def __init__(
+        self, guard: APIGuard, door: FrontDoor, requests: RequestCounter, replica: str = ""
+    ) -> None:
+        """``replica``: the replica's name, in the bound its responses state."""
         self.guard = guard
         self.door = door
         self._requests = requests
+        self._replica = replica
         # The door is not thread-safe: only code on this thread may ask it (``EdgeGate``).
         self.thread = threading.get_ident()
+
+    def streams_header(self) -> bytes | None:
+        """``STREAMS_HEADER``'s value now (None: the door does not bound its streams)."""
+        bounds = self.door.stream_bounds()
+        if bounds is None:
+            return None
+        return streams_header(self._replica, bounds, self.guard.keyed).encode()
 
     def gate(self, route: str, headers: Headers, client: str | None) -> DoorPass | JSONResponse:
         """The door's pass for the route handler, or the refusal to answer (counted under
@@ -168,17 +184,30 @@ class DoorGate:
         self._http_door = http_door
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST":
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        door = self._http_door()
+        send = _stating_bound(send, door)
         route = route_path(scope)
-        if route not in self._routes:
+        if scope["method"] != "POST" or route not in self._routes:
             await self.app(scope, receive, send)
             return
         if DOOR_PASS_SCOPE_KEY in scope:  # EdgeGate asked the door already
             await self.app(scope, receive, send)
             return
-        await through_door(self._http_door(), route, self.app, scope, receive, send)
+        await through_door(door, route, self.app, scope, receive, send)
+
+
+def _stating_bound(send: Send, door: HTTPDoor) -> Send:
+    """``send``, with the door's bound as it stands then on the response's start."""
+
+    async def wrapped(message: Message) -> None:
+        if message["type"] == "http.response.start" and (value := door.streams_header()):
+            message = {**message, "headers": [*message.get("headers", []), (_STREAMS_KEY, value)]}
+        await send(message)
+
+    return wrapped
 
 
 async def through_door(
@@ -269,8 +298,12 @@ class EdgeLatch:
         if self._clock() >= closed.until:
             del self._closed[key]
             return None
-        self._unreported[closed.priority] = self._unreported.get(closed.priority, 0) + 1
+        self.count(closed.priority)
         return closed
+
+    def count(self, priority: Priority) -> None:
+        """The proxy answered a request of this class for the door: report it."""
+        self._unreported[priority] = self._unreported.get(priority, 0) + 1
 
     def close(self, key: LatchKey, priority: Priority, start: Message, body: bytes) -> None:
         if len(self._closed) >= MAX_LATCH_KEYS:
@@ -297,7 +330,8 @@ MAX_LATCH_KEYS = 1024
 class EdgeGate:
     """The door check on Serve's HTTP server, ahead of Serve's request handling (see the
     module's docstring), and the OpenAI error body on Serve's own plain-text errors. Where
-    the door is not on this thread (a Serve proxy), an ``EdgeLatch`` answers for it."""
+    the door is not on this thread (a Serve proxy), an ``EdgeLatch`` and an ``EdgeBound``
+    answer for it."""
 
     def __init__(
         self,
@@ -305,54 +339,100 @@ class EdgeGate:
         routes: Collection[str],
         http_door: Callable[[], HTTPDoor | None] = same_thread_http_door,
         latch: EdgeLatch | None = None,
+        bound: EdgeBound | None = None,
     ) -> None:
         self.app = app
         self._routes = frozenset(routes)
         self._http_door = http_door
         self.latch = latch if latch is not None else EdgeLatch()
+        self.bound = bound if bound is not None else EdgeBound()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         send = openai_error_bodies(send)
+        door = self._http_door()
         route = route_path(scope)
         if scope["method"] != "POST" or route not in self._routes:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, self._bound_from(send, learn=door is None))
             return
-        report, key = None, ("", "", "")
-        door = self._http_door()
-        if door is None:
-            key = _latch_key(Headers(scope=scope))
-            refusal = self.latch.refusal(key)
-            if refusal is not None:
-                await send(refusal.start)
-                await send({"type": "http.response.body", "body": refusal.body})
-                return
-            report = self.latch.take_report()
-        headers = [(k, v) for k, v in scope["headers"] if k != _EDGE_SHED_KEY]
-        if report is not None:
-            headers.append((_EDGE_SHED_KEY, report.encode()))
-        scope = {**scope, "headers": headers}
         if door is not None:
-            await through_door(door, route, self.app, scope, receive, send)
+            scope = {**scope, "headers": _without(scope["headers"], _EDGE_SHED_KEY)}
+            await through_door(door, route, self.app, scope, receive, self._bound_from(send, False))
             return
-        await self.app(scope, receive, self._watch(send, key))
+        key = _latch_key(Headers(scope=scope))
+        if (refusal := self._refusal(key)) is not None:
+            await send(refusal.start)
+            await send({"type": "http.response.body", "body": refusal.body})
+            return
+        headers = _without(scope["headers"], _EDGE_SHED_KEY)
+        if (report := self.latch.take_report()) is not None:
+            headers.append((_EDGE_SHED_KEY, report.encode()))
+        self.bound.in_flight += 1
+        try:
+            await self.app({**scope, "headers": headers}, receive, self._watch(send, key))
+        finally:
+            self.bound.in_flight -= 1
+
+    def _refusal(self, key: LatchKey) -> _Refusal | None:
+        """The answer the proxy gives for the door (counted), or None to forward."""
+        if (latched := self.latch.refusal(key)) is not None:
+            return latched
+        priority: Priority | None = _PRIORITIES.get(key[0])
+        if priority is None:  # not a class: the ingress answers 400
+            return None
+        shed = self.bound.refusal(priority, key[1:])
+        if shed is None:
+            return None
+        self.latch.count(priority)
+        response = error_response(overloaded_error(shed))
+        response.headers[SHED_HEADER] = shed.reason
+        start = {"type": "http.response.start", "status": 429, "headers": response.raw_headers}
+        return _Refusal(start, bytes(response.body), priority, 0.0)
+
+    def _bound_from(self, send: Send, learn: bool = True) -> Send:
+        """``send``, without the bound the ingress states on its response's start (learnt
+        first where ``learn``)."""
+
+        async def wrapped(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message, _ = self._strip_bound(message, learn)
+            await send(message)
+
+        return wrapped
+
+    def _strip_bound(self, start: Message, learn: bool) -> tuple[Message, bool]:
+        """The response's start without the bound, and whether it stated one."""
+        headers = start.get("headers", [])
+        for name, value in headers:
+            if name == _STREAMS_KEY:
+                if learn:
+                    self.bound.heard(value.decode("latin-1"))
+                return {**start, "headers": _without(headers, _STREAMS_KEY)}, True
+        return start, False
 
     def _watch(self, send: Send, key: LatchKey) -> Send:
-        """``send``, closing the latch on the door's 429 and opening it when a served
-        response (2xx) completes."""
+        """``send``, learning the bound; closing the latch on the door's 429 and opening it
+        when a served response (2xx) completes."""
         start: Message | None = None
         refused = False
         body = bytearray()
 
         async def wrapped(message: Message) -> None:
             nonlocal start, refused
-            await send(message)
             if message["type"] == "http.response.start":
+                message, stated = self._strip_bound(message, learn=True)
+                await send(message)
                 start = message
+                served = 200 <= message["status"] < 300
                 refused = message["status"] == 429 and SHED_HEADER in _headers(message)
+                if refused or served:
+                    self.bound.passed(key[1:])  # the caller passed the door's key check
+                if served and not stated:
+                    self.bound.unbounded()
                 return
+            await send(message)
             if message["type"] != "http.response.body" or start is None:
                 return
             if refused:
@@ -366,6 +446,13 @@ class EdgeGate:
                 self.latch.open()
 
         return wrapped
+
+
+_PRIORITIES: dict[str, Priority] = {"interactive": "interactive", "batch": "batch"}
+
+
+def _without(headers: list[tuple[bytes, bytes]], name: bytes) -> list[tuple[bytes, bytes]]:
+    return [(k, v) for k, v in headers if k != name]
 
 
 def _latch_key(headers: Headers) -> LatchKey:

@@ -354,7 +354,9 @@ class OpenAIIngress:
             enabled=observability.metrics_enabled,
         )
         self.door = FrontDoor(door or FrontDoorSettings(), metrics, self._report_turned_away)
-        self.http_door = HTTPDoor(self._guard, self.door, self._api_metrics)  # for DoorGate
+        self.http_door = HTTPDoor(  # for DoorGate
+            self._guard, self.door, self._api_metrics, serve.get_replica_context().replica_tag
+        )
         self._door_pass = _door_pass_var()
         self._warmups: set[asyncio.Task[bool]] = set()
         self._warm_decode()

@@ -29,7 +29,7 @@ from pdserve.deployments.admission.signals import (
     ingress_overloaded,
     stream_lag_budget_s,
 )
-from pdserve.deployments.admission.stream_limit import StreamLimit
+from pdserve.deployments.admission.stream_limit import StreamLimit, drain_s
 from pdserve.deployments.load import Ema, LoopLag
 
 if TYPE_CHECKING:
@@ -76,6 +76,25 @@ class DoorShed:
     reason: str
     message: str
     retry_after_s: float
+
+
+def door_shed(reason: str, priority: Priority, wait_s: float) -> DoorShed:
+    """The door's refusal of a request of this class, its queue draining in ``wait_s``."""
+    message = (
+        f"overloaded ({reason}): predicted time to first token over what a "
+        f"{priority} request may wait; the queue drains in {wait_s:.1f}s"
+    )
+    return DoorShed(reason, message, wait_s)
+
+
+@dataclass(frozen=True)
+class StreamBounds:
+    """The door's bound on open streams as it stands: what a Serve proxy in front of the
+    ingress mirrors (``edge_bound.EdgeBound``)."""
+
+    interactive: float  # an interactive request fits while fewer streams are in use
+    batch: float | None  # the same for batch; None: batch is not bounded
+    stream_s: float  # how long a stream stays open (mean; 0 before the first one ends)
 
 
 @dataclass
@@ -214,11 +233,7 @@ class FrontDoor:
         if not reason:
             return None
         self._metrics.record_shed(reason, priority)
-        message = (
-            f"overloaded ({reason}): predicted time to first token over what a "
-            f"{priority} request may wait; the queue drains in {wait_s:.1f}s"
-        )
-        return DoorShed(reason, message, wait_s)
+        return door_shed(reason, priority, wait_s)
 
     def edge_refused(self, priority: Priority, n: int) -> None:
         """A Serve proxy answered ``n`` requests of this class with this door's last refusal
@@ -297,7 +312,7 @@ class FrontDoor:
         wait_s = MIN_DRAIN_S
         if self.streams is not None:
             self.streams.refused(ticket.admitted_at, ticket.open_before, now)
-            wait_s = self.streams.drain_s(self.stream_s.value, self.num_open)
+            wait_s = drain_s(self.stream_s.value, self.num_open)
         message = (
             f"overloaded ({reason}): the decode pool did not take the request within "
             f"{now - ticket.admitted_at:.2f}s; retry after {wait_s:.1f}s"
@@ -322,6 +337,14 @@ class FrontDoor:
     def stream_limit(self) -> float | None:
         return self.streams.limit if self.streams is not None else None
 
+    def stream_bounds(self) -> StreamBounds | None:
+        """The bound ``check`` applies to each class now; None: open streams are not bounded."""
+        limit = self.streams
+        if limit is None:
+            return None
+        batch = limit.bound("batch") if self.settings.limit_batch else None
+        return StreamBounds(limit.bound("interactive"), batch, self.stream_s.value)
+
     # ------------------------------------------------------------------ internals
     def _stream_drain_s(self, priority: Priority) -> float | None:
         """None while a stream of this class fits under the adaptive bound; else when a
@@ -334,7 +357,7 @@ class FrontDoor:
             return None
         # A 429 is being answered, and it waits in this loop: only now may its lag cut.
         limit.check_loop(self.loop_lag.seconds, in_use, self._clock())
-        return limit.drain_s(self.stream_s.value, self.num_open)
+        return drain_s(self.stream_s.value, self.num_open)
 
     def _send_report(self, now: float) -> None:
         n = self.turned_away.take(now)

@@ -124,8 +124,12 @@ class StreamLimit:
 
     def admits(self, priority: Priority, num_open: int) -> bool:
         """Whether one more stream of this class fits beside the ``num_open`` ones."""
+        return num_open < self.bound(priority)
+
+    def bound(self, priority: Priority) -> float:
+        """A stream of this class fits while fewer than this many are open."""
         bound = self.limit if priority == "interactive" else self.batch_share * self.limit
-        return num_open < max(self.low, bound)
+        return max(self.low, bound)
 
     def observe(
         self,
@@ -187,8 +191,9 @@ class StreamLimit:
         self.limit = max(cut, min(float(floor), self.limit))
         self._cut_at = now
 
-    def drain_s(self, mean_stream_s: float, num_open: int) -> float:
-        """When a slot is expected to free: streams end every ``mean_stream_s / num_open``."""
-        if num_open <= 0 or mean_stream_s <= 0:
-            return MIN_DRAIN_S
-        return max(MIN_DRAIN_S, mean_stream_s / num_open)
+
+def drain_s(mean_stream_s: float, num_open: int) -> float:
+    """When a slot is expected to free: streams end every ``mean_stream_s / num_open``."""
+    if num_open <= 0 or mean_stream_s <= 0:
+        return MIN_DRAIN_S
+    return max(MIN_DRAIN_S, mean_stream_s / num_open)

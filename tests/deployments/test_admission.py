@@ -287,9 +287,10 @@ def test_the_stream_limit_sheds_batch_first_and_drains_by_stream_turnover() -> N
     limit = stream_limit.StreamLimit(target_s=2.0, high=64, initial=8, batch_share=0.75)
     assert limit.admits("batch", 5) and not limit.admits("batch", 6)
     assert limit.admits("interactive", 6)
-    assert limit.drain_s(mean_stream_s=1.6, num_open=8) == pytest.approx(0.2)
-    assert limit.drain_s(mean_stream_s=0.0, num_open=8) == admission_rules.MIN_DRAIN_S
-    assert limit.drain_s(mean_stream_s=0.4, num_open=8) == admission_rules.MIN_DRAIN_S
+    assert (limit.bound("interactive"), limit.bound("batch")) == (8, 6)
+    assert stream_limit.drain_s(mean_stream_s=1.6, num_open=8) == pytest.approx(0.2)
+    assert stream_limit.drain_s(mean_stream_s=0.0, num_open=8) == admission_rules.MIN_DRAIN_S
+    assert stream_limit.drain_s(mean_stream_s=0.4, num_open=8) == admission_rules.MIN_DRAIN_S
     with pytest.raises(ValueError, match="decrease"):
         stream_limit.StreamLimit(target_s=2.0, high=8, decrease=1.0)
     with pytest.raises(ValueError, match="target_s"):

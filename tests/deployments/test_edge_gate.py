@@ -13,13 +13,19 @@ import json
 from typing import Any
 
 import httpx
+import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from pdserve.deployments.admission.front_door import DoorPass
+from pdserve.deployments.admission.front_door import (
+    DoorPass,
+    FrontDoor,
+    FrontDoorSettings,
+    StreamBounds,
+)
 from pdserve.deployments.api_guard import APIGuard
 from pdserve.deployments.config import APIConfig
 from pdserve.deployments.door_gate import (
@@ -32,6 +38,12 @@ from pdserve.deployments.door_gate import (
     HTTPDoor,
     openai_error_bodies,
     parse_edge_report,
+)
+from pdserve.deployments.edge_bound import (
+    STREAMS_HEADER,
+    EdgeBound,
+    parse_streams_header,
+    streams_header,
 )
 from tests.deployments.admission_fakes import DoorRecord, one_stream_door
 
@@ -60,11 +72,14 @@ class _Ingress:
         self.door = one_stream_door(self.record)
         self.http_door = HTTPDoor(APIGuard(APIConfig(**(api or {}))), self.door, _Counted())
         self.reached: list[tuple[str, bool, int]] = []  # path, held a pass, passes held
+        self.hold: asyncio.Event | None = None  # set: requests wait for it (a stream open)
 
         async def endpoint(request: Request) -> JSONResponse:
             door_pass = request.scope.get(DOOR_PASS_SCOPE_KEY)
             held = isinstance(door_pass, DoorPass) and door_pass.held
             self.reached.append((request.url.path, held, self.door.num_passed))
+            if self.hold is not None:
+                await self.hold.wait()
             return JSONResponse({"ok": True})
 
         routes = [Route(p, endpoint, methods=["POST"]) for p in ROUTES]
@@ -122,7 +137,8 @@ class _Proxy:
         self.ingress = _Ingress(api)
         self.clock = _Clock()
         self.latch = EdgeLatch(hold_s=0.1, clock=self.clock)
-        self.edge = EdgeGate(self.ingress.app, ROUTES, lambda: None, self.latch)
+        self.bound = EdgeBound(clock=self.clock)
+        self.edge = EdgeGate(self.ingress.app, ROUTES, lambda: None, self.latch, self.bound)
 
     def post(self, **kwargs: Any) -> httpx.Response:
         return _post(self.edge, **kwargs)
@@ -194,6 +210,133 @@ def test_other_429s_do_not_close_the_latch() -> None:
     limited = p.post(headers=a)
     assert limited.status_code == 429 and SHED_HEADER not in limited.headers
     assert p.latch.refusal(("interactive", "Bearer sk-edge-a", "")) is None
+
+
+# ---------------------------------------------------------------- a Serve proxy's bound
+async def _until(condition: Any) -> None:
+    for _ in range(1000):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("condition not reached")
+
+
+def test_the_ingress_states_its_bound_and_no_client_sees_it() -> None:
+    """Every response of the ingress's app carries its door's bound (a 404 too: nothing need
+    have been admitted); the edge, direct or a proxy's, drops it; a door with no stream
+    bound states none."""
+    ingress = _Ingress()
+    stated = _post(ingress.app, "/not-a-route")
+    assert stated.status_code == 404
+    bound = parse_streams_header(stated.headers[STREAMS_HEADER])
+    assert bound is not None and bound.bounds.interactive == 1 and not bound.keyed
+    for edge in (
+        EdgeGate(ingress.app, ROUTES, lambda: ingress.http_door),
+        EdgeGate(ingress.app, ROUTES, lambda: None),
+    ):
+        assert STREAMS_HEADER not in _post(edge).headers
+        assert STREAMS_HEADER not in _post(edge, "/not-a-route").headers
+
+    unbounded = FrontDoor(FrontDoorSettings(), DoorRecord(), lambda n: None)
+    http_door = HTTPDoor(APIGuard(APIConfig()), unbounded, _Counted())
+    assert http_door.streams_header() is None
+    app = DoorGate(Starlette(), ROUTES, lambda: http_door)
+    assert STREAMS_HEADER not in _post(app, "/not-a-route").headers
+
+
+def test_the_proxy_answers_for_a_full_door_from_its_bound() -> None:
+    """The bound learnt from any response (here a 404's): while a stream through the proxy
+    holds the door's one place, the next request gets the door's concurrency 429 (OpenAI
+    body, Retry-After) from the proxy, the latch never closed, nothing reaching the door.
+    The next request forwarded reports it (``proxy_edge``), and once the stream ends the
+    next request is served."""
+    p = _Proxy()
+
+    async def scenario() -> None:
+        transport = httpx.ASGITransport(app=p.edge)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            assert (await client.get("/v1/models")).status_code == 404
+            p.ingress.hold = asyncio.Event()
+            stream = asyncio.create_task(client.post("/v1/completions", content=b"{}"))
+            await _until(lambda: p.ingress.reached)
+            refused = await client.post("/v1/chat/completions", content=b"{}")
+            assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
+            assert refused.json()["error"]["message"].startswith("overloaded (concurrency)")
+            assert refused.json()["error"]["type"] == "rate_limit_error"
+            assert len(p.ingress.reached) == 1 and p.ingress.record.sheds == []
+            assert p.latch.refusal(("interactive", "", "")) is None  # answered by the bound
+            p.ingress.hold.set()
+            assert (await stream).status_code == 200
+            p.ingress.hold = None
+            assert (await client.post("/v1/completions", content=b"{}")).status_code == 200
+
+    asyncio.run(scenario())
+    assert p.ingress.record.sheds == ["proxy_edge"]
+    assert p.edge.bound.in_flight == 0
+
+
+def test_with_api_keys_the_bound_answers_only_callers_the_door_let_through() -> None:
+    """A keyed ingress: the proxy answers from the bound only for a key the door has let
+    through or refused for load; a wrong key still reaches the ingress and gets its 401."""
+    p = _Proxy(api={"api_keys": ["sk-edge-a"]})
+    a = {"authorization": "Bearer sk-edge-a"}
+
+    async def scenario() -> None:
+        transport = httpx.ASGITransport(app=p.edge)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            p.ingress.hold = asyncio.Event()
+            stream = asyncio.create_task(client.post("/v1/completions", headers=a))
+            await _until(lambda: p.ingress.reached)
+            # The key is not known yet: the door answers (and the latch closes on it).
+            assert (await client.post("/v1/completions", headers=a)).status_code == 429
+            assert p.ingress.record.sheds == ["concurrency"]
+            p.clock.now += 0.1  # past the latch's hold, within the bound's
+            assert (await client.post("/v1/completions", headers=a)).status_code == 429
+            assert p.ingress.record.sheds == ["concurrency"]  # the proxy's answer
+            wrong = await client.post("/v1/completions", headers={"authorization": "Bearer x"})
+            assert wrong.status_code == 401
+            p.ingress.hold.set()
+            assert (await stream).status_code == 200
+
+    asyncio.run(scenario())
+    assert p.ingress.record.sheds == ["concurrency", "proxy_edge"]
+
+
+def test_the_edge_bound_sums_replicas_and_refreshes_what_it_answers_by() -> None:
+    """Two replicas' bounds add up; batch is unbounded when any replica leaves it so; the
+    Retry-After is the mean stream's time over the streams in flight; a value that does not
+    parse is ignored. A quiet spell forgets nothing, but once its bound is a second old one
+    request a second goes to a door; a replica silent for the stale time while another
+    answered no longer counts; a door that serves without a bound clears them all."""
+    clock = _Clock()
+    bound = EdgeBound(stale_s=10.0, refresh_s=1.0, clock=clock)
+    assert bound.refusal("interactive", ("", "")) is None  # nothing heard
+    bound.heard(streams_header("a", StreamBounds(2.0, 1.5, stream_s=4.0), keyed=False))
+    bound.heard(streams_header("b", StreamBounds(3.0, None, stream_s=1.0), keyed=False))
+    bound.heard("replica=c;interactive=lots")
+    bound.in_flight = 4
+    assert bound.refusal("interactive", ("", "")) is None  # 4 < 2 + 3
+    bound.in_flight = 5
+    shed = bound.refusal("interactive", ("", ""))
+    assert shed is not None and shed.reason == "concurrency"
+    assert shed.retry_after_s == 4.0 / 5
+    assert bound.refusal("batch", ("", "")) is None  # b does not bound batch
+
+    clock.now += 60  # quiet: still answered from the bound, but one request refreshes it
+    assert bound.refusal("interactive", ("", "")) is None
+    assert bound.refusal("interactive", ("", "")) is not None
+    clock.now += 0.5
+    assert bound.refusal("interactive", ("", "")) is not None
+    clock.now += 0.5
+    assert bound.refusal("interactive", ("", "")) is None
+
+    bound.heard(streams_header("b", StreamBounds(3.0, None, stream_s=1.0), keyed=False))
+    bound.in_flight = 3  # a is 60 s older than b's last word: only b's 3 count
+    assert bound.refusal("interactive", ("", "")) is not None
+    bound.unbounded()
+    assert bound.refusal("interactive", ("", "")) is None
+    with pytest.raises(ValueError, match="refresh_s"):
+        EdgeBound(stale_s=1.0, refresh_s=2.0)
 
 
 def test_parse_edge_report() -> None:
