@@ -18,6 +18,8 @@ import os
 import signal
 import threading
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -235,7 +237,7 @@ def deploy(
         remaining = max(5.0, timeout_s - (time.monotonic() - started))
         http_port, direct_grpc = ingress_ports(config.name, timeout_s=remaining)
         grpc_port = direct_grpc if config.grpc.enabled else None
-    return ServeRecord(
+    record = ServeRecord(
         app_name=config.name,
         model_name=config.model.served_name(str(config.model.path)),
         http_host=config.http.host,
@@ -243,6 +245,35 @@ def deploy(
         route_prefix=config.http.route_prefix,
         grpc_port=grpc_port,
     )
+    wait_for_http(record, timeout_s=max(30.0, timeout_s - (time.monotonic() - started)))
+    progress(f"[{time.monotonic() - started:5.1f} s] HTTP API answering at {record.http_url}")
+    return record
+
+
+def wait_for_http(record: ServeRecord, *, timeout_s: float) -> None:
+    """Wait until the application's ingress answers ``GET /v1/models`` over HTTP (200, or
+    401 where it checks API keys): Serve's proxy learns routes and replicas a moment after
+    the application runs. The ingress's answer also tells the proxy its door's bound
+    (``deployments/edge_bound.py``), so that a flood's first 429s come from the proxy."""
+    url = f"{record.http_url}/v1/models"
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never via a proxy
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    while True:
+        try:
+            with opener.open(url, timeout=5) as response:
+                status = response.status
+        except urllib.error.HTTPError as err:
+            status = err.code
+        except (urllib.error.URLError, OSError) as err:
+            status, last = 0, repr(err)
+        if status in (200, 401):
+            return
+        if status:
+            last = f"HTTP {status}"
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} did not answer after {timeout_s:.0f} s ({last})")
+        time.sleep(0.2)
 
 
 def ingress_ports(app_name: str, *, timeout_s: float) -> tuple[int, int | None]:

@@ -15,7 +15,13 @@ import pytest
 
 from pdserve.cluster import cli
 from pdserve.cluster.procs import is_running, session_members, stop_sessions
-from pdserve.cluster.serving import bind_front_door, curl_example, grpc_example, resolve_model
+from pdserve.cluster.serving import (
+    bind_front_door,
+    curl_example,
+    grpc_example,
+    resolve_model,
+    wait_for_http,
+)
 from pdserve.cluster.state import ClusterState, NodeRecord, ServeRecord, load_state, save_state
 from pdserve.cluster.topology import ClusterSpec, format_labels
 from pdserve.deployments.config import AppConfig
@@ -267,3 +273,41 @@ def test_resolved_test_model_keeps_its_client_facing_name() -> None:
     assert cfg.model.path is not None and "pdserve-tiny-" in str(cfg.model.path)
     assert cfg.model.served_name(str(cfg.model.path)) == "pdserve-tiny"
     assert any("generated once" in line for line in lines)
+
+
+def test_deploy_waits_until_the_ingress_answers_http() -> None:
+    """``pdserve serve`` says ready once ``GET /v1/models`` gets the ingress's answer (200,
+    or 401 with API keys): not on Serve's 404 for a route it has not learnt yet, nor on a
+    refused connection; and it gives up with the last answer it got."""
+    import http.server
+    import threading
+
+    answers = [404, 503, 401]
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+            self.send_response(answers.pop(0) if len(answers) > 1 else answers[0])
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        record = ServeRecord(
+            app_name="a",
+            model_name="m",
+            http_host="127.0.0.1",
+            http_port=server.server_port,
+            route_prefix="/",
+            grpc_port=None,
+        )
+        wait_for_http(record, timeout_s=10)
+        assert answers == [401]
+        answers[0] = 404
+        with pytest.raises(TimeoutError, match="HTTP 404"):
+            wait_for_http(record, timeout_s=0.5)
+    finally:
+        server.shutdown()
+        server.server_close()
