@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 
 from pdserve.cluster.ports import free_port_all_interfaces
+from pdserve.deployments.edge_bound import STREAMS_HEADER
 from tests.support import free_port, wait_until
 from tests.support.cluster import private_ray
 
@@ -124,14 +125,19 @@ def _running_app(
         yield app
 
 
+# What the ingress tells Serve's proxy, removed before any client sees it.
+INTERNAL_RESPONSE_HEADERS = (STREAMS_HEADER,)
+
+
 async def stream_completion(
     client: httpx.AsyncClient, prompt: str, max_tokens: int, first: asyncio.Event | None = None
 ) -> dict[str, Any]:
     """One streamed /v1/completions as a client sees it: status, time to the response
-    headers, Retry-After, the error body of a refusal (``body``, or ``text`` when it is not
-    JSON: Serve's own refusals are plain text), the completion tokens of the usage chunk,
-    the last finish reason, an in-stream error and whether ``[DONE]`` came. ``first`` is
-    set at the first chunk carrying text."""
+    headers, Retry-After, pdserve's internal headers that reached it (none should), the
+    error body of a refusal (``body``, or ``text`` when it is not JSON: Serve's own
+    refusals are plain text), the completion tokens of the usage chunk, the last finish
+    reason, an in-stream error and whether ``[DONE]`` came. ``first`` is set at the first
+    chunk carrying text."""
     body = {
         "prompt": prompt,
         "max_tokens": max_tokens,
@@ -145,6 +151,7 @@ async def stream_completion(
         out["status"] = resp.status_code
         out["headers_s"] = time.perf_counter() - began
         out["retry_after"] = resp.headers.get("retry-after")
+        out["internal_headers"] = [h for h in resp.headers if h in INTERNAL_RESPONSE_HEADERS]
         if resp.status_code != 200:
             raw = await resp.aread()
             try:

@@ -45,6 +45,7 @@ def check_flood_shed(app: ServeApp, admitted: dict, flood: list[dict]) -> list[d
     assert admitted["status"] == 200 and admitted["done"] and admitted["tokens"] == 64
     statuses = [r["status"] for r in flood]
     assert all(s in (200, 429) for s in statuses), statuses  # no 5xx, nothing else
+    assert not [r["internal_headers"] for r in [admitted, *flood] if r["internal_headers"]]
     shed = [r for r in flood if r["status"] == 429]
     assert len(shed) >= 10, statuses
     for r in shed:
@@ -122,6 +123,7 @@ def test_past_the_ingress_bound_serves_proxy_refuses_with_429_at_once() -> None:
         assert admitted["status"] == 200 and admitted["done"] and admitted["tokens"] == 64
         statuses = [r["status"] for r in flood]
         assert all(s in (200, 429) for s in statuses), statuses
+        assert not [r["internal_headers"] for r in [admitted, *flood] if r["internal_headers"]]
         refused = [r for r in flood if r["status"] == 429]
         assert len(refused) >= 40, statuses  # 80 at once against 4 slots and a queue of 2
         for r in refused:
