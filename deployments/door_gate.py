@@ -266,10 +266,11 @@ LatchKey = tuple[str, str, str]  # priority header, Authorization, X-Api-Key
 
 @dataclass(frozen=True)
 class _Refusal:
+    """A 429 the proxy answers for the door: its response's start and body."""
+
     start: Message
     body: bytes
     priority: Priority
-    until: float
 
 
 class EdgeLatch:
@@ -287,7 +288,7 @@ class EdgeLatch:
     ) -> None:
         self.hold_s = hold_s
         self._clock = clock
-        self._closed: dict[LatchKey, _Refusal] = {}
+        self._closed: dict[LatchKey, tuple[_Refusal, float]] = {}  # the answer, until when
         self._unreported: dict[Priority, int] = {}
 
     def refusal(self, key: LatchKey) -> _Refusal | None:
@@ -295,11 +296,12 @@ class EdgeLatch:
         closed = self._closed.get(key)
         if closed is None:
             return None
-        if self._clock() >= closed.until:
+        refusal, until = closed
+        if self._clock() >= until:
             del self._closed[key]
             return None
-        self.count(closed.priority)
-        return closed
+        self.count(refusal.priority)
+        return refusal
 
     def count(self, priority: Priority) -> None:
         """The proxy answered a request of this class for the door: report it."""
@@ -310,7 +312,7 @@ class EdgeLatch:
             self._closed.clear()  # many callers' keys: start afresh, never grow unbounded
         headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"x-request-id"]
         until = self._clock() + self.hold_s
-        self._closed[key] = _Refusal({**start, "headers": headers}, body, priority, until)
+        self._closed[key] = (_Refusal({**start, "headers": headers}, body, priority), until)
 
     def open(self) -> None:
         self._closed.clear()
@@ -389,7 +391,7 @@ class EdgeGate:
         response = error_response(overloaded_error(shed))
         response.headers[SHED_HEADER] = shed.reason
         start = {"type": "http.response.start", "status": 429, "headers": response.raw_headers}
-        return _Refusal(start, bytes(response.body), priority, 0.0)
+        return _Refusal(start, bytes(response.body), priority)
 
     def _bound_from(self, send: Send, learn: bool = True) -> Send:
         """``send``, without the bound the ingress states on its response's start (learnt
@@ -416,11 +418,11 @@ class EdgeGate:
         """``send``, learning the bound; closing the latch on the door's 429 and opening it
         when a served response (2xx) completes."""
         start: Message | None = None
-        refused = False
+        served = refused = False
         body = bytearray()
 
         async def wrapped(message: Message) -> None:
-            nonlocal start, refused
+            nonlocal start, served, refused
             if message["type"] == "http.response.start":
                 message, stated = self._strip_bound(message, learn=True)
                 await send(message)
@@ -439,10 +441,9 @@ class EdgeGate:
                 body.extend(message.get("body", b""))
             if message.get("more_body", False):
                 return
-            if refused:
-                priority: Priority = "batch" if key[0] == "batch" else "interactive"
-                self.latch.close(key, priority, start, bytes(body))
-            elif 200 <= start["status"] < 300:
+            if refused:  # the door refused for load: the priority header was a class
+                self.latch.close(key, _PRIORITIES.get(key[0], "interactive"), start, bytes(body))
+            elif served:
                 self.latch.open()
 
         return wrapped
